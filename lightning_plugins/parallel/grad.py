@@ -1,0 +1,71 @@
+"""The true global gradient norm over DTensors on several meshes, and clipping by it.
+
+``torch.nn.utils.clip_grad_norm_`` fails on a mix of plain tensors and DTensors ("got mixed
+torch.Tensor and DTensor") and on DTensors of different meshes. Gradients are grouped by mesh and
+placements; each group's norm is reduced by DTensor itself (``full_tensor``), and pipeline stages,
+which hold disjoint parameters, are summed over the ``pp`` group.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+
+def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None) -> Tensor:
+    """The norm of all gradients of ``parameters`` as one vector, identical on every rank.
+
+    Args:
+        parameters: Parameters whose ``.grad`` count (plain tensors and DTensors, any meshes).
+        norm_type: The p of the p-norm (``float("inf")`` for the max norm).
+        pp_mesh: The pipeline mesh when each stage holds different parameters, else ``None``.
+    """
+    groups: dict[object, list[Tensor]] = defaultdict(list)
+    for param in parameters:
+        grad = param.grad
+        if grad is not None:
+            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+            groups[key].append(grad)
+    norms = []
+    # A scalar partial over a 2-D mesh is reduced one dimension at a time; DTensor warns about that
+    # on every call, but for one scalar per group the cost is nil.
+    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = redistribute_log.level
+    redistribute_log.setLevel(logging.ERROR)
+    try:
+        for grads in groups.values():
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    finally:
+        redistribute_log.setLevel(level)
+    device = norms[0].device if norms else torch.device("cpu")
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        if norm_type == float("inf"):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+        else:
+            total = total**norm_type
+            dist.all_reduce(total, group=pp_mesh.get_group())
+            total = total ** (1.0 / norm_type)
+    return total
+
+
+def clip_grad_norm_(
+    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None
+) -> Tensor:
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before."""
+    parameters = list(parameters)
+    total = total_grad_norm(parameters, norm_type, pp_mesh)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for param in parameters:
+        if param.grad is not None:
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            grad.mul_(coef.to(grad.device))
+    return total

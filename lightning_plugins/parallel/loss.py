@@ -1,0 +1,145 @@
+"""The causal-LM loss that stays exact under every layout.
+
+Two things differ from transformers' ``ForCausalLMLoss``:
+
+* **Loss parallel.** With vocab-sharded logits (a ``Shard(-1)`` DTensor) the cross entropy runs on the
+  local shards with three small all-reduces (max, target logit, sum of exponentials); the full logits
+  are never gathered, and no ``loss_parallel()`` context is needed around forward or backward.
+* **Token-exact averaging across data ranks.** One process averages the loss over the valid (non
+  ``-100``) tokens of the whole batch. Data-parallel ranks hold different numbers of valid tokens, so
+  each rank divides its token-loss *sum* by the global count (one all-reduce over the data/context
+  ranks). FSDP2 averages gradients over those ranks, so the differentiated loss is scaled by their
+  number; the returned value is the exact global loss on every rank, which is what gets logged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+IGNORE_INDEX = -100
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy of vocab-sharded logits; backward needs no communication."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, group: dist.ProcessGroup) -> Tensor:
+        logits = logits.float()
+        logits_max = logits.max(dim=-1).values
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        local_target = target - vocab_start
+        owned = (local_target >= 0) & (local_target < logits.shape[-1])
+        local_target = local_target.masked_fill(~owned, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+
+        exp = shifted.exp_()
+        sum_exp = exp.sum(dim=-1)
+        stats = torch.stack([target_logit, sum_exp])
+        dist.all_reduce(stats, group=group)
+        target_logit, sum_exp = stats[0], stats[1]
+
+        valid = target != IGNORE_INDEX
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+        exp.div_(sum_exp.unsqueeze(-1))  # now the local slice of the softmax
+        ctx.save_for_backward(exp, local_target, owned & valid, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor, None, None, None]:
+        softmax, local_target, hit, valid = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.to(grad.dtype).unsqueeze(-1))
+        grad.mul_((grad_loss * valid).unsqueeze(-1))
+        return grad, None, None, None
+
+
+def token_losses(logits: Tensor, targets: Tensor) -> Tensor:
+    """Per-token cross entropy (0 where ``targets == -100``), for full or vocab-sharded logits.
+
+    Args:
+        logits: ``[..., vocab]`` plain tensor, or a DTensor sharded on its last dimension.
+        targets: Matching integer targets ``[...]``.
+    """
+    if isinstance(logits, DTensor) and logits.placements[-1].is_shard():
+        mesh = logits.device_mesh
+        local = logits.to_local()
+        vocab_start = mesh.get_local_rank() * local.shape[-1]
+        flat = _VocabParallelCrossEntropy.apply(
+            local.reshape(-1, local.shape[-1]), targets.reshape(-1), vocab_start, mesh.get_group()
+        )
+        return flat.view(targets.shape)
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+    ).view(targets.shape)
+
+
+def next_token_targets(labels: Tensor) -> Tensor:
+    """Targets for next-token prediction: ``labels`` moved left by one, last position ignored."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def normalize_over_tokens(
+    loss_sum: Tensor, count: Tensor, data_mesh: DeviceMesh | None, global_count: Tensor | int | None = None
+) -> Tensor:
+    """Turn this rank's token-loss sum into its share of the global token mean.
+
+    Args:
+        loss_sum: Sum of per-token losses on this rank (differentiable).
+        count: This rank's number of valid tokens.
+        data_mesh: The ranks that hold different tokens and whose gradients FSDP2 averages
+            (``dp_cp``), or ``None`` for a single data rank.
+        global_count: The number of valid tokens over all of ``data_mesh`` when the caller already
+            knows it (transformers' ``num_items_in_batch``); counted here otherwise.
+
+    Returns:
+        A scalar whose value is the global mean token loss on every rank and whose gradient, once
+        averaged over ``data_mesh``, is the gradient of that global mean.
+    """
+    ranks = 1 if data_mesh is None else data_mesh.size()
+    totals = torch.stack([loss_sum.detach().float(), count.float()])
+    if ranks > 1:
+        dist.all_reduce(totals, group=data_mesh.get_group())
+    total = totals[1] if global_count is None else torch.as_tensor(global_count, dtype=totals.dtype)
+    total = total.clamp(min=1)
+    scaled = loss_sum * (ranks / total)
+    return scaled + (totals[0] / total - scaled).detach()
+
+
+class ParallelCausalLMLoss:
+    """Drop-in for transformers' ``model.loss_function`` under any layout.
+
+    Args:
+        data_mesh: Ranks holding different tokens (see :func:`normalize_over_tokens`), or ``None``.
+    """
+
+    def __init__(self, data_mesh: DeviceMesh | None = None) -> None:
+        self.data_mesh = data_mesh
+
+    def __call__(
+        self,
+        logits: Tensor,
+        labels: Tensor,
+        vocab_size: int | None = None,
+        num_items_in_batch: Tensor | int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        shift_labels: Tensor | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
+        if ignore_index != IGNORE_INDEX:
+            labels = labels.masked_fill(labels == ignore_index, IGNORE_INDEX)
+        targets = next_token_targets(labels) if shift_labels is None else shift_labels
+        targets = targets.to(logits.device)
+        losses = token_losses(logits, targets)
+        count = (targets != IGNORE_INDEX).sum()
+        return normalize_over_tokens(losses.sum(), count, self.data_mesh, num_items_in_batch)

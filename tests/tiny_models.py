@@ -1,0 +1,49 @@
+"""Tiny transformers configs of every supported family, built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+_COMMON = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=64,
+    max_position_embeddings=64,
+    attn_implementation="sdpa",
+)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**_COMMON),
+    "llama_tied": lambda: LlamaConfig(**_COMMON, tie_word_embeddings=True),
+    "mistral": lambda: MistralConfig(**_COMMON),
+    "qwen2": lambda: Qwen2Config(**_COMMON),
+    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=8),
+}
+
+
+def tiny_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """A freshly initialised tiny causal LM of family ``name`` (same weights for the same seed)."""
+    torch.manual_seed(seed)
+    config = CONFIGS[name]()
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def make_batch(batch: int, seq: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random tokens with right padding and ``-100`` labels on padding and on some prompt tokens.
+
+    Rows get different lengths, so data-parallel ranks hold different numbers of valid tokens.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    attention_mask = torch.ones(batch, seq, dtype=torch.long)
+    labels = input_ids.clone()
+    for row in range(batch):
+        length = seq - (row * 3) % (seq // 2)
+        attention_mask[row, length:] = 0
+        labels[row, length:] = -100
+        labels[row, : 1 + row % 3] = -100
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
