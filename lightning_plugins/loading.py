@@ -1,0 +1,143 @@
+"""Meta-device models and sharded loading: each rank reads only its slices of the safetensors files.
+
+No rank ever materialises the full model: the model is built on the meta device, parallelized (its
+parameters become DTensors that know their global shape and placements), given empty local storage,
+and each local shard is filled from ``safe_open(...).get_slice(name)[rows, cols]``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lightning_plugins.layout import LayoutError, ParallelLayout
+from lightning_plugins.parallel import mesh_of, parallelize
+
+
+def is_on_meta(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` lives on the meta device (has no storage yet)."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def checkpoint_index(checkpoint_dir: str | Path) -> dict[str, Path]:
+    """Map every tensor name in an HF safetensors checkpoint directory to the file that holds it."""
+    root = Path(checkpoint_dir)
+    index_file = root / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text())["weight_map"]
+        return {name: root / file for name, file in weight_map.items()}
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"No *.safetensors files in {root}. Pass an HF checkpoint directory saved with `save_pretrained`"
+            " (safe_serialization, the default)."
+        )
+    index: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            index.update(dict.fromkeys(handle.keys(), file))
+    return index
+
+
+def _local_slices(tensor: torch.Tensor) -> tuple[slice, ...]:
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(None) for _ in tensor.shape)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
+@torch.no_grad()
+def load_sharded_safetensors(model: nn.Module, checkpoint_dir: str | Path, device: torch.device | str | None = None) -> None:
+    """Give a meta-device (parallelized) model storage and fill each rank's shards from the checkpoint.
+
+    Args:
+        model: The model, typically after :func:`~lightning_plugins.parallelize` on the meta device.
+        checkpoint_dir: An HF checkpoint directory (``*.safetensors``, optionally sharded with an index).
+        device: Where the local shards live; defaults to the mesh's device type (``cpu`` / ``cuda``).
+
+    Raises:
+        KeyError: when the checkpoint lacks a parameter of the model (names are listed).
+    """
+    mesh = mesh_of(model)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if mesh is not None and mesh.device_type == "cuda" else "cpu"
+    index = checkpoint_index(checkpoint_dir)
+    state = dict(model.named_parameters())
+    state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
+    missing = sorted(set(state) - set(index))
+    if missing:
+        raise KeyError(f"The checkpoint in {checkpoint_dir} lacks {len(missing)} tensors of the model, e.g. {missing[:5]}.")
+    model.to_empty(device=device)
+    state = dict(model.named_parameters())
+    state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
+    handles: dict[Path, Any] = {}
+    try:
+        for name, tensor in state.items():
+            file = index[name]
+            if file not in handles:
+                handles[file] = safe_open(file, framework="pt")
+            piece = handles[file].get_slice(name)[_local_slices(tensor)]
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            local.copy_(piece.to(dtype=local.dtype))
+    finally:
+        handles.clear()
+    _reinit_nonpersistent_buffers(model, device)
+
+
+def _is_persistent(model: nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return leaf not in module._non_persistent_buffers_set
+
+
+def _reinit_nonpersistent_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """Recompute buffers that are not in checkpoints (rotary frequencies) by rebuilding their module."""
+    for module in model.modules():
+        if not module._non_persistent_buffers_set:
+            continue
+        config = getattr(module, "config", None)
+        if config is None:
+            raise LayoutError(
+                f"{type(module).__name__} has non-persistent buffers {sorted(module._non_persistent_buffers_set)} that"
+                " cannot be recomputed after meta-device loading; build this model materialised instead."
+            )
+        with torch.device(device):
+            fresh = type(module)(config=config)
+        for name in module._non_persistent_buffers_set:
+            setattr(module, name, getattr(fresh, name))
+
+
+def from_pretrained(
+    checkpoint_dir: str | Path,
+    layout: ParallelLayout | DeviceMesh,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    **parallelize_options: Any,
+) -> nn.Module:
+    """Build an HF causal LM on the meta device, parallelize it, and load this rank's slices.
+
+    Args:
+        checkpoint_dir: A local HF checkpoint directory (config.json + safetensors).
+        layout: The layout or mesh (see :func:`~lightning_plugins.parallelize`).
+        dtype: Parameter dtype.
+        attn_implementation: e.g. ``"sdpa"`` or ``"eager"``; the config's choice when ``None``.
+        **parallelize_options: Passed to :func:`~lightning_plugins.parallelize`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint_dir)
+    with torch.device("meta"):
+        kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    parallelize(model, layout, **parallelize_options)
+    load_sharded_safetensors(model, checkpoint_dir)
+    return model

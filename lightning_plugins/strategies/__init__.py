@@ -1,0 +1,19 @@
+"""Lightning doors: strategies that hand the LightningModule's HF model to the engine.
+
+Importing this module registers the strategies in Lightning's registry, so
+``Trainer(strategy="tensor_parallel")`` works once ``lightning_plugins.strategies`` is imported.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_plugins.strategies.parallelism import ParallelismStrategy
+from lightning_plugins.strategies.tensor_parallel import TensorParallelStrategy
+
+__all__ = ["ParallelismStrategy", "TensorParallelStrategy"]
+
+for _name, _cls, _description in (
+    ("parallelism", ParallelismStrategy, "FSDP2 + tensor/sequence/loss parallel for HF models (lightning_plugins)"),
+    ("tensor_parallel", TensorParallelStrategy, "Tensor parallel over each node, FSDP2 across nodes (lightning_plugins)"),
+):
+    if _name not in StrategyRegistry:
+        StrategyRegistry.register(_name, _cls, description=_description)

@@ -1,0 +1,40 @@
+"""`Trainer(strategy=ParallelismStrategy(...))` matches a one-process run; DCP resume continues exactly.
+
+Lightning re-launches a script per rank, so each world is one script run that checks several cases
+(see tests/scripts/trainer_parity.py for the cases and the reference).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "scripts" / "trainer_parity.py"
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_trainer_matches_one_process_and_resumes(devices: int, tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--devices", str(devices), "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = json.loads(out.read_text())
+    resume = results.pop("resume")
+    assert results, "no case ran"
+    for name, case in results.items():
+        assert case["steps"] == 5, name
+        assert case["loss_diff"] <= TOL, (name, case)
+        assert case["weight_diff"] <= TOL, (name, case)
+        assert case["logged_diff"] == 0.0, (name, case)  # the logged loss is the global one on every rank
+    assert resume["checkpoint_is_dir"] and not resume["partial_left"], resume
+    assert resume["resumed_steps"] == 2, resume
+    assert resume["loss_diff"] <= TOL and resume["weight_diff"] <= TOL, resume
