@@ -94,12 +94,11 @@ class ParallelLayout:
             )
         return self
 
-    def validate(self, config: Any | None = None, seq_len: int | None = None) -> None:
+    def validate(self, config: Any | None = None) -> None:
         """Check a resolved layout against a transformers model config.
 
         Args:
             config: A ``transformers.PretrainedConfig`` (or any object with the same attribute names).
-            seq_len: The training sequence length, when known.
 
         Raises:
             LayoutError: naming the violated constraint and a size that would work.
@@ -136,11 +135,6 @@ class ParallelLayout:
             raise LayoutError(
                 f"pp_size={self.pp_size} exceeds num_hidden_layers={layers}: each pipeline stage needs at least"
                 f" one decoder layer. Use pp_size <= {layers}."
-            )
-        if seq_len is not None and self.tp_size > 1 and seq_len % self.tp_size:
-            raise LayoutError(
-                f"Sequence length {seq_len} is not divisible by tp_size={self.tp_size}, which sequence parallelism"
-                f" needs. Pad batches to a multiple of {self.tp_size} (e.g. `pad_to_multiple_of={self.tp_size}`)."
             )
 
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:

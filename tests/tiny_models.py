@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 _COMMON = dict(
     hidden_size=32,
@@ -22,6 +22,8 @@ CONFIGS = {
     "mistral": lambda: MistralConfig(**_COMMON),
     "qwen2": lambda: Qwen2Config(**_COMMON),
     "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=8),
+    # Not a registered family: exercises the fallback to the config's `base_model_tp_plan`.
+    "gemma": lambda: GemmaConfig(**_COMMON, head_dim=8),
 }
 
 

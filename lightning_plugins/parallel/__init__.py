@@ -36,7 +36,6 @@ def parallelize(
     reduce_dtype: str | torch.dtype | None = None,
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
-    seq_len: int | None = None,
 ) -> nn.Module:
     """Apply the layout to ``model`` in place and return it.
 
@@ -53,7 +52,6 @@ def parallelize(
         reduce_dtype: FSDP2 gradient-reduction dtype (e.g. ``"fp32"``).
         cpu_offload: Keep sharded parameters, gradients and optimizer state on the CPU (FSDP2).
         reshard_after_forward: FSDP2's ZeRO-3 (``True``) or keep-gathered-until-backward (``False``).
-        seq_len: The training sequence length, when known, for early validation.
 
     Returns:
         The same model, now holding DTensor parameters; its ``loss_function`` averages over valid tokens
@@ -64,7 +62,7 @@ def parallelize(
     """
     check_supported(model)
     resolved = _resolve(layout)
-    resolved.validate(getattr(model, "config", None), seq_len)
+    resolved.validate(getattr(model, "config", None))
     family = family_for(model, tensor_parallel=resolved.tp_size > 1)
     if resolved.pp_size > 1:
         raise LayoutError("pp_size > 1: pipeline parallelism is not available in this version; use pp_size=1.")
