@@ -169,7 +169,8 @@ class ParallelLayout:
         )
 
     def _suggest(self, world_size: int) -> str:
-        tp = max(t for t in _divisors(world_size) if t <= self.tp_size)
+        # Head counts are powers of two far more often than not: suggest the largest such divisor.
+        tp = max(t for t in _divisors(world_size) if t <= self.tp_size and t & (t - 1) == 0)
         return f"ParallelLayout(tp_size={tp}, dp_shard_size=-1)"
 
 

@@ -22,7 +22,7 @@ class ModelFamily:
     Attributes:
         name: Human-readable family name.
         layers: Dotted path of the ``ModuleList`` of decoder layers.
-        final_norm: Dotted path of the norm after the last layer.
+        final_norm: Dotted path of the norm after the last layer ("" when unknown).
         colwise: Linear layers (relative to a decoder layer) split along their output features.
         rowwise: Linear layers (relative to a decoder layer) split along their input features.
         layer_norms: Norms inside a decoder layer (sequence-sharded under sequence parallelism).
@@ -95,11 +95,20 @@ def family_for(model: nn.Module, *, tensor_parallel: bool = True) -> ModelFamily
                 f"Model type '{model_type}' has no registered family and its config has no `base_model_tp_plan`, so"
                 f" it cannot be tensor-parallel. Use tp_size=1 (FSDP2 still works) or one of {sorted(FAMILIES)}."
             )
-        return ModelFamily(model_type, colwise=(), rowwise=(), layer_norms=(), tp_regions=(), sequence_parallel=False)
-    return _family_from_hf_plan(model_type, plan)
+        return ModelFamily(
+            model_type,
+            layers=f"{getattr(model, 'base_model_prefix', 'model')}.layers",
+            final_norm="",
+            colwise=(),
+            rowwise=(),
+            layer_norms=(),
+            tp_regions=(),
+            sequence_parallel=False,
+        )
+    return _family_from_hf_plan(model_type, plan, getattr(model, "base_model_prefix", "model"))
 
 
-def _family_from_hf_plan(model_type: str, plan: dict[str, str]) -> ModelFamily:
+def _family_from_hf_plan(model_type: str, plan: dict[str, str], prefix: str) -> ModelFamily:
     unknown = {style for style in plan.values() if style not in _HF_STYLES}
     if unknown:
         raise LayoutError(
@@ -115,6 +124,8 @@ def _family_from_hf_plan(model_type: str, plan: dict[str, str]) -> ModelFamily:
     )
     return ModelFamily(
         model_type,
+        layers=f"{prefix}.layers",
+        final_norm="",  # unnamed in the plan: its weight is replicated with the other leftovers
         colwise=tuple(k for k, s in per_layer.items() if s == "colwise"),
         rowwise=tuple(k for k, s in per_layer.items() if s == "rowwise"),
         layer_norms=(),
@@ -126,8 +137,23 @@ def _family_from_hf_plan(model_type: str, plan: dict[str, str]) -> ModelFamily:
 
 
 def decoder_layers(model: nn.Module, family: ModelFamily) -> nn.ModuleList:
-    """The ``ModuleList`` of decoder layers of ``model``."""
-    return model.get_submodule(family.layers)  # type: ignore[return-value]
+    """The ``ModuleList`` of decoder layers of ``model``.
+
+    Falls back to the list whose entries are the model's ``_no_split_modules`` classes (e.g. GPT-2's
+    ``transformer.h``) when the family's path does not exist.
+    """
+    try:
+        return model.get_submodule(family.layers)  # type: ignore[return-value]
+    except AttributeError:
+        pass
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__ in block_names:
+            return module
+    raise LayoutError(
+        f"Cannot find the decoder layers of {type(model).__name__} (tried '{family.layers}' and the model's"
+        f" _no_split_modules {sorted(block_names)})."
+    )
 
 
 def check_supported(model: Any) -> None:

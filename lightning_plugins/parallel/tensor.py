@@ -65,7 +65,8 @@ def apply_tensor_parallel(
     )
     for layer in decoder_layers(model, family):
         _parallelize_layer(layer, family, tp_mesh, sp)
-    _parallelize_norm(model.get_submodule(family.final_norm), tp_mesh, sp)
+    if family.final_norm:
+        _parallelize_norm(model.get_submodule(family.final_norm), tp_mesh, sp)
     if lm_head is not None:
         parallelize_module(
             lm_head,
