@@ -1,0 +1,3 @@
+from lightning_plugins.cli import main
+
+main()
