@@ -119,3 +119,44 @@ def test_dry_run_on_a_fake_world(fake_world: int) -> None:
     q = model.model.layers[0].self_attn.q_proj.weight
     assert q.shape == (64, 64) and q.to_local().shape == (8, 64)
     assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+
+
+def test_fallback_family_warns_about_what_is_missing() -> None:
+    from transformers import GemmaConfig
+
+    gemma = AutoModelForCausalLM.from_config(GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64))
+    with pytest.warns(UserWarning, match="'gemma' has no registered family.*base_model_tp_plan.*sequence parallelism"):
+        family = family_for(gemma)
+    assert family.colwise and family.rowwise and not family.sequence_parallel
+
+
+def test_model_already_wrapped_in_fsdp1(one_rank: None) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = FullyShardedDataParallel(tiny_model("llama"), device_id=torch.device("cpu"))
+    with pytest.raises(LayoutError, match="already wrapped in FullyShardedDataParallel"):
+        parallelize(wrapped, ParallelLayout())
+
+
+def test_trainer_rejects_a_bad_layout_before_any_process_group() -> None:
+    import lightning as L
+
+    from lightning_plugins.demo import FineTune
+    from lightning_plugins.strategies import ParallelismStrategy
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ParallelismStrategy(tp_size=2), logger=False)
+    with pytest.raises(LayoutError, match="World size 1 is not divisible .* tp_size=2"):
+        trainer.fit(FineTune(tiny_model("llama"), lr=1e-3), train_dataloaders=[])
+    assert not dist.is_initialized()
+
+
+def test_trainer_needs_an_hf_model_inside() -> None:
+    import lightning as L
+
+    from lightning_plugins.demo import FineTune
+    from lightning_plugins.strategies import ParallelismStrategy
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ParallelismStrategy(), logger=False)
+    with pytest.raises(LayoutError, match="found no transformers PreTrainedModel inside FineTune.*configure_model"):
+        trainer.fit(FineTune(torch.nn.Linear(2, 2), lr=1e-3), train_dataloaders=[])
