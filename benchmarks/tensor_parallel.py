@@ -1,0 +1,714 @@
+"""Tensor parallel, measured: one process vs transformers' TP plan (Lightning's anchor) vs ``parallelize``.
+
+One run of this script trains the same small Llama (fp32, CPU, gloo) side by side in one 2-rank world:
+
+* ``single_1t``: the plain transformers model in one process with one thread (rank 0; rank 1 waits in a
+  barrier); ``single_2t`` (not run by default: ``--variants``) gives that process both cores.
+* ``hf_tp``: what a ``lightning.pytorch.strategies.ModelParallelStrategy`` user gets from transformers'
+  own plan: ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=2))`` applies the config's
+  ``base_model_tp_plan`` (+ ``embed_tokens: embedding_rowwise``, ``lm_head: colwise_gather_output``) on a
+  2-rank mesh; the logits are gathered and the loss is transformers' standard one. The Trainer itself is
+  left out: it only adds the same per-step bookkeeping to every variant.
+* ``ours_sp_lp``: ``parallelize(model, ParallelLayout(tp_size=2))`` (sequence parallel + loss parallel).
+* ``ours_tp``: the same with ``sequence_parallel=False, loss_parallel=False``.
+
+Every variant starts from the same checkpoint, sees the same batches and takes forward + backward + one
+SGD step; their losses are compared step by step (the math must not change). The variants run
+interleaved (rotating order each round) so that the load of a shared machine falls on all of them alike.
+
+Measured per variant:
+
+* **tokens/s**: ``batch * seq / step wall time`` (median over the measured rounds, after warmup), the
+  step bracketed by barriers so it is the slowest rank's time; also CPU seconds per step summed over
+  ranks (``time.process_time``), which is less sensitive to other processes on the machine.
+* **peak tensor memory per rank**: torch CPU has no allocator statistics, so one extra step runs under
+  ``torch.profiler`` with ``profile_memory=True``. That records every allocation and free made through
+  c10's CPU allocator (all tensor storages: activations, gradients, DTensor temporaries, collective
+  buffers; not gloo's own internal buffers, not Python objects). Peak = bytes of the model state alive
+  at the start of the step (parameters + buffers + optimizer state; gradients are ``None`` there) +
+  the highest running sum of the step's allocations minus frees of blocks allocated during the step.
+  Frees of blocks that existed before the step are ignored, so the figure can only err high. A second
+  step under ``torch.distributed._tools.mem_tracker.MemTracker`` (dispatch-mode + weakref accounting of
+  live tensors, by category) cross-checks it; the distinct storages autograd saves for backward
+  (``saved_tensors_hooks``, parameters excluded) give the activation memory alone.
+* **bytes communicated per rank per step**: one extra step runs under a ``TorchDispatchMode`` that sees
+  every collective op, both the in-place ``c10d.*`` ops behind ``torch.distributed.all_reduce`` & co. and
+  the functional ``_c10d_functional.*`` ops DTensor uses (it returns ``NotImplemented`` for DTensor
+  arguments, as ``CommDebugMode`` does, so DTensor desugars into its collectives first). ``CommDebugMode``
+  runs nested in the same step as a cross-check of the op counts. Bytes are reported as what each rank
+  sends on the wire with ring algorithms over N ranks: all-reduce ``2(N-1)/N * S``; all-gather,
+  reduce-scatter, all-to-all ``(N-1)/N * S`` where S is the full (unsharded) tensor.
+
+Analytical minimum per step (Megatron-LM layout; b batch, s sequence, h hidden, V vocab, L layers,
+fp32 so 4 bytes an element, A = 4bsh; ring over N ranks):
+
+* TP without SP: each decoder layer all-reduces A twice forward (after o_proj and down_proj) and twice
+  backward (the input gradients of the q/k/v and gate/up regions); the vocab-parallel embedding
+  all-reduces A forward; the column-parallel lm_head all-reduces its input gradient A backward:
+  ``(4L + 2)`` all-reduces of A.
+* TP with SP: every all-reduce above becomes a reduce-scatter + all-gather pair (same bytes on the wire):
+  per layer 2 AG + 2 RS forward and 2 AG + 2 RS backward; embedding RS forward + AG backward; lm_head AG
+  forward + RS backward. Plus the parameter gradients of the sequence-sharded norms (2L + 1 vectors of h)
+  are partial sums and must be all-reduced: ``(2L + 1)`` all-reduces of 4h.
+* Loss: gathered logits cost one all-gather of the fp32 logits (4bsV) forward, none backward; loss
+  parallel costs two all-reduces of per-token statistics (max: 4bs; target logit + sum of exps: 8bs).
+
+Usage (the numbers recorded in ``benchmarks/RESULTS.md`` were taken with the defaults)::
+
+    python benchmarks/tensor_parallel.py [--quick] [--layers 8 --hidden 512 ...] [--output table.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # weight-loading bars, once per variant and rank
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+WORLD = 2
+
+
+@dataclass
+class Options:
+    hidden: int = 512
+    layers: int = 8
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int = 1376
+    vocab: int = 16384
+    seq: int = 512
+    batch: int = 2
+    warmup: int = 2
+    steps: int = 6
+    lr: float = 1e-3
+    variants: tuple[str, ...] = ("single_1t", "hf_tp", "ours_tp", "ours_sp_lp")
+
+
+LABELS = {
+    "single_1t": "one process, 1 thread",
+    "single_2t": "one process, 2 threads",
+    "hf_tp": "transformers tp_plan, TP=2 (Lightning ModelParallelStrategy anchor)",
+    "ours_tp": "ours, TP=2, no SP, no loss parallel",
+    "ours_sp_lp": "ours, TP=2 + SP + loss parallel",
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Communication accounting
+# --------------------------------------------------------------------------------------------------
+
+
+def _nbytes(x: Any) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+def _group_size(args: tuple, kwargs: dict) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, str):
+            with contextlib.suppress(Exception):
+                return _resolve_process_group(value).size()
+        if hasattr(value, "size") and not isinstance(value, torch.Tensor) and callable(value.size):
+            with contextlib.suppress(Exception):
+                return int(value.size())
+    return WORLD
+
+
+# "namespace.op" -> (collective kind, payload = bytes of the full, unsharded tensor from (args, group size))
+_COLLECTIVES: dict[str, tuple[str, Callable[[tuple, int], int]]] = {
+    # functional collectives (DTensor)
+    "_c10d_functional.all_reduce": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "_c10d_functional.all_reduce_": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "_c10d_functional.all_reduce_coalesced": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "_c10d_functional.all_reduce_coalesced_": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "_c10d_functional.all_gather_into_tensor": ("all_gather", lambda a, n: _nbytes(a[0]) * n),
+    "_c10d_functional.all_gather_into_tensor_out": ("all_gather", lambda a, n: _nbytes(a[0]) * n),
+    "_c10d_functional.all_gather_into_tensor_coalesced": ("all_gather", lambda a, n: _nbytes(a[0]) * n),
+    "_c10d_functional.reduce_scatter_tensor": ("reduce_scatter", lambda a, n: _nbytes(a[0])),
+    "_c10d_functional.reduce_scatter_tensor_coalesced": ("reduce_scatter", lambda a, n: _nbytes(a[0])),
+    "_c10d_functional.all_to_all_single": ("all_to_all", lambda a, n: _nbytes(a[0])),
+    "_c10d_functional.broadcast": ("broadcast", lambda a, n: _nbytes(a[0])),
+    "_c10d_functional.broadcast_": ("broadcast", lambda a, n: _nbytes(a[0])),
+    # in-place c10d ops behind torch.distributed.* (and gloo-backed Python code)
+    "c10d.allreduce_": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "c10d.allreduce_coalesced_": ("all_reduce", lambda a, n: _nbytes(a[0])),
+    "c10d._allgather_base_": ("all_gather", lambda a, n: _nbytes(a[0])),
+    "c10d.allgather_": ("all_gather", lambda a, n: _nbytes(a[0])),
+    "c10d.allgather_into_tensor_coalesced_": ("all_gather", lambda a, n: _nbytes(a[0])),
+    "c10d._reduce_scatter_base_": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
+    "c10d.reduce_scatter_": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
+    "c10d.reduce_scatter_tensor_coalesced_": ("reduce_scatter", lambda a, n: _nbytes(a[1])),
+    "c10d.alltoall_base_": ("all_to_all", lambda a, n: _nbytes(a[1])),
+    "c10d.alltoall_": ("all_to_all", lambda a, n: _nbytes(a[1])),
+    "c10d.broadcast_": ("broadcast", lambda a, n: _nbytes(a[0])),
+    "c10d.reduce_": ("reduce", lambda a, n: _nbytes(a[0])),
+    "c10d.scatter_": ("scatter", lambda a, n: _nbytes(a[0])),
+    "c10d.gather_": ("gather", lambda a, n: _nbytes(a[1])),
+    "c10d.send": ("send", lambda a, n: _nbytes(a[0])),
+    "c10d.recv_": ("recv", lambda a, n: 0),
+    "c10d.barrier": ("barrier", lambda a, n: 0),
+}
+_NOT_COMMUNICATION = {"wait_tensor", "_wrap_tensor_autograd", "monitored_barrier_"}
+
+
+def wire_bytes(kind: str, payload: int, n: int) -> float:
+    """Bytes one rank sends for a collective over ``n`` ranks with ring algorithms (``payload`` = full size)."""
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n * payload
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * payload
+    return float(payload)
+
+
+class CommCounter:
+    """A ``TorchDispatchMode`` that records every collective with its shape and size."""
+
+    def __init__(self) -> None:
+        from torch.distributed.tensor import DTensor
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.records: list[dict[str, Any]] = []
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                kwargs = kwargs or {}
+                # Let DTensor desugar first, so its collectives come back through this mode.
+                if any(issubclass(t, DTensor) for t in types):
+                    return NotImplemented
+                ns = func.namespace
+                if ns.startswith("_c10d_functional") or ns == "c10d":
+                    counter._record(func, args, kwargs)
+                return func(*args, **kwargs)
+
+        self.mode = _Mode()
+
+    def _record(self, func: Any, args: tuple, kwargs: dict) -> None:
+        name = f"{func.namespace}.{func._opname}"
+        if func._opname in _NOT_COMMUNICATION:
+            return
+        kind, payload_of = _COLLECTIVES.get(name, ("UNKNOWN:" + name, lambda a, n: _nbytes(a)))
+        n = _group_size(args, kwargs)
+        payload = payload_of(args, n)
+        first = args[0][0] if isinstance(args[0], (list, tuple)) and args[0] else args[0]
+        shape = list(first.shape) if isinstance(first, torch.Tensor) else []
+        self.records.append(
+            {"op": name, "kind": kind, "n": n, "payload": payload, "wire": wire_bytes(kind, payload, n), "shape": shape}
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory accounting
+# --------------------------------------------------------------------------------------------------
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages behind parameters, buffers, gradients and optimizer state."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for b in model.buffers():
+        add(b)
+    for state in optimizer.state.values():
+        for value in state.values():
+            add(value)
+    return sum(seen.values())
+
+
+class SavedActivations:
+    """``saved_tensors_hooks`` that add up the distinct storages autograd keeps for backward (not parameters)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.exclude = {_storage(p)[0] for p in model.parameters()}
+        self.seen: dict[int, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        ptr, nbytes = _storage(tensor)
+        if ptr not in self.exclude:
+            self.seen[ptr] = nbytes
+        return tensor
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    tensor = getattr(tensor, "elem", tensor)  # AsyncCollectiveTensor wraps the collective's output buffer
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def memtracker_peak(fn: Callable[[], Any], variant: Variant) -> dict[str, int]:
+    """Cross-check: ``torch.distributed._tools.mem_tracker.MemTracker``'s peak, by category, for one step."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(variant.model, variant.optimizer)
+    with warnings.catch_warnings(), tracker:
+        warnings.simplefilter("ignore")
+        fn()
+    peak: dict[str, int] = defaultdict(int)
+    for per_device in tracker.get_tracker_snapshot("peak").values():
+        for kind, nbytes in per_device.items():
+            peak[str(kind).rsplit(".", 1)[-1]] += nbytes
+    return dict(peak)
+
+
+def peak_step_allocation(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run ``fn`` under the profiler; return its result and the peak of bytes allocated during it."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            result = fn()
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
+            fields = event.extra_fields
+            events.append((event.start_time_ns, fields.alloc_size, fields.ptr))
+        stack.extend(event.children)
+    events.sort(key=lambda e: e[0])
+    live: dict[int, int] = {}
+    current = peak = 0
+    for _, size, ptr in events:
+        if size > 0:
+            live[ptr] = size
+            current += size
+        elif ptr in live:  # only frees of blocks this step allocated
+            current -= live.pop(ptr)
+        peak = max(peak, current)
+    return result, peak
+
+
+# --------------------------------------------------------------------------------------------------
+# The variants
+# --------------------------------------------------------------------------------------------------
+
+
+def make_batches(opts: Options, count: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1234)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(0, opts.vocab, (opts.batch, opts.seq), generator=gen)
+        batches.append({"input_ids": ids, "labels": ids.clone()})
+    return batches
+
+
+def build_config(opts: Options) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=opts.hidden,
+        intermediate_size=opts.intermediate,
+        num_hidden_layers=opts.layers,
+        num_attention_heads=opts.heads,
+        num_key_value_heads=opts.kv_heads,
+        vocab_size=opts.vocab,
+        max_position_embeddings=opts.seq,
+        attn_implementation="sdpa",
+        tie_word_embeddings=False,
+    )
+
+
+@dataclass
+class Variant:
+    name: str
+    model: torch.nn.Module | None  # None on ranks that sit this variant out
+    optimizer: torch.optim.Optimizer | None
+    threads: int = 1
+
+    def step(self, batch: dict[str, torch.Tensor]) -> float:
+        from torch.distributed.tensor import DTensor
+
+        assert self.model is not None and self.optimizer is not None
+        torch.set_num_threads(self.threads)
+        try:
+            loss = self.model(**batch).loss  # the output (and its logits) is dropped here, as in a training_step
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            value = loss.detach()
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            return float(value)
+        finally:
+            torch.set_num_threads(1)
+
+
+def build_variant(name: str, rank: int, checkpoint: str, opts: Options) -> Variant:
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if name.startswith("single"):
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32) if rank == 0 else None
+        elif name == "hf_tp":
+            from transformers import DistributedConfig
+
+            model = AutoModelForCausalLM.from_pretrained(
+                checkpoint, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=WORLD)
+            )
+        else:
+            from lightning_plugins.layout import ParallelLayout
+            from lightning_plugins.parallel import parallelize
+
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+            sp_lp = name == "ours_sp_lp"
+            parallelize(model, ParallelLayout(tp_size=WORLD), sequence_parallel=sp_lp, loss_parallel=sp_lp)
+    if model is None:
+        return Variant(name, None, None)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=opts.lr)
+    return Variant(name, model, optimizer, threads=2 if name == "single_2t" else 1)
+
+
+def worker(rank: int, port: int, opts: Options, checkpoint: str, outdir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        result = _measure(rank, opts, checkpoint)
+        Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
+    except BaseException:
+        Path(outdir, f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure(rank: int, opts: Options, checkpoint: str) -> dict[str, Any]:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    rounds = opts.warmup + opts.steps
+    batches = make_batches(opts, rounds + 2)
+    variants = {name: build_variant(name, rank, checkpoint, opts) for name in opts.variants}
+    _log(rank, f"built {', '.join(variants)}")
+    names = list(opts.variants)
+    wall: dict[str, list[float]] = defaultdict(list)
+    cpu: dict[str, list[float]] = defaultdict(list)
+    losses: dict[str, list[float]] = defaultdict(list)
+
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            variant = variants[name]
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            if variant.model is not None:
+                losses[name].append(variant.step(batches[r]))
+            c1 = time.process_time()
+            dist.barrier()
+            t1 = time.perf_counter()
+            if r >= opts.warmup:
+                wall[name].append(t1 - t0)
+                cpu[name].append(c1 - c0)
+        _log(rank, f"round {r + 1}/{rounds}: " + ", ".join(f"{n} {wall[n][-1]:.2f}s" for n in names if wall[n]))
+
+    memory: dict[str, dict[str, int]] = {}
+    comm: dict[str, Any] = {}
+    _log(rank, "instrumented steps (memory, then communication)")
+    for name in names:
+        variant = variants[name]
+        dist.barrier()
+        if variant.model is not None:
+            base = state_bytes(variant.model, variant.optimizer)
+            saved = SavedActivations(variant.model)
+            with saved.hooks():
+                loss, peak = peak_step_allocation(lambda: variant.step(batches[rounds]))
+            losses[name].append(loss)
+            memory[name] = {"state": base, "step_peak": peak, "peak": base + peak, "saved": saved.total}
+            memory[name]["memtracker"] = memtracker_peak(
+                lambda: losses[name].append(variant.step(batches[rounds])), variant
+            )
+        dist.barrier()
+        if variant.model is not None:
+            counter = CommCounter()
+            debug = CommDebugMode()
+            with warnings.catch_warnings(), debug, counter.mode:
+                warnings.simplefilter("ignore")
+                losses[name].append(variant.step(batches[rounds + 1]))
+            comm[name] = {
+                "records": counter.records,
+                "debug_counts": {str(k): v for k, v in debug.get_comm_counts().items()},
+            }
+        dist.barrier()
+    return {
+        "rank": rank,
+        "wall": wall,
+        "cpu": cpu,
+        "losses": losses,
+        "memory": memory,
+        "comm": comm,
+        "local_params": {
+            n: sum(_local_numel(p) for p in v.model.parameters()) for n, v in variants.items() if v.model is not None
+        },
+    }
+
+
+def _log(rank: int, message: str) -> None:
+    if rank == 0:
+        print(f"[tensor_parallel {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return (p._local_tensor if isinstance(p, DTensor) else p).numel()
+
+
+# --------------------------------------------------------------------------------------------------
+# Analytical minimum and the report
+# --------------------------------------------------------------------------------------------------
+
+
+def analytical_minimum(opts: Options, *, sequence_parallel: bool, loss_parallel: bool, n: int = WORLD) -> dict:
+    """Bytes each rank must send per step (ring algorithms), by term; see the module docstring."""
+    b, s, h, v, layers, f = opts.batch, opts.seq, opts.hidden, opts.vocab, opts.layers, 4
+    act = b * s * h * f
+    terms: dict[str, float] = {}
+    terms["decoder layers"] = layers * 4 * wire_bytes("all_reduce", act, n)  # = 4 AG + 4 RS with SP
+    terms["embedding + lm_head input"] = 2 * wire_bytes("all_reduce", act, n)
+    if sequence_parallel:
+        terms["SP norm weight grads"] = (2 * layers + 1) * wire_bytes("all_reduce", h * f, n)
+    if loss_parallel:
+        terms["loss (max, target logit + sum exp)"] = wire_bytes("all_reduce", b * s * f, n) + wire_bytes(
+            "all_reduce", 2 * b * s * f, n
+        )
+    else:
+        terms["gather logits"] = wire_bytes("all_gather", b * s * v * f, n)
+    return {"terms": terms, "total": sum(terms.values())}
+
+
+MINIMUM_LAYOUT = {"hf_tp": (False, False), "ours_tp": (False, False), "ours_sp_lp": (True, True)}
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.1f}"
+
+
+def report(opts: Options, results: list[dict[str, Any]], elapsed: float, command: str, load: str) -> str:
+    tokens = opts.batch * opts.seq
+    names = list(opts.variants)
+    r0 = results[0]
+    lines: list[str] = [
+        f"Model: Llama, hidden {opts.hidden}, {opts.layers} layers, {opts.heads} heads / {opts.kv_heads} kv heads,"
+        f" intermediate {opts.intermediate}, vocab {opts.vocab}; batch {opts.batch} x seq {opts.seq} ="
+        f" {tokens} tokens/step; fp32; SGD; {opts.warmup} warmup + {opts.steps} measured rounds, variants"
+        " interleaved in rotating order.",
+        "",
+        "| variant | tokens/s (median) | speed vs transformers TP (paired median) | step s median [min-max]"
+        " | CPU s/step (sum of ranks) | peak tensor MiB/rank | comm MiB/rank/step | analytical min MiB/rank/step"
+        " | measured/min | max abs loss diff vs one process |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    walls = {n: r0["wall"][n] for n in names}
+    single_losses = r0["losses"].get("single_1t")
+    for n in names:
+        median = statistics.median(walls[n])
+        cpu = sum(statistics.median(r["cpu"][n]) for r in results)
+        peak = max(r["memory"][n]["peak"] for r in results if n in r["memory"])
+        measured = max(
+            (sum(rec["wire"] for rec in r["comm"][n]["records"]) for r in results if n in r["comm"]), default=0.0
+        )
+        if n in MINIMUM_LAYOUT:
+            sp, lp = MINIMUM_LAYOUT[n]
+            minimum = analytical_minimum(opts, sequence_parallel=sp, loss_parallel=lp)["total"]
+            minimum_text, ratio = _mib(minimum), f"{measured / minimum:.2f}"
+        else:
+            minimum_text, ratio = "0", "-"
+        # Per-round ratios: both were timed in the same round, so a load spike hits both.
+        rel = statistics.median(h / w for h, w in zip(walls["hf_tp"], walls[n]))
+        diff = "-"
+        if single_losses and n != "single_1t":
+            diff = f"{max(abs(a - b) for a, b in zip(r0['losses'][n], single_losses)):.1e}"
+        lines.append(
+            f"| {LABELS[n]} | {tokens / median:.0f} | {rel:.2f}x"
+            f" | {median:.2f} [{min(walls[n]):.2f}-{max(walls[n]):.2f}]"
+            f" | {cpu:.2f} | {_mib(peak)} | {_mib(measured)} | {minimum_text} | {ratio} | {diff} |"
+        )
+    lines += [
+        "",
+        "Peak tensor memory per rank (worse rank) = model state alive at the step's start (the storages behind"
+        " parameters and buffers; gradients are None there and SGD keeps no state) + the peak of the step's own"
+        " allocations (forward, backward, optimizer step; profiler, c10 CPU allocator). 'Saved for backward' is"
+        " the distinct storages autograd held at the end of forward (activations, not parameters):",
+        "",
+        "| variant | local params MiB | state MiB (storages held) | saved for backward MiB | step peak MiB | peak MiB"
+        " | MemTracker peak MiB (its ACT + TEMP at peak) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in names:
+        mem = max((r["memory"][n] for r in results if n in r["memory"]), key=lambda m: m["peak"])
+        tracked = mem["memtracker"]
+        lines.append(
+            f"| {LABELS[n]} | {_mib(r0['local_params'][n] * 4)} | {_mib(mem['state'])} | {_mib(mem['saved'])}"
+            f" | {_mib(mem['step_peak'])} | {_mib(mem['peak'])} | {_mib(tracked['Total'])}"
+            f" ({_mib(tracked.get('ACT', 0))} + {_mib(tracked.get('TEMP', 0))}) |"
+        )
+    lines += [
+        "",
+        "Collectives per rank per step (rank 0; rank 1 issues the same ops unless noted), wire bytes as sent by one"
+        " rank with ring algorithms:",
+        "",
+        "| variant | op | shape (first tensor) | count | wire MiB each | wire MiB total |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for n in names:
+        if n not in r0["comm"]:
+            continue
+        groups: dict[tuple, list[dict]] = defaultdict(list)
+        for rec in r0["comm"][n]["records"]:
+            groups[(rec["op"], tuple(rec["shape"]))].append(rec)
+        for (op, shape), recs in sorted(groups.items(), key=lambda kv: -sum(x["wire"] for x in kv[1])):
+            lines.append(
+                f"| {n} | `{op}` | {list(shape)} | {len(recs)} | {recs[0]['wire'] / 2**20:.3f}"
+                f" | {sum(x['wire'] for x in recs) / 2**20:.3f} |"
+            )
+        ops = [(x["op"], x["shape"]) for x in r0["comm"][n]["records"]]
+        if any([(x["op"], x["shape"]) for x in r["comm"][n]["records"]] != ops for r in results[1:] if n in r["comm"]):
+            lines.append(f"| {n} | (rank 1 differs) | | | | |")
+    lines += ["", "`CommDebugMode` counts in the same step (cross-check):", ""]
+    for n in names:
+        if n in r0["comm"]:
+            counts = ", ".join(f"{k}: {v}" for k, v in r0["comm"][n]["debug_counts"].items())
+            lines.append(f"* {n}: {counts or 'none'}")
+    lines += ["", "Analytical minimum, MiB per rank per step:", ""]
+    for label, (sp, lp) in (("TP, no SP, gathered logits", (False, False)), ("TP + SP + loss parallel", (True, True))):
+        mini = analytical_minimum(opts, sequence_parallel=sp, loss_parallel=lp)
+        terms = "; ".join(f"{k} {v / 2**20:.3f}" for k, v in mini["terms"].items())
+        lines.append(f"* {label}: {terms}; total {mini['total'] / 2**20:.3f}")
+    lines += [
+        "",
+        f"Machine: {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), gloo, torch"
+        f" {torch.__version__}, transformers {_version('transformers')}, lightning {_version('lightning')},"
+        f" Python {platform.python_version()}; load average (1 min) {load}. Whole run {elapsed:.0f} s."
+        f" Command: `{command}`",
+    ]
+    return "\n".join(lines)
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    try:
+        return version(package)
+    except Exception:
+        return "?"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+_SIZE_FIELDS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq", "batch", "warmup", "steps")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    defaults = Options()
+    for field in _SIZE_FIELDS:
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
+    parser.add_argument("--variants", default=",".join(defaults.variants), help="comma-separated subset")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and 1+2 rounds: checks the script runs")
+    parser.add_argument("--output", type=Path, help="also write the markdown report here")
+    parser.add_argument("--json", type=Path, help="also write the raw per-rank measurements here")
+    args = parser.parse_args(argv)
+    opts = Options(**{f: getattr(args, f) for f in _SIZE_FIELDS})
+    opts.variants = tuple(v for v in args.variants.split(",") if v)
+    if args.quick:
+        opts = Options(
+            hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256, seq=32, warmup=1, steps=2,
+            variants=opts.variants,
+        )
+    unknown = set(opts.variants) - set(LABELS)
+    if unknown or "hf_tp" not in opts.variants:
+        parser.error(f"--variants: unknown {sorted(unknown)} or no hf_tp (the reference); known: {list(LABELS)}")
+
+    start, load_start = time.perf_counter(), os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="tp_bench_") as tmp:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(build_config(opts), dtype=torch.float32)
+            model.save_pretrained(Path(tmp, "model"))
+            del model
+        outdir = Path(tmp, "out")
+        outdir.mkdir()
+        try:
+            mp.start_processes(
+                worker,
+                args=(_free_port(), opts, str(Path(tmp, "model")), str(outdir)),
+                nprocs=WORLD,
+                start_method="spawn",
+            )
+        except Exception:
+            for err in sorted(outdir.glob("*.error")):
+                print(err.read_text(), file=sys.stderr)
+            raise
+        results = [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    elapsed = time.perf_counter() - start
+    command = "python " + " ".join([os.path.relpath(sys.argv[0])] + (sys.argv[1:] if argv is None else argv))
+    if args.json:
+        raw = {"options": asdict(opts), "results": results, "elapsed": elapsed, "command": command}
+        args.json.write_text(json.dumps(raw))
+    load = f"{load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end"
+    text = report(opts, results, elapsed, command, load)
+    print(text)
+    if args.output:
+        args.output.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
