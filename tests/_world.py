@@ -34,6 +34,20 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         dist.destroy_process_group()
 
 
+#: Variables through which a launcher tells a process its place in a world.
+_LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment for a script that starts its own world (e.g. a Lightning Trainer on N devices).
+
+    Inherited launch variables would make Lightning think the ranks already exist; a fresh port keeps
+    concurrent worlds apart.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+    return {**env, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **extra}
+
+
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise the first failure."""
     ctx = mp.get_context("spawn")

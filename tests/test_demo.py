@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from _world import script_env
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -14,7 +14,7 @@ def test_demo_runs_and_exports(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "lightning_plugins", "demo", "--max-steps", "8", "--eval-limit", "8", "--out", str(out)],
-        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "exact match before:" in proc.stdout and "after:" in proc.stdout, proc.stdout[-2000:]

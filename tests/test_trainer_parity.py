@@ -7,12 +7,12 @@ Lightning re-launches a script per rank, so each world is one script run that ch
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _world import script_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "trainer_parity.py"
 TOL = 1e-5
@@ -21,10 +21,9 @@ TOL = 1e-5
 @pytest.mark.parametrize("devices", [2, 4])
 def test_trainer_matches_one_process_and_resumes(devices: int, tmp_path: Path) -> None:
     out = tmp_path / "results.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--devices", str(devices), "--out", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = json.loads(out.read_text())

@@ -7,6 +7,7 @@ Lightning's subprocess launcher re-runs this script once per rank, so one launch
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 import copy
 import json
 import sys
@@ -22,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_batch, tiny_model  # noqa: E402
 
 from lightning_plugins.strategies import ParallelismStrategy  # noqa: E402
+
+# A dead peer fails the test in minutes instead of hanging for torch's default 30.
+TIMEOUT = timedelta(minutes=3)
 
 STEPS, ACCUM, LOCAL_BATCH, SEQ, MAX_NORM, LR = 5, 2, 2, 16, 0.5, 1.0
 BATCHES_PER_EPOCH = 6  # 3 optimizer steps per epoch: the resume case checkpoints at an epoch's end
@@ -139,7 +143,7 @@ def main() -> None:
     results = {}
     for name, family, options in CASES[args.devices]:
         reference_model = tiny_model(family)
-        strategy = ParallelismStrategy(**options)
+        strategy = ParallelismStrategy(**options, timeout=TIMEOUT)
         dp = args.devices // options.get("tp_size", 1)
         data = dataset(LOCAL_BATCH * dp, reference_model.config.vocab_size)
         ref_losses, ref_weights = reference(copy.deepcopy(reference_model), data, dp)
@@ -163,11 +167,11 @@ def check_resume(reference_model: torch.nn.Module, options: dict, devices: int, 
     ckpt_dir = tmp / "ckpts"
     first = FineTune(copy.deepcopy(reference_model))
     saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)
-    trainer = make_trainer(ParallelismStrategy(**options), devices, STEPS, callbacks=[saver])
+    trainer = make_trainer(ParallelismStrategy(**options, timeout=TIMEOUT), devices, STEPS, callbacks=[saver])
     trainer.fit(first, DataLoader(data, batch_size=LOCAL_BATCH, shuffle=False))
     ckpt = ckpt_dir / "epoch=0-step=3.ckpt"
     second = FineTune(copy.deepcopy(reference_model))
-    trainer = make_trainer(ParallelismStrategy(**options), devices, STEPS, enable_checkpointing=False)
+    trainer = make_trainer(ParallelismStrategy(**options, timeout=TIMEOUT), devices, STEPS, enable_checkpointing=False)
     trainer.fit(second, DataLoader(data, batch_size=LOCAL_BATCH, shuffle=False), ckpt_path=ckpt)
     uninterrupted, resumed = step_losses(first.micro_losses), step_losses(second.micro_losses)
     return {

@@ -1,0 +1,21 @@
+"""Suite-wide fixtures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Undo environment changes a test makes.
+
+    Lightning's launcher writes LOCAL_RANK, WORLD_SIZE, MASTER_PORT... into ``os.environ`` even for one
+    in-process device; a later test that launches a script would inherit them, and Lightning would then
+    believe the ranks were created externally, start none, and wait forever for the missing peers.
+    """
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
