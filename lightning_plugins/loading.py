@@ -75,7 +75,14 @@ def load_sharded_safetensors(model: nn.Module, checkpoint_dir: str | Path, devic
     missing = sorted(set(state) - set(index))
     if missing:
         raise KeyError(f"The checkpoint in {checkpoint_dir} lacks {len(missing)} tensors of the model, e.g. {missing[:5]}.")
+    # `to_empty` gives every module its own new tensor, which would untie shared weights (tied
+    # embeddings): remember who shares what and tie them again.
+    shared = _shared_parameters(model)
     model.to_empty(device=device)
+    for owner_name, others in shared.items():
+        for name in others:
+            module_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(module_name), leaf, model.get_parameter(owner_name))
     state = dict(model.named_parameters())
     state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
     handles: dict[Path, Any] = {}
@@ -90,6 +97,18 @@ def load_sharded_safetensors(model: nn.Module, checkpoint_dir: str | Path, devic
     finally:
         handles.clear()
     _reinit_nonpersistent_buffers(model, device)
+
+
+def _shared_parameters(model: nn.Module) -> dict[str, list[str]]:
+    """First name of each parameter held under several names -> its other names."""
+    first: dict[int, str] = {}
+    shared: dict[str, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            shared.setdefault(first[id(param)], []).append(name)
+        else:
+            first[id(param)] = name
+    return shared
 
 
 def _is_persistent(model: nn.Module, name: str) -> bool:

@@ -24,6 +24,11 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=8),
     # Not a registered family: exercises the fallback to the config's `base_model_tp_plan`.
     "gemma": lambda: GemmaConfig(**_COMMON, head_dim=8),
+    # Deeper variants for pipeline parallelism (up to 4 ranks x 2 interleaved stages).
+    "llama_4l": lambda: LlamaConfig(**{**_COMMON, "num_hidden_layers": 4}),
+    "llama_tied_4l": lambda: LlamaConfig(**{**_COMMON, "num_hidden_layers": 4}, tie_word_embeddings=True),
+    "qwen3_4l": lambda: Qwen3Config(**{**_COMMON, "num_hidden_layers": 4}, head_dim=8),
+    "llama_8l": lambda: LlamaConfig(**{**_COMMON, "num_hidden_layers": 8}),
 }
 
 

@@ -22,7 +22,9 @@ from typing_extensions import override
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.loading import is_on_meta, load_sharded_safetensors
 from lightning_plugins.models import check_supported
-from lightning_plugins.parallel import clip_grad_norm_, parallelize
+from lightning_plugins.parallel import clip_grad_norm_, parallelize, pipeline_of
+from lightning_plugins.parallel.context import BACKENDS as CP_BACKENDS
+from lightning_plugins.parallel.context import check_context_parallel, context_parallel_batch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -37,8 +39,11 @@ class ParallelismStrategy(ModelParallelStrategy):
 
     Args:
         tp_size: Tensor-parallel ranks.
-        pp_size: Pipeline stages (later releases; must be 1 here).
-        cp_size: Context-parallel ranks (later releases; must be 1 here).
+        pp_size: Pipeline ranks. With ``pp_size > 1`` the model's forward in ``training_step`` runs
+            forward and backward of the whole batch through the pipeline (Lightning's backward is then
+            skipped); see :class:`~lightning_plugins.strategies.PipelineParallelStrategy` for the schedule.
+        cp_size: Context-parallel ranks: each sample's sequence is split over them (batches are sharded
+            along the sequence in ``batch_to_device``; the LightningModule sees its shard).
         dp_shard_size: FSDP2 shard ranks; ``-1`` takes whatever the world size leaves.
         dp_replicate_size: Data-parallel replicas (HSDP when combined with ``dp_shard_size > 1``).
         sequence_parallel: Shard norms and the residual stream along the sequence (with TP).
@@ -49,6 +54,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         reduce_dtype: FSDP2 gradient-reduction dtype, e.g. ``"fp32"``.
         cpu_offload: FSDP2 ``CPUOffloadPolicy`` (pinned memory on GPUs; unpinned on CPU).
         reshard_after_forward: FSDP2 ZeRO-3 (``True``) or keep parameters gathered until backward.
+        cp_backend: Context-parallel attention, ``"ulysses"`` (all-to-all over heads) or ``"ring"``.
         load_from: HF checkpoint directory to read this rank's weight slices from when the model was
             built on the meta device; defaults to the model config's ``name_or_path``.
         save_distributed_checkpoint: DCP sharded checkpoints (``True``) or one full file on rank 0.
@@ -74,6 +80,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         reduce_dtype: str | torch.dtype | None = None,
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
+        cp_backend: str = "ulysses",
         load_from: str | Path | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -94,8 +101,11 @@ class ParallelismStrategy(ModelParallelStrategy):
             "reduce_dtype": reduce_dtype,
             "cpu_offload": cpu_offload,
             "reshard_after_forward": reshard_after_forward,
+            "context_parallel_backend": cp_backend,
         }
         self.load_from = load_from
+        if cp_backend not in CP_BACKENDS:
+            raise LayoutError(f"{type(self).__name__}: unknown cp_backend {cp_backend!r}; use one of {CP_BACKENDS}.")
 
     @override
     def setup_environment(self) -> None:
@@ -106,6 +116,10 @@ class ParallelismStrategy(ModelParallelStrategy):
             model = find_hf_model(self.lightning_module, type(self).__name__)
             check_supported(model)
             self.layout.validate(model.config)
+            backend = self.parallelize_options["context_parallel_backend"]
+            check_context_parallel(
+                model.config, self.layout.cp_size, self.layout.tp_size, backend, pp_size=self.layout.pp_size
+            )
         self._setup_distributed()
         self._device_mesh = self.layout.build_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
@@ -116,6 +130,22 @@ class ParallelismStrategy(ModelParallelStrategy):
         # Tensor- and context-parallel peers must see the same samples: shard over `dp` only.
         dp = self.device_mesh["dp"]
         return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Move the batch, then give each context-parallel rank its shard of the sequence.
+
+        The LightningModule receives ``input_ids``, ``position_ids``, ``labels`` and the next-token
+        ``shift_labels`` of its load-balanced shard (see
+        :func:`lightning_plugins.parallel.context.shard_batch_for_context_parallel`).
+        """
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.layout.cp_size == 1:
+            return batch
+        try:
+            return context_parallel_batch(batch, self.device_mesh)
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__} (cp_size={self.layout.cp_size}): {err}") from None
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -144,7 +174,70 @@ class ParallelismStrategy(ModelParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         parameters = self.precision_plugin.main_params(optimizer)
+        pipeline = self._pipeline()
+        if pipeline is not None:  # counts a tied embedding held by the first and the last stage once
+            pipeline.clip_grad_norm_(parameters, clip_val)
+            return
         clip_grad_norm_(parameters, clip_val, pp_mesh=self.device_mesh["pp"])
+
+    def _pipeline(self) -> Any:
+        """The engine's pipeline when ``pp_size > 1`` (found on the LightningModule's HF model), else ``None``."""
+        if self.layout.pp_size == 1 or self.lightning_module is None:
+            return None
+        cached = getattr(self, "_found_pipeline", None)
+        if cached is not None and cached[0] is self.lightning_module:
+            return cached[1]
+        for module in self.lightning_module.modules():
+            pipeline = pipeline_of(module)
+            if pipeline is not None:
+                self._found_pipeline = (self.lightning_module, pipeline)
+                return pipeline
+        raise LayoutError(
+            f"{type(self).__name__}: pp_size={self.layout.pp_size} but no pipeline was built. A `configure_model` override"
+            " must call `lightning_plugins.parallelize(model, self.device_mesh, pp_schedule=...)` on the HF model."
+        )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        pipeline = self._pipeline()
+        if pipeline is None:
+            return super().training_step(*args, **kwargs)
+        # Under pipeline parallelism the model's forward runs forward *and* backward of every micro-batch.
+        # Lightning would divide the loss by the accumulation steps before its backward: scale inside.
+        assert self.lightning_module is not None
+        pipeline.loss_scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        # Lightning zeroes gradients *after* training_step (before backward) at the start of an
+        # accumulation window: keep this batch's gradients aside and add them in `backward`, as
+        # Lightning's own backward would.
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        held = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._pipeline_grads = [(p, p.grad) for p in params]
+            for param, grad in zip(params, held):
+                param.grad = grad
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._pipeline() is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The pipeline ran backward inside training_step: accumulate its gradients, run the hooks.
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        for param, grad in getattr(self, "_pipeline_grads", []):
+            if grad is not None:
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad += grad
+        self._pipeline_grads = []
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     def _checkpoint_dir(self, model: nn.Module) -> Path:
         source = self.load_from or getattr(model.config, "name_or_path", None)

@@ -1,0 +1,349 @@
+"""Context-parallel kernels against single-process SDPA on the whole sequence.
+
+Ring attention and Ulysses, forward and gradients (dq, dk, dv), causal and not, MHA/GQA/MQA, the
+load-balanced and the contiguous layout, padded sequences, in fp64 (exact up to rounding) and fp32.
+Starting ranks is the slow part (seconds each), so a single gloo world of 4 ranks runs every case at
+every cp size: cp=4 on the world, cp=2 on the two sub-groups {0, 1} and {2, 3} (whose group ranks differ
+from their global ranks, as in a real cp sub-mesh), cp=1 on one-rank groups. Each rank writes its
+measured errors to a file; the tests below assert on them, one test per case and cp size.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _world import run_world
+
+from lightning_plugins.parallel.context import (
+    _active_block,
+    _sequence_positions,
+    check_ulysses_heads,
+    head_to_seq,
+    load_balanced_indices,
+    pad_for_context_parallel,
+    reorder_sequence_load_balanced,
+    ring_attention,
+    seq_to_head,
+    shard_sequence_load_balanced,
+    ulysses_attention,
+    unshard_sequence_load_balanced,
+)
+
+CP_SIZES = (1, 2, 4)
+WORLD_SIZE = 4
+BATCH, HEADS, HEAD_DIM, SEQ = 2, 8, 16, 24
+PADDED_LEN = 21  # padded to 22 (cp 1), 24 (cp 2 and 4); contiguous: 21 (cp 1), 22 (cp 2), 24 (cp 4)
+# fp64 leaves only rounding; fp32 is the parity level the engine promises.
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kernel: str  # "ring" or "ulysses"
+    causal: bool
+    kv_heads: int
+    dtype: str = "float64"
+    load_balanced: bool = True
+    real_len: int = SEQ  # shorter than SEQ: padded with pad_for_context_parallel
+    pass_valid_len: bool = False
+    query_tile: int | None = None  # ring only: query rows per tile (uneven last tile, masks sliced)
+
+
+def _cases() -> list[Case]:
+    cases = []
+    for kernel in ("ring", "ulysses"):
+        for causal in (True, False):
+            mode = "causal" if causal else "full"
+            for kv_heads, heads_name in ((HEADS, "mha"), (2, "gqa"), (1, "mqa")):
+                cases.append(Case(f"{kernel}-{mode}-{heads_name}", kernel, causal, kv_heads))
+            cases.append(Case(f"{kernel}-{mode}-gqa-fp32", kernel, causal, 2, dtype="float32"))
+            cases.append(Case(f"{kernel}-{mode}-gqa-contiguous", kernel, causal, 2, load_balanced=False))
+            padded = dict(real_len=PADDED_LEN, pass_valid_len=True)
+            cases.append(Case(f"{kernel}-{mode}-padded", kernel, causal, 2, **padded))
+            cases.append(Case(f"{kernel}-{mode}-padded-contiguous", kernel, causal, 2, load_balanced=False, **padded))
+        # Causal attention needs no valid_len: real tokens never attend trailing pads.
+        cases.append(Case(f"{kernel}-causal-padded-no-valid-len", kernel, True, 2, real_len=PADDED_LEN))
+    for causal, mode in ((True, "causal"), (False, "full")):
+        cases.append(Case(f"ring-{mode}-gqa-tiled", "ring", causal, 2, query_tile=5))
+        padded = dict(real_len=PADDED_LEN, pass_valid_len=True)
+        cases.append(Case(f"ring-{mode}-padded-tiled", "ring", causal, 2, query_tile=2, **padded))
+    return cases
+
+
+CASES = _cases()
+BF16_CASES = [Case(f"{kernel}-causal-gqa-bf16", kernel, True, 2, dtype="bfloat16") for kernel in ("ring", "ulysses")]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inside the world
+# ----------------------------------------------------------------------------------------------------
+
+
+def _max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return (actual.double() - expected.double()).abs().max().item()
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """One-process attention, kv heads repeated explicitly (independent of the kernels' GQA handling)."""
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, causal: bool, valid: int
+) -> tuple[torch.Tensor, ...]:
+    """SDPA on the whole unpadded sequence: out, dq, dk, dv, zero-padded back to the padded length."""
+    length = q.shape[2]
+    q, k, v = (t[:, :, :valid].detach().requires_grad_() for t in (q, k, v))
+    out = _sdpa(q, k, v, causal)
+    out.backward(grad[:, :, :valid])
+    return tuple(F.pad(t, (0, 0, 0, length - valid)) for t in (out.detach(), q.grad, k.grad, v.grad))
+
+
+def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
+    cp = dist.get_world_size(group)
+    cp_rank = dist.get_rank(group)
+    dtype = DTYPES[case.dtype]
+    seq = SEQ
+    if case.real_len != SEQ:
+        ids = torch.zeros(1, case.real_len, dtype=torch.long)
+        padded = pad_for_context_parallel(ids, None, None, cp, pad_id=0, load_balanced=case.load_balanced)
+        seq = padded.input_ids.shape[-1]
+    valid = case.real_len
+
+    torch.manual_seed(0)  # the same full tensors on every rank
+    q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, dtype=torch.float64)
+    k, v = (torch.randn(BATCH, case.kv_heads, seq, HEAD_DIM, dtype=torch.float64) for _ in range(2))
+    grad = torch.randn(BATCH, HEADS, seq, HEAD_DIM, dtype=torch.float64)
+    grad[:, :, valid:] = 0  # a loss with ignored pad labels sends no gradient into pad rows
+    q, k, v, grad = (t.to(dtype) for t in (q, k, v, grad))
+    # bf16 is judged against the exact answer (fp64 reference); the others against SDPA in their dtype.
+    ref_dtype = torch.float64 if dtype == torch.bfloat16 else dtype
+    ref = _reference(*(t.to(ref_dtype) for t in (q, k, v, grad)), case.causal, valid)
+
+    if case.load_balanced:
+        positions = load_balanced_indices(seq, cp_rank, cp)
+        shard = functools.partial(shard_sequence_load_balanced, dim=2, cp_rank=cp_rank, cp_size=cp)
+    else:
+        positions = _sequence_positions(seq, cp_rank, cp, load_balanced=False)
+        shard = lambda t: t.chunk(cp, dim=2)[cp_rank]  # noqa: E731
+    local = [shard(t).detach().requires_grad_() for t in (q, k, v)]
+    if case.kernel == "ring":
+        kernel = functools.partial(ring_attention, query_tile=case.query_tile)
+    else:
+        kernel = ulysses_attention
+    valid_len = valid if case.pass_valid_len else None
+    out = kernel(*local, group, causal=case.causal, load_balanced=case.load_balanced, valid_len=valid_len)
+    out.backward(shard(grad))
+
+    real = positions < valid
+    errors = {}
+    for name, actual, expected in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), ref):
+        assert actual.shape == local[0].shape if name in ("out", "dq") else actual.shape == local[1].shape
+        errors[name] = _max_err(actual[:, :, real], shard(expected)[:, :, real])
+    if case.pass_valid_len:
+        errors["pad_out"] = out[:, :, ~real].abs().sum().item()  # documented: pad rows output zero
+    if dtype == torch.bfloat16:
+        # What one process gets in bf16: the bar for the kernel's own rounding.
+        errors["sdpa_out"] = _max_err(shard(_sdpa(q, k, v, case.causal))[:, :, real], shard(ref[0])[:, :, real])
+    return errors
+
+
+def _run_ulysses_layout_checks(group: dist.ProcessGroup) -> dict[str, float]:
+    """seq_to_head/head_to_seq against the full tensor: content, round trip, and both backwards."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    torch.manual_seed(1)
+    full, full_grad = torch.randn(2, BATCH, HEADS, SEQ, HEAD_DIM, dtype=torch.float64)
+    heads = slice(rank * HEADS // cp, (rank + 1) * HEADS // cp)
+
+    x = shard_sequence_load_balanced(full, 2, rank, cp).requires_grad_()
+    head_sharded = seq_to_head(x, group)
+    # The gathered sequence is in rank order: natural order after unsharding.
+    checks = {"seq_to_head": _max_err(unshard_sequence_load_balanced(head_sharded, 2, cp), full[:, heads])}
+    back = head_to_seq(head_sharded, group)
+    checks["round_trip"] = _max_err(back, x)
+    # Backward of seq_to_head: the upstream gradient of this rank's head slice, in rank order, must come
+    # back as the gradient of this rank's sequence shard over all heads.
+    head_sharded.backward(reorder_sequence_load_balanced(full_grad[:, heads], 2, cp))
+    checks["seq_to_head_backward"] = _max_err(x.grad, shard_sequence_load_balanced(full_grad, 2, rank, cp))
+
+    y = reorder_sequence_load_balanced(full[:, heads], 2, cp).requires_grad_()
+    seq_sharded = head_to_seq(y, group)
+    checks["head_to_seq"] = _max_err(seq_sharded, shard_sequence_load_balanced(full, 2, rank, cp))
+    seq_sharded.backward(shard_sequence_load_balanced(full_grad, 2, rank, cp))
+    checks["head_to_seq_backward"] = _max_err(y.grad, reorder_sequence_load_balanced(full_grad[:, heads], 2, cp))
+
+    # cp + 1 heads: cp > 1 cannot split them and must fail before any collective, identically on every
+    # rank (no hang); cp = 1 splits anything and must not fail.
+    odd_heads = torch.zeros(1, cp + 1, 2 * cp, 4)
+    try:
+        ulysses_attention(odd_heads, odd_heads, odd_heads, group)
+        checks["indivisible_heads_raised"] = 0.0
+    except ValueError:
+        checks["indivisible_heads_raised"] = 1.0
+    return checks
+
+
+def _cp_group(rank: int, world_size: int, cp: int) -> dist.ProcessGroup:
+    """The group of ``cp`` consecutive ranks that holds ``rank``."""
+    # Every rank must create every group, in the same order.
+    groups = [dist.new_group(list(range(start, start + cp))) for start in range(0, world_size, cp)]
+    return groups[rank // cp]
+
+
+def _world(rank: int, world_size: int, out_dir: str) -> None:
+    results = {}
+    for cp in CP_SIZES:
+        group = _cp_group(rank, world_size, cp)
+        results[cp] = {case.name: _run_case(case, group) for case in CASES + BF16_CASES}
+        results[cp]["ulysses-layout"] = _run_ulysses_layout_checks(group)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@functools.cache
+def _world_results() -> dict[int, dict[str, dict[str, float]]]:
+    """Per cp size, every case's errors: the worst over all ranks."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        run_world(_world, WORLD_SIZE, out_dir)
+        per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    worst = {}
+    for cp in CP_SIZES:
+        names = per_rank[0][str(cp)]
+        worst[cp] = {name: {key: max(r[str(cp)][name][key] for r in per_rank) for key in names[name]} for name in names}
+    return worst
+
+
+# ----------------------------------------------------------------------------------------------------
+# Distributed tests
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("cp", CP_SIZES)
+def test_kernel_matches_sdpa(cp: int, case: Case) -> None:
+    errors = _world_results()[cp][case.name]
+    tolerance = TOLERANCE[DTYPES[case.dtype]]
+    for name in ("out", "dq", "dk", "dv"):
+        assert errors[name] <= tolerance, f"{case.name} cp={cp}: {name} max abs error {errors[name]:.3g}"
+    if "pad_out" in errors:
+        assert errors["pad_out"] == 0.0
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("cp", CP_SIZES)
+def test_kernel_bf16_no_worse_than_one_process(cp: int, case: Case) -> None:
+    # Inputs and output are rounded to bf16 either way; with fp32 softmax statistics the kernel adds no
+    # error of its own, so it must land within a rounding step of what single-process SDPA gets.
+    errors = _world_results()[cp][case.name]
+    assert 0 < errors["out"] <= 1.5 * errors["sdpa_out"], errors
+
+
+@pytest.mark.parametrize("cp", CP_SIZES)
+def test_ulysses_all_to_all_layout(cp: int) -> None:
+    checks = _world_results()[cp]["ulysses-layout"]
+    assert checks.pop("indivisible_heads_raised") == (1.0 if cp > 1 else 0.0)
+    # Pure data movement: exact.
+    assert checks == dict.fromkeys(checks, 0.0), checks
+
+
+# ----------------------------------------------------------------------------------------------------
+# Single-process tests
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", (1, 2, 3, 4))
+def test_load_balanced_shards_partition_and_invert(cp: int) -> None:
+    seq = 2 * cp * 3
+    x = torch.arange(seq) * 10
+    shards = [shard_sequence_load_balanced(x, 0, r, cp) for r in range(cp)]
+    for r, shard in enumerate(shards):
+        chunk = 3
+        expected = [*range(r * chunk, (r + 1) * chunk), *range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)]
+        assert load_balanced_indices(seq, r, cp).tolist() == expected
+        assert torch.equal(shard, x[expected])
+    gathered = torch.cat(shards)
+    assert torch.equal(unshard_sequence_load_balanced(gathered, 0, cp), x)
+    assert torch.equal(reorder_sequence_load_balanced(x, 0, cp), gathered)
+
+
+def test_load_balanced_shards_reject_indivisible_length() -> None:
+    with pytest.raises(ValueError, match="pad_for_context_parallel"):
+        shard_sequence_load_balanced(torch.zeros(10), 0, 0, 2)
+
+
+@pytest.mark.parametrize("cp", (2, 4, 8))
+def test_load_balancing_evens_causal_work(cp: int) -> None:
+    """Every rank computes the same score area, and skipped blocks cover exactly the masked pairs."""
+    seq = 2 * cp * 4
+
+    def work(load_balanced: bool) -> tuple[list[int], int]:
+        areas, attended = [], 0
+        for rank in range(cp):
+            q_pos, area = _sequence_positions(seq, rank, cp, load_balanced), 0
+            for source in range(cp):
+                block = _active_block(q_pos, _sequence_positions(seq, source, cp, load_balanced), True, None)
+                if block is not None:
+                    box = (block.row_end - block.row_start) * block.col_end
+                    area += box
+                    attended += box if block.mask is None else int(block.mask.sum())
+            areas.append(area)
+        return areas, attended
+
+    balanced, attended = work(load_balanced=True)
+    assert len(set(balanced)) == 1
+    assert attended == seq * (seq + 1) // 2
+    contiguous, _ = work(load_balanced=False)
+    assert contiguous[-1] > contiguous[0]
+    # The computed area stays near the causal half of the full S x S square (diagonal blocks included).
+    assert sum(balanced) <= seq * seq // 2 + cp * (seq // cp) ** 2
+
+
+def test_pad_for_context_parallel() -> None:
+    ids = torch.arange(2 * 21).view(2, 21)
+    labels = ids + 100
+    batch = pad_for_context_parallel(ids, labels, None, cp_size=4, pad_id=-1)
+    assert batch.valid_len == 21
+    assert batch.input_ids.shape == (2, 24)
+    assert torch.equal(batch.input_ids[:, :21], ids) and (batch.input_ids[:, 21:] == -1).all()
+    assert torch.equal(batch.labels[:, :21], labels) and (batch.labels[:, 21:] == -100).all()
+    assert batch.position_ids.shape == (2, 24) and torch.equal(batch.position_ids[1], torch.arange(24))
+
+    positions = torch.arange(5, 26).view(1, 21)  # given positions continue, and keep their own shape
+    batch = pad_for_context_parallel(ids, None, positions, cp_size=2, pad_id=0, load_balanced=False)
+    assert batch.input_ids.shape == (2, 22) and batch.labels is None
+    assert batch.position_ids.tolist() == [list(range(5, 27))]
+
+    short_ids, short_labels = ids[:, :16], labels[:, :16]  # already a multiple of 2 * cp: untouched
+    even = pad_for_context_parallel(short_ids, short_labels, None, cp_size=4, pad_id=0)
+    assert even.input_ids is short_ids and even.labels is short_labels and even.valid_len == 16
+
+
+def test_check_ulysses_heads_names_the_constraint_and_a_fix() -> None:
+    check_ulysses_heads(32, 8, 4)
+    check_ulysses_heads(32, 2, 8)  # kv heads are repeated up to cp, no constraint on them
+    with pytest.raises(ValueError, match=r"query heads \(12\) must be divisible by cp_size \(8\).*cp_size=6"):
+        check_ulysses_heads(12, 4, 8)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        check_ulysses_heads(12, 5, 2)
+
+
+def test_ring_attention_rejects_odd_local_length_before_communicating() -> None:
+    q = torch.zeros(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="odd"):
+        ring_attention(q, q, q, group=None)
+
+
+def test_ring_attention_rejects_empty_query_tiles() -> None:
+    q = torch.zeros(1, 2, 4, 4)
+    with pytest.raises(ValueError, match="query_tile must be a positive"):
+        ring_attention(q, q, q, group=None, query_tile=0)

@@ -1,0 +1,156 @@
+"""Pipeline parallelism through `parallelize` matches one process: per-step losses, grad norms, weights.
+
+fp32 on CPU/gloo, SGD with momentum, gradient accumulation over 2 batches, clipping exercised, rows
+of different valid lengths with ``-100`` labels (so micro-batches and data ranks hold different token
+counts). Each launched world checks many cases (starting ranks costs seconds on a busy machine).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _world import run_world
+from tiny_models import make_batch, tiny_model
+from torch.distributed.tensor import DTensor
+
+from lightning_plugins import LayoutError, ParallelLayout, parallelize
+from lightning_plugins.parallel import mesh_of, pipeline_of
+from lightning_plugins.parallel.pipeline import PipelineOptions, layer_ranges, stages_of_rank
+
+STEPS, ACCUM, BATCH, SEQ, MAX_NORM, LR = 5, 2, 8, 16, 0.5, 1.0
+TOL = 1e-5
+
+
+def _reference(model: torch.nn.Module) -> tuple[list[float], list[float], dict, list[float]]:
+    """One process over the whole batch: step losses, pre-clip grad norms, final weights, eval losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses, norms = [], []
+    for step in range(STEPS):
+        step_loss = 0.0
+        for micro in range(ACCUM):
+            loss = model(**make_batch(BATCH, SEQ, model.config.vocab_size, seed=100 * step + micro)).loss / ACCUM
+            loss.backward()
+            step_loss += loss.item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        assert norm > MAX_NORM, "the test must exercise clipping"
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+        norms.append(norm.item())
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if model.config.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    with torch.no_grad():
+        evals = [model(**make_batch(BATCH, SEQ, model.config.vocab_size, seed=7000)).loss.item()]
+    return losses, norms, weights, evals
+
+
+def _train(model: torch.nn.Module, rows: slice) -> tuple[list[float], list[float], list[float]]:
+    """The same loop through the pipeline: ``model(**batch)`` runs forward and backward of the batch."""
+    pipeline = pipeline_of(model)
+    pipeline.loss_scale = 1.0 / ACCUM
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    model.train()
+    losses, norms = [], []
+    for step in range(STEPS):
+        step_loss = 0.0
+        for micro in range(ACCUM):
+            batch = make_batch(BATCH, SEQ, model.config.vocab_size, seed=100 * step + micro)
+            loss = model(**{k: v[rows] for k, v in batch.items()}).loss
+            assert not loss.requires_grad  # the schedule already ran backward
+            step_loss += loss.item() / ACCUM
+        norms.append(pipeline.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    model.eval()
+    with torch.no_grad():
+        batch = make_batch(BATCH, SEQ, model.config.vocab_size, seed=7000)
+        evals = [model(**{k: v[rows] for k, v in batch.items()}).loss.item()]
+    return losses, norms, evals
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _check_cases(rank: int, world_size: int, cases: list[tuple[str, dict, dict]]) -> None:
+    references: dict[str, tuple] = {}
+    for family, sizes, options in cases:
+        if family not in references:
+            references[family] = (tiny_model(family), *_reference(tiny_model(family)))
+        model0, ref_losses, ref_norms, ref_weights, ref_evals = references[family]
+        layout = ParallelLayout(**sizes).resolve(world_size)
+        model = parallelize(copy.deepcopy(model0), layout, **options)
+        mesh = mesh_of(model)
+        dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+        rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
+        where = f"{family} {sizes} {options}"
+
+        # This rank holds exactly its stages' layers, under their original names.
+        pipeline = pipeline_of(model)
+        resolved = PipelineOptions(
+            options.get("pp_schedule", "1f1b"), options.get("pp_microbatches"), options.get("pp_stages_per_rank")
+        ).resolve(layout.pp_size)
+        ranges = layer_ranges(model0.config.num_hidden_layers, layout.pp_size * resolved.stages_per_rank)
+        stages = stages_of_rank(mesh["pp"].get_local_rank(), layout.pp_size, resolved)
+        expected_layers = {i for s in stages for i in ranges[s]}
+        held = {int(name.split(".")[2]) for name, _ in model.named_parameters() if name.startswith("model.layers.")}
+        assert held == expected_layers, (where, held, expected_layers)
+        assert sorted(pipeline.stages) == stages, where
+
+        losses, norms, evals = _train(model, rows)
+        checks = (("losses", losses, ref_losses), ("grad norms", norms, ref_norms), ("eval", evals, ref_evals))
+        for what, got, expected in checks:
+            torch.testing.assert_close(
+                torch.tensor(got), torch.tensor(expected), atol=TOL, rtol=0, msg=lambda m: f"{where}: {what}: {m}"
+            )
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(
+                _full(param.detach()), ref_weights[name], atol=TOL, rtol=0, msg=lambda m: f"{where} {name}: {m}"
+            )
+    _check_batch_not_divisible(world_size)
+
+
+def _check_batch_not_divisible(world_size: int) -> None:
+    """A batch that does not split into the micro-batches fails on every rank before any collective."""
+    model = parallelize(tiny_model("llama_4l"), ParallelLayout(pp_size=world_size), pp_microbatches=world_size)
+    batch = make_batch(world_size + 1, SEQ, model.config.vocab_size, seed=0)
+    with pytest.raises(LayoutError, match="does not split into pp_microbatches"):
+        model(**batch)
+
+
+SCHEDULES_PP2 = [
+    "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
+]
+NO_SP = {"sequence_parallel": False, "loss_parallel": False}
+
+TWO_RANKS = [
+    *[("llama_4l", {"pp_size": 2}, {"pp_schedule": name, "pp_microbatches": 4}) for name in SCHEDULES_PP2],
+    ("llama_4l", {"pp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 8, "activation_checkpointing": "full"}),
+    ("qwen3_4l", {"pp_size": 2}, {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}),
+    ("mistral", {"pp_size": 2}, {"pp_schedule": "gpipe", "pp_microbatches": 2}),  # sliding-window masks
+    ("qwen2", {"pp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2}),
+    ("llama_tied_4l", {"pp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 4}),  # tie across ranks
+    ("llama_tied_4l", {"pp_size": 2}, {"pp_schedule": "zbv_zero_bubble", "pp_microbatches": 4}),  # tie on rank 0
+]
+FOUR_RANKS = [
+    ("llama_4l", {"pp_size": 4}, {"pp_schedule": "gpipe", "pp_microbatches": 4}),
+    ("llama_4l", {"pp_size": 4}, {"pp_schedule": "1f1b", "pp_microbatches": 8}),
+    ("llama_8l", {"pp_size": 4}, {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 4}),
+    ("llama_8l", {"pp_size": 4}, {"pp_schedule": "zbv_zero_bubble", "pp_microbatches": 8}),
+    ("llama_4l", {"pp_size": 2, "tp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 4}),
+    ("llama_4l", {"pp_size": 2, "tp_size": 2},
+     {"pp_schedule": "interleaved_zero_bubble", "pp_microbatches": 2, **NO_SP}),
+    ("llama_4l", {"pp_size": 2, "dp_shard_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2}),
+    ("llama_4l", {"pp_size": 2, "dp_shard_size": 2}, {"pp_schedule": "zbv_zero_bubble", "pp_microbatches": 2}),
+    ("llama_tied_4l", {"pp_size": 2, "tp_size": 2}, {"pp_schedule": "gpipe", "pp_microbatches": 2}),
+    ("llama_tied_4l", {"pp_size": 2, "dp_shard_size": 2}, {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}),
+]
+
+
+@pytest.mark.parametrize("world_size,cases", [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2ranks", "4ranks"])
+def test_pipeline_matches_one_process(world_size: int, cases: list) -> None:
+    run_world(_check_cases, world_size, cases)
