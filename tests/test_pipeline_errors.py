@@ -13,7 +13,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from lightning_plugins import LayoutError, ParallelLayout, parallelize
 from lightning_plugins.parallel.pipeline import PipelineOptions, layer_ranges, stages_of_rank
-from lightning_plugins.strategies import PipelineParallelStrategy
+from lightning_plugins.strategies import ParallelismStrategy, PipelineParallelStrategy
 
 
 @pytest.fixture
@@ -85,6 +85,8 @@ def test_strategy_refuses_bad_options_at_construction() -> None:
         PipelineParallelStrategy(pp_size=1)
     with pytest.raises(LayoutError, match="sharded \\(DCP\\) checkpoints only"):
         PipelineParallelStrategy(pp_size=2, save_distributed_checkpoint=False)
+    with pytest.raises(LayoutError, match="ParallelismStrategy writes sharded \\(DCP\\) checkpoints only"):
+        ParallelismStrategy(pp_size=2, tp_size=2, save_distributed_checkpoint=False)
     with pytest.raises(LayoutError, match="`schedule`, `microbatches` and `stages_per_rank`"):
         PipelineParallelStrategy(pp_size=2, pp_schedule="gpipe")
 

@@ -12,6 +12,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -92,6 +93,12 @@ class ParallelismStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self.layout = ParallelLayout(pp_size, dp_replicate_size, dp_shard_size, cp_size, tp_size)
+        if pp_size > 1 and not save_distributed_checkpoint:
+            raise LayoutError(
+                f"{type(self).__name__} writes sharded (DCP) checkpoints only under pipeline parallelism: each rank"
+                " holds different stages, so no rank can write the full model. Keep save_distributed_checkpoint=True"
+                " and export to HF format from the sharded checkpoint."
+            )
         self.parallelize_options: dict[str, Any] = {
             "sequence_parallel": sequence_parallel,
             "loss_parallel": loss_parallel,
@@ -249,6 +256,61 @@ class ParallelismStrategy(ModelParallelStrategy):
         return Path(source)
 
     @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Under pipeline parallelism: this rank's optimizer state, flattened to one entry per parameter name.
+
+        Pipeline ranks hold different parameters, so their ``param_groups`` differ; DCP keeps one copy of
+        a non-tensor entry per key, which would hand every rank the first rank's groups. Flattened,
+        every hyper-parameter is stored under its parameter's name and each rank reads back its own.
+        """
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if self.layout.pp_size == 1:
+            return super().optimizer_state(optimizer)
+        assert self.model is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Under pipeline parallelism: load a sharded (DCP) checkpoint, each rank reading its stages.
+
+        Lightning's loader only recognises models with DTensor parameters (with pipeline parallelism
+        alone each rank holds plain tensors of its own stages) and reads optimizer groups unflattened.
+        """
+        from lightning.fabric.strategies.model_parallel import (
+            _METADATA_FILENAME,
+            _distributed_checkpoint_load,
+            _is_sharded_checkpoint,
+        )
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        if self.layout.pp_size == 1:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        assert self.model is not None
+        assert self.lightning_module is not None
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_checkpoint(path):
+            raise LayoutError(
+                f"{type(self).__name__} loads sharded (DCP) checkpoint directories, and {str(path)!r} is not one."
+                " Save with save_distributed_checkpoint=True (the default)."
+            )
+        module_state = {"state_dict": get_model_state_dict(self.model)}
+        _distributed_checkpoint_load(module_state, path)
+        self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
+        for index, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{index}"
+            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer, options=_FLAT)}
+            _distributed_checkpoint_load(optimizer_state, path)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optimizer_state[key], options=_FLAT)
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Write the checkpoint next to its destination, then move it into place: never half-written."""
         path = Path(self.broadcast(filepath))
@@ -287,3 +349,12 @@ def find_hf_model(module: nn.Module, owner: str) -> nn.Module:
             " `lightning_plugins.parallelize(model, self.device_mesh)` yourself."
         )
     return found[0][1]
+
+
+def _flat_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
+
+
+_FLAT = _flat_options()

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import torch
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_plugins.layout import LayoutError
@@ -60,12 +55,6 @@ class PipelineParallelStrategy(ParallelismStrategy):
                 f"{type(self).__name__}: pp_size must be an integer >= 2, got {pp_size!r}. For pp_size=1 use"
                 " ParallelismStrategy (or TensorParallelStrategy)."
             )
-        if kwargs.get("save_distributed_checkpoint") is False:
-            raise LayoutError(
-                f"{type(self).__name__} writes sharded (DCP) checkpoints only: each rank holds different stages, so"
-                " no rank can write the full model. Keep save_distributed_checkpoint=True and export to HF format"
-                " from the sharded checkpoint."
-            )
         super().__init__(pp_size=pp_size, **kwargs)
         # Fail on a bad schedule or micro-batch count now, before Trainer(...) launches any process.
         self.pipeline_options = PipelineOptions(schedule, microbatches, stages_per_rank).resolve(pp_size)
@@ -86,63 +75,3 @@ class PipelineParallelStrategy(ParallelismStrategy):
         )
         self.pipeline_options = check_pipeline_layout(layout, model.config, options)
         super().setup_environment()
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This rank's optimizer state, flattened to one entry per parameter name.
-
-        Pipeline ranks hold different parameters, so their ``param_groups`` differ; DCP keeps one copy of
-        a non-tensor entry per key, which would hand every rank the first rank's groups. Flattened,
-        every hyper-parameter is stored under its parameter's name and each rank reads back its own.
-        """
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        assert self.model is not None
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded (DCP) checkpoint written by :meth:`save_checkpoint`: each rank reads its stages.
-
-        Lightning's loader only recognises models with DTensor parameters (with pipeline parallelism
-        alone each rank holds plain tensors of its own stages) and reads optimizer groups unflattened.
-        """
-        from lightning.fabric.strategies.model_parallel import (
-            _METADATA_FILENAME,
-            _distributed_checkpoint_load,
-            _is_sharded_checkpoint,
-        )
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        assert self.model is not None
-        assert self.lightning_module is not None
-        path = Path(self.broadcast(checkpoint_path))
-        if not _is_sharded_checkpoint(path):
-            raise LayoutError(
-                f"{type(self).__name__} loads sharded (DCP) checkpoint directories, and {str(path)!r} is not one."
-                " Save with save_distributed_checkpoint=True (the default)."
-            )
-        module_state = {"state_dict": get_model_state_dict(self.model)}
-        _distributed_checkpoint_load(module_state, path)
-        self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
-        for index, optimizer in enumerate(self.optimizers):
-            key = f"optimizer_{index}"
-            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer, options=_FLAT)}
-            _distributed_checkpoint_load(optimizer_state, path)
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optimizer_state[key], options=_FLAT)
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
-
-
-def _flat_options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
-
-
-_FLAT = _flat_options()
