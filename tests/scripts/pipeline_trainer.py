@@ -20,8 +20,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_batch, tiny_model  # noqa: E402
+from trainer_parity import make_trainer, step_losses  # noqa: E402
 
 from lightning_plugins.strategies import PipelineParallelStrategy  # noqa: E402
 
@@ -118,25 +120,6 @@ def max_over_ranks(value: float) -> float:
     tensor = torch.tensor(float(value), dtype=torch.float64)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return tensor.item()
-
-
-def make_trainer(strategy: PipelineParallelStrategy, devices: int, max_steps: int, **kwargs) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=max_steps,
-        gradient_clip_val=MAX_NORM,
-        accumulate_grad_batches=ACCUM,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
-
-
-def step_losses(micro: list[float]) -> list[float]:
-    return [sum(micro[i : i + ACCUM]) / ACCUM for i in range(0, len(micro), ACCUM)]
 
 
 CASES = {
