@@ -121,13 +121,12 @@ def _measure(args: argparse.Namespace, cp: int, backend: str, seq: int) -> dict[
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import AutoModelForCausalLM
 
-    from lightning_plugins import ParallelLayout, parallelize
+    from lightning_plugins import ParallelLayout, ParallelOptions, parallelize
     from lightning_plugins.parallel import context_parallel_batch, mesh_of
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(args), dtype=torch.float32)
-    options = {"context_parallel_backend": backend} if cp > 1 else {}
-    model = parallelize(model, ParallelLayout(cp_size=cp).resolve(cp), **options)
+    model = parallelize(model, ParallelLayout(cp_size=cp).resolve(cp), ParallelOptions(cp_backend=backend))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     generator = torch.Generator().manual_seed(seq)
     ids = torch.randint(0, args.vocab, (1, seq), generator=generator)

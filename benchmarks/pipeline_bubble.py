@@ -1,6 +1,6 @@
 """Pipeline bubble per schedule: measured idle fraction per rank next to theory, and peak activations.
 
-Runs the engine's own pipeline (``parallelize(..., ParallelLayout(pp_size=p), pp_schedule=...)`` and
+Runs the engine's own pipeline (``parallelize(..., ParallelLayout(pp_size=p), ParallelOptions(pp_schedule=...))`` and
 ``Pipeline.step``) on gloo/CPU with real p2p and the real torch schedules. Only the decoder layers'
 compute is emulated: each layer *sleeps* a fixed time in forward (F), in the input-gradient pass (I)
 and in the weight-gradient pass (W), F = I = W, so ranks do not compete for this machine's cores.
@@ -151,7 +151,7 @@ def _mark_schedule_end(schedule: Any) -> None:
 def _measure(p: int, layer_s: float, steps: int) -> list[dict]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from lightning_plugins import LayoutError, ParallelLayout, parallelize
+    from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, parallelize
     from lightning_plugins.parallel import pipeline_of
 
     rows = []
@@ -166,7 +166,7 @@ def _measure(p: int, layer_s: float, steps: int) -> list[dict]:
             for index in range(LAYERS):
                 model.model.layers[index] = SleepLayer(layer_s)
             try:
-                model = parallelize(model, ParallelLayout(pp_size=p), pp_schedule=schedule, pp_microbatches=m)
+                model = parallelize(model, ParallelLayout(pp_size=p), ParallelOptions(pp_schedule=schedule, pp_microbatches=m))
             except LayoutError as err:
                 rows.append({"schedule": schedule, "p": p, "m": m, "skipped": str(err).split(".")[0]})
                 continue

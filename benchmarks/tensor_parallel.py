@@ -395,12 +395,12 @@ def build_variant(name: str, rank: int, checkpoint: str, opts: Options) -> Varia
                 checkpoint, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=WORLD)
             )
         else:
-            from lightning_plugins.layout import ParallelLayout
+            from lightning_plugins import ParallelLayout, ParallelOptions
             from lightning_plugins.parallel import parallelize
 
             model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
             sp_lp = name == "ours_sp_lp"
-            parallelize(model, ParallelLayout(tp_size=WORLD), sequence_parallel=sp_lp, loss_parallel=sp_lp)
+            parallelize(model, ParallelLayout(tp_size=WORLD), ParallelOptions(sequence_parallel=sp_lp, loss_parallel=sp_lp))
     if model is None:
         return Variant(name, None, None)
     model.train()

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_plugins.layout import LayoutError, ParallelLayout
+from lightning_plugins.options import MemoryOptions, ParallelOptions
 from lightning_plugins.parallel import mesh_of, parallelize
 
 
@@ -137,10 +138,11 @@ def _reinit_nonpersistent_buffers(model: nn.Module, device: torch.device | str) 
 def from_pretrained(
     checkpoint_dir: str | Path,
     layout: ParallelLayout | DeviceMesh,
+    options: ParallelOptions | None = None,
+    memory: MemoryOptions | None = None,
     *,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str | None = None,
-    **parallelize_options: Any,
 ) -> nn.Module:
     """Build an HF causal LM on the meta device, parallelize it, and load this rank's slices.
 
@@ -149,7 +151,8 @@ def from_pretrained(
         layout: The layout or mesh (see :func:`~lightning_plugins.parallelize`).
         dtype: Parameter dtype.
         attn_implementation: e.g. ``"sdpa"`` or ``"eager"``; the config's choice when ``None``.
-        **parallelize_options: Passed to :func:`~lightning_plugins.parallelize`.
+        options: How the layout is applied (see :func:`~lightning_plugins.parallelize`).
+        memory: Memory levers (see :func:`~lightning_plugins.parallelize`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -157,6 +160,6 @@ def from_pretrained(
     with torch.device("meta"):
         kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
-    parallelize(model, layout, **parallelize_options)
+    parallelize(model, layout, options, memory)
     load_sharded_safetensors(model, checkpoint_dir)
     return model

@@ -14,7 +14,7 @@ from tiny_models import CONFIGS, make_batch, tiny_model
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import AutoModelForCausalLM
 
-from lightning_plugins import LayoutError, ParallelLayout, parallelize
+from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, parallelize
 from lightning_plugins.parallel.context import (
     _STATE_ATTR,
     ATTENTION_IMPLEMENTATION,
@@ -131,16 +131,16 @@ def test_ulysses_heads_checked_before_any_collective(fake_world: int) -> None:
 
 
 def test_ring_has_no_head_constraint(fake_world: int) -> None:
-    model = parallelize(tiny_model("llama"), ParallelLayout(cp_size=8), context_parallel_backend="ring")
+    model = parallelize(tiny_model("llama"), ParallelLayout(cp_size=8), ParallelOptions(cp_backend="ring"))
     assert model.config._attn_implementation == ATTENTION_IMPLEMENTATION
 
 
 def test_unknown_backend(fake_world: int) -> None:
-    with pytest.raises(LayoutError, match="Unknown context-parallel backend 'star'.*'ulysses', 'ring'"):
-        parallelize(tiny_model("llama"), ParallelLayout(cp_size=2), context_parallel_backend="star")
-    with pytest.raises(LayoutError, match="ContextParallelStrategy: unknown backend 'star'"):
+    with pytest.raises(LayoutError, match="cp_backend='star' is not a context-parallel backend.*'ulysses', 'ring'"):
+        parallelize(tiny_model("llama"), ParallelLayout(cp_size=2), ParallelOptions(cp_backend="star"))
+    with pytest.raises(LayoutError, match="cp_backend='star' is not a context-parallel backend"):
         ContextParallelStrategy(cp_size=2, backend="star")
-    with pytest.raises(LayoutError, match="ParallelismStrategy: unknown cp_backend 'star'"):
+    with pytest.raises(LayoutError, match="cp_backend='star' is not a context-parallel backend"):
         ParallelismStrategy(cp_size=2, cp_backend="star")
 
 
@@ -148,7 +148,7 @@ def test_ring_refuses_attention_dropout(fake_world: int) -> None:
     config = CONFIGS["llama"]()
     config.attention_dropout = 0.1
     with pytest.raises(LayoutError, match="Ring attention has no attention dropout.*backend='ulysses'"):
-        parallelize(AutoModelForCausalLM.from_config(config), ParallelLayout(cp_size=2), context_parallel_backend="ring")
+        parallelize(AutoModelForCausalLM.from_config(config), ParallelLayout(cp_size=2), ParallelOptions(cp_backend="ring"))
 
 
 def test_pipeline_composition_is_refused() -> None:

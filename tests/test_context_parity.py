@@ -22,6 +22,7 @@ from tiny_models import CONFIGS, make_batch, tiny_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from lightning_plugins.options import with_settings
 from lightning_plugins import ParallelLayout, parallelize
 from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of
 
@@ -29,7 +30,7 @@ STEPS, ACCUM, BATCH, MAX_NORM, LR = 3, 2, 4, 0.5, 1.0
 TOL = 1e-5
 
 # name -> (family, sizes, seq, parallelize options)
-U, R = {"context_parallel_backend": "ulysses"}, {"context_parallel_backend": "ring"}
+U, R = {"cp_backend": "ulysses"}, {"cp_backend": "ring"}
 CP2, CP4 = {"cp_size": 2}, {"cp_size": 4}
 CASES = {
     2: {
@@ -105,7 +106,7 @@ def _run_case(world_size: int, family: str, sizes: dict, seq: int, options: dict
     model = tiny_model(family)
     if inner is not None:
         model.set_attn_implementation(inner)
-    model = parallelize(model, ParallelLayout(**sizes).resolve(world_size), **options)
+    model = parallelize(model, ParallelLayout(**sizes).resolve(world_size), *with_settings("test", **options))
     history = _train(model, seq, _cp_prepare(model), clip_grad_norm_)
     weight_diff = 0.0
     for name, param in model.named_parameters():

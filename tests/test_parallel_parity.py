@@ -19,6 +19,7 @@ from tiny_models import make_batch, tiny_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from lightning_plugins.options import with_settings
 from lightning_plugins import ParallelLayout, parallelize
 from lightning_plugins.checkpoint import export_hf
 from lightning_plugins.loading import from_pretrained
@@ -81,9 +82,9 @@ def _check_cases(rank: int, world_size: int, cases: list[tuple[str, dict, dict]]
         where = f"{family} {sizes} {options} load={load}"
         layout = ParallelLayout(**sizes).resolve(world_size)
         if load:
-            model = from_pretrained(saved, layout, attn_implementation="sdpa", **options)
+            model = from_pretrained(saved, layout, *with_settings("test", **options), attn_implementation="sdpa")
         else:
-            model = parallelize(copy.deepcopy(initial), layout, **options)
+            model = parallelize(copy.deepcopy(initial), layout, *with_settings("test", **options))
         assert mesh_of(model) is not None
         losses = _train(model, _local_rows(layout, rank), clip_grad_norm_)
         torch.testing.assert_close(

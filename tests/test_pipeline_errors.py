@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tiny_models import tiny_model
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from lightning_plugins import LayoutError, ParallelLayout, parallelize
+from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, parallelize
 from lightning_plugins.parallel.pipeline import PipelineOptions, layer_ranges, stages_of_rank
 from lightning_plugins.strategies import ParallelismStrategy, PipelineParallelStrategy
 
@@ -26,7 +26,7 @@ def fake_world():
 
 def test_unknown_schedule(fake_world: int) -> None:
     with pytest.raises(LayoutError, match=r"pp_schedule='zero_bubble' is not a known pipeline schedule\. Use one of"):
-        parallelize(tiny_model("llama_4l"), ParallelLayout(pp_size=2), pp_schedule="zero_bubble")
+        parallelize(tiny_model("llama_4l"), ParallelLayout(pp_size=2), ParallelOptions(pp_schedule="zero_bubble"))
 
 
 def test_pp_larger_than_layers(fake_world: int) -> None:
@@ -37,7 +37,7 @@ def test_pp_larger_than_layers(fake_world: int) -> None:
 def test_interleaved_with_too_few_layers(fake_world: int) -> None:
     # 4 ranks x 2 stages = 8 stages, but only 4 layers.
     with pytest.raises(LayoutError, match=r"= 8 pipeline stages, but the model has only num_hidden_layers=4.*'1f1b'"):
-        parallelize(tiny_model("llama_4l"), ParallelLayout(pp_size=4), pp_schedule="interleaved_1f1b")
+        parallelize(tiny_model("llama_4l"), ParallelLayout(pp_size=4), ParallelOptions(pp_schedule="interleaved_1f1b"))
     with pytest.raises(LayoutError, match="= 6 pipeline stages.*num_hidden_layers=4. .*pp_stages_per_rank=2"):
         PipelineOptions("interleaved_1f1b", stages_per_rank=3).resolve(2, num_layers=4)
 
@@ -74,7 +74,7 @@ def test_pipeline_with_context_parallel(fake_world: int) -> None:
 def test_tied_embedding_on_one_rank_with_fsdp(fake_world: int) -> None:
     with pytest.raises(LayoutError, match="tied embedding.*two FSDP2 stage modules.*interleaved_1f1b"):
         parallelize(
-            tiny_model("llama_tied_4l"), ParallelLayout(pp_size=2), pp_schedule="zbv_zero_bubble", pp_microbatches=2
+            tiny_model("llama_tied_4l"), ParallelLayout(pp_size=2), ParallelOptions(pp_schedule="zbv_zero_bubble", pp_microbatches=2)
         )
 
 

@@ -15,7 +15,8 @@ from _world import run_world
 from tiny_models import make_batch, tiny_model
 from torch.distributed.tensor import DTensor
 
-from lightning_plugins import LayoutError, ParallelLayout, parallelize
+from lightning_plugins.options import with_settings
+from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, parallelize
 from lightning_plugins.parallel import mesh_of, pipeline_of
 from lightning_plugins.parallel.pipeline import PipelineOptions, layer_ranges, stages_of_rank
 
@@ -83,7 +84,7 @@ def _check_cases(rank: int, world_size: int, cases: list[tuple[str, dict, dict]]
             references[family] = (tiny_model(family), *_reference(tiny_model(family)))
         model0, ref_losses, ref_norms, ref_weights, ref_evals = references[family]
         layout = ParallelLayout(**sizes).resolve(world_size)
-        model = parallelize(copy.deepcopy(model0), layout, **options)
+        model = parallelize(copy.deepcopy(model0), layout, *with_settings("test", **options))
         mesh = mesh_of(model)
         dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
@@ -116,7 +117,7 @@ def _check_cases(rank: int, world_size: int, cases: list[tuple[str, dict, dict]]
 
 def _check_batch_not_divisible(world_size: int) -> None:
     """A batch that does not split into the micro-batches fails on every rank before any collective."""
-    model = parallelize(tiny_model("llama_4l"), ParallelLayout(pp_size=world_size), pp_microbatches=world_size)
+    model = parallelize(tiny_model("llama_4l"), ParallelLayout(pp_size=world_size), ParallelOptions(pp_microbatches=world_size))
     batch = make_batch(world_size + 1, SEQ, model.config.vocab_size, seed=0)
     with pytest.raises(LayoutError, match="does not split into pp_microbatches"):
         model(**batch)

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.layout import MESH_DIM_NAMES, LayoutError, ParallelLayout
+from lightning_plugins.options import MemoryOptions, ParallelOptions
 from lightning_plugins.models import ModelFamily, check_supported, decoder_layers, family_for
 from lightning_plugins.parallel.activation import apply_activation_checkpointing
 from lightning_plugins.parallel.context import apply_context_parallel, check_context_parallel, context_parallel_batch
 from lightning_plugins.parallel.data import apply_fsdp, mixed_precision_policy, offload_policy
 from lightning_plugins.parallel.grad import clip_grad_norm_, total_grad_norm
-from lightning_plugins.parallel.loss import ParallelCausalLMLoss
+from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
 from lightning_plugins.parallel.pipeline import PipelineOptions, apply_pipeline_parallel, check_pipeline_layout, pipeline_of
 from lightning_plugins.parallel.tensor import apply_tensor_parallel
 
@@ -35,24 +35,14 @@ __all__ = [
 ]
 
 _MESH_ATTR = "_lightning_plugins_mesh"
+_SETTINGS_ATTR = "_lightning_plugins_settings"
 
 
 def parallelize(
     model: nn.Module,
     layout: ParallelLayout | DeviceMesh,
-    *,
-    sequence_parallel: bool = True,
-    loss_parallel: bool = True,
-    activation_checkpointing: str = "none",
-    every_n_layers: int | None = None,
-    param_dtype: str | torch.dtype | None = None,
-    reduce_dtype: str | torch.dtype | None = None,
-    cpu_offload: bool = False,
-    reshard_after_forward: bool = True,
-    context_parallel_backend: str = "ulysses",
-    pp_schedule: str = "1f1b",
-    pp_microbatches: int | None = None,
-    pp_stages_per_rank: int | None = None,
+    options: ParallelOptions | None = None,
+    memory: MemoryOptions | None = None,
 ) -> nn.Module:
     """Apply the layout to ``model`` in place and return it.
 
@@ -61,20 +51,9 @@ def parallelize(
             :func:`lightning_plugins.loading.load_sharded_safetensors`).
         layout: A :class:`ParallelLayout` (resolved against the world size here) or a mesh built by
             :meth:`ParallelLayout.build_mesh`.
-        sequence_parallel: Shard norms and the residual stream along the sequence (TP only).
-        loss_parallel: Compute the loss on vocab-sharded logits without gathering them (TP only).
-        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"`` (see ``every_n_layers``).
-        every_n_layers: With ``"selective"``, checkpoint every N-th layer fully instead of op-level.
-        param_dtype: FSDP2 compute dtype (e.g. ``"bf16"``); ``None`` keeps the parameters' dtype.
-        reduce_dtype: FSDP2 gradient-reduction dtype (e.g. ``"fp32"``).
-        cpu_offload: Keep sharded parameters, gradients and optimizer state on the CPU (FSDP2).
-        reshard_after_forward: FSDP2's ZeRO-3 (``True``) or keep-gathered-until-backward (``False``).
-        context_parallel_backend: With ``cp_size > 1``: ``"ulysses"`` (all-to-all over heads) or ``"ring"``
-            (K/V around the ring); shard batches with :func:`context_parallel_batch`.
-        pp_schedule: Pipeline schedule (``pp_size > 1``): ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
-            ``"looped_bfs"``, ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or ``"dualpipev"``.
-        pp_microbatches: Micro-batches per pipeline step; ``None`` takes the number of stages.
-        pp_stages_per_rank: Stages per rank; ``None`` takes 1 (2 for interleaved and V-shaped schedules).
+        options: How each dimension is applied (sequence/loss parallel, CP backend, pipeline schedule
+            and micro-batches); defaults when ``None``. Shard CP batches with :func:`context_parallel_batch`.
+        memory: Activation checkpointing, FSDP2 mixed precision, CPU offload, resharding; defaults when ``None``.
 
     Returns:
         The same model, now holding DTensor parameters; its ``loss_function`` averages over valid tokens
@@ -85,19 +64,21 @@ def parallelize(
     Raises:
         LayoutError: for any invalid combination, before any collective runs.
     """
-    check_supported(model)
+    options, memory = options or ParallelOptions(), memory or MemoryOptions()
     resolved = _resolve(layout)
+    if mesh_of(model) is not None:  # a later entry point (fit, then test; a second Trainer) reuses it
+        _check_same_settings(model, resolved, options, memory)
+        return model
+    check_supported(model)
     resolved.validate(getattr(model, "config", None))
     family = family_for(model, tensor_parallel=resolved.tp_size > 1)
     pipeline_options = None
     if resolved.pp_size > 1:
-        options = PipelineOptions(pp_schedule, pp_microbatches, pp_stages_per_rank)
-        pipeline_options = check_pipeline_layout(resolved, getattr(model, "config", None), options)
+        pipeline_options = check_pipeline_layout(resolved, getattr(model, "config", None), options.pipeline)
     check_context_parallel(
-        getattr(model, "config", None), resolved.cp_size, resolved.tp_size, context_parallel_backend,
-        pp_size=resolved.pp_size,
+        getattr(model, "config", None), resolved.cp_size, resolved.tp_size, options.cp_backend, pp_size=resolved.pp_size
     )
-    if (cpu_offload or param_dtype is not None or reduce_dtype is not None) and resolved.fsdp_size == 1:
+    if memory.uses_fsdp_policy and resolved.fsdp_size == 1:
         raise LayoutError(
             "cpu_offload, param_dtype and reduce_dtype are FSDP2 options and need at least 2 data-parallel ranks"
             " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, use a precision plugin instead."
@@ -106,32 +87,34 @@ def parallelize(
     mesh = layout if isinstance(layout, DeviceMesh) else resolved.build_mesh(_device_type())
 
     if pipeline_options is not None:
-        _parallelize_pipeline(model, family, mesh, pipeline_options, sequence_parallel, loss_parallel,
-                              activation_checkpointing, every_n_layers, param_dtype, reduce_dtype, cpu_offload,
-                              reshard_after_forward)
+        _parallelize_pipeline(model, family, mesh, pipeline_options, options, memory)
         setattr(model, _MESH_ATTR, mesh)
+        setattr(model, _SETTINGS_ATTR, (options, memory))
         return model
 
     if resolved.tp_size > 1:
         apply_tensor_parallel(
-            model, family, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+            model, family, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
         )
+        if options.loss_parallel:
+            model.register_forward_hook(gather_logits_without_labels, with_kwargs=True)
     layers = decoder_layers(model, family)
     if resolved.cp_size > 1:
-        apply_context_parallel(model, layers, mesh["cp"], context_parallel_backend)
-    apply_activation_checkpointing(layers, activation_checkpointing, every_n_layers)
+        apply_context_parallel(model, layers, mesh["cp"], options.cp_backend)
+    apply_activation_checkpointing(layers, memory.activation_checkpointing, memory.every_n_layers)
     fsdp = fsdp_mesh(mesh)
     if fsdp is not None:
         apply_fsdp(
             model,
             layers,
             fsdp,
-            mp_policy=mixed_precision_policy(param_dtype, reduce_dtype),
-            offload=offload_policy(cpu_offload, mesh.device_type),
-            reshard_after_forward=reshard_after_forward,
+            mp_policy=mixed_precision_policy(memory.param_dtype, memory.reduce_dtype),
+            offload=offload_policy(memory.cpu_offload, mesh.device_type),
+            reshard_after_forward=memory.reshard_after_forward,
         )
     model.loss_function = ParallelCausalLMLoss(data_mesh(mesh))
     setattr(model, _MESH_ATTR, mesh)
+    setattr(model, _SETTINGS_ATTR, (options, memory))
     return model
 
 
@@ -139,43 +122,37 @@ def _parallelize_pipeline(
     model: nn.Module,
     family: ModelFamily,
     mesh: DeviceMesh,
-    options: PipelineOptions,
-    sequence_parallel: bool,
-    loss_parallel: bool,
-    activation_checkpointing: str,
-    every_n_layers: int | None,
-    param_dtype: str | torch.dtype | None,
-    reduce_dtype: str | torch.dtype | None,
-    cpu_offload: bool,
-    reshard_after_forward: bool,
+    pipeline_options: PipelineOptions,
+    options: ParallelOptions,
+    memory: MemoryOptions,
 ) -> None:
     """The same order per stage: split -> TP/SP -> AC -> FSDP2 (each stage module is its own root)."""
     tp = mesh["tp"]
     tensor_parallel = sequence_mesh = fully_shard_stage = None
     if tp.size() > 1:
         tensor_parallel = partial(
-            apply_tensor_parallel, family=family, tp_mesh=tp, sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel,
+            apply_tensor_parallel, family=family, tp_mesh=tp, sequence_parallel=options.sequence_parallel,
+            loss_parallel=options.loss_parallel,
         )
-        sequence_mesh = tp if sequence_parallel and family.sequence_parallel else None
-    policy = mixed_precision_policy(param_dtype, reduce_dtype)
+        sequence_mesh = tp if options.sequence_parallel and family.sequence_parallel else None
+    policy = mixed_precision_policy(memory.param_dtype, memory.reduce_dtype)
     fsdp = fsdp_mesh(mesh)
     if fsdp is not None:
         fully_shard_stage = partial(
-            apply_fsdp, mesh=fsdp, mp_policy=policy, offload=offload_policy(cpu_offload, mesh.device_type)
+            apply_fsdp, mesh=fsdp, mp_policy=policy, offload=offload_policy(memory.cpu_offload, mesh.device_type)
         )
     apply_pipeline_parallel(
         model,
         family,
         mesh,
-        options,
+        pipeline_options,
         tensor_parallel=tensor_parallel,
         sequence_mesh=sequence_mesh,
         activation_checkpointing=partial(
-            apply_activation_checkpointing, mode=activation_checkpointing, every_n_layers=every_n_layers
+            apply_activation_checkpointing, mode=memory.activation_checkpointing, every_n_layers=memory.every_n_layers
         ),
         fully_shard_stage=fully_shard_stage,
-        reshard_after_forward=reshard_after_forward,
+        reshard_after_forward=memory.reshard_after_forward,
         param_dtype=policy.param_dtype,
     )
 
@@ -183,6 +160,18 @@ def _parallelize_pipeline(
 def mesh_of(model: nn.Module) -> DeviceMesh | None:
     """The mesh ``parallelize`` applied to ``model`` (``None`` if it was not parallelized)."""
     return getattr(model, _MESH_ATTR, None)
+
+
+def _check_same_settings(model: nn.Module, layout: ParallelLayout, options: ParallelOptions, memory: MemoryOptions) -> None:
+    """A model is parallelized once: asking again is fine with the same layout and settings, an error otherwise."""
+    applied = ParallelLayout.from_mesh(mesh_of(model))
+    applied_options, applied_memory = getattr(model, _SETTINGS_ATTR)
+    if (applied, applied_options, applied_memory) != (layout, options, memory):
+        raise LayoutError(
+            f"This model was already parallelized with {applied}, {applied_options}, {applied_memory}; now"
+            f" {layout}, {options}, {memory} is asked for. A layout cannot be changed in place: build the model"
+            " again (or reload it from a checkpoint) and parallelize the fresh one, or keep the first layout."
+        )
 
 
 def data_mesh(mesh: DeviceMesh) -> DeviceMesh | None:

@@ -54,6 +54,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_plugins.options import CP_BACKENDS
+
 AttentionFn = Callable[..., Tensor]
 """``attn_fn(q, k, v, *, is_causal, scale) -> out`` on ``[b, heads, seq, head_dim]`` tensors in natural
 sequence order; ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention)."""
@@ -703,7 +705,7 @@ def ulysses_attention(
 #: It has no mask function on purpose: transformers then builds no mask (a mask for the local length
 #: would be wrong), and causal masking is done here from global positions.
 ATTENTION_IMPLEMENTATION = "lightning_plugins_context_parallel"
-BACKENDS = ("ulysses", "ring")
+BACKENDS = CP_BACKENDS
 _STATE_ATTR = "_lightning_plugins_context_parallel"
 # Keys of a batch that hold one entry per sequence position and that sharding knows how to split.
 _SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")

@@ -143,3 +143,15 @@ class ParallelCausalLMLoss:
         losses = token_losses(logits, targets)
         count = (targets != IGNORE_INDEX).sum()
         return normalize_over_tokens(losses.sum(), count, self.data_mesh, num_items_in_batch)
+
+
+def gather_logits_without_labels(module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
+    """Forward hook: with no labels (inference, ``generate``), hand back full logits as a plain tensor.
+
+    Under loss parallel the logits stay vocab-sharded for the loss; without a loss to compute, callers
+    (``generate``, metrics) expect ordinary logits.
+    """
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, DTensor) and kwargs.get("labels") is None and kwargs.get("shift_labels") is None:
+        output.logits = logits.full_tensor()
+    return output

@@ -8,7 +8,6 @@ from typing import Any, Literal
 from typing_extensions import override
 
 from lightning_plugins.layout import LayoutError
-from lightning_plugins.parallel.context import BACKENDS
 from lightning_plugins.strategies.parallelism import ParallelismStrategy
 
 
@@ -35,8 +34,6 @@ class ContextParallelStrategy(ParallelismStrategy):
             raise LayoutError(
                 f"{type(self).__name__} takes the context-parallel attention as `backend`, not `cp_backend`."
             )
-        if backend not in BACKENDS:
-            raise LayoutError(f"{type(self).__name__}: unknown backend {backend!r}; use one of {BACKENDS}.")
         if cp_size != "auto" and (not isinstance(cp_size, int) or cp_size < 1):
             raise LayoutError(f"{type(self).__name__}: cp_size must be a positive integer or 'auto', got {cp_size!r}.")
         super().__init__(cp_size=1 if cp_size == "auto" else cp_size, cp_backend=backend, **kwargs)

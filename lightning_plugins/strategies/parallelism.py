@@ -17,14 +17,15 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.loading import is_on_meta, load_sharded_safetensors
 from lightning_plugins.models import check_supported
-from lightning_plugins.parallel import clip_grad_norm_, parallelize, pipeline_of
-from lightning_plugins.parallel.context import BACKENDS as CP_BACKENDS
+from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
+from lightning_plugins.parallel import clip_grad_norm_, mesh_of, parallelize, pipeline_of
 from lightning_plugins.parallel.context import check_context_parallel, context_parallel_batch
 
 if TYPE_CHECKING:
@@ -47,20 +48,18 @@ class ParallelismStrategy(ModelParallelStrategy):
             along the sequence in ``batch_to_device``; the LightningModule sees its shard).
         dp_shard_size: FSDP2 shard ranks; ``-1`` takes whatever the world size leaves.
         dp_replicate_size: Data-parallel replicas (HSDP when combined with ``dp_shard_size > 1``).
-        sequence_parallel: Shard norms and the residual stream along the sequence (with TP).
-        loss_parallel: Cross entropy on vocab-sharded logits, never gathering them (with TP).
-        activation_checkpointing: ``"none"``, ``"full"`` or ``"selective"``.
-        every_n_layers: With ``"selective"``: checkpoint every N-th layer instead of op-level.
-        param_dtype: FSDP2 compute dtype, e.g. ``"bf16"`` (GPU); ``None`` keeps the parameters' dtype.
-        reduce_dtype: FSDP2 gradient-reduction dtype, e.g. ``"fp32"``.
-        cpu_offload: FSDP2 ``CPUOffloadPolicy`` (pinned memory on GPUs; unpinned on CPU).
-        reshard_after_forward: FSDP2 ZeRO-3 (``True``) or keep parameters gathered until backward.
-        cp_backend: Context-parallel attention, ``"ulysses"`` (all-to-all over heads) or ``"ring"``.
+        options: How each dimension is applied (:class:`~lightning_plugins.ParallelOptions`).
+        memory: Activation checkpointing, FSDP2 mixed precision, CPU offload
+            (:class:`~lightning_plugins.MemoryOptions`).
         load_from: HF checkpoint directory to read this rank's weight slices from when the model was
             built on the meta device; defaults to the model config's ``name_or_path``.
         save_distributed_checkpoint: DCP sharded checkpoints (``True``) or one full file on rank 0.
         process_group_backend: ``"nccl"`` / ``"gloo"``; chosen from the device when ``None``.
         timeout: Collective timeout.
+        **settings: Any field of ``ParallelOptions`` or ``MemoryOptions`` by name (``sequence_parallel``,
+            ``loss_parallel``, ``cp_backend``, ``activation_checkpointing``, ``every_n_layers``,
+            ``param_dtype``, ``reduce_dtype``, ``cpu_offload``, ``reshard_after_forward``, ...), overriding
+            ``options``/``memory``.
     """
 
     strategy_name = "parallelism"
@@ -73,19 +72,13 @@ class ParallelismStrategy(ModelParallelStrategy):
         dp_shard_size: int = -1,
         dp_replicate_size: int = 1,
         *,
-        sequence_parallel: bool = True,
-        loss_parallel: bool = True,
-        activation_checkpointing: str = "none",
-        every_n_layers: int | None = None,
-        param_dtype: str | torch.dtype | None = None,
-        reduce_dtype: str | torch.dtype | None = None,
-        cpu_offload: bool = False,
-        reshard_after_forward: bool = True,
-        cp_backend: str = "ulysses",
+        options: ParallelOptions | None = None,
+        memory: MemoryOptions | None = None,
         load_from: str | Path | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **settings: Any,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -99,20 +92,8 @@ class ParallelismStrategy(ModelParallelStrategy):
                 " holds different stages, so no rank can write the full model. Keep save_distributed_checkpoint=True"
                 " and export to HF format from the sharded checkpoint."
             )
-        self.parallelize_options: dict[str, Any] = {
-            "sequence_parallel": sequence_parallel,
-            "loss_parallel": loss_parallel,
-            "activation_checkpointing": activation_checkpointing,
-            "every_n_layers": every_n_layers,
-            "param_dtype": param_dtype,
-            "reduce_dtype": reduce_dtype,
-            "cpu_offload": cpu_offload,
-            "reshard_after_forward": reshard_after_forward,
-            "context_parallel_backend": cp_backend,
-        }
+        self.options, self.memory = with_settings(type(self).__name__, options, memory, **settings)
         self.load_from = load_from
-        if cp_backend not in CP_BACKENDS:
-            raise LayoutError(f"{type(self).__name__}: unknown cp_backend {cp_backend!r}; use one of {CP_BACKENDS}.")
 
     @override
     def setup_environment(self) -> None:
@@ -123,12 +104,13 @@ class ParallelismStrategy(ModelParallelStrategy):
             model = find_hf_model(self.lightning_module, type(self).__name__)
             check_supported(model)
             self.layout.validate(model.config)
-            backend = self.parallelize_options["context_parallel_backend"]
             check_context_parallel(
-                model.config, self.layout.cp_size, self.layout.tp_size, backend, pp_size=self.layout.pp_size
+                model.config, self.layout.cp_size, self.layout.tp_size, self.options.cp_backend,
+                pp_size=self.layout.pp_size,
             )
         self._setup_distributed()
-        self._device_mesh = self.layout.build_mesh(self.root_device.type)
+        # A model parallelized by an earlier entry point (fit, then test; a second Trainer) keeps its mesh.
+        self._device_mesh = self._existing_mesh() or self.layout.build_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
@@ -162,7 +144,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         if not is_overridden("configure_model", self.lightning_module):
             model = find_hf_model(self.lightning_module, type(self).__name__)
-            parallelize(model, self.device_mesh, **self.parallelize_options)
+            parallelize(model, self.device_mesh, self.options, self.memory)
             if is_on_meta(model):
                 load_sharded_safetensors(model, self._checkpoint_dir(model), self.root_device)
         check_supported(self.model)
@@ -178,6 +160,13 @@ class ParallelismStrategy(ModelParallelStrategy):
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _existing_mesh(self) -> DeviceMesh | None:
+        """The mesh of an HF model in the LightningModule that ``parallelize`` already applied a layout to."""
+        assert self.lightning_module is not None
+        if is_overridden("configure_model", self.lightning_module):
+            return None
+        return mesh_of(find_hf_model(self.lightning_module, type(self).__name__))
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         parameters = self.precision_plugin.main_params(optimizer)
@@ -201,7 +190,7 @@ class ParallelismStrategy(ModelParallelStrategy):
                 return pipeline
         raise LayoutError(
             f"{type(self).__name__}: pp_size={self.layout.pp_size} but no pipeline was built. A `configure_model` override"
-            " must call `lightning_plugins.parallelize(model, self.device_mesh, pp_schedule=...)` on the HF model."
+            " must call `lightning_plugins.parallelize(model, self.device_mesh, ParallelOptions(pp_schedule=...))` on the HF model."
         )
 
     @override

@@ -7,7 +7,7 @@ from typing import Any
 from typing_extensions import override
 
 from lightning_plugins.layout import LayoutError
-from lightning_plugins.parallel.pipeline import PipelineOptions, check_pipeline_layout
+from lightning_plugins.parallel.pipeline import check_pipeline_layout
 from lightning_plugins.strategies.parallelism import ParallelismStrategy, find_hf_model
 
 __all__ = ["PipelineParallelStrategy"]
@@ -55,12 +55,12 @@ class PipelineParallelStrategy(ParallelismStrategy):
                 f"{type(self).__name__}: pp_size must be an integer >= 2, got {pp_size!r}. For pp_size=1 use"
                 " ParallelismStrategy (or TensorParallelStrategy)."
             )
-        super().__init__(pp_size=pp_size, **kwargs)
-        # Fail on a bad schedule or micro-batch count now, before Trainer(...) launches any process.
-        self.pipeline_options = PipelineOptions(schedule, microbatches, stages_per_rank).resolve(pp_size)
-        self.parallelize_options.update(
-            pp_schedule=schedule, pp_microbatches=microbatches, pp_stages_per_rank=stages_per_rank
+        super().__init__(
+            pp_size=pp_size, pp_schedule=schedule, pp_microbatches=microbatches, pp_stages_per_rank=stages_per_rank,
+            **kwargs,
         )
+        # Fail on a bad schedule or micro-batch count now, before Trainer(...) launches any process.
+        self.pipeline_options = self.options.pipeline.resolve(pp_size)
 
     @override
     def setup_environment(self) -> None:
@@ -68,10 +68,5 @@ class PipelineParallelStrategy(ParallelismStrategy):
         # The model's layer count is known now: check the stages before any process group exists.
         layout = self.layout.resolve(self.num_nodes * self.num_processes)
         model = find_hf_model(self.lightning_module, type(self).__name__)
-        options = PipelineOptions(
-            self.parallelize_options["pp_schedule"],
-            self.parallelize_options["pp_microbatches"],
-            self.parallelize_options["pp_stages_per_rank"],
-        )
-        self.pipeline_options = check_pipeline_layout(layout, model.config, options)
+        self.pipeline_options = check_pipeline_layout(layout, model.config, self.options.pipeline)
         super().setup_environment()
