@@ -1,8 +1,34 @@
 """lightning_plugins: tensor, pipeline, context and data parallelism for Hugging Face LLMs."""
 
-from lightning_plugins.layout import LayoutError, ParallelLayout
-from lightning_plugins.options import MemoryOptions, ParallelOptions
-from lightning_plugins.parallel import parallelize
+
+def _import_torchao_quietly() -> None:
+    """Import torchao (QLoRA's NF4) with its import-time log noise muted.
+
+    transformers imports torchao whenever it is installed, and on a machine without its CUDA kernels
+    that import logs "Failed to load ..." lines and a torch deprecation notice: nothing a user can act on.
+    """
+    import importlib.util
+    import logging
+
+    if importlib.util.find_spec("torchao") is None:
+        return
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+        import torchao.prototype.safetensors.safetensors_support  # noqa: F401  (what transformers imports)
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+_import_torchao_quietly()
+
+from lightning_plugins.layout import LayoutError, ParallelLayout  # noqa: E402
+from lightning_plugins.options import MemoryOptions, ParallelOptions  # noqa: E402
+from lightning_plugins.parallel import parallelize  # noqa: E402
 
 __all__ = ["LayoutError", "MemoryOptions", "ParallelLayout", "ParallelOptions", "parallelize"]
 __version__ = "0.1.0"

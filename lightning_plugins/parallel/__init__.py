@@ -31,6 +31,7 @@ __all__ = [
     "fsdp_mesh",
     "clip_grad_norm_",
     "total_grad_norm",
+    "check_same_settings",
     "context_parallel_batch",
 ]
 
@@ -67,7 +68,7 @@ def parallelize(
     options, memory = options or ParallelOptions(), memory or MemoryOptions()
     resolved = _resolve(layout)
     if mesh_of(model) is not None:  # a later entry point (fit, then test; a second Trainer) reuses it
-        _check_same_settings(model, resolved, options, memory)
+        check_same_settings(model, resolved, options, memory)
         return model
     check_supported(model)
     resolved.validate(getattr(model, "config", None))
@@ -88,6 +89,7 @@ def parallelize(
 
     if pipeline_options is not None:
         _parallelize_pipeline(model, family, mesh, pipeline_options, options, memory)
+        _refuse_generate(model, "pipeline parallelism (each rank holds only some decoder layers)")
         setattr(model, _MESH_ATTR, mesh)
         setattr(model, _SETTINGS_ATTR, (options, memory))
         return model
@@ -101,6 +103,7 @@ def parallelize(
     layers = decoder_layers(model, family)
     if resolved.cp_size > 1:
         apply_context_parallel(model, layers, mesh["cp"], options.cp_backend)
+        _refuse_generate(model, "context parallelism (each rank holds only a shard of the sequence)")
     apply_activation_checkpointing(layers, memory.activation_checkpointing, memory.every_n_layers)
     fsdp = fsdp_mesh(mesh)
     if fsdp is not None:
@@ -157,13 +160,30 @@ def _parallelize_pipeline(
     )
 
 
+def _refuse_generate(model: nn.Module, reason: str) -> None:
+    """Replace ``model.generate`` by a clear refusal: token-by-token decoding needs every layer and token."""
+
+    def generate(*args: object, **kwargs: object) -> None:
+        raise NotImplementedError(
+            f"generate() is not available under {reason}. Export the trained model with"
+            " `lightning_plugins.checkpoint.export_hf(model, out_dir)` and generate from it in one process (or"
+            " under tensor parallelism / FSDP2); the loss (`model(**batch).loss`) works under every layout."
+        )
+
+    model.generate = generate  # type: ignore[method-assign]
+
+
 def mesh_of(model: nn.Module) -> DeviceMesh | None:
     """The mesh ``parallelize`` applied to ``model`` (``None`` if it was not parallelized)."""
     return getattr(model, _MESH_ATTR, None)
 
 
-def _check_same_settings(model: nn.Module, layout: ParallelLayout, options: ParallelOptions, memory: MemoryOptions) -> None:
-    """A model is parallelized once: asking again is fine with the same layout and settings, an error otherwise."""
+def check_same_settings(model: nn.Module, layout: ParallelLayout, options: ParallelOptions, memory: MemoryOptions) -> None:
+    """A model is parallelized once: asking again is fine with the same layout and settings.
+
+    Raises:
+        LayoutError: naming both layouts and settings when they differ.
+    """
     applied = ParallelLayout.from_mesh(mesh_of(model))
     applied_options, applied_memory = getattr(model, _SETTINGS_ATTR)
     if (applied, applied_options, applied_memory) != (layout, options, memory):

@@ -25,7 +25,7 @@ from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.loading import is_on_meta, load_sharded_safetensors
 from lightning_plugins.models import check_supported
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
-from lightning_plugins.parallel import clip_grad_norm_, mesh_of, parallelize, pipeline_of
+from lightning_plugins.parallel import check_same_settings, clip_grad_norm_, mesh_of, parallelize, pipeline_of
 from lightning_plugins.parallel.context import check_context_parallel, context_parallel_batch
 
 if TYPE_CHECKING:
@@ -108,9 +108,10 @@ class ParallelismStrategy(ModelParallelStrategy):
                 model.config, self.layout.cp_size, self.layout.tp_size, self.options.cp_backend,
                 pp_size=self.layout.pp_size,
             )
-        self._setup_distributed()
         # A model parallelized by an earlier entry point (fit, then test; a second Trainer) keeps its mesh.
-        self._device_mesh = self._existing_mesh() or self.layout.build_mesh(self.root_device.type)
+        existing = self._existing_mesh()
+        self._setup_distributed()
+        self._device_mesh = existing or self.layout.build_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
@@ -166,7 +167,11 @@ class ParallelismStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         if is_overridden("configure_model", self.lightning_module):
             return None
-        return mesh_of(find_hf_model(self.lightning_module, type(self).__name__))
+        model = find_hf_model(self.lightning_module, type(self).__name__)
+        mesh = mesh_of(model)
+        if mesh is not None:
+            check_same_settings(model, self.layout, self.options, self.memory)
+        return mesh
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         parameters = self.precision_plugin.main_params(optimizer)
