@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lightning_plugins.checkpoint import export_hf
-from lightning_plugins.datasets import collate_causal_lm, exact_match, load_prompt_completion, read_jsonl, tiny_assets
+from lightning_plugins.data import collate_causal_lm, exact_match, load_prompt_completion, read_jsonl, tiny_assets
 from lightning_plugins.strategies import TensorParallelStrategy
 
 

@@ -4,11 +4,15 @@
 Outputs (under ``--out``, default: the directory of this script)::
 
     model/   config.json, generation_config.json, model.safetensors,
-             tokenizer.json, tokenizer_config.json   (LlamaForCausalLM, random init)
+             tokenizer.json, tokenizer_config.json,
+             chat_template.jinja                      (LlamaForCausalLM, random init)
     data/    train.jsonl, eval.jsonl                  ({"prompt", "completion"})
+             chat_train.jsonl, chat_eval.jsonl        ({"messages": [{"role", "content"}, ...]})
 
-Everything is deterministic (fixed seeds, no downloads). The task is string
-reversal: ``{"prompt": "<letters>=", "completion": "<letters reversed>"}``.
+Everything is deterministic (fixed seeds, no downloads). The prompt/completion task is string
+reversal: ``{"prompt": "<letters>=", "completion": "<letters reversed>"}``. The chat task is a
+multi-turn conversation of string commands: ``r abc`` (reverse) or ``s cab`` (sort), and a bare
+``r`` / ``s`` in a later turn applies to the assistant's previous answer.
 
 Usage::
 
@@ -16,6 +20,7 @@ Usage::
     python recipes/tiny/make_tiny.py --out /tmp/tiny  # elsewhere
     python recipes/tiny/make_tiny.py --data-only --out /tmp/tiny
     python recipes/tiny/make_tiny.py --verify         # fine-tune check (no files written)
+    python recipes/tiny/make_tiny.py --verify --task chat
 """
 
 from __future__ import annotations
@@ -43,6 +48,25 @@ TASK_ALPHABET = "abcdefghij"
 TASK_MIN_LEN, TASK_MAX_LEN = 3, 5
 N_TRAIN, N_EVAL = 4000, 200
 
+# Chat task: 1-3 user/assistant exchanges of commands on strings of 3-5 letters from a-j.
+CHAT_OPS = {"r": lambda s: s[::-1], "s": lambda s: "".join(sorted(s))}
+CHAT_MAX_TURNS = 3
+
+# The tiny tokenizer's chat template: "<s>u:<user>|a:<assistant></s>..." (every character is in CHARS).
+# Assistant content and its EOS are inside {% generation %} so only they are trained.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "a:{% generation %}{{ message['content'] }}{{ eos_token }}{% endgeneration %}"
+    "{% elif message['role'] == 'user' %}u:{{ message['content'] }}|"
+    "{% elif message['role'] == 'system' %}s:{{ message['content'] }}|"
+    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
+
 MODEL_CONFIG = dict(
     hidden_size=128,
     intermediate_size=256,
@@ -56,10 +80,11 @@ MODEL_CONFIG = dict(
     rope_theta=10000.0,
 )
 
-# Training settings used by --verify (and recommended for the demo).
+# Training settings used by --verify (and recommended for the demo); the chat task has its own steps.
 VERIFY = dict(
     steps=400, batch_size=16, lr=3e-3, weight_decay=0.0, warmup=30, decay=True, max_length=32
 )
+VERIFY_CHAT = dict(VERIFY, steps=1000, max_length=64)
 
 
 def vocab_size() -> int:
@@ -80,7 +105,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS)]
     )
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",
         eos_token="</s>",
@@ -88,6 +113,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         unk_token="<unk>",
         model_max_length=MODEL_CONFIG["max_position_embeddings"],
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_model() -> LlamaForCausalLM:
@@ -133,7 +160,38 @@ def make_data() -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     return train_records, eval_records
 
 
-def write_jsonl(path: Path, records: list[dict[str, str]]) -> None:
+def _task_string(rng: random.Random) -> str:
+    return "".join(rng.choice(TASK_ALPHABET) for _ in range(rng.randint(TASK_MIN_LEN, TASK_MAX_LEN)))
+
+
+def make_conversation(rng: random.Random, strings: list[str]) -> dict[str, list[dict[str, str]]]:
+    """One chat record: each turn is ``"<op> <string>"``, or (after the first) a bare ``"<op>"`` on the last answer."""
+    messages: list[dict[str, str]] = []
+    answer = ""
+    for turn in range(rng.randint(1, CHAT_MAX_TURNS)):
+        op = rng.choice(sorted(CHAT_OPS))
+        if turn and rng.random() < 0.5:
+            content, argument = op, answer
+        else:
+            argument = rng.choice(strings)
+            content = f"{op} {argument}"
+        answer = CHAT_OPS[op](argument)
+        messages += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
+    return {"messages": messages}
+
+
+def make_chat_data() -> tuple[list[dict], list[dict]]:
+    """Returns (train, eval) conversations; no string given in an eval conversation appears in train."""
+    rng = random.Random(SEED + 1)
+    pool = sorted({_task_string(rng) for _ in range(20000)})
+    rng.shuffle(pool)
+    held_out, seen = pool[:300], pool[300:]
+    evals = [make_conversation(rng, held_out) for _ in range(N_EVAL)]
+    train = [make_conversation(rng, seen) for _ in range(N_TRAIN)]
+    return train, evals
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
     """Writes one JSON object per line (ASCII, ``\\n`` line endings)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8", newline="\n") as f:
@@ -146,6 +204,9 @@ def write_data(out: Path) -> None:
     train, evals = make_data()
     write_jsonl(out / "data" / "train.jsonl", train)
     write_jsonl(out / "data" / "eval.jsonl", evals)
+    chat_train, chat_evals = make_chat_data()
+    write_jsonl(out / "data" / "chat_train.jsonl", chat_train)
+    write_jsonl(out / "data" / "chat_eval.jsonl", chat_evals)
 
 
 def write_model(out: Path) -> None:
@@ -163,53 +224,62 @@ def write_model(out: Path) -> None:
         path.chmod(0o644)
 
 
-def verify(root: Path, threads: int = 1, train_seed: int = SEED) -> None:
+def verify(root: Path, threads: int = 1, train_seed: int = SEED, task: str = "reverse") -> None:
     """Fine-tunes the shipped checkpoint in memory and prints eval exact match.
 
     Plain PyTorch loop (1 process, ``threads`` CPU threads) with the settings in
-    ``VERIFY``: AdamW, linear warmup then linear decay to 0, grad-norm clip 1.0,
-    batches drawn by epoch-wise shuffling seeded with ``train_seed``. Nothing is
-    written to disk.
+    ``VERIFY`` (``VERIFY_CHAT`` for ``task="chat"``): AdamW, linear warmup then
+    linear decay to 0, grad-norm clip 1.0, batches drawn by epoch-wise shuffling
+    seeded with ``train_seed``. The chat task is scored on each eval conversation's
+    last assistant turn. Nothing is written to disk.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(HERE.parents[1]))
-    from lightning_plugins.datasets import (
+    from lightning_plugins.data import (
+        DataConfig,
+        build_dataset,
         collate_causal_lm,
         exact_match,
         load_prompt_completion,
         tiny_assets,
     )
 
+    settings = VERIFY_CHAT if task == "chat" else VERIFY
     torch.set_num_threads(threads)
     assets = tiny_assets(root)
     tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
     model = AutoModelForCausalLM.from_pretrained(assets.model_dir)
-    train = load_prompt_completion(assets.train_file, tokenizer, VERIFY["max_length"])
+    if task == "chat":
+        config = DataConfig(train=str(assets.chat_train_file), max_seq_len=settings["max_length"])
+        train, eval_file = list(build_dataset(config, tokenizer, "train")), assets.chat_eval_file
+    else:
+        train, eval_file = load_prompt_completion(assets.train_file, tokenizer, settings["max_length"]), assets.eval_file
     t0 = time.perf_counter()
-    before = exact_match(model, tokenizer, assets.eval_file)
+    before = exact_match(model, tokenizer, eval_file)
     print(f"before: exact_match={before:.3f} ({time.perf_counter() - t0:.1f}s eval)", flush=True)
 
     torch.manual_seed(train_seed)
     optim = torch.optim.AdamW(
-        model.parameters(), lr=VERIFY["lr"], weight_decay=VERIFY["weight_decay"]
+        model.parameters(), lr=settings["lr"], weight_decay=settings["weight_decay"]
     )
-    steps, warmup = VERIFY["steps"], VERIFY["warmup"]
+    steps, warmup = settings["steps"], settings["warmup"]
     def lr_factor(s: int) -> float:  # linear warmup, then constant or linear decay to 0
         if s < warmup:
             return (s + 1) / warmup
-        return (steps - s) / (steps - warmup) if VERIFY["decay"] else 1.0
+        return (steps - s) / (steps - warmup) if settings["decay"] else 1.0
 
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_factor)
     gen = torch.Generator().manual_seed(train_seed)
     model.train()
     t0 = time.perf_counter()
     order: list[int] = []
+    batch_size = settings["batch_size"]
     for step in range(1, steps + 1):
-        if len(order) < VERIFY["batch_size"]:
+        if len(order) < batch_size:
             order += torch.randperm(len(train), generator=gen).tolist()
-        idx, order = order[: VERIFY["batch_size"]], order[VERIFY["batch_size"] :]
+        idx, order = order[:batch_size], order[batch_size:]
         batch = collate_causal_lm([train[i] for i in idx], tokenizer.pad_token_id)
         loss = model(**batch).loss
         loss.backward()
@@ -221,7 +291,7 @@ def verify(root: Path, threads: int = 1, train_seed: int = SEED) -> None:
             print(f"step {step:4d} loss {loss.item():.4f} ({time.perf_counter() - t0:.1f}s)", flush=True)
     train_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    after = exact_match(model, tokenizer, assets.eval_file)
+    after = exact_match(model, tokenizer, eval_file)
     print(
         f"after:  exact_match={after:.3f} ({time.perf_counter() - t0:.1f}s eval); "
         f"train {steps} steps in {train_s:.1f}s",
@@ -239,12 +309,14 @@ def main(argv: list[str] | None = None) -> None:
     group.add_argument("--verify", action="store_true", help="fine-tune check, writes nothing")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for --verify")
     parser.add_argument("--train-seed", type=int, default=SEED, help="batch-order seed for --verify")
-    parser.add_argument("--steps", type=int, default=VERIFY["steps"], help="optimizer steps for --verify")
-    parser.add_argument("--lr", type=float, default=VERIFY["lr"], help="peak learning rate for --verify")
+    parser.add_argument("--task", choices=("reverse", "chat"), default="reverse", help="dataset for --verify")
+    parser.add_argument("--steps", type=int, help="optimizer steps for --verify (default: 400, chat 1000)")
+    parser.add_argument("--lr", type=float, help="peak learning rate for --verify (default: 3e-3)")
     args = parser.parse_args(argv)
     if args.verify:
-        VERIFY.update(steps=args.steps, lr=args.lr)
-        verify(args.out, args.threads, args.train_seed)
+        settings = VERIFY_CHAT if args.task == "chat" else VERIFY
+        settings.update({k: v for k, v in (("steps", args.steps), ("lr", args.lr)) if v is not None})
+        verify(args.out, args.threads, args.train_seed, args.task)
         return
     if not args.model_only:
         write_data(args.out)
