@@ -1,9 +1,26 @@
-"""The console script: ``lightning-plugins demo`` (also ``python -m lightning_plugins demo``)."""
+"""The console script: ``lightning-plugins demo | finetune`` (also ``python -m lightning_plugins ...``)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
+
+
+def _overrides(extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``--section.key=value`` or ``--section.key value`` arguments as ``section.key=value`` strings."""
+    overrides, rest = [], list(extra)
+    while rest:
+        arg = rest.pop(0)
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            parser.error(f"unrecognized argument {arg!r}: recipe overrides look like --section.key=value (e.g. --lora.r=32)")
+        if "=" in arg:
+            overrides.append(arg[2:])
+        elif rest:
+            overrides.append(f"{arg[2:]}={rest.pop(0)}")
+        else:
+            parser.error(f"{arg} needs a value (e.g. {arg}=VALUE)")
+    return overrides
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -19,9 +36,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     demo.add_argument("--batch-size", type=int, default=16)
     demo.add_argument("--out", default="outputs/demo", help="where the fine-tuned HF checkpoint is written")
     demo.add_argument("--eval-limit", type=int, default=None, help="evaluate on the first N held-out examples")
-    args = parser.parse_args(argv)
+    finetune = commands.add_parser(
+        "finetune",
+        help="fine-tune as a recipe YAML says (overrides: --section.key=value, e.g. --lora.r=32 --train.max_steps=200)",
+    )
+    finetune.add_argument("recipe", help="the recipe file, e.g. recipes/tiny/lora_tp2.yaml")
+    finetune.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    finetune.add_argument("--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)")
+    args, extra = parser.parse_known_args(argv)
 
     if args.command == "demo":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
         from lightning_plugins.demo import run_demo
 
         run_demo(
@@ -33,6 +59,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             out_dir=args.out,
             eval_limit=args.eval_limit,
         )
+    elif args.command == "finetune":
+        from lightning_plugins.recipe import RecipeError, load_recipe
+
+        try:
+            recipe = load_recipe(args.recipe, _overrides(extra, finetune))
+        except RecipeError as err:
+            sys.exit(f"error: {err}")
+        if args.print_config:
+            print(recipe.to_yaml(), end="")
+            return
+        from lightning_plugins.finetune import is_launcher_rank, run_finetune
+
+        result = run_finetune(recipe, resume=args.resume)
+        if result and is_launcher_rank():
+            print("\n".join(f"{key}: {value}" for key, value in result.items()))
 
 
 if __name__ == "__main__":

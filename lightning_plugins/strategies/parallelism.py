@@ -94,6 +94,8 @@ class ParallelismStrategy(ModelParallelStrategy):
             )
         self.options, self.memory = with_settings(type(self).__name__, options, memory, **settings)
         self.load_from = load_from
+        #: The global gradient norm before the last clipping (``None`` until Lightning clips).
+        self.grad_norm: torch.Tensor | None = None
 
     @override
     def setup_environment(self) -> None:
@@ -177,9 +179,9 @@ class ParallelismStrategy(ModelParallelStrategy):
         parameters = self.precision_plugin.main_params(optimizer)
         pipeline = self._pipeline()
         if pipeline is not None:  # counts a tied embedding held by the first and the last stage once
-            pipeline.clip_grad_norm_(parameters, clip_val)
+            self.grad_norm = pipeline.clip_grad_norm_(parameters, clip_val)
             return
-        clip_grad_norm_(parameters, clip_val, pp_mesh=self.device_mesh["pp"])
+        self.grad_norm = clip_grad_norm_(parameters, clip_val, pp_mesh=self.device_mesh["pp"])
 
     def _pipeline(self) -> Any:
         """The engine's pipeline when ``pp_size > 1`` (found on the LightningModule's HF model), else ``None``."""

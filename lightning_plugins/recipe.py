@@ -1,0 +1,300 @@
+"""The recipe: one YAML file that says what to fine-tune, on what data, with which layout and settings.
+
+Parsed by pydantic into typed sections. The ``layout``, ``parallel``, ``memory``, ``data`` and ``lora``
+sections *are* the engine's own objects (:class:`~lightning_plugins.ParallelLayout`,
+:class:`~lightning_plugins.ParallelOptions`, :class:`~lightning_plugins.MemoryOptions`,
+:class:`~lightning_plugins.data.DataConfig`, :class:`~lightning_plugins.lora.LoraOptions`), so a setting
+is defined once and reaches every door. Nothing here is Lightning- or Accelerate-specific.
+
+Every problem is reported before any process starts, as one :class:`RecipeError` naming the file, the
+key path and a fix: unknown keys, wrong types, missing files, a layout that does not divide the world
+or the model, a micro-batch that does not divide the global batch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lightning_plugins.data import DataConfig
+from lightning_plugins.layout import LayoutError, ParallelLayout
+from lightning_plugins.lora import LoraOptions
+from lightning_plugins.options import MemoryOptions, ParallelOptions
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run; the message names the file, the key and a fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    """What to fine-tune.
+
+    Attributes:
+        path: A local HF checkpoint directory (relative to the recipe file) or a hub id.
+        dtype: Parameter dtype (``fp32`` on CPU; ``bf16`` on GPUs, with ``memory.param_dtype`` for FSDP2).
+        attn_implementation: transformers' attention (``sdpa``, ``eager``, ``flash_attention_2``, ...).
+    """
+
+    path: str
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    attn_implementation: str = "sdpa"
+
+
+class OptimSection(_Section):
+    """AdamW with linear warmup and a cosine or linear decay.
+
+    Attributes:
+        lr: Peak learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        scheduler: ``cosine``, ``linear`` (decay to ``min_lr_ratio * lr`` at the last step) or ``constant``.
+        warmup_steps: Linear warmup from 0 to ``lr``.
+        min_lr_ratio: The final learning rate as a fraction of ``lr``.
+        max_grad_norm: Clip the global gradient norm to this; ``null`` for no clipping.
+    """
+
+    lr: float = Field(2e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+
+
+class TrainSection(_Section):
+    """How long, in what batches, and where the results go.
+
+    Attributes:
+        global_batch_size: Samples (packed rows with ``data.packing``) per optimizer step over all data
+            ranks; or give ``global_batch_tokens`` instead.
+        global_batch_tokens: Tokens per optimizer step (``global_batch_tokens / data.max_seq_len`` rows).
+        micro_batch_size: Samples per data-parallel rank per forward (under pipeline parallelism the
+            batch the pipeline splits into ``parallel.pp_microbatches``).
+        max_steps: Optimizer steps; or ``epochs``.
+        epochs: Passes over the training data (when ``max_steps`` is not given).
+        eval_every: Evaluate on the held-out split every N optimizer steps (``null``: at each epoch end).
+        checkpoint_every: Write a distributed checkpoint every N optimizer steps (``null``: none).
+        log_every: Log loss, learning rate, gradient norm and tokens/s every N optimizer steps.
+        seed: Seed of weights that are created (LoRA), data order and dropout.
+        output_dir: Checkpoints, metrics, the loss curve and the exported model (relative to the
+            current directory).
+        merge_lora: With LoRA: also export the adapters merged into full weights.
+    """
+
+    global_batch_size: int | None = Field(None, ge=1)
+    global_batch_tokens: int | None = Field(None, ge=1)
+    micro_batch_size: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    epochs: int | None = Field(None, ge=1)
+    eval_every: int | None = Field(None, ge=1)
+    checkpoint_every: int | None = Field(None, ge=1)
+    log_every: int = Field(10, ge=1)
+    seed: int = 0
+    output_dir: str = "outputs/finetune"
+    merge_lora: bool = False
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> TrainSection:
+        if (self.global_batch_size is None) == (self.global_batch_tokens is None):
+            raise ValueError("give exactly one of global_batch_size (samples) and global_batch_tokens")
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of max_steps and epochs")
+        return self
+
+
+class HardwareSection(_Section):
+    """Where it runs. ``devices`` x ``nodes`` processes make the world the layout must fill.
+
+    Attributes:
+        accelerator: ``cpu``, ``gpu`` or ``auto``.
+        devices: Processes (GPUs) per node.
+        nodes: Nodes.
+        gpu_memory_gb: Memory of one GPU (informational: the planner checks the layout against it).
+    """
+
+    accelerator: Literal["auto", "cpu", "gpu"] = "auto"
+    devices: int = Field(1, ge=1)
+    nodes: int = Field(1, ge=1)
+    gpu_memory_gb: float | None = Field(None, gt=0)
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.nodes
+
+
+class Recipe(_Section):
+    """A whole recipe. Build it with :func:`load_recipe`, which resolves paths and checks everything."""
+
+    model: ModelSection
+    data: DataConfig
+    layout: ParallelLayout = ParallelLayout()
+    parallel: ParallelOptions = Field(default_factory=ParallelOptions)
+    memory: MemoryOptions = Field(default_factory=MemoryOptions)
+    lora: LoraOptions | None = None
+    optim: OptimSection = Field(default_factory=OptimSection)
+    train: TrainSection
+    hardware: HardwareSection = Field(default_factory=HardwareSection)
+
+    @property
+    def samples_per_step(self) -> int:
+        """Rows per optimizer step over all data ranks."""
+        if self.train.global_batch_size is not None:
+            return self.train.global_batch_size
+        return max(1, self.train.global_batch_tokens // self.data.max_seq_len)
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches each data rank accumulates per optimizer step."""
+        return self.samples_per_step // (self.train.micro_batch_size * self.layout.dp_size)
+
+    def to_yaml(self) -> str:
+        """The resolved recipe as YAML (what ``--print-config`` shows)."""
+        return yaml.safe_dump(json.loads(self.model_dump_json()), sort_keys=False)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read, override, validate and resolve a recipe; check it against the model config and the world.
+
+    Args:
+        path: The YAML file.
+        overrides: Dotted ``key=value`` settings applied before validation (``lora.r=32``,
+            ``train.max_steps=200``); values are parsed as YAML (``true``, ``1e-4``, ``[q_proj, v_proj]``).
+
+    Raises:
+        RecipeError: naming the file, the key path and a fix; nothing has started yet.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"{path}: no such recipe file.")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of sections (model, data, layout, ...), got {type(raw).__name__}.")
+    for override in overrides:
+        _apply_override(raw, override, path)
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as err:
+        raise RecipeError(_describe(err, path)) from None
+    return _check(_resolve_paths(recipe, path), path)
+
+
+def _apply_override(raw: dict, override: str, path: Path) -> None:
+    key, sep, value = override.partition("=")
+    if not sep or not key:
+        raise RecipeError(f"{path}: override {override!r} is not `section.key=value` (e.g. --lora.r=32).")
+    *parents, leaf = key.strip().lstrip("-").split(".")
+    node = raw
+    for part in parents:
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise RecipeError(f"{path}: override {override!r}: `{part}` is not a section.")
+        node = child
+    try:
+        node[leaf] = yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: override {override!r}: the value is not valid YAML ({err}).") from None
+
+
+def _describe(err: ValidationError, path: Path) -> str:
+    lines = [f"{path}: {err.error_count()} problem(s) in the recipe:"]
+    for problem in err.errors():
+        key = ".".join(str(part) for part in problem["loc"]) or "(top level)"
+        message = problem["msg"].removeprefix("Value error, ")
+        if problem["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+            message = "unknown key; remove it or check its spelling against the section's documented keys"
+        elif problem["type"] == "missing":
+            message = "required key is missing"
+        shown = problem.get("input")
+        got = "" if problem["type"] == "missing" or isinstance(shown, dict) else f" (got {shown!r})"
+        lines.append(f"  {key}: {message}{got}")
+    return "\n".join(lines)
+
+
+def _resolve_paths(recipe: Recipe, path: Path) -> Recipe:
+    base = path.resolve().parent
+    try:
+        data = recipe.data.resolve(base)
+    except ValueError as err:
+        raise RecipeError(f"{path}: {err}") from None
+    model_path = recipe.model.path
+    local = (base / model_path) if not Path(model_path).is_absolute() else Path(model_path)
+    if local.is_dir():
+        model_path = str(local)
+    elif model_path.startswith((".", "/", "~")) or local.suffix or model_path.count("/") > 1:
+        raise RecipeError(
+            f"{path}: model.path={recipe.model.path!r} is not a directory (looked for {local}). Give a local HF"
+            " checkpoint directory (config.json + *.safetensors + tokenizer), relative to the recipe, or a hub id."
+        )
+    return recipe.model_copy(update={"data": data, "model": recipe.model.model_copy(update={"path": model_path})})
+
+
+def _check(recipe: Recipe, path: Path) -> Recipe:
+    """The checks that need more than one section: the world, the model config, the batch arithmetic."""
+    world = recipe.hardware.world_size
+    try:
+        layout = recipe.layout.resolve(world)
+    except LayoutError as err:
+        raise RecipeError(f"{path}: layout does not fit hardware.devices x hardware.nodes = {world} processes: {err}") from None
+    config = _model_config(recipe.model.path)
+    if config is not None:
+        from lightning_plugins.parallel.context import check_context_parallel
+        from lightning_plugins.parallel.pipeline import check_pipeline_layout
+
+        try:
+            layout.validate(config)
+            if layout.pp_size > 1:
+                check_pipeline_layout(layout, config, recipe.parallel.pipeline)
+            check_context_parallel(config, layout.cp_size, layout.tp_size, recipe.parallel.cp_backend, pp_size=layout.pp_size)
+        except LayoutError as err:
+            raise RecipeError(f"{path}: layout/parallel do not fit model {recipe.model.path}: {err}") from None
+    recipe = recipe.model_copy(update={"layout": layout})
+    per_step = recipe.train.micro_batch_size * layout.dp_size
+    if recipe.samples_per_step % per_step:
+        good = max(per_step, recipe.samples_per_step // per_step * per_step)
+        raise RecipeError(
+            f"{path}: train.global_batch_size={recipe.samples_per_step} is not a multiple of train.micro_batch_size"
+            f" ({recipe.train.micro_batch_size}) x data-parallel ranks ({layout.dp_size}) = {per_step}. Use"
+            f" train.global_batch_size={good}, or change train.micro_batch_size."
+        )
+    if layout.pp_size > 1:
+        micro = recipe.parallel.pipeline.resolve(layout.pp_size).microbatches
+        if recipe.train.micro_batch_size % micro:
+            raise RecipeError(
+                f"{path}: train.micro_batch_size={recipe.train.micro_batch_size} must divide into"
+                f" parallel.pp_microbatches={micro} pipeline micro-batches. Use train.micro_batch_size="
+                f"{micro * max(1, recipe.train.micro_batch_size // micro)}."
+            )
+    if recipe.data.packing and layout.cp_size > 1:
+        raise RecipeError(
+            f"{path}: data.packing with layout.cp_size={layout.cp_size}: context parallelism does not take packed"
+            " sequences yet. Set data.packing: false, or layout.cp_size: 1."
+        )
+    if recipe.lora is None and recipe.train.merge_lora:
+        raise RecipeError(f"{path}: train.merge_lora is set but the recipe has no lora section. Remove it or add lora:.")
+    return recipe
+
+
+def _model_config(model_path: str) -> Any:
+    """The transformers config of a local checkpoint (``None`` for a hub id: checked when it is loaded)."""
+    if not Path(model_path).is_dir():
+        return None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path)
