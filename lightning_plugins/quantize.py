@@ -34,10 +34,8 @@ re-quantizes with its default block sizes (lossy, and fails for small weights).
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,7 +55,6 @@ __all__ = [
     "nf4_nbytes_for",
     "nf4_weights",
     "quantize_base_to_nf4",
-    "quiet_torchao_import",
 ]
 
 #: Elements per quantization block (QLoRA's and torchao's choice).
@@ -69,35 +66,16 @@ MAX_SCALER_BLOCK_SIZE = 256
 SHARDABLE_RANKS = 64
 #: Entries of the NF4 lookup table each ``NF4Tensor`` carries.
 _NF4_TABLE = 16
-#: Loggers through which torchao's first import reports CUDA-only extensions it cannot load and
-#: deprecated pytree registrations: noise on every CPU machine, nothing a user can act on.
-_TORCHAO_IMPORT_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
-@contextmanager
-def quiet_torchao_import() -> Iterator[None]:
-    """Import torchao (directly, or through ``peft``/``transformers``) without its console noise.
-
-    On a CPU machine the first import logs "Failed to load ..._C_mxfp8...so" for each CUDA kernel library
-    and a pytree ``register_constant`` deprecation warning per enum; both are harmless. Only those two
-    loggers are lowered, and only while the block runs.
-    """
-    loggers = [logging.getLogger(name) for name in _TORCHAO_IMPORT_LOGGERS]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
 
 
 @functools.cache
 def _torchao() -> tuple[type, Any]:
-    """``(NF4Tensor, to_nf4)``, imported on first use (QLoRA is optional; torchao takes a second to import)."""
-    with quiet_torchao_import():
-        from torchao.quantization import NF4Tensor, to_nf4
+    """``(NF4Tensor, to_nf4)``, imported on first use: QLoRA is optional.
+
+    ``lightning_plugins/__init__.py`` has already imported torchao with its import-time log noise muted.
+    """
+    from torchao.quantization import NF4Tensor, to_nf4
+
     return NF4Tensor, to_nf4
 
 

@@ -19,13 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 from _world import run_world
+from peft import LoraConfig, get_peft_model
 from tiny_models import tiny_model
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torchao.quantization import NF4Tensor, to_nf4
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, parallelize
-from lightning_plugins.datasets import collate_causal_lm, load_prompt_completion, tiny_assets
+from lightning_plugins.data import collate_causal_lm, load_prompt_completion, tiny_assets
 from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of, pipeline_of
 from lightning_plugins.quantize import (
     check_quantized,
@@ -35,12 +37,7 @@ from lightning_plugins.quantize import (
     nf4_nbytes_for,
     nf4_weights,
     quantize_base_to_nf4,
-    quiet_torchao_import,
 )
-
-with quiet_torchao_import():
-    from peft import LoraConfig, get_peft_model
-    from torchao.quantization import NF4Tensor, to_nf4
 
 # peft's get_peft_model reads a transformers attribute deprecated in 5.x: third-party noise.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
