@@ -1,5 +1,7 @@
 """lightning_plugins: tensor, pipeline, context and data parallelism for Hugging Face LLMs."""
 
+import warnings
+
 
 def _import_torchao_quietly() -> None:
     """Import torchao (QLoRA's NF4) with its import-time log noise muted.
@@ -25,6 +27,8 @@ def _import_torchao_quietly() -> None:
 
 
 _import_torchao_quietly()
+# The engine slices the flattened mesh dimensions it builds (`dp`, `dp_cp`, ...) from the root mesh on purpose.
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
 
 from lightning_plugins.layout import LayoutError, ParallelLayout  # noqa: E402
 from lightning_plugins.options import MemoryOptions, ParallelOptions  # noqa: E402

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,8 @@ class RecipeModule(L.LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.log("val/loss", self.model(**batch).loss, prog_bar=True, batch_size=batch["input_ids"].shape[0])
+        # The loss is already the global one on every rank; syncing keeps Lightning's epoch mean exact too.
+        self.log("val/loss", self.model(**batch).loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """After every ``train.log_every``-th optimizer step: learning rate, gradient norm, tokens/s, MFU (GPUs)."""
@@ -155,7 +157,7 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def build_trainer(recipe: Recipe) -> L.Trainer:
+def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
     from lightning_plugins.strategies import ParallelismStrategy
 
     layout, train = recipe.layout, recipe.train
@@ -180,10 +182,11 @@ def build_trainer(recipe: Recipe) -> L.Trainer:
         num_nodes=recipe.hardware.nodes,
         strategy=strategy,
         max_steps=train.max_steps or -1,
-        max_epochs=train.epochs,
+        # With max_steps, the epochs it takes (Lightning's progress bar shows them).
+        max_epochs=train.epochs or math.ceil(train.max_steps * recipe.accumulation / max(1, batches_per_epoch)),
         accumulate_grad_batches=recipe.accumulation,
         gradient_clip_val=recipe.optim.max_grad_norm,
-        logger=CSVLogger(train.output_dir, name="", version=""),
+        logger=CSVLogger(train.output_dir, name="logs"),  # one version per attempt; merged at the end
         log_every_n_steps=train.log_every,
         callbacks=callbacks,
         enable_model_summary=False,
@@ -199,11 +202,13 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = None) -> dict[str, 
     """
     from lightning_plugins.checkpoint import export_hf
 
+    # Lightning 2.6 on torch 2.13 warns about its own use of a torch pytree API on every step; not the user's to fix.
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     L.seed_everything(recipe.train.seed, verbose=False)
     model, tokenizer = build_model(recipe)
     train_loader, eval_loader = build_loaders(recipe, tokenizer)
     module = RecipeModule(model, recipe)
-    trainer = build_trainer(recipe)
+    trainer = build_trainer(recipe, math.ceil(len(train_loader) / recipe.layout.dp_size))
     ckpt = resume or latest_checkpoint(recipe.train.output_dir)
     trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
     out = Path(recipe.train.output_dir)
@@ -212,9 +217,9 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = None) -> dict[str, 
         written["merged"] = export_hf(module.model, out / "merged", tokenizer, merge=True)
     if not trainer.is_global_zero:
         return {}
-    from lightning_plugins.plots import plot_losses
+    from lightning_plugins.plots import merge_metrics, plot_losses
 
-    written["metrics"] = out / "metrics.csv"
+    written["metrics"] = merge_metrics(out / "logs", out / "metrics.csv")
     written["loss_curve"] = plot_losses(written["metrics"], out / "loss_curve.png")
     return {**written, "resumed_from": ckpt, **{k: float(v) for k, v in trainer.callback_metrics.items()}}
 
