@@ -128,6 +128,7 @@ def test_nf4_bytes_are_a_quarter_of_bf16() -> None:
             weight.numel(), dtype=weight.dtype, block_size=weight.block_size, scaler_block_size=weight.scaler_block_size
         ), name
         assert weight.quantized_data.numel() == weight.numel() // 2 and weight.quantized_data.dtype == torch.uint8
+        assert weight.quantized_scalers.numel() == weight.numel() // 64 and weight.quantized_scalers.dtype == torch.int8
         assert measured / (2 * weight.numel()) < 0.28, name
     # A real-size weight in bf16 keeps scaler groups of 256: 0.258x the bf16 bytes (QLoRA's 4.127 bits).
     weight = torch.randn(1024, 4096, dtype=torch.bfloat16)
