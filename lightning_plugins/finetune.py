@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 import warnings
 from pathlib import Path
@@ -22,26 +21,17 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader
 
 from lightning_plugins.recipe import Recipe
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_CHECKPOINT = re.compile(r"^step=(\d+)\.ckpt$")
-#: Dense bf16 peak FLOP/s of common GPUs, for MFU.
-_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
-
-
-def lr_lambda(step: int, total: int, warmup: int, scheduler: str, min_ratio: float) -> float:
-    """The learning-rate multiplier at optimizer step ``step``: linear warmup, then the decay."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if scheduler == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    decay = 0.5 * (1 + math.cos(math.pi * progress)) if scheduler == "cosine" else 1 - progress
-    return min_ratio + (1 - min_ratio) * decay
-
+from lightning_plugins.training import (
+    CHECKPOINT_NAME,
+    build_loaders,
+    build_model,
+    input_tokens,
+    latest_checkpoint,
+    make_optimizer,
+    model_flops_utilization,
+)
 
 class RecipeModule(L.LightningModule):
     """A plain fine-tuning module: the HF (or peft) model's own loss; nothing here knows the layout."""
@@ -54,7 +44,7 @@ class RecipeModule(L.LightningModule):
         self._tokens, self._logged_step, self._clock = 0, -1, time.perf_counter()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        self._tokens += _input_tokens(batch)
+        self._tokens += input_tokens(batch)
         loss = self.model(**batch).loss
         self.log("train/loss", loss, prog_bar=True)
         return loss
@@ -79,82 +69,23 @@ class RecipeModule(L.LightningModule):
         norm = getattr(self.trainer.strategy, "grad_norm", None)
         if norm is not None:
             metrics["train/grad_norm"] = float(norm)
-        mfu = _mfu(rate, self._num_params, self.trainer.world_size)
+        mfu = model_flops_utilization(rate, self._num_params, self.trainer.world_size)
         if mfu is not None:
             metrics["train/mfu"] = mfu
         self.log_dict(metrics, rank_zero_only=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optim = self.recipe.optim
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
-        total = int(self.trainer.estimated_stepping_batches)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_lambda(step, total, optim.warmup_steps, optim.scheduler, optim.min_lr_ratio)
-        )
+        optimizer, schedule = make_optimizer(self, self.recipe, int(self.trainer.estimated_stepping_batches))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-def _input_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens this rank runs forward (padding excluded)."""
-    mask = batch.get("attention_mask")
-    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+class _ProgressBar(RichProgressBar):
+    """Lightning's rich bar without the logger's version number."""
 
-
-def _mfu(tokens_per_s: float, num_params: int, world_size: int) -> float | None:
-    """Model FLOPs utilisation (6 x params FLOPs per token) against the GPUs' dense bf16 peak; ``None`` on CPU."""
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    peak = next((flops for key, flops in _PEAK_FLOPS.items() if key in name), None)
-    return None if peak is None else 6 * num_params * tokens_per_s / (peak * world_size)
-
-
-def build_model(recipe: Recipe) -> tuple[torch.nn.Module, Any]:
-    """The tokenizer and the model to train: on the meta device for a full fine-tune of a local checkpoint
-    (each rank then reads only its slices), loaded and wrapped with LoRA adapters otherwise."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from lightning_plugins.data import prepare_model_for_packing
-
-    spec = recipe.model
-    tokenizer = AutoTokenizer.from_pretrained(spec.path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    kwargs = {"dtype": _DTYPES[spec.dtype], "attn_implementation": spec.attn_implementation}
-    if recipe.lora is None and Path(spec.path).is_dir():
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path), **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
-    model.config.use_cache = False  # training: no KV cache (it would also grow under recomputation)
-    if recipe.data.packing:
-        prepare_model_for_packing(model)
-    if recipe.lora is not None:
-        from lightning_plugins.lora import apply_lora
-
-        torch.manual_seed(recipe.train.seed)  # identical adapters on every rank
-        model = apply_lora(model, recipe.lora)
-    return model, tokenizer
-
-
-def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[DataLoader, DataLoader | None]:
-    """Training and held-out loaders; pipelines get fixed-length batches (stages are built per shape)."""
-    from lightning_plugins.data import build_dataset, make_collator
-
-    fixed = recipe.data.max_seq_len if recipe.layout.pp_size > 1 else None
-    collate = make_collator(recipe.data, tokenizer.pad_token_id, pad_to_multiple_of=fixed)
-    size = recipe.train.micro_batch_size
-    train = DataLoader(build_dataset(recipe.data, tokenizer, "train"), batch_size=size, shuffle=True, collate_fn=collate)
-    if not recipe.data.has_eval:
-        return train, None
-    return train, DataLoader(build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate)
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in ``output_dir/checkpoints`` (partial ones never count)."""
-    found = [(int(m.group(1)), p) for p in (Path(output_dir) / "checkpoints").glob("step=*") if (m := _CHECKPOINT.match(p.name))]
-    return max(found)[1] if found else None
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
 
 
 def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
@@ -165,11 +96,11 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         layout.tp_size, layout.pp_size, layout.cp_size, layout.dp_shard_size, layout.dp_replicate_size,
         options=recipe.parallel, memory=recipe.memory, load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
     )
-    callbacks: list[Any] = [RichProgressBar()]
+    callbacks: list[Any] = [_ProgressBar()]
     if train.checkpoint_every is not None:
         callbacks.append(
             ModelCheckpoint(
-                dirpath=Path(train.output_dir) / "checkpoints", filename="step={step}", auto_insert_metric_name=False,
+                dirpath=Path(train.output_dir) / "checkpoints", filename=CHECKPOINT_NAME, auto_insert_metric_name=False,
                 every_n_train_steps=train.checkpoint_every, save_top_k=-1,
             )
         )

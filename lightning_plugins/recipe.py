@@ -288,6 +288,12 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
         )
     if recipe.lora is None and recipe.train.merge_lora:
         raise RecipeError(f"{path}: train.merge_lora is set but the recipe has no lora section. Remove it or add lora:.")
+    if recipe.lora is not None and recipe.lora.quantize == "nf4" and recipe.train.merge_lora:
+        raise RecipeError(
+            f"{path}: train.merge_lora with lora.quantize: nf4: merging needs dense base weights. Export the adapter"
+            " (the default), then merge it into the dense base in one process: PeftModel.from_pretrained(base,"
+            " adapter_dir).merge_and_unload()."
+        )
     return recipe
 
 

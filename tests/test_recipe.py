@@ -9,7 +9,7 @@ import yaml
 
 from lightning_plugins.cli import main
 from lightning_plugins.recipe import RecipeError, load_recipe
-from lightning_plugins.finetune import lr_lambda
+from lightning_plugins.training import lr_lambda
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").rglob("*.yaml"))
 TINY = Path(__file__).parents[1] / "recipes" / "tiny"
@@ -61,6 +61,7 @@ def _recipe(tmp_path: Path, **changes: dict) -> Path:
         ({"layout": {"tp_size": 1, "cp_size": 2}, "data": {"packing": True}}, r"data\.packing with layout\.cp_size=2"),
         ({"train": {"merge_lora": True}}, r"train\.merge_lora is set but the recipe has no lora section"),
         ({"lora": {"r": 0}}, r"lora"),
+        ({"lora": {"quantize": "nf4"}, "train": {"merge_lora": True}}, r"merge_lora with lora\.quantize: nf4"),
     ],
 )
 def test_recipe_errors_name_file_key_and_fix(tmp_path: Path, changes: dict, match: str) -> None:
