@@ -253,7 +253,13 @@ class _Source:
         path = self.path
         with _quiet_datasets():
             if path.is_dir():
-                loaded = datasets.load_from_disk(str(path))
+                try:
+                    loaded = datasets.load_from_disk(str(path))
+                except FileNotFoundError as err:
+                    raise DataError(
+                        f"data.{self.key}: {path} is a directory but not one written by datasets' `save_to_disk`"
+                        f" ({err}). Point data.{self.key} at a .jsonl / .json / .parquet file or a saved dataset."
+                    ) from None
                 if isinstance(loaded, datasets.DatasetDict):
                     if len(loaded) != 1:
                         raise DataError(
@@ -261,36 +267,47 @@ class _Source:
                             " at one split (save it with `dataset_dict['train'].save_to_disk(dir)`)."
                         )
                     loaded = next(iter(loaded.values()))
-                return loaded
-            builder = "parquet" if path.suffix == ".parquet" else "json" if path.suffix in _JSON_SUFFIXES else None
-            if builder is None:
-                raise DataError(
-                    f"data.{self.key}: {path} has suffix {path.suffix!r}; use .jsonl / .json (JSON lines or an array"
-                    " of records), .parquet, or a datasets `save_to_disk` directory."
-                )
-            try:
-                loaded = datasets.load_dataset(builder, data_files=str(path), split="train")
-            except Exception as err:
-                if builder != "json":
-                    raise DataError(f"data.{self.key}: {path} could not be read: {err}") from err
-                loaded = self._load_checked_json()
+            else:
+                loaded = self._load_file()
         if loaded.num_rows == 0:
             raise DataError(f"data.{self.key}: {path} holds no records.")
         return loaded
 
-    def _load_checked_json(self) -> Any:
+    def _load_file(self) -> Any:
+        import datasets
+
+        path = self.path
+        builder = "parquet" if path.suffix == ".parquet" else "json" if path.suffix in _JSON_SUFFIXES else None
+        if builder is None:
+            raise DataError(
+                f"data.{self.key}: {path} has suffix {path.suffix!r}; use .jsonl / .json (JSON lines or an array"
+                " of records), .parquet, or a datasets `save_to_disk` directory."
+            )
+        try:
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as err:
+            if builder != "json":
+                raise DataError(f"data.{self.key}: {path} could not be read: {err}") from err
+            return self._load_checked_json(err)
+
+    def _load_checked_json(self, err: Exception) -> Any:
         """Where arrow cannot read a JSON file (e.g. a column's type changes between records): read it in Python,
         name the first bad line or record, and keep only the fields a format reads."""
         import datasets
 
         records = read_jsonl(self.path)
+        if not records:
+            raise DataError(f"data.{self.key}: {self.path} holds no records.")
         for index, record in enumerate(records):
             try:
                 _messages(record) if "messages" in record else (_text(record, "prompt"), _text(record, "completion"))
-            except DataError as err:
-                raise DataError(f"{self.where(index)}: {err}") from None
+            except DataError as bad:
+                raise DataError(f"{self.where(index)}: {bad}") from None
         fields = ("messages",) if "messages" in records[0] else ("prompt", "completion")
-        return datasets.Dataset.from_list([{key: record[key] for key in fields} for record in records])
+        try:
+            return datasets.Dataset.from_list([{key: record[key] for key in fields} for record in records])
+        except Exception:
+            raise DataError(f"data.{self.key}: {self.path} could not be read: {err}") from err
 
 
 # ----------------------------------------------------------------------------------------------------

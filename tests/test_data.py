@@ -284,6 +284,20 @@ def test_format_detection_and_mismatch(tmp_path: Path, tokenizer: Any) -> None:
         build_dataset(DataConfig(train=str(csv)), tokenizer, "train")
 
 
+def test_empty_or_unusable_inputs(tmp_path: Path, tokenizer: Any) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match=rf"data.train: {empty} holds no records"):
+        build_dataset(DataConfig(train=str(empty)), tokenizer, "train")
+    two = tmp_path / "two_splits"
+    table = datasets.Dataset.from_list(PROMPTS)
+    datasets.DatasetDict({"train": table, "test": table}).save_to_disk(str(two))
+    with pytest.raises(DataError, match=r"DatasetDict with splits \['test', 'train'\]"):
+        build_dataset(DataConfig(train=str(two)), tokenizer, "train")
+    with pytest.raises(DataError, match="not one written by datasets' `save_to_disk`"):
+        build_dataset(DataConfig(train=str(tmp_path)), tokenizer, "train")
+
+
 def test_bad_json_names_file_and_line(tmp_path: Path, tokenizer: Any) -> None:
     lines = [json.dumps(PROMPTS[0]), "", json.dumps(PROMPTS[1]), '{"prompt": "ab=", "completion": ', json.dumps(PROMPTS[0])]
     path = tmp_path / "bad.jsonl"
