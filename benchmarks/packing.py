@@ -17,8 +17,9 @@ machine falls on both alike), after one warm-up step each. A step is forward + b
 change and the token-summed loss of a round must be the same in both modes: the script checks it (the
 math does not change, only the layout of the tokens).
 
-Measured: the padding fraction (pad tokens / all tokens in the batches), real (non-pad) tokens/s, and
-all tokens/s (the per-token cost, which packing raises a little: its attention covers whole rows with a
+Measured: the padding fraction (pad tokens / all tokens in the batches), real (non-pad) tokens/s (also
+per CPU-second of the process, which another process's load on a shared machine disturbs less, and per
+round), and all tokens/s (the per-token cost, which packing raises a little: its attention covers whole rows with a
 mask instead of one sample). The padding fractions of larger synthetic datasets (10,000 samples) are
 also reported for uniform and log-uniform length spreads, padded per batch or to ``--max-len``.
 
@@ -109,16 +110,16 @@ def batches(samples: list[dict], mode: str, opts: Options) -> list[dict[str, tor
     return [collate_packed(rows[i : i + opts.rows], PAD, opts.max_len) for i in range(0, len(rows), opts.rows)]
 
 
-def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> tuple[float, float]:
-    """One step; returns (seconds, token-summed loss)."""
-    start = time.perf_counter()
+def run_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> tuple[float, float, float]:
+    """One step; returns (wall seconds, CPU seconds of this process, token-summed loss)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
     loss = model(**batch).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     targets = (batch["labels"][:, 1:] != IGNORE_INDEX).sum().item()
-    return seconds, loss.item() * targets
+    return seconds, cpu, loss.item() * targets
 
 
 def measure(opts: Options) -> dict[str, dict[str, float]]:
@@ -134,22 +135,26 @@ def measure(opts: Options) -> dict[str, dict[str, float]]:
     model = build_model(opts)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     modes = ("padding", "packing")
-    stats = {mode: {"seconds": 0.0, "real": 0, "total": 0, "loss_sum": 0.0, "steps": 0} for mode in modes}
+    stats = {mode: {"seconds": 0.0, "cpu": 0.0, "real": 0, "total": 0, "loss_sum": 0.0, "steps": 0, "rounds": []} for mode in modes}
     for mode in modes:
         run_step(model, optimizer, batches(warmup, mode, opts)[0])
     # The whole set is packed at once, as build_dataset does; each mode's steps are then split into rounds.
     steps = {mode: batches(samples, mode, opts) for mode in modes}
     for round_ in range(opts.rounds):
         for mode in modes if round_ % 2 == 0 else modes[::-1]:
-            todo = steps[mode]
+            todo, entry = steps[mode], stats[mode]
+            entry["rounds"].append([0, 0.0])  # real tokens, wall seconds
             for batch in todo[round_ * len(todo) // opts.rounds : (round_ + 1) * len(todo) // opts.rounds]:
-                seconds, loss_sum = run_step(model, optimizer, batch)
-                entry = stats[mode]
+                seconds, cpu, loss_sum = run_step(model, optimizer, batch)
+                real = int((batch["input_ids"] != PAD).sum())
+                entry["rounds"][-1][0] += real
+                entry["rounds"][-1][1] += seconds
                 entry["seconds"] += seconds
+                entry["cpu"] += cpu
                 entry["loss_sum"] += loss_sum
                 entry["steps"] += 1
                 entry["total"] += batch["input_ids"].numel()
-                entry["real"] += int((batch["input_ids"] != PAD).sum())
+                entry["real"] += real
         print(f"round {round_ + 1}/{opts.rounds}: " + ", ".join(f"{m} {stats[m]['seconds']:.1f}s" for m in modes), flush=True)
     real = {stats[m]["real"] for m in modes}
     assert len(real) == 1, f"the modes saw different tokens: {real}"
@@ -170,17 +175,21 @@ def report(opts: Options, stats: dict, elapsed: float, command: str, load: str) 
         f" longest; packing: rows of {opts.max_len} tokens, {opts.rows} rows per step.",
         "",
         "| mode | steps | tokens per step (real + pad) | padding fraction | real tokens/s | all tokens/s | time (s) |"
-        " real tokens/s vs padding |",
-        "|---|---|---|---|---|---|---|---|",
+        " real tokens/s vs padding | real tokens per CPU-s vs padding |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     base = stats["padding"]["real"] / stats["padding"]["seconds"]
+    base_cpu = stats["padding"]["real"] / stats["padding"]["cpu"]
     for mode, s in stats.items():
         rate = s["real"] / s["seconds"]
         lines.append(
             f"| {mode} | {s['steps']} | {s['total'] / s['steps']:.0f} | {1 - s['real'] / s['total']:.3f} | {rate:.0f} |"
-            f" {s['total'] / s['seconds']:.0f} |"
-            f" {s['seconds']:.1f} | {rate / base:.2f}x |"
+            f" {s['total'] / s['seconds']:.0f} | {s['seconds']:.1f} | {rate / base:.2f}x | {s['real'] / s['cpu'] / base_cpu:.2f}x |"
         )
+    ratios = [
+        (pk[0] / pk[1]) / (pd[0] / pd[1]) for pd, pk in zip(stats["padding"]["rounds"], stats["packing"]["rounds"])
+    ]
+    lines += ["", "Packing's real tokens/s over padding's, per round: " + ", ".join(f"{r:.2f}x" for r in ratios) + "."]
     lines += ["", "Padding fraction of 10,000 synthetic samples (no training; first fit into rows of max_len):", ""]
     lines += [f"| lengths in [{opts.min_len}, {opts.max_len}] | padding, per batch of {opts.batch} | padding to {opts.max_len} | packing |", "|---|---|---|---|"]
     for spread in ("uniform", "log-uniform"):

@@ -23,11 +23,12 @@ first fit in dataset order, once when the dataset is built (so every batch has t
 pipeline schedules and compiled graphs want). ``position_ids`` restart at 0 for every sample and the
 batch has no ``attention_mask``: transformers then finds the sample boundaries from the positions and
 masks attention block-diagonally (``masking_utils.find_packed_sequence_indices``, for sdpa, eager and
-flex attention; flash attention reads the positions itself). The first token of every sample is
-labelled ``-100`` so the previous sample's last token does not predict it: a packed batch trains
-exactly the per-token loss of its samples unpadded. transformers skips that detection when a KV
-cache exists, and a causal LM makes one whenever ``config.use_cache`` is true, even in training:
-call :func:`prepare_model_for_packing` (it turns the cache off) on the model before training packed.
+flex attention). The first token of every sample is labelled ``-100`` so the previous sample's last
+token does not predict it: a packed batch trains exactly the per-token loss of its samples unpadded.
+Two ways transformers 5.23 silently attends across samples instead, which
+:func:`prepare_model_for_packing` rules out (call it on the model before training packed): it skips the
+detection when a KV cache exists, and a causal LM makes one whenever ``config.use_cache`` is true, even in
+training; and flash attention 2/3 read packed positions only in a batch of one row.
 
 Also here: :data:`TINY_DIR` / :func:`tiny_assets` (the tiny model and datasets shipped in
 ``recipes/tiny``) and :func:`exact_match` (greedy generation scored by exact match).
@@ -679,7 +680,8 @@ def make_collator(
     return lambda examples: collate_causal_lm(examples, pad_token_id, pad_to_multiple_of)
 
 
-_PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+#: Attention implementations whose masks transformers builds from packed ``position_ids`` in any batch.
+_PACKING_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
 def prepare_model_for_packing(model: Any) -> None:
@@ -690,14 +692,23 @@ def prepare_model_for_packing(model: Any) -> None:
     attention silently crosses samples.
 
     Raises:
-        DataError: for an attention implementation that does not honour packed ``position_ids``.
+        DataError: for an attention implementation that does not separate the samples of packed rows:
+            flash attention 2/3 find packed samples only in a batch of one row
+            (``modeling_flash_attention_utils._is_packed_sequence``) and attend across them otherwise.
     """
     config = model.config
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in _PACKING_ATTENTION:
+        why = (
+            " transformers' flash attention finds packed samples from position_ids only in a batch of one row and"
+            " would attend across the samples of a packed batch."
+            if isinstance(implementation, str) and "flash" in implementation
+            else ""
+        )
         raise DataError(
-            f"data.packing needs an attention implementation that separates packed samples ({_PACKING_ATTENTION});"
-            f" the model uses {implementation!r}. Load it with attn_implementation='sdpa', or set data.packing: false."
+            f"data.packing needs an attention implementation that keeps packed samples apart {_PACKING_ATTENTION}; the"
+            f" model uses {implementation!r}.{why} Load it with attn_implementation='sdpa' (or 'flex_attention'), or"
+            " set data.packing: false."
         )
     config.use_cache = False
 

@@ -10,6 +10,7 @@ samples whose first token is a target (so the first-token masking of packed samp
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -159,8 +160,12 @@ def test_prepare_model_for_packing() -> None:
     model.config.use_cache = True
     prepare_model_for_packing(model)
     assert model.config.use_cache is False
-    model.config._attn_implementation = "paged|sdpa"
-    with pytest.raises(DataError, match="attn_implementation='sdpa'"):
+    for implementation in ("flash_attention_2", "paged|sdpa"):
+        model.config._attn_implementation = implementation
+        with pytest.raises(DataError, match=rf"model uses '{re.escape(implementation)}'.*attn_implementation='sdpa'"):
+            prepare_model_for_packing(model)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(DataError, match="only in a batch of one row"):
         prepare_model_for_packing(model)
 
 
