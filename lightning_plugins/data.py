@@ -57,6 +57,7 @@ __all__ = [
     "DataError",
     "TinyAssets",
     "build_dataset",
+    "check_packing_attention",
     "collate_causal_lm",
     "collate_packed",
     "encode_chat",
@@ -684,6 +685,32 @@ def make_collator(
 _PACKING_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
+def check_packing_attention(implementation: str | None) -> None:
+    """Refuses an attention implementation that does not keep the samples of packed rows apart.
+
+    Call it while validating a recipe (``model.attn_implementation`` with ``data.packing``), before any
+    process starts; :func:`prepare_model_for_packing` calls it on the loaded model.
+
+    Raises:
+        DataError: for anything but sdpa, eager or flex attention. Flash attention 2/3 find packed samples
+            only in a batch of one row (``modeling_flash_attention_utils._is_packed_sequence``) and attend
+            across them otherwise.
+    """
+    if implementation in _PACKING_ATTENTION:
+        return
+    why = (
+        " transformers' flash attention finds packed samples from position_ids only in a batch of one row and"
+        " would attend across the samples of a packed batch."
+        if isinstance(implementation, str) and "flash" in implementation
+        else ""
+    )
+    raise DataError(
+        f"data.packing needs an attention implementation that keeps packed samples apart {_PACKING_ATTENTION}; the"
+        f" model uses {implementation!r}.{why} Load it with attn_implementation='sdpa' (or 'flex_attention'), or"
+        " set data.packing: false."
+    )
+
+
 def prepare_model_for_packing(model: Any) -> None:
     """Makes a transformers causal LM attend within packed samples only; call it before training packed.
 
@@ -692,25 +719,11 @@ def prepare_model_for_packing(model: Any) -> None:
     attention silently crosses samples.
 
     Raises:
-        DataError: for an attention implementation that does not separate the samples of packed rows:
-            flash attention 2/3 find packed samples only in a batch of one row
-            (``modeling_flash_attention_utils._is_packed_sequence``) and attend across them otherwise.
+        DataError: for an attention implementation that does not separate the samples of packed rows
+            (see :func:`check_packing_attention`).
     """
-    config = model.config
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in _PACKING_ATTENTION:
-        why = (
-            " transformers' flash attention finds packed samples from position_ids only in a batch of one row and"
-            " would attend across the samples of a packed batch."
-            if isinstance(implementation, str) and "flash" in implementation
-            else ""
-        )
-        raise DataError(
-            f"data.packing needs an attention implementation that keeps packed samples apart {_PACKING_ATTENTION}; the"
-            f" model uses {implementation!r}.{why} Load it with attn_implementation='sdpa' (or 'flex_attention'), or"
-            " set data.packing: false."
-        )
-    config.use_cache = False
+    check_packing_attention(getattr(model.config, "_attn_implementation", None))
+    model.config.use_cache = False
 
 
 # ----------------------------------------------------------------------------------------------------
