@@ -281,6 +281,13 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
                 f" parallel.pp_microbatches={micro} pipeline micro-batches. Use train.micro_batch_size="
                 f"{micro * max(1, recipe.train.micro_batch_size // micro)}."
             )
+    if recipe.data.packing:
+        from lightning_plugins.data import check_packing_attention
+
+        try:
+            check_packing_attention(recipe.model.attn_implementation)
+        except ValueError as err:
+            raise RecipeError(f"{path}: model.attn_implementation with data.packing: {err}") from None
     if recipe.data.packing and layout.cp_size > 1:
         raise RecipeError(
             f"{path}: data.packing with layout.cp_size={layout.cp_size}: context parallelism does not take packed"

@@ -82,7 +82,7 @@ def _bad(**changes) -> dict:
         (_bad(attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]] * 2)), "right padding only.*holes"),
         (_bad(labels=torch.zeros(2, 8, dtype=torch.long)), "`labels` hold targets at padded positions.*-100"),
         (_bad(attention_mask=torch.ones(2, 1, 8, 8)), "2-D `attention_mask`.*4-D masks are not supported"),
-        (_bad(position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)), "packed sequences .* Drop `position_ids`"),
+        (_bad(position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)), "packed sequences .* data.packing: false"),
         (_bad(inputs_embeds=torch.zeros(2, 8, 4)), "pass token ids, not `inputs_embeds`"),
         (_bad(token_type_ids=torch.zeros(2, 8, dtype=torch.long)), "'token_type_ids'.*does not know how to shard"),
         (_bad(input_ids=torch.zeros(8, dtype=torch.long)), r"`input_ids` of shape \[batch, seq\]"),

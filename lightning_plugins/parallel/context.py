@@ -982,7 +982,9 @@ def shard_batch_for_context_parallel(
     if given_positions is not None and not torch.equal(given_positions.expand(rows, seq_len), positions):
         raise ValueError(
             "Context parallelism assigns global positions itself and supports only `position_ids` = 0 .. seq-1 in"
-            " every row; packed sequences (positions restarting inside a row) are not supported. Drop `position_ids`."
+            " every row; packed sequences (positions restarting inside a row) are not supported yet. Train unpacked"
+            " rows (recipes: data.packing: false); dropping `position_ids` from a packed batch would let attention"
+            " cross its samples."
         )
     if shift_labels is None and labels is not None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
