@@ -1,0 +1,96 @@
+"""The recipe's ``data:`` section (:class:`DataConfig`, with path resolution), the :class:`DataError` every
+data module raises, and the label value and record types they share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Final, Literal, Union
+
+IGNORE_INDEX: Final[int] = -100
+"""Label value ignored by ``torch.nn.CrossEntropyLoss`` (and HF models)."""
+
+PathLike = Union[str, Path]
+Record = dict[str, Any]
+Example = dict[str, list[int]]
+
+_FORMATS = ("auto", "prompt_completion", "chat")
+_TRUNCATIONS = ("truncate", "error")
+
+
+class DataError(ValueError):
+    """A dataset input that cannot be used; the message names the file, line or key, and a fix."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The recipe's ``data:`` section.
+
+    Args:
+        train: Training records: a ``.jsonl`` / ``.json`` / ``.parquet`` file or a ``save_to_disk``
+            directory. Relative paths are resolved by :meth:`resolve`.
+        eval: Held-out records in the same forms; ``None`` to hold out ``eval_fraction`` of ``train``.
+        eval_fraction: Fraction of ``train`` held out for evaluation when ``eval`` is ``None``
+            (``0`` for no evaluation split).
+        format: ``"prompt_completion"``, ``"chat"`` (``messages``), or ``"auto"`` (from the columns).
+        max_seq_len: Longest sample in tokens; with packing, the length of every packed row.
+        truncation: A longer sample is cut at ``max_seq_len`` (``"truncate"``) or is an error naming
+            its file and line (``"error"``).
+        packing: Concatenate samples into rows of ``max_seq_len`` tokens (see
+            :mod:`lightning_plugins.data.packing`).
+        split_seed: Seed of the random hold-out split.
+    """
+
+    train: str
+    eval: str | None = None
+    eval_fraction: float = 0.0
+    format: Literal["auto", "prompt_completion", "chat"] = "auto"
+    max_seq_len: int = 2048
+    truncation: Literal["truncate", "error"] = "truncate"
+    packing: bool = False
+    split_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
+            raise DataError(f"data.max_seq_len must be an integer >= 2, got {self.max_seq_len!r}.")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise DataError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction!r}.")
+        if self.eval is not None and self.eval_fraction > 0:
+            raise DataError(
+                f"data.eval={self.eval!r} and data.eval_fraction={self.eval_fraction} both define the evaluation"
+                " split. Give one of them: an eval file, or a fraction of data.train to hold out."
+            )
+        if self.format not in _FORMATS:
+            raise DataError(f"data.format={self.format!r} is not one of {_FORMATS}.")
+        if self.truncation not in _TRUNCATIONS:
+            raise DataError(f"data.truncation={self.truncation!r} is not one of {_TRUNCATIONS}.")
+
+    @property
+    def has_eval(self) -> bool:
+        """Whether an evaluation split exists (an eval file or a held-out fraction)."""
+        return self.eval is not None or self.eval_fraction > 0
+
+    def resolve(self, base_dir: PathLike) -> DataConfig:
+        """This config with ``train`` / ``eval`` made absolute against ``base_dir`` (the recipe's directory).
+
+        Raises:
+            DataError: if a file or directory does not exist, naming the key and both paths.
+        """
+        resolved = {key: str(_existing(key, getattr(self, key), Path(base_dir))) for key in self._path_keys()}
+        return replace(self, **resolved)
+
+    def _path_keys(self) -> tuple[str, ...]:
+        return ("train",) if self.eval is None else ("train", "eval")
+
+
+def _existing(key: str, value: str, base_dir: Path | None = None) -> Path:
+    path = Path(value).expanduser()
+    if base_dir is not None and not path.is_absolute():
+        path = base_dir / path
+    if not path.exists():
+        against = f" (resolved against {base_dir})" if base_dir is not None and not Path(value).is_absolute() else ""
+        raise DataError(
+            f"data.{key}: {path} does not exist{against}. Point data.{key} at a .jsonl / .json / .parquet file or a"
+            " datasets `save_to_disk` directory; relative paths are taken from the recipe's directory."
+        )
+    return path.resolve()

@@ -1,0 +1,161 @@
+"""Reading records: JSON lines, a JSON array, parquet, or a ``save_to_disk`` directory, through ``datasets``.
+
+A record that cannot be used is a :class:`~lightning_plugins.data.DataError` naming ``file:line`` (JSON lines)
+or ``file record N``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from lightning_plugins.data.config import DataError, PathLike, Record
+from lightning_plugins.data.encoding import _messages, _text
+
+_JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """No progress bars and no error logs of ``datasets`` while we load: our own errors say it better."""
+    from datasets.utils import logging as ds_logging
+
+    bars, level = ds_logging.is_progress_bar_enabled(), ds_logging.get_verbosity()
+    ds_logging.disable_progress_bar()
+    ds_logging.set_verbosity(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(level)
+        if bars:
+            ds_logging.enable_progress_bar()
+
+
+def _is_json_lines(path: Path) -> bool:
+    """JSON lines start with an object; a JSON file holding an array starts with ``[``."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                return line.lstrip().startswith("{")
+    return True
+
+
+def _scan_json(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, record)`` of every record; a record that is not valid JSON is an error at its line."""
+    text = path.read_text(encoding="utf-8")
+    if not _is_json_lines(path):
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno}).") from None
+        if not isinstance(records, list):
+            raise DataError(f"{path}: a JSON file must hold an array of records (or use JSON lines, one per line).")
+        yield from ((0, record) for record in records)
+        return
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield line_no, json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(
+                f"{path}:{line_no}: not valid JSON ({err.msg}, column {err.colno}). Each line must be one JSON object."
+            ) from None
+
+
+def read_jsonl(path: PathLike) -> list[Record]:
+    """Reads the records of a JSON-lines (or JSON array) file; a bad line is an error naming ``file:line``."""
+    path = Path(path)
+    records = []
+    for line_no, record in _scan_json(path):
+        if not isinstance(record, dict):
+            raise DataError(f"{_where(path, line_no, len(records))}: expected a JSON object, got {type(record).__name__}.")
+        records.append(record)
+    return records
+
+
+def _where(path: Path, line_no: int, index: int) -> str:
+    return f"{path}:{line_no}" if line_no else f"{path} record {index + 1}"
+
+
+class _Source:
+    """A loaded file: its ``datasets.Dataset`` and where each record came from, for error messages."""
+
+    def __init__(self, path: Path, key: str) -> None:
+        self.path, self.key = path, key
+        self._lines: list[int] | None = None
+        self.dataset = self._load()
+
+    def where(self, index: int) -> str:
+        """``file:line`` for JSON lines, ``file record N`` otherwise (``index`` is 0-based)."""
+        if self.path.suffix in _JSON_SUFFIXES and self.path.is_file():
+            if self._lines is None:
+                self._lines = [line_no for line_no, _ in _scan_json(self.path)]
+            return _where(self.path, self._lines[index], index)
+        return _where(self.path, 0, index)
+
+    def _load(self) -> Any:
+        import datasets
+
+        path = self.path
+        with _quiet_datasets():
+            if path.is_dir():
+                try:
+                    loaded = datasets.load_from_disk(str(path))
+                except FileNotFoundError as err:
+                    raise DataError(
+                        f"data.{self.key}: {path} is a directory but not one written by datasets' `save_to_disk`"
+                        f" ({err}). Point data.{self.key} at a .jsonl / .json / .parquet file or a saved dataset."
+                    ) from None
+                if isinstance(loaded, datasets.DatasetDict):
+                    if len(loaded) != 1:
+                        raise DataError(
+                            f"data.{self.key}: {path} is a DatasetDict with splits {sorted(loaded)}; point data.{self.key}"
+                            " at one split (save it with `dataset_dict['train'].save_to_disk(dir)`)."
+                        )
+                    loaded = next(iter(loaded.values()))
+            else:
+                loaded = self._load_file()
+        if loaded.num_rows == 0:
+            raise DataError(f"data.{self.key}: {path} holds no records.")
+        return loaded
+
+    def _load_file(self) -> Any:
+        import datasets
+
+        path = self.path
+        builder = "parquet" if path.suffix == ".parquet" else "json" if path.suffix in _JSON_SUFFIXES else None
+        if builder is None:
+            raise DataError(
+                f"data.{self.key}: {path} has suffix {path.suffix!r}; use .jsonl / .json (JSON lines or an array"
+                " of records), .parquet, or a datasets `save_to_disk` directory."
+            )
+        try:
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as err:
+            if builder != "json":
+                raise DataError(f"data.{self.key}: {path} could not be read: {err}") from err
+            return self._load_checked_json(err)
+
+    def _load_checked_json(self, err: Exception) -> Any:
+        """Where arrow cannot read a JSON file (e.g. a column's type changes between records): read it in Python,
+        name the first bad line or record, and keep only the fields a format reads."""
+        import datasets
+
+        records = read_jsonl(self.path)
+        if not records:
+            raise DataError(f"data.{self.key}: {self.path} holds no records.")
+        for index, record in enumerate(records):
+            try:
+                _messages(record) if "messages" in record else (_text(record, "prompt"), _text(record, "completion"))
+            except DataError as bad:
+                raise DataError(f"{self.where(index)}: {bad}") from None
+        fields = ("messages",) if "messages" in records[0] else ("prompt", "completion")
+        try:
+            return datasets.Dataset.from_list([{key: record[key] for key in fields} for record in records])
+        except Exception:
+            raise DataError(f"data.{self.key}: {self.path} could not be read: {err}") from err

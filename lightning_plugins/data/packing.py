@@ -1,0 +1,219 @@
+"""Packing and collation: padded batches, and packed rows of whole samples.
+
+Packing (``packing: true``) fills rows of exactly ``max_seq_len`` tokens with whole samples, greedy
+first fit in dataset order, once when the dataset is built (so every batch has the same shape, which
+pipeline schedules and compiled graphs want). ``position_ids`` restart at 0 for every sample and the
+batch has no ``attention_mask``: transformers then finds the sample boundaries from the positions and
+masks attention block-diagonally (``masking_utils.find_packed_sequence_indices``, for sdpa, eager and
+flex attention). The first token of every sample is labelled ``-100`` so the previous sample's last
+token does not predict it: a packed batch trains exactly the per-token loss of its samples unpadded.
+Two ways transformers 5.23 silently attends across samples instead, which
+:func:`prepare_model_for_packing` rules out (call it on the model before training packed): it skips the
+detection when a KV cache exists, and a causal LM makes one whenever ``config.use_cache`` is true, even in
+training; and flash attention 2/3 read packed positions only in a batch of one row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_plugins.data.config import IGNORE_INDEX, DataConfig, DataError, Example
+
+def first_fit(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
+    """Greedy first fit: each sample, in order, goes into the first row with room; samples are never split.
+
+    A segment tree over the rows' free space finds that row in ``O(log n)``.
+
+    Returns:
+        Per row, the indices of its samples (in the order they were placed).
+
+    Raises:
+        ValueError: if a sample is longer than ``max_seq_len``.
+    """
+    size = 1
+    while size < max(1, len(lengths)):
+        size *= 2
+    free = [0] * (2 * size)  # free[size + r]: row r's free space (0 until the row is opened); inner nodes: max
+    rows: list[list[int]] = []
+    for index, length in enumerate(lengths):
+        if length > max_seq_len:
+            raise ValueError(f"sample {index} has {length} tokens, more than max_seq_len={max_seq_len}.")
+        if free[1] >= length:
+            node = 1
+            while node < size:
+                node = 2 * node if free[2 * node] >= length else 2 * node + 1
+            row = node - size
+        else:
+            row, node = len(rows), size + len(rows)
+            rows.append([])
+            free[node] = max_seq_len
+        rows[row].append(index)
+        free[node] -= length
+        node //= 2
+        while node:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node //= 2
+    return rows
+
+
+def pack_examples(examples: Sequence[Mapping[str, Sequence[int]]], max_seq_len: int) -> list[Example]:
+    """Packs samples into rows of at most ``max_seq_len`` tokens (:func:`first_fit`) for :func:`collate_packed`.
+
+    Each row concatenates its samples' ``input_ids`` and ``labels`` and carries ``position_ids`` that
+    restart at 0 for every sample; each sample's first label becomes ``-100``, so the previous sample's
+    last token does not learn to predict it.
+
+    Raises:
+        ValueError: if a sample is longer than ``max_seq_len``.
+    """
+    rows = []
+    for members in first_fit([len(ex["input_ids"]) for ex in examples], max_seq_len):
+        row: Example = {"input_ids": [], "labels": [], "position_ids": []}
+        for i in members:
+            row["input_ids"] += examples[i]["input_ids"]
+            row["labels"] += [IGNORE_INDEX, *examples[i]["labels"][1:]]
+            row["position_ids"] += range(len(examples[i]["input_ids"]))
+        rows.append(row)
+    return rows
+
+
+def _packed_dataset(dataset: Any, max_seq_len: int) -> Any:
+    import datasets
+
+    samples = [{"input_ids": ids, "labels": labels} for ids, labels in zip(dataset["input_ids"], dataset["labels"])]
+    rows = pack_examples(samples, max_seq_len)
+    return datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in ("input_ids", "labels", "position_ids")})
+
+
+def _tensor_rows(examples: Sequence[Mapping[str, Sequence[int]]], key: str, length: int, fill: int) -> Tensor:
+    out = torch.full((len(examples), length), fill, dtype=torch.long)
+    for row, example in enumerate(examples):
+        values = example[key]
+        out[row, : len(values)] = torch.as_tensor(values, dtype=torch.long)
+    return out
+
+
+def _check_examples(examples: Sequence[Mapping[str, Sequence[int]]], keys: tuple[str, ...]) -> None:
+    if not examples:
+        raise ValueError("cannot collate an empty list of examples")
+    for row, example in enumerate(examples):
+        if any(len(example[key]) != len(example["input_ids"]) for key in keys):
+            raise ValueError(f"example {row}: {' and '.join(keys)} lengths differ")
+
+
+def _round_up(length: int, multiple: int | None) -> int:
+    return -(-length // multiple) * multiple if multiple is not None and multiple > 1 else length
+
+
+def collate_causal_lm(
+    examples: Sequence[Mapping[str, Sequence[int]]],
+    pad_token_id: int,
+    pad_to_multiple_of: int | None = None,
+) -> dict[str, Tensor]:
+    """Right-pads samples into ``input_ids``, ``attention_mask`` (1 real, 0 pad) and ``labels`` (``-100`` on pads).
+
+    Args:
+        examples: Dicts with equally long ``input_ids`` and ``labels``.
+        pad_token_id: Id written into padded ``input_ids`` positions.
+        pad_to_multiple_of: Round the padded length up to a multiple of this (e.g. for sequence parallelism).
+
+    Raises:
+        ValueError: if ``examples`` is empty or an example's lengths differ.
+    """
+    _check_examples(examples, ("input_ids", "labels"))
+    length = _round_up(max(len(ex["input_ids"]) for ex in examples), pad_to_multiple_of)
+    input_ids = _tensor_rows(examples, "input_ids", length, pad_token_id)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, example in enumerate(examples):
+        attention_mask[row, : len(example["input_ids"])] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": _tensor_rows(examples, "labels", length, IGNORE_INDEX)}
+
+
+def collate_packed(
+    examples: Sequence[Mapping[str, Sequence[int]]],
+    pad_token_id: int,
+    max_seq_len: int,
+    pad_to_multiple_of: int | None = None,
+) -> dict[str, Tensor]:
+    """Stacks packed rows into ``input_ids``, ``position_ids`` and ``labels`` of ``max_seq_len`` columns.
+
+    The tail of a row that is not full is padding with ``-100`` labels and its own positions
+    ``0, 1, ...`` (a sample of its own, attending only to itself). There is no ``attention_mask``: with
+    none, transformers builds the block-diagonal causal mask from ``position_ids``.
+
+    Raises:
+        ValueError: if ``examples`` is empty, a row's lengths differ, or a row is longer than ``max_seq_len``.
+    """
+    _check_examples(examples, ("input_ids", "labels", "position_ids"))
+    length = _round_up(max_seq_len, pad_to_multiple_of)
+    longest = max(len(ex["input_ids"]) for ex in examples)
+    if longest > length:
+        raise ValueError(f"a packed row has {longest} tokens, more than max_seq_len={max_seq_len}.")
+    position_ids = torch.arange(length).repeat(len(examples), 1)
+    for row, example in enumerate(examples):
+        used = len(example["position_ids"])
+        position_ids[row, :used] = torch.as_tensor(example["position_ids"], dtype=torch.long)
+        position_ids[row, used:] = torch.arange(length - used)
+    return {
+        "input_ids": _tensor_rows(examples, "input_ids", length, pad_token_id),
+        "position_ids": position_ids,
+        "labels": _tensor_rows(examples, "labels", length, IGNORE_INDEX),
+    }
+
+
+def make_collator(
+    config: DataConfig, pad_token_id: int, pad_to_multiple_of: int | None = None
+) -> Callable[[Sequence[Mapping[str, Sequence[int]]]], dict[str, Tensor]]:
+    """The ``collate_fn`` for rows of :func:`build_dataset` with this config: padded or packed batches."""
+    if config.packing:
+        return lambda examples: collate_packed(examples, pad_token_id, config.max_seq_len, pad_to_multiple_of)
+    return lambda examples: collate_causal_lm(examples, pad_token_id, pad_to_multiple_of)
+
+
+#: Attention implementations whose masks transformers builds from packed ``position_ids`` in any batch.
+_PACKING_ATTENTION = ("sdpa", "eager", "flex_attention")
+
+
+def check_packing_attention(implementation: str | None) -> None:
+    """Refuses an attention implementation that does not keep the samples of packed rows apart.
+
+    Call it while validating a recipe (``model.attn_implementation`` with ``data.packing``), before any
+    process starts; :func:`prepare_model_for_packing` calls it on the loaded model.
+
+    Raises:
+        DataError: for anything but sdpa, eager or flex attention. Flash attention 2/3 find packed samples
+            only in a batch of one row (``modeling_flash_attention_utils._is_packed_sequence``) and attend
+            across them otherwise.
+    """
+    if implementation in _PACKING_ATTENTION:
+        return
+    why = (
+        " transformers' flash attention finds packed samples from position_ids only in a batch of one row and"
+        " would attend across the samples of a packed batch."
+        if isinstance(implementation, str) and "flash" in implementation
+        else ""
+    )
+    raise DataError(
+        f"data.packing needs an attention implementation that keeps packed samples apart {_PACKING_ATTENTION}; the"
+        f" model uses {implementation!r}.{why} Load it with attn_implementation='sdpa' (or 'flex_attention'), or"
+        " set data.packing: false."
+    )
+
+
+def prepare_model_for_packing(model: Any) -> None:
+    """Makes a transformers causal LM attend within packed samples only; call it before training packed.
+
+    Sets ``config.use_cache = False``: with a cache (which the model creates whenever ``use_cache`` is
+    true, in training too), transformers does not look for packed sequences in ``position_ids`` and
+    attention silently crosses samples.
+
+    Raises:
+        DataError: for an attention implementation that does not separate the samples of packed rows
+            (see :func:`check_packing_attention`).
+    """
+    check_packing_attention(getattr(model.config, "_attn_implementation", None))
+    model.config.use_cache = False
