@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -56,3 +60,14 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
         mp.start_processes(_entry, args=(world_size, free_port(), fn, args, errors), nprocs=world_size, start_method="spawn")
     except Exception as exc:  # the child's own traceback is more useful than the spawn wrapper's
         raise AssertionError(errors.get() if not errors.empty() else str(exc)) from None
+
+
+def run_script(script: Path, tmp_path: Path, *args: str, timeout: int = 900) -> dict[str, Any]:
+    """Run a test script that starts its own world (``--out results.json`` added); return its JSON results."""
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), *args, "--out", str(out)],
+        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())

@@ -9,7 +9,6 @@ checks every case (starting ranks is the slow part); the reference runs on each 
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import tempfile

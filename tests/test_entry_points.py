@@ -6,25 +6,16 @@ tests/scripts/entry_points.py) and compares every result with one process doing 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
-from _world import script_env
+from _world import run_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "entry_points.py"
 TOL = 1e-5
 
 
 def test_every_entry_point_after_fit(tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out)],
-        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results = json.loads(out.read_text())
+    results = run_script(SCRIPT, tmp_path)
     assert sorted(results) == ["cp2", "fsdp2", "pp2", "tp2"]
     for name, case in results.items():
         for key in ("fit_loss", "fit_weights", "validate", "validate_logged", "test", "test_logged", "refit_loss", "refit_weights"):

@@ -4,13 +4,10 @@ checkpointing; the frozen base never moves and gets no gradients."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _world import script_env
+from _world import run_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "lora_trainer.py"
 TOL = 1e-5
@@ -18,13 +15,7 @@ TOL = 1e-5
 
 @pytest.mark.parametrize("devices", [2, 4])
 def test_lora_under_every_strategy(devices: int, tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--devices", str(devices), "--out", str(out)],
-        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results = json.loads(out.read_text())
+    results = run_script(SCRIPT, tmp_path, "--devices", str(devices))
     assert len(results) == {2: 6, 4: 2}[devices]
     for name, case in results.items():
         assert case["steps"] == 4, (name, case)

@@ -6,13 +6,10 @@ Lightning re-launches a script per rank, so each world is one script run that ch
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _world import script_env
+from _world import run_script
 
 SCRIPT = Path(__file__).parent / "scripts" / "trainer_parity.py"
 TOL = 1e-5
@@ -20,13 +17,7 @@ TOL = 1e-5
 
 @pytest.mark.parametrize("devices", [2, 4])
 def test_trainer_matches_one_process_and_resumes(devices: int, tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--devices", str(devices), "--out", str(out)],
-        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    results = json.loads(out.read_text())
+    results = run_script(SCRIPT, tmp_path, "--devices", str(devices))
     resume = results.pop("resume")
     assert results, "no case ran"
     for name, case in results.items():
