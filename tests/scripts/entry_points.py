@@ -22,10 +22,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline_trainer import (  # noqa: E402
-    ACCUM,
     LOCAL_BATCH,
-    LR,
-    MAX_NORM,
     FineTune,
     dataset,
     evaluate,
@@ -35,7 +32,7 @@ from pipeline_trainer import (  # noqa: E402
     max_weight_diff,
 )
 from tiny_models import tiny_model  # noqa: E402
-from trainer_parity import make_trainer, step_losses  # noqa: E402
+from trainer_parity import make_trainer, sgd_steps, step_losses  # noqa: E402
 
 from lightning_plugins import LayoutError  # noqa: E402
 from lightning_plugins.strategies import (  # noqa: E402
@@ -84,20 +81,7 @@ class Evaluated(FineTune):
 
 def reference_fit(model: torch.nn.Module, data: list[dict], dp: int, steps: int) -> list[float]:
     """One process, a fresh optimizer, the data order of a fresh `fit`: the losses per optimizer step."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    batches = global_batches(data, dp, epochs=1)
-    losses = []
-    for step in range(steps):
-        step_loss = 0.0
-        for micro in range(ACCUM):
-            loss = model(**batches[step * ACCUM + micro]).loss
-            (loss / ACCUM).backward()
-            step_loss += loss.item() / ACCUM
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(step_loss)
-    return losses
+    return sgd_steps(model, global_batches(data, dp, epochs=1), steps)
 
 
 def max_diff(a: list[float], b: list[float]) -> float:

@@ -78,10 +78,16 @@ def global_batches(data: list[dict], dp: int, epochs: int) -> list[dict]:
 
 def reference(model: torch.nn.Module, data: list[dict], dp: int) -> tuple[list[float], dict]:
     """One process, the whole global batch, Lightning's accumulation and clipping semantics."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    batches = global_batches(data, dp, epochs=2)
+    losses = sgd_steps(model, global_batches(data, dp, epochs=2), STEPS)
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def sgd_steps(model: torch.nn.Module, batches: list[dict], steps: int) -> list[float]:
+    """``steps`` optimizer steps of a fresh SGD+momentum over ``batches`` as Lightning runs them
+    (ACCUM micro-batches each, clipping at MAX_NORM): the mean loss of each step."""
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         step_loss = 0.0
         for micro in range(ACCUM):
             loss = model(**batches[step * ACCUM + micro]).loss
@@ -91,7 +97,7 @@ def reference(model: torch.nn.Module, data: list[dict], dp: int) -> tuple[list[f
         optimizer.step()
         optimizer.zero_grad()
         losses.append(step_loss)
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    return losses
 
 
 def make_trainer(strategy: ParallelismStrategy, devices: int, max_steps: int, **kwargs) -> L.Trainer:
