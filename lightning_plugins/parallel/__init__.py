@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.layout import MESH_DIM_NAMES, LayoutError, ParallelLayout
+from lightning_plugins.lora import hf_model_of
 from lightning_plugins.options import MemoryOptions, ParallelOptions
 from lightning_plugins.models import ModelFamily, check_supported, decoder_layers, family_for
 from lightning_plugins.parallel.activation import apply_activation_checkpointing
@@ -49,7 +50,8 @@ def parallelize(
 
     Args:
         model: A transformers causal LM, materialised or on the meta device (then load weights with
-            :func:`lightning_plugins.loading.load_sharded_safetensors`).
+            :func:`lightning_plugins.loading.load_sharded_safetensors`), or a peft ``PeftModel`` of one
+            (LoRA adapters are placed with their base layers; see :mod:`lightning_plugins.lora`).
         layout: A :class:`ParallelLayout` (resolved against the world size here) or a mesh built by
             :meth:`ParallelLayout.build_mesh`.
         options: How each dimension is applied (sequence/loss parallel, CP backend, pipeline schedule
@@ -65,6 +67,9 @@ def parallelize(
     Raises:
         LayoutError: for any invalid combination, before any collective runs.
     """
+    if (inner := hf_model_of(model)) is not model:  # a PeftModel: the transformers model inside holds the layers
+        parallelize(inner, layout, options, memory)
+        return model
     options, memory = options or ParallelOptions(), memory or MemoryOptions()
     resolved = _resolve(layout)
     if mesh_of(model) is not None:  # a later entry point (fit, then test; a second Trainer) reuses it

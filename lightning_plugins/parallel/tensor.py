@@ -15,9 +15,13 @@ composes on a 2-D mesh and gradient norms see one mesh.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -28,6 +32,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_plugins.layout import LayoutError
 from lightning_plugins.models import ModelFamily, decoder_layers
 
 # The dimension of attention heads in the [batch, seq, heads, head_dim] tensors that q/k norms see.
@@ -53,6 +58,9 @@ def apply_tensor_parallel(
             shards by :mod:`lightning_plugins.parallel.loss` and the full logits are never gathered.
     """
     sp = sequence_parallel and family.sequence_parallel
+    _check_adapters(model, family)
+    # torch's SequenceParallel re-creates the norms' parameters as trainable: a frozen base must stay frozen.
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = lm_head is not None and lm_head.weight is embed.weight
 
@@ -63,8 +71,9 @@ def apply_tensor_parallel(
         tp_mesh,
         RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp),
     )
-    for layer in decoder_layers(model, family):
-        _parallelize_layer(layer, family, tp_mesh, sp)
+    dropouts = [_parallelize_layer(layer, family, tp_mesh, sp) for layer in decoder_layers(model, family)]
+    if any(dropouts):
+        _sync_rng(tp_mesh)
     if family.final_norm:
         _parallelize_norm(model.get_submodule(family.final_norm), tp_mesh, sp)
     if lm_head is not None:
@@ -81,9 +90,13 @@ def apply_tensor_parallel(
             # Both are Shard(0) over the vocabulary rows, so one DTensor serves both.
             lm_head.weight = embed.weight
     replicate_remaining_params(model, tp_mesh)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
 
 
-def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMesh, sp: bool) -> None:
+def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMesh, sp: bool) -> bool:
+    """Split one decoder layer; return whether it has LoRA dropout (whose RNG the tp ranks must share)."""
     plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in family.colwise}
     for name in family.rowwise:
         plan[name] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sp else RowwiseParallel()
@@ -94,11 +107,13 @@ def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMes
     for name in family.head_norms:
         # q/k norms normalise each head's vector; their input is split by heads on this rank.
         plan[name] = SequenceParallel(sequence_dim=_HEAD_DIM, use_local_output=True)
+    plan, dropout = _split_adapters(layer, plan, tp_mesh)
     parallelize_module(layer, tp_mesh, plan)
     for name in family.layer_norms:
         _parallelize_norm(layer.get_submodule(name), tp_mesh, sp)
     for name in family.tp_regions:
         layer.get_submodule(name).register_forward_pre_hook(_RegionInput(tp_mesh), with_kwargs=True)
+    return dropout
 
 
 def _parallelize_norm(norm: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:
@@ -132,8 +147,9 @@ class _RegionInput:
         return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
 
 
-def _replicate_module(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Hold ``module``'s own parameters as replicated DTensors; plain tensors in and out."""
+def _replicate_module(module: nn.Module, mesh: DeviceMesh, *, local_io: bool = True) -> None:
+    """Hold ``module``'s own parameters as replicated DTensors; plain tensors in and out (DTensors with
+    ``local_io=False``)."""
 
     def partition(_name: str, mod: nn.Module, device_mesh: DeviceMesh) -> None:
         for key, param in list(mod.named_parameters(recurse=False)):
@@ -155,7 +171,22 @@ def _replicate_module(module: nn.Module, mesh: DeviceMesh) -> None:
     def outputs(_mod: nn.Module, out: Any, _device_mesh: DeviceMesh) -> Any:
         return out.to_local() if isinstance(out, DTensor) else out
 
-    distribute_module(module, mesh, partition, inputs, outputs)  # type: ignore[arg-type]
+    def dtensor_inputs(_mod: nn.Module, args: tuple, _device_mesh: DeviceMesh) -> tuple:
+        # A reduce-scattered activation can arrive as a strided view (uneven sequence shards), which a
+        # linear layer cannot flatten: give it a contiguous local tensor.
+        return tuple(
+            DTensor.from_local(
+                a.to_local().contiguous(), a.device_mesh, a.placements, run_check=False, shape=a.shape, stride=a.stride()
+            )
+            if isinstance(a, DTensor)
+            else a
+            for a in args
+        )
+
+    if local_io:
+        distribute_module(module, mesh, partition, inputs, outputs)  # type: ignore[arg-type]
+    else:
+        distribute_module(module, mesh, partition, dtensor_inputs)  # type: ignore[arg-type]
 
 
 def replicate_remaining_params(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -163,3 +194,186 @@ def replicate_remaining_params(model: nn.Module, mesh: DeviceMesh) -> None:
     for module in list(model.modules()):
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             _replicate_module(module, mesh)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# peft LoRA adapters: each adapter half is split consistently with its base layer.
+#
+# Column-parallel base (output features split): ``lora_B`` is column-parallel like it and ``lora_A`` replicated,
+# so the adapter's output is split like the base's; the backward all-reduce of ``lora_B``'s replicated input is
+# the one that makes ``lora_A``'s gradient whole. Row-parallel base (input features split): ``lora_A`` is
+# row-parallel like it (its partial sums reduced by the same collective as the base's, all-reduced or
+# reduce-scattered along the sequence) and ``lora_B`` replicated. Only ``r``-wide activations are reduced for an
+# adapter; no full-size one is gathered. peft keeps adapters in ``ModuleDict`` s keyed by adapter name, so each
+# half is an ordinary module that ``parallelize_module`` can split.
+
+
+def _check_adapters(model: nn.Module, family: ModelFamily) -> None:
+    """Refuse peft layers tensor parallelism cannot split, before anything is split.
+
+    Raises:
+        LayoutError: for an adapted module that is not one of the decoder projections the family splits,
+            a LoRA variant (DoRA...) or a non-linear LoRA layer, and peft's ``modules_to_save`` copies.
+    """
+    if "peft" not in sys.modules:  # no model holds peft layers unless peft was imported
+        return
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    split = {*family.colwise, *family.rowwise, *family.extra_styles}
+    planned = {id(layer.get_submodule(name)) for layer in decoder_layers(model, family) for name in split}
+    projections = sorted({name.rpartition(".")[2] for name in split})
+    for name, module in model.named_modules():
+        if isinstance(module, AuxiliaryTrainingWrapper):
+            raise LayoutError(
+                f"{name} is a peft modules_to_save / trainable-tokens copy, which tensor parallelism does not split."
+                " Leave modules_to_save out of the LoraConfig, or use a layout without tensor parallelism (FSDP2, PP"
+                " and CP train it)."
+            )
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        if id(module) not in planned:
+            raise LayoutError(
+                f"Tensor parallelism splits LoRA adapters only on the decoder projections it splits {projections};"
+                f" {name} ({type(module).__name__}) is not one. Target those (LoraConfig(target_modules=...) /"
+                " lora.target_modules), or use a layout without tensor parallelism (FSDP2, PP and CP adapt any module)."
+            )
+        variants = sorted(getattr(module, "lora_variant", {}))
+        if type(module) is not LoraLinear or variants:
+            raise LayoutError(
+                f"{name} is a {type(module).__name__}{f' with LoRA variants for adapters {variants} (e.g. DoRA)' if variants else ''};"
+                " tensor parallelism splits plain LoRA on linear layers only. Use plain LoRA there, or a layout"
+                " without tensor parallelism."
+            )
+
+
+def _split_adapters(
+    layer: nn.Module, plan: dict[str, ParallelStyle], tp_mesh: DeviceMesh
+) -> tuple[dict[str, ParallelStyle], bool]:
+    """``plan`` with each entry naming a LoRA layer replaced by entries for its base layer and adapter halves.
+
+    Returns:
+        The plan, and whether an adapter dropout was replaced by a :class:`TensorParallelDropout`.
+    """
+    if "peft" not in sys.modules:
+        return plan, False
+    from peft.tuners.lora import LoraLayer
+
+    split: dict[str, ParallelStyle] = {}
+    has_dropout = False
+    for name, style in plan.items():
+        module = layer.get_submodule(name)
+        if not isinstance(module, LoraLayer):
+            split[name] = style
+            continue
+        colwise = isinstance(style, ColwiseParallel)
+        split[f"{name}.base_layer"] = style if colwise else _RowwiseBase.like(style)
+        for adapter in module.lora_A:
+            a, b = f"{name}.lora_A.{adapter}", f"{name}.lora_B.{adapter}"
+            if colwise:
+                split[a] = _ReplicatedAdapter(local_io=True)
+                split[b] = ColwiseParallel(output_layouts=style.output_layouts[0], use_local_output=style.use_local_output)
+            else:
+                split[a] = RowwiseParallel(
+                    input_layouts=style.input_layouts[0],
+                    output_layouts=style.output_layouts[0],
+                    use_local_output=style.use_local_output,
+                )
+                # Under sequence parallelism lora_A's output is a sequence-sharded DTensor, and so is lora_B's.
+                split[b] = _ReplicatedAdapter(local_io=style.use_local_output)
+            dropout = module.lora_dropout[adapter]
+            if isinstance(dropout, nn.Dropout) and dropout.p > 0:
+                split_input = not colwise and isinstance(style.input_layouts[0], Shard)
+                features = module.in_features if split_input else None
+                module.lora_dropout[adapter] = TensorParallelDropout(dropout.p, tp_mesh, features)
+                has_dropout = True
+    return split, has_dropout
+
+
+class _RowwiseBase(RowwiseParallel):
+    """``RowwiseParallel`` whose output reduction is complete when the base layer returns.
+
+    Recomputation under activation checkpointing stops after the last tensor backward needs, which in a
+    LoRA layer is inside the adapter, after the base layer's (asynchronous) reduction was issued: a
+    reduction nobody waits for would stay registered until the process exits.
+    """
+
+    @staticmethod
+    def like(style: RowwiseParallel) -> _RowwiseBase:
+        return _RowwiseBase(
+            input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0], use_local_output=style.use_local_output
+        )
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
+        outputs = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        local = outputs.to_local() if isinstance(outputs, DTensor) else outputs
+        if isinstance(local, AsyncCollectiveTensor):
+            local.trigger_wait()
+        return outputs
+
+
+class _ReplicatedAdapter(ParallelStyle):
+    """An adapter half every tensor-parallel rank holds whole, as replicated DTensor weights.
+
+    ``local_io``: plain tensors in and out (a replicated activation); otherwise DTensors pass through as they
+    are (a sequence-sharded activation under sequence parallelism stays sharded).
+    """
+
+    def __init__(self, *, local_io: bool) -> None:
+        super().__init__()
+        self.local_io = local_io
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # distribute_tensor(..., [Replicate()]) broadcasts from the first rank: every rank starts identical.
+        _replicate_module(module, device_mesh, local_io=self.local_io)
+        return module
+
+
+class TensorParallelDropout(nn.Module):
+    """LoRA dropout under tensor parallelism: one process's mask, whatever part of the activation a rank holds.
+
+    Every tensor-parallel rank draws the mask of the whole activation from its default generator (the
+    generators are made equal across the group when the model is split, and stay equal because the ranks
+    run the same ops) and keeps its own slice. A replicated input thus gets the same mask on every rank,
+    and a feature-split input (a row-parallel ``lora_A``'s) the slices of one mask. The draw is the one
+    ``torch.nn.functional.dropout`` makes on CPU, so the masks are those one process would draw.
+
+    Args:
+        p: Drop probability.
+        mesh: The tensor-parallel mesh.
+        features: For an input split along its last dimension: the whole dimension's size; ``None`` for
+            a replicated input.
+    """
+
+    def __init__(self, p: float, mesh: DeviceMesh, features: int | None = None) -> None:
+        super().__init__()
+        self.p, self.mesh, self.features = p, mesh, features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        local = x.to_local() if isinstance(x, DTensor) else x
+        if isinstance(x, DTensor) and not all(isinstance(p, Replicate) for p in x.placements):
+            raise RuntimeError(f"TensorParallelDropout expects a replicated or feature-split input, got {x.placements}.")
+        shape = (*local.shape[:-1], self.features) if self.features is not None else local.shape
+        noise = torch.empty(shape, dtype=local.dtype, device=local.device).bernoulli_(1 - self.p).div_(1 - self.p)
+        if self.features is not None:
+            noise = noise.chunk(self.mesh.size(), dim=-1)[self.mesh.get_local_rank()]  # DTensor's Shard(-1) split
+        out = local * noise
+        return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False) if isinstance(x, DTensor) else out
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, split_features={self.features}"
+
+
+def _sync_rng(tp_mesh: DeviceMesh) -> None:
+    """Give every tensor-parallel rank the first one's RNG state (CPU and, on GPUs, the current device's)."""
+    group = tp_mesh.get_group()
+    cuda = tp_mesh.device_type == "cuda"
+    states = [torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None]
+    dist.broadcast_object_list(states, src=dist.get_global_rank(group, 0), group=group)
+    torch.set_rng_state(states[0])
+    if cuda:
+        torch.cuda.set_rng_state(states[1])
