@@ -46,9 +46,10 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, total_steps: int) -> 
     return optimizer, schedule
 
 
-def build_model(recipe: Recipe) -> tuple[torch.nn.Module, Any]:
+def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Module, Any]:
     """The tokenizer and the model to train: on the meta device for a full fine-tune of a local checkpoint
-    (each rank then reads only its slices), loaded and wrapped with LoRA adapters otherwise."""
+    (each rank then reads only its slices; ``on_meta=False`` loads it whole, as DeepSpeed and Accelerate's
+    FSDP expect), loaded and wrapped with LoRA adapters otherwise."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from lightning_plugins.data import prepare_model_for_packing
@@ -58,7 +59,7 @@ def build_model(recipe: Recipe) -> tuple[torch.nn.Module, Any]:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     kwargs = {"dtype": _DTYPES[spec.dtype], "attn_implementation": spec.attn_implementation}
-    if recipe.lora is None and Path(spec.path).is_dir():
+    if on_meta and recipe.lora is None and Path(spec.path).is_dir():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path), **kwargs)
     else:
@@ -85,6 +86,30 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[DataLoader, DataLoade
     if not recipe.data.has_eval:
         return train, None
     return train, DataLoader(build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate)
+
+
+def find_hf_model(module: torch.nn.Module, owner: str) -> torch.nn.Module:
+    """The one outermost ``transformers.PreTrainedModel`` inside ``module`` (itself, or inside a ``PeftModel``).
+
+    Raises:
+        LayoutError: if there is none, or several unrelated ones.
+    """
+    from transformers import PreTrainedModel
+
+    from lightning_plugins.layout import LayoutError
+
+    found: list[tuple[str, torch.nn.Module]] = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel) and not any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, sub))
+    if len(found) != 1:
+        what = "no transformers PreTrainedModel" if not found else f"{len(found)} models ({[n for n, _ in found]})"
+        raise LayoutError(
+            f"{owner} found {what} inside {type(module).__name__}. Keep exactly one HF causal LM in the module (e.g."
+            " `AutoModelForCausalLM.from_config(...)`, or a peft `PeftModel` around one), or call"
+            " `lightning_plugins.parallelize(model, mesh)` on the model yourself."
+        )
+    return found[0][1]
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

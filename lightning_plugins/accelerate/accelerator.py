@@ -1,0 +1,416 @@
+"""``ParallelAccelerator``: Accelerate's ``Accelerator`` with tensor, pipeline, context and FSDP2 parallelism.
+
+A thin door over the engine: ``prepare`` hands the HF model to :func:`lightning_plugins.parallelize` and
+Accelerate does the rest of what it always does, told about data-parallel ranks instead of processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.data_loader import DataLoaderShard, get_sampler, prepare_data_loader
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import recursively_apply
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DistributedSampler, RandomSampler
+from typing_extensions import override
+
+from lightning_plugins.accelerate.loaders import DataParallelScheduler, ParallelDataLoader
+from lightning_plugins.accelerate.settings import (
+    builtin_path,
+    check_builtin,
+    describe_launch,
+    launched_world,
+    merge_sizes,
+)
+from lightning_plugins.accelerate.state import load_training_state, save_training_state
+from lightning_plugins.layout import LayoutError
+from lightning_plugins.loading import is_on_meta, load_sharded_safetensors
+from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
+from lightning_plugins.parallel import clip_grad_norm_, mesh_of, parallelize, pipeline_of
+from lightning_plugins.training import find_hf_model
+
+__all__ = ["ParallelAccelerator"]
+
+_SETTINGS = {f.name for f in fields(ParallelOptions)} | {f.name for f in fields(MemoryOptions)}
+# Wrappers that insert a level into parameter names; the optimizer's parameters are matched by name.
+_WRAPPER_NAMES = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
+
+
+class ParallelAccelerator(Accelerator):
+    """An ``accelerate.Accelerator`` that trains HF causal LMs with any layout of the engine.
+
+    Replace ``Accelerator(...)`` by ``ParallelAccelerator(tp_size=2, ...)``; the loop stays the same.
+    ``prepare`` parallelizes the model (an HF ``PreTrainedModel``, a peft ``PeftModel``, or a module holding
+    one), loads this rank's weight slices when it was built on the meta device, points the optimizer at the
+    new parameters, shards data loaders over data-parallel ranks only (and gives context-parallel ranks
+    their sequence shard of every batch). Under pipeline parallelism the model call runs forward and
+    backward of the whole batch through the schedule and returns the loss; ``backward(loss)`` then adds
+    the gradients it computed. ``clip_grad_norm_`` clips by the true global norm, ``save_state`` /
+    ``load_state`` write and read one atomic distributed checkpoint (model, optimizer, schedulers, random
+    states, data position), ``save_model`` exports an HF directory (or a peft adapter).
+
+    Under a launch config that selects Accelerate's own DeepSpeed or FSDP, those stay in charge (only
+    data-parallel layouts are then valid) and every method is Accelerate's.
+
+    Args:
+        tp_size: Tensor-parallel ranks.
+        pp_size: Pipeline stages.
+        cp_size: Context-parallel ranks.
+        dp_shard_size: FSDP2 shard ranks; ``-1`` (or ``None``) takes what the world leaves.
+        dp_replicate_size: Data-parallel replicas (HSDP with ``dp_shard_size > 1``).
+        options: How each dimension is applied (:class:`~lightning_plugins.ParallelOptions`).
+        memory: Activation checkpointing, FSDP2 mixed precision, CPU offload (:class:`~lightning_plugins.MemoryOptions`).
+        load_from: HF checkpoint directory for a model built on the meta device (default: its ``name_or_path``).
+        **kwargs: Fields of ``ParallelOptions``/``MemoryOptions`` by name (``sequence_parallel``, ``cp_backend``,
+            ``pp_schedule``, ``activation_checkpointing``, ...), and every ``accelerate.Accelerator`` argument.
+            Sizes left at ``None`` are read from the launch config's ``parallelism_config_*`` keys, if set.
+
+    Raises:
+        LayoutError: before any process group exists, when the layout does not fit the launched world,
+            disagrees with the launch config's sizes, or is not data-parallel under DeepSpeed/FSDP.
+    """
+
+    def __init__(
+        self,
+        tp_size: int | None = None,
+        pp_size: int | None = None,
+        cp_size: int | None = None,
+        dp_shard_size: int | None = None,
+        dp_replicate_size: int | None = None,
+        *,
+        options: ParallelOptions | None = None,
+        memory: MemoryOptions | None = None,
+        load_from: str | Path | None = None,
+        **kwargs: Any,
+    ) -> None:
+        owner = type(self).__name__
+        settings = {name: kwargs.pop(name) for name in list(kwargs) if name in _SETTINGS}
+        self.options, self.memory = with_settings(owner, options, memory, **settings)
+        sizes = {"tp_size": tp_size, "pp_size": pp_size, "cp_size": cp_size, "dp_shard_size": dp_shard_size,
+                 "dp_replicate_size": dp_replicate_size}  # fmt: skip
+        self.builtin = builtin_path(kwargs.get("deepspeed_plugin") or kwargs.get("deepspeed_plugins"), kwargs.get("fsdp_plugin"))
+        parallelism_config = None if self.builtin else kwargs.pop("parallelism_config", None)
+        layout = merge_sizes(owner, sizes, parallelism_config)
+        local, nodes = launched_world()
+        try:
+            self.layout = layout.resolve(local * nodes)
+        except LayoutError as err:
+            raise LayoutError(f"{owner}: the layout does not fit the world started by {describe_launch()}. {err}") from None
+        if self.builtin:
+            check_builtin(owner, self.layout, self.builtin)
+        self.load_from = load_from
+        self.device_mesh = None
+        self._pipeline_grads: list[tuple[Tensor, Tensor | None]] | None = None
+        self._held_grads: list[Tensor | None] | None = None
+        if self.builtin:
+            super().__init__(**kwargs)
+            return
+        with _accelerate_parallelism_config_off():  # it refuses MULTI_CPU and would build a second mesh
+            super().__init__(**kwargs)
+        if not dist.is_initialized():  # one process: a world of one, so the engine's path is the same
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        if self.layout.pp_size > 1 and self.scaler is not None:
+            raise LayoutError(
+                f"{owner}: mixed_precision='fp16' scales the loss before backward, which the pipeline schedule runs"
+                " inside the model call; use mixed_precision='bf16' (or 'no') with pp_size > 1."
+            )
+        self.device_mesh = self.layout.build_mesh(self.device.type)
+
+    # ----------------------------------------------------------------------------------------------------- prepare
+
+    @override
+    def prepare(self, *args: Any, device_placement: list[bool | None] | None = None) -> Any:
+        if not self.builtin:
+            optimizers = [obj for obj in args if isinstance(obj, Optimizer)]
+            for obj in args:
+                if isinstance(obj, nn.Module):
+                    self._parallelize(obj, optimizers)
+        return super().prepare(*args, device_placement=device_placement)
+
+    @override
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> nn.Module:
+        if self.builtin:
+            return super().prepare_model(model, device_placement, evaluation_mode)
+        self._parallelize(model, [])
+        # Accelerate's evaluation mode applies autocast and compile only: no DDP around a parallelized model.
+        prepared = super().prepare_model(model, device_placement=False, evaluation_mode=True)
+        if self.layout.pp_size > 1 and not getattr(prepared, "_lightning_plugins_hooked", False):
+            prepared.register_forward_pre_hook(self._hold_grads, with_kwargs=True)
+            prepared.register_forward_hook(self._take_pipeline_grads, with_kwargs=True, always_call=True)
+            prepared._lightning_plugins_hooked = True
+        return prepared
+
+    def _parallelize(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
+        """Apply the layout to the HF model inside ``model`` and point ``optimizers`` at its new parameters."""
+        owner = type(self).__name__
+        hf_model = find_hf_model(model, owner)
+        if mesh_of(hf_model) is not None:  # prepared before (or by the user): parallelize checks the settings
+            parallelize(hf_model, self.device_mesh, self.options, self.memory)
+            return
+        if any(opt.state for opt in optimizers):
+            raise LayoutError(
+                f"{owner}.prepare: the optimizer has already stepped; its state belongs to the unsharded parameters."
+                " Prepare the model and optimizer before training."
+            )
+        names = {id(p): _canonical(name) for name, p in model.named_parameters(remove_duplicate=False)}
+        if not is_on_meta(hf_model):
+            model.to(self.device)
+        parallelize(hf_model, self.device_mesh, self.options, self.memory)
+        if is_on_meta(hf_model):
+            load_sharded_safetensors(hf_model, self._checkpoint_dir(hf_model), self.device)
+        params = {_canonical(name): p for name, p in model.named_parameters(remove_duplicate=False)}
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                lost = sorted(names[id(p)] for p in group["params"] if id(p) in names and names[id(p)] not in params)
+                if lost and self.layout.pp_size == 1:
+                    raise LayoutError(f"{owner}.prepare: parameters {lost[:3]} vanished while parallelizing the model.")
+                # Under pipeline parallelism each rank's optimizer keeps only its stages' parameters.
+                group["params"] = [params[names[id(p)]] if id(p) in names else p for p in group["params"]
+                                   if id(p) not in names or names[id(p)] in params]  # fmt: skip
+
+    def _checkpoint_dir(self, model: nn.Module) -> Path:
+        source = self.load_from or getattr(model.config, "name_or_path", None)
+        if not source or not Path(source).is_dir():
+            raise LayoutError(
+                f"{type(self).__name__}: the model is on the meta device but no local HF checkpoint directory is known"
+                f" (config.name_or_path={source!r}). Pass `load_from=<dir with *.safetensors>`."
+            )
+        return Path(source)
+
+    @override
+    def prepare_data_loader(
+        self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None
+    ) -> Any:
+        """Shard over the ``dp`` mesh dimension only; a loader whose sampler is a ``DistributedSampler`` is
+        already sharded and is only placed on the device (and context-sharded)."""
+        if self.builtin or getattr(data_loader, "_is_accelerate_prepared", False):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        if self.dispatch_batches:
+            raise LayoutError(
+                f"{type(self).__name__}: dispatch_batches=True sends slices to every process, but tensor, context and"
+                " pipeline ranks must see the same samples. Leave DataLoaderConfiguration(dispatch_batches=None)."
+            )
+        dp = self.device_mesh["dp"]
+        sharded = isinstance(getattr(data_loader, "sampler", None), DistributedSampler)
+        sampler = get_sampler(data_loader)
+        if isinstance(sampler, RandomSampler) and sampler.generator is None and not self.use_seedable_sampler:
+            # Accelerate gives it a generator only for several processes; save_state needs the epoch's order in one.
+            sampler.generator = torch.Generator().manual_seed(int(torch.empty((), dtype=torch.int64).random_()))
+        shard = prepare_data_loader(
+            data_loader,
+            self.device,
+            num_processes=1 if sharded else dp.size(),
+            process_index=0 if sharded else dp.get_local_rank(),
+            split_batches=self.split_batches,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
+            rng_types=self.rng_types.copy(),
+            dispatch_batches=False,
+            even_batches=self.even_batches,
+            use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed,
+            non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader,
+        )
+        assert isinstance(shard, DataLoaderShard)
+        loader = ParallelDataLoader.adopt(
+            shard, self.device_mesh if self.layout.cp_size > 1 else None, type(self).__name__, getattr(sampler, "generator", None)
+        )
+        self._dataloaders.append(loader)
+        return loader
+
+    @override
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        prepared = super().prepare_scheduler(scheduler)
+        if self.builtin or not isinstance(prepared, AcceleratedScheduler) or isinstance(prepared, DataParallelScheduler):
+            return prepared
+        wrapped = DataParallelScheduler(
+            prepared.scheduler, prepared.optimizers, replicas=self.device_mesh["dp"].size(),
+            step_with_optimizer=prepared.step_with_optimizer, split_batches=prepared.split_batches,
+        )  # fmt: skip
+        self._schedulers[self._schedulers.index(prepared)] = wrapped
+        return wrapped
+
+    # ---------------------------------------------------------------------------------------- pipeline and clipping
+
+    def _pipeline(self) -> Any:
+        for model in self._models:
+            pipeline = pipeline_of(find_hf_model(model, type(self).__name__))
+            if pipeline is not None:
+                return pipeline
+        return None
+
+    def _hold_grads(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Before a training call under PP: set earlier gradients aside, so the call's own can be taken."""
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        pipeline = self._pipeline()
+        # Accelerate's backward divides the loss by the accumulation steps; the schedule differentiates inside.
+        pipeline.loss_scale = 1.0 / self.gradient_accumulation_steps
+        params = [p for p in module.parameters() if p.requires_grad]
+        self._held_grads = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+
+    def _take_pipeline_grads(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """After a training call under PP: keep the gradients the schedule computed for ``backward``; restore the rest."""
+        if self._held_grads is None:
+            return
+        params = [p for p in module.parameters() if p.requires_grad]
+        self._pipeline_grads = [(p, p.grad) for p in params]
+        for param, grad in zip(params, self._held_grads):
+            param.grad = grad
+        self._held_grads = None
+
+    @override
+    def backward(self, loss: Tensor, **kwargs: Any) -> None:
+        """Backward of ``loss``; under pipeline parallelism, add the gradients the model call already computed."""
+        if self.builtin or self.layout.pp_size == 1:
+            return super().backward(loss, **kwargs)
+        grads, self._pipeline_grads = self._pipeline_grads, None
+        if grads is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.backward under pipeline parallelism adds the gradients that the model call"
+                " computed (the schedule runs forward and backward together): call it once after each training-mode"
+                " model call, with that call's loss."
+            )
+        for param, grad in grads:
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
+        return None
+
+    @override
+    def clip_grad_norm_(self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2) -> Tensor:
+        """Clip by the norm of all gradients of every rank (sharded, replicated, and across pipeline stages)."""
+        if self.builtin:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        self.unscale_gradients()
+        parameters = list(parameters)
+        pipeline = self._pipeline()
+        if pipeline is not None:  # counts a tied embedding held by the first and the last stage once
+            return pipeline.clip_grad_norm_(parameters, max_norm, norm_type)
+        return clip_grad_norm_(parameters, max_norm, norm_type, pp_mesh=self.device_mesh["pp"])
+
+    # ----------------------------------------------------------------------------------------------- gathering
+
+    def _dp_only(self) -> bool:
+        return not self.builtin and self.device_mesh["dp"].size() != dist.get_world_size()
+
+    @override
+    def gather(self, tensor: Any) -> Any:
+        """Gather over data-parallel ranks (tensor, context and pipeline peers hold the same samples)."""
+        if not self._dp_only():
+            return super().gather(tensor)
+        group = self.device_mesh["dp"].get_group()
+
+        def gather_one(local: Tensor) -> Tensor:
+            local = local.reshape(1) if local.ndim == 0 else local.contiguous()
+            out = local.new_empty((dist.get_world_size(group) * local.shape[0], *local.shape[1:]))
+            _all_gather_single(out, local, group=group)
+            return out
+
+        return recursively_apply(gather_one, tensor, error_on_other_type=True)
+
+    @override
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather over data-parallel ranks; the last batch's duplicated samples are dropped, as in Accelerate."""
+        try:
+            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
+            tensors = True
+        except TypeError:
+            tensors = False
+        if not self._dp_only() or (tensors and not use_gather_object):
+            return super().gather_for_metrics(input_data, use_gather_object)
+        dp = self.device_mesh["dp"]
+        parts: list[Any] = [None] * dp.size()
+        dist.all_gather_object(parts, input_data, group=dp.get_group())
+        data = [item for part in parts for item in part]
+        state = self.gradient_state
+        return data[: state.remainder] if state.end_of_dataloader and state.remainder > 0 else data
+
+    # -------------------------------------------------------------------------------------------- saving, loading
+
+    @override
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",
+                   safe_serialization: bool = True) -> None:  # fmt: skip
+        """Write an HF directory (a peft adapter directory for a ``PeftModel``) that plain transformers/peft load."""
+        if self.builtin:
+            return super().save_model(model, save_directory, max_shard_size, safe_serialization)
+        from lightning_plugins.checkpoint import export_hf
+
+        export_hf(self.unwrap_model(model), save_directory)
+        return None
+
+    @override
+    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, **kwargs: Any) -> Path:
+        """One atomic distributed checkpoint of every prepared object, random states and data positions."""
+        if self.builtin:
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        path = self._next_state_dir() if self.project_configuration.automatic_checkpoint_naming else output_dir
+        if path is None:
+            raise ValueError(f"{type(self).__name__}.save_state needs output_dir (or automatic_checkpoint_naming).")
+        saved = save_training_state(self, path)
+        self.project_configuration.iteration += 1
+        return saved
+
+    @override
+    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """Restore what :meth:`save_state` wrote (under this or another layout: DCP reshards)."""
+        if self.builtin:
+            return super().load_state(input_dir, load_kwargs, **kwargs)
+        if input_dir is None:
+            if not self.project_configuration.automatic_checkpoint_naming:
+                raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+            saved = _numbered(Path(self.project_dir) / "checkpoints")
+            if not saved:
+                raise FileNotFoundError(f"No checkpoint in {Path(self.project_dir) / 'checkpoints'}.")
+            input_dir = saved[-1]
+        load_training_state(self, input_dir)
+        return None
+
+    def _next_state_dir(self) -> Path:
+        """Accelerate's automatic naming: ``project_dir/checkpoints/checkpoint_<i>``, keeping ``total_limit``."""
+        root = Path(self.project_dir) / "checkpoints"
+        limit = self.project_configuration.total_limit
+        if self.is_main_process and limit is not None:
+            existing = _numbered(root)
+            for old in existing[: max(0, len(existing) + 1 - limit)]:
+                shutil.rmtree(old)
+        self.wait_for_everyone()
+        return root / f"checkpoint_{self.save_iteration}"
+
+
+# torch 2.13 renamed all_gather_into_tensor (the old name warns).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _numbered(root: Path) -> list[Path]:
+    found = [(int(m.group(1)), p) for p in root.glob("checkpoint_*") if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _canonical(name: str) -> str:
+    return _WRAPPER_NAMES.sub("", name)
+
+
+@contextlib.contextmanager
+def _accelerate_parallelism_config_off() -> Iterator[None]:
+    """Hide the launch's ``ACCELERATE_USE_PARALLELISM_CONFIG`` from ``Accelerator.__init__`` (its sizes were read)."""
+    value = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = value
