@@ -59,17 +59,20 @@ def export_hf(model: nn.Module, out_dir: str | Path, tokenizer: Any | None = Non
     adapted = any(True for _ in lora_layers(hf))
     if merge:
         _check_mergeable(hf, adapted)
-    # Each pipeline stage's leader holds its stage's full tensors (the others hold nothing) and turns them into
-    # what is written while it still has the stage's modules at hand: peft picks adapter weights by visiting them.
-    state: dict[str, Any] = _stage_state(hf, trainable_only=adapted and not merge)
-    if state and merge:
-        state = _merge_adapters(hf, state)
-    elif state and adapted:
-        state = _adapter_weights(hf, state)
-    state = _collect_stages(hf, state)
+    # Each pipeline stage's leader gets its stage's full tensors (the others get nothing) and turns them into
+    # what is written while it has the stage's modules at hand; rank 0 then collects the stages.
+    sharded = get_model_state_dict(hf)  # no communication: each rank's own shards, by parameter name
     if adapted and not merge:
+        # peft picks each adapter's entries by visiting its layers (whatever requires_grad says: set_adapter
+        # freezes the inactive ones); only those are gathered.
+        picked = {name: _adapter_entries(hf, sharded, name) for name in hf.peft_config}
+        state = _collect_stages(hf, _full_on_leader(hf, picked))
         _write_atomically(out_dir, lambda tmp: _save_adapters(hf, state, tmp), tokenizer)
     else:
+        state = _full_on_leader(hf, sharded)
+        if merge and state:
+            state = _merge_adapters(hf, state)
+        state = _collect_stages(hf, state)
         _write_atomically(out_dir, lambda tmp: _save_model(hf, state, tmp), tokenizer)
     return Path(out_dir)
 
@@ -110,21 +113,19 @@ def _stage_leader(model: nn.Module) -> int:
     return int(mesh.mesh[(coordinate[0], *[0] * (mesh.ndim - 1))])
 
 
-def _stage_state(model: nn.Module, *, trainable_only: bool) -> dict[str, Tensor]:
-    """This stage's full (unsharded) tensors on CPU, by state-dict name, on the stage leader; ``{}`` elsewhere.
+def _full_on_leader(model: nn.Module, sharded: dict[str, Any]) -> dict[str, Any]:
+    """The full (unsharded) CPU tensors of a (nested) state dict on the stage leader; ``{}`` elsewhere.
 
     Every rank gathers each DTensor with the ranks that share it (``full_tensor``); only the leader keeps it.
     """
-    sharded = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
-    if not dist.is_initialized():
-        return {name: tensor.detach().cpu() for name, tensor in sharded.items()}
     # DTensor logs a warning for every TP x FSDP2 weight it gathers in two steps; for an export that is fine.
     redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
     level = redistribute_log.level
     redistribute_log.setLevel(logging.ERROR)
     try:
         # torch's own full-state-dict gatherer (what get_model_state_dict uses), told which rank keeps the result.
-        return _gather_state_dict(sharded, cpu_offload=True, ranks_only=(_stage_leader(model),))
+        leader = (_stage_leader(model),) if dist.is_initialized() else ()
+        return _gather_state_dict(sharded, cpu_offload=True, ranks_only=leader)
     finally:
         redistribute_log.setLevel(level)
 
@@ -164,19 +165,12 @@ def _save_model(model: nn.Module, state: dict[str, Tensor], directory: Path) -> 
         model.config.save_pretrained(directory)
 
 
-def _adapter_weights(model: nn.Module, state: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
-    """Adapter name -> the weights ``PeftModel.save_pretrained`` writes for it (keys as in its file)."""
+def _adapter_entries(model: nn.Module, state: dict[str, Tensor], adapter: str) -> dict[str, Tensor]:
+    """The entries of ``state`` that ``PeftModel.save_pretrained`` writes for ``adapter``, under its file's keys."""
     from peft.utils import get_peft_model_state_dict
 
-    return {
-        name: {
-            _PEFT_PREFIX + key: value.contiguous()
-            for key, value in get_peft_model_state_dict(
-                model, state_dict=state, adapter_name=name, save_embedding_layers=False
-            ).items()
-        }
-        for name in model.peft_config
-    }
+    entries = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter, save_embedding_layers=False)
+    return {_PEFT_PREFIX + key: value for key, value in entries.items()}
 
 
 def _save_adapters(model: nn.Module, weights: dict[str, dict[str, Tensor]], directory: Path) -> None:
@@ -186,7 +180,8 @@ def _save_adapters(model: nn.Module, weights: dict[str, dict[str, Tensor]], dire
     for name, config in model.peft_config.items():
         target = directory if name == "default" else directory / name
         target.mkdir(parents=True, exist_ok=True)
-        save_file(weights[name], str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+        tensors = {key: value.contiguous() for key, value in weights[name].items()}
+        save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
         saved = copy.deepcopy(config)
         saved.inference_mode = True
         saved.save_pretrained(str(target))

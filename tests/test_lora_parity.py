@@ -31,7 +31,7 @@ from torch._C._distributed_c10d import _get_work_registry_size
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoModelForCausalLM
 
-from lightning_plugins import LayoutError, ParallelLayout, parallelize
+from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, parallelize
 from lightning_plugins.checkpoint import export_hf
 from lightning_plugins.lora import LoraOptions, apply_lora, trainable_parameters
 from lightning_plugins.options import with_settings
@@ -263,12 +263,28 @@ def _errors_in_world(world_size: int) -> dict[str, str]:
     return errors
 
 
+def _full_export_under_pipeline(world_size: int, tmp: str) -> dict[str, object]:
+    """``export_hf`` of a full model split into stages (tied embedding and head on different ranks)."""
+    model = tiny_model("llama_tied_4l")
+    reference = copy.deepcopy(model)
+    parallelize(model, ParallelLayout(pp_size=world_size), ParallelOptions(pp_microbatches=2))
+    out = export_hf(model, Path(tmp) / "pipeline-full")
+    result: dict[str, object] = {}
+    if dist.get_rank() == 0:
+        loaded = AutoModelForCausalLM.from_pretrained(out)
+        result["logits"] = (_logits(loaded) - _logits(reference)).abs().max().item()
+        result["architectures"] = json.loads((out / "config.json").read_text())["architectures"]
+    dist.barrier()
+    return result
+
+
 def _world(rank: int, world_size: int, out_dir: str) -> None:
     # DTensor warns once per mesh when it gathers a TP x FSDP2 weight in two steps (the checks here do).
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     results = {name: _run_case(world_size, out_dir, name, *case) for name, case in CASES[world_size].items()}
     if world_size == 2:
         results["errors"] = _errors_in_world(world_size)
+        results["pipeline_full_export"] = _full_export_under_pipeline(world_size, out_dir)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -354,3 +370,9 @@ def test_default_targets_are_the_projections_and_only_adapters_train() -> None:
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {n for n, _ in model.named_parameters() if "lora_" in n}
     with pytest.raises(LayoutError, match="already has LoRA adapters"):
         apply_lora(model, LoraOptions())
+
+
+def test_full_model_export_collects_every_pipeline_stage() -> None:
+    result = _results(2)[0]["pipeline_full_export"]
+    assert result["logits"] <= TOL, result
+    assert result["architectures"] == ["LlamaForCausalLM"], result  # not the pipelined subclass
