@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed._state_dict_utils import _gather_state_dict
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from lightning_plugins.lora import hf_model_of, lora_layers
 

@@ -65,7 +65,9 @@ class LoraOptions:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
             raise LayoutError(f"lora r={self.r!r} must be a positive integer (the adapter rank, e.g. 8, 16 or 64).")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < math.inf:
-            raise LayoutError(f"lora alpha={self.alpha!r} must be a positive number (commonly 2 x r, e.g. alpha=32 for r=16).")
+            raise LayoutError(
+                f"lora alpha={self.alpha!r} must be a positive number (commonly 2 x r, e.g. alpha=32 for r=16)."
+            )
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise LayoutError(f"lora dropout={self.dropout!r} must be in [0, 1) (0 disables it; 0.05 is common).")
         if self.target_modules is not None:

@@ -46,7 +46,8 @@ def _logits(model: nn.Module) -> torch.Tensor:
 def test_adapter_and_merged_round_trip(tmp_path: Path) -> None:
     assets = tiny_assets()
     tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
-    model = apply_lora(AutoModelForCausalLM.from_pretrained(assets.model_dir), LoraOptions(r=4, alpha=8, use_rslora=True))
+    options = LoraOptions(r=4, alpha=8, use_rslora=True)
+    model = apply_lora(AutoModelForCausalLM.from_pretrained(assets.model_dir), options)
     _randomize_adapters(model)
     want = _logits(model)
     base_logits = _logits(AutoModelForCausalLM.from_pretrained(assets.model_dir))
@@ -77,7 +78,8 @@ def test_adapter_and_merged_round_trip(tmp_path: Path) -> None:
 
 def test_several_adapters_and_modules_to_save(tmp_path: Path) -> None:
     base = tiny_model("llama")
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    model = get_peft_model(base, config)
     model.add_adapter("second", LoraConfig(r=2, lora_alpha=2, target_modules=["down_proj"]))
     _randomize_adapters(model)
     with torch.no_grad():

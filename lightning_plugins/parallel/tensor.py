@@ -11,6 +11,9 @@ Without ``sp`` the residual stream is a replicated plain tensor, norms hold repl
 and each region's input is marked Replicate once so its backward all-reduces one gradient, not one per
 column-parallel projection. Every parameter ends up a DTensor on the tensor-parallel mesh, so FSDP2
 composes on a 2-D mesh and gradient norms see one mesh.
+
+peft LoRA layers at the split projections are split with their base layer (the last section below): the
+base layer as planned, one adapter half like it and the other replicated.
 """
 
 from __future__ import annotations
@@ -176,7 +179,12 @@ def _replicate_module(module: nn.Module, mesh: DeviceMesh, *, local_io: bool = T
         # linear layer cannot flatten: give it a contiguous local tensor.
         return tuple(
             DTensor.from_local(
-                a.to_local().contiguous(), a.device_mesh, a.placements, run_check=False, shape=a.shape, stride=a.stride()
+                a.to_local().contiguous(),
+                a.device_mesh,
+                a.placements,
+                run_check=False,
+                shape=a.shape,
+                stride=a.stride(),
             )
             if isinstance(a, DTensor)
             else a
@@ -241,10 +249,10 @@ def _check_adapters(model: nn.Module, family: ModelFamily) -> None:
             )
         variants = sorted(getattr(module, "lora_variant", {}))
         if type(module) is not LoraLinear or variants:
+            kind = f"LoRA variant (e.g. DoRA) for adapters {variants}" if variants else type(module).__name__
             raise LayoutError(
-                f"{name} is a {type(module).__name__}{f' with LoRA variants for adapters {variants} (e.g. DoRA)' if variants else ''};"
-                " tensor parallelism splits plain LoRA on linear layers only. Use plain LoRA there, or a layout"
-                " without tensor parallelism."
+                f"{name} has a {kind}; tensor parallelism splits plain LoRA on linear layers only. Use plain LoRA"
+                " there, or a layout without tensor parallelism."
             )
 
 
@@ -273,7 +281,9 @@ def _split_adapters(
             a, b = f"{name}.lora_A.{adapter}", f"{name}.lora_B.{adapter}"
             if colwise:
                 split[a] = _ReplicatedAdapter(local_io=True)
-                split[b] = ColwiseParallel(output_layouts=style.output_layouts[0], use_local_output=style.use_local_output)
+                split[b] = ColwiseParallel(
+                    output_layouts=style.output_layouts[0], use_local_output=style.use_local_output
+                )
             else:
                 split[a] = RowwiseParallel(
                     input_layouts=style.input_layouts[0],
@@ -302,11 +312,15 @@ class _RowwiseBase(RowwiseParallel):
     @staticmethod
     def like(style: RowwiseParallel) -> _RowwiseBase:
         return _RowwiseBase(
-            input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0], use_local_output=style.use_local_output
+            input_layouts=style.input_layouts[0],
+            output_layouts=style.output_layouts[0],
+            use_local_output=style.use_local_output,
         )
 
     @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: DeviceMesh) -> Any:
+    def _prepare_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: DeviceMesh
+    ) -> Any:
         outputs = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
         local = outputs.to_local() if isinstance(outputs, DTensor) else outputs
         if isinstance(local, AsyncCollectiveTensor):
@@ -356,7 +370,9 @@ class TensorParallelDropout(nn.Module):
             return x
         local = x.to_local() if isinstance(x, DTensor) else x
         if isinstance(x, DTensor) and not all(isinstance(p, Replicate) for p in x.placements):
-            raise RuntimeError(f"TensorParallelDropout expects a replicated or feature-split input, got {x.placements}.")
+            raise RuntimeError(
+                f"TensorParallelDropout expects a replicated or feature-split input, got placements {x.placements}."
+            )
         shape = (*local.shape[:-1], self.features) if self.features is not None else local.shape
         noise = torch.empty(shape, dtype=local.dtype, device=local.device).bernoulli_(1 - self.p).div_(1 - self.p)
         if self.features is not None:
