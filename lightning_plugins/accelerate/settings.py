@@ -34,7 +34,7 @@ def launch_config_file() -> str | None:
         argv = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
     except OSError:
         return None
-    if "launch" not in argv or not any(Path(a).name.startswith("accelerate") for a in argv[:3]):
+    if not any("accelerate" in Path(arg).name for arg in argv[:3]):  # `accelerate launch` or `-m accelerate.commands.launch`
         return None
     for index, arg in enumerate(argv):
         if arg == "--config_file" and index + 1 < len(argv):

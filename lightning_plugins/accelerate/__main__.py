@@ -1,0 +1,47 @@
+"""``accelerate launch [--config_file accelerate_configs/X.yaml] -m lightning_plugins.accelerate RECIPE [--section.key=value ...]``.
+
+Also runs as ``python -m lightning_plugins.accelerate RECIPE`` (one process). The launch decides the world
+(``hardware.devices`` / ``hardware.nodes`` of the recipe are replaced by it); the recipe decides the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from lightning_plugins.cli import _overrides
+
+    parser = argparse.ArgumentParser(prog="python -m lightning_plugins.accelerate", description=__doc__)
+    parser.add_argument("recipe", help="the recipe file, e.g. recipes/tiny/full_tp2.yaml")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    parser.add_argument("--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)")
+    args, extra = parser.parse_known_args(argv)
+
+    from lightning_plugins.accelerate.settings import describe_launch, launched_world
+    from lightning_plugins.layout import LayoutError
+    from lightning_plugins.recipe import RecipeError, load_recipe
+
+    local, nodes = launched_world()
+    try:
+        recipe = load_recipe(args.recipe, [*_overrides(extra, parser), f"hardware.devices={local}", f"hardware.nodes={nodes}"])
+    except RecipeError as err:
+        sys.exit(f"error: {err}\n(under accelerate launch the world is the one started by {describe_launch()};"
+                 " it replaces the recipe's hardware.devices x hardware.nodes)")  # fmt: skip
+    if args.print_config:
+        print(recipe.to_yaml(), end="")
+        return
+    from lightning_plugins.accelerate.runner import run_recipe
+
+    try:
+        result = run_recipe(recipe, resume=args.resume)
+    except LayoutError as err:
+        sys.exit(f"error: {args.recipe}: {err}")
+    if result:
+        print("\n".join(f"{key}: {value}" for key, value in result.items()))
+
+
+if __name__ == "__main__":
+    main()

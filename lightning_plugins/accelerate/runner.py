@@ -1,0 +1,196 @@
+"""A recipe run through the Accelerate door, with the Lightning door's loop semantics.
+
+Same data order (a ``DistributedSampler`` over the data-parallel ranks, seeded by ``train.seed``, as Lightning
+installs), same accumulation, clipping and per-step schedule, same metric names and CSV layout
+(``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``, ``train/mfu`` on GPUs, ``val/loss``),
+checkpoints ``output_dir/checkpoints/step=N.ckpt`` resumed automatically, and the same exports. Only the
+launcher differs: ``accelerate launch`` decides the world, the recipe the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_plugins.accelerate.accelerator import ParallelAccelerator
+from lightning_plugins.accelerate.metrics import MetricsCSV
+from lightning_plugins.recipe import Recipe
+from lightning_plugins.training import (
+    CHECKPOINT_NAME,
+    build_loaders,
+    build_model,
+    input_tokens,
+    latest_checkpoint,
+    make_optimizer,
+    model_flops_utilization,
+)
+
+
+@dataclass
+class Progress:
+    """Optimizer steps taken; saved with every checkpoint (registered for checkpointing)."""
+
+    step: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = state["step"]
+
+
+def make_accelerator(recipe: Recipe) -> ParallelAccelerator:
+    """The recipe's layout and settings; the scheduler is stepped by the loop, once per optimizer step."""
+    layout = recipe.layout
+    return ParallelAccelerator(
+        layout.tp_size, layout.pp_size, layout.cp_size, layout.dp_shard_size, layout.dp_replicate_size,
+        options=recipe.parallel, memory=recipe.memory,
+        load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
+        cpu=recipe.hardware.accelerator == "cpu" or not torch.cuda.is_available(),
+        gradient_accumulation_steps=recipe.accumulation, step_scheduler_with_optimizer=False,
+    )  # fmt: skip
+
+
+def _sharded(loader: DataLoader, accelerator: ParallelAccelerator, shuffle: bool, seed: int) -> DataLoader:
+    """``loader`` with the sampler Lightning installs: shards over the ``dp`` ranks, reshuffled per epoch."""
+    if accelerator.device_mesh is None:  # Accelerate's DeepSpeed/FSDP shard over every process themselves
+        return loader
+    dp = accelerator.device_mesh["dp"]
+    sampler = DistributedSampler(loader.dataset, num_replicas=dp.size(), rank=dp.get_local_rank(), shuffle=shuffle, seed=seed)
+    return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn)
+
+
+def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, Any]:
+    """Train as the recipe says, export the result, draw the loss curve.
+
+    Returns:
+        On the main process: the paths written and the last metrics; ``{}`` elsewhere.
+    """
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    train = recipe.train
+    out = Path(train.output_dir)
+    accelerator = make_accelerator(recipe)
+    set_seed(train.seed)
+    model, tokenizer = build_model(recipe, on_meta=accelerator.builtin is None)
+    num_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
+    train_loader, eval_loader = build_loaders(recipe, tokenizer)
+    train_loader = _sharded(train_loader, accelerator, True, train.seed)
+    eval_loader = None if eval_loader is None else _sharded(eval_loader, accelerator, False, train.seed)
+    per_epoch = math.ceil(len(train_loader) / recipe.accumulation)
+    total = train.max_steps or train.epochs * per_epoch
+    optimizer, schedule = make_optimizer(model, recipe, total)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    model, optimizer, train_loader, schedule = accelerator.prepare(model, optimizer, train_loader, schedule)
+    if eval_loader is not None:
+        eval_loader = accelerator.prepare(eval_loader)
+    ckpt = resume or latest_checkpoint(out)
+    if ckpt is not None:
+        accelerator.load_state(ckpt)
+
+    main = accelerator.is_main_process
+    metrics = MetricsCSV(out / "logs") if main else None
+    layout = accelerator.layout
+    bar = tqdm(total=total, initial=progress.step, disable=not main, desc="train", dynamic_ncols=True)
+    last: dict[str, float] = {}
+    tokens, clock, norm = 0, time.perf_counter(), None
+    model.train()
+    while progress.step < total:
+        epoch = train_loader.iteration
+        for batch in train_loader:
+            tokens += input_tokens(batch)
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and recipe.optim.max_grad_norm is not None:
+                    norm = accelerator.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm)
+                optimizer.step()
+                if accelerator.sync_gradients:
+                    schedule.step()
+                optimizer.zero_grad()
+            if not accelerator.sync_gradients:
+                continue
+            progress.step += 1
+            last["train/loss"] = loss.item()
+            bar.update(1)
+            bar.set_postfix({k.split("/")[0] + " loss": f"{v:.3f}" for k, v in last.items() if k.endswith("loss")})
+            if progress.step % train.log_every == 0:
+                rates = torch.tensor(float(tokens), device=accelerator.device)
+                dist.all_reduce(rates)  # every rank counts what it runs; TP and PP peers run the same tokens
+                now = time.perf_counter()
+                rate = rates.item() / (layout.tp_size * layout.pp_size) / (now - clock)
+                clock, tokens = now, 0
+                row = {"train/loss": last["train/loss"], "train/lr": optimizer.param_groups[0]["lr"], "train/tokens_per_s": rate}
+                if norm is not None:
+                    row["train/grad_norm"] = float(norm)
+                mfu = model_flops_utilization(rate, num_params, dist.get_world_size())
+                if mfu is not None:
+                    row["train/mfu"] = mfu
+                if metrics is not None:
+                    metrics.log(row, step=progress.step - 1, epoch=epoch)
+            end_of_epoch = accelerator.gradient_state.end_of_dataloader
+            if eval_loader is not None and (
+                progress.step % train.eval_every == 0 if train.eval_every else end_of_epoch
+            ):
+                last["val/loss"] = _evaluate(accelerator, model, eval_loader)
+                if metrics is not None:
+                    metrics.log({"val/loss": last["val/loss"]}, step=progress.step - 1, epoch=epoch)
+            if train.checkpoint_every and progress.step % train.checkpoint_every == 0:
+                accelerator.save_state(out / "checkpoints" / f"{CHECKPOINT_NAME.format(step=progress.step)}.ckpt")
+            if progress.step >= total:
+                break
+    bar.close()
+    return _finish(accelerator, model, tokenizer, recipe, ckpt, last)
+
+
+@torch.no_grad()
+def _evaluate(accelerator: ParallelAccelerator, model: torch.nn.Module, loader: Any) -> float:
+    """The held-out loss as Lightning's ``sync_dist`` epoch mean computes it (row-weighted, then averaged over ranks)."""
+    model.eval()
+    total, rows = torch.zeros((), dtype=torch.float64, device=accelerator.device), 0
+    for batch in loader:
+        count = batch["input_ids"].shape[0]
+        total += model(**batch).loss.double() * count
+        rows += count
+    model.train()
+    mean = total / max(1, rows)
+    dist.all_reduce(mean)
+    return (mean / dist.get_world_size()).item()
+
+
+def _finish(
+    accelerator: ParallelAccelerator, model: torch.nn.Module, tokenizer: Any, recipe: Recipe, ckpt: Path | None, last: dict
+) -> dict[str, Any]:
+    """Export (HF directory, or peft adapter and merged weights), merge the metrics, draw the loss curve."""
+    from lightning_plugins.checkpoint import export_hf
+
+    out = Path(recipe.train.output_dir)
+    unwrapped = accelerator.unwrap_model(model)
+    target = out / ("adapter" if recipe.lora else "hf")
+    if accelerator.builtin is None:
+        written = {"model": export_hf(unwrapped, target, tokenizer)}
+        if recipe.lora is not None and recipe.train.merge_lora:
+            written["merged"] = export_hf(unwrapped, out / "merged", tokenizer, merge=True)
+    else:  # Accelerate's DeepSpeed/FSDP gather the full state dict themselves
+        state = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True)
+            tokenizer.save_pretrained(target)
+        written = {"model": target}
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return {}
+    from lightning_plugins.plots import merge_metrics, plot_losses
+
+    written["metrics"] = merge_metrics(out / "logs", out / "metrics.csv")
+    written["loss_curve"] = plot_losses(written["metrics"], out / "loss_curve.png")
+    return {**written, "resumed_from": ckpt, **last}

@@ -1,0 +1,73 @@
+"""The real ``accelerate launch`` with the shipped CPU config runs the tiny recipes through the Accelerate door,
+and every step equals the Lightning door's on the same recipe and seed (loss, learning rate, gradient norm,
+held-out loss): same data order, same schedule, same engine. A run stopped after a checkpoint resumes on
+the same trajectory."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _world import free_port, script_env
+
+ROOT = Path(__file__).parents[1]
+TINY = ROOT / "recipes" / "tiny"
+CONFIG = ROOT / "accelerate_configs" / "cpu_2proc.yaml"
+STEPS = 6
+SHORT = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_every=3", "--train.checkpoint_every=2",
+         "--optim.warmup_steps=2"]  # fmt: skip
+COLUMNS = ("train/loss", "train/lr", "train/grad_norm", "val/loss")
+
+
+def accelerate_launch(recipe: Path, out: Path, *extra: str, config: Path = CONFIG) -> subprocess.CompletedProcess:
+    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config), "--main_process_port",
+               str(free_port()), "-m", "lightning_plugins.accelerate", str(recipe), f"--train.output_dir={out}", *extra]  # fmt: skip
+    return subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]  # a clean console
+    return proc.stdout
+
+
+def _lightning(recipe: Path, out: Path, *extra: str) -> None:
+    command = [sys.executable, "-m", "lightning_plugins", "finetune", str(recipe), f"--train.output_dir={out}", *extra]
+    _ok(subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600))
+
+
+def _metrics(out: Path) -> dict[str, list[tuple[int, float]]]:
+    with open(out / "metrics.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    return {key: [(int(r["step"]), float(r[key])) for r in rows if r.get(key)] for key in COLUMNS}
+
+
+def _same(accelerate: Path, lightning: Path) -> None:
+    got, want = _metrics(accelerate), _metrics(lightning)
+    for key in COLUMNS:
+        assert [s for s, _ in got[key]] == [s for s, _ in want[key]] and want[key], (key, got[key], want[key])
+        torch.testing.assert_close(
+            torch.tensor([v for _, v in got[key]]), torch.tensor([v for _, v in want[key]]), rtol=1e-5, atol=1e-5, msg=key
+        )
+    assert len(got["train/loss"]) == STEPS and len(got["val/loss"]) == 2
+
+
+@pytest.mark.parametrize("recipe", ["full_tp2.yaml", "full_pp2.yaml", "full_cp2.yaml"])
+def test_accelerate_launch_matches_the_lightning_door(tmp_path: Path, recipe: str) -> None:
+    out = tmp_path / "accelerate"
+    stdout = _ok(accelerate_launch(TINY / recipe, out, *SHORT))
+    assert f"model: {out / 'hf'}" in stdout and (out / "loss_curve.png").stat().st_size > 1000
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    _lightning(TINY / recipe, tmp_path / "lightning", *SHORT)
+    _same(out, tmp_path / "lightning")
+    if recipe == "full_pp2.yaml":  # interrupted after step 4: the same command resumes from its checkpoint
+        shutil.rmtree(out / "checkpoints" / "step=6.ckpt")
+        stdout = _ok(accelerate_launch(TINY / recipe, out, *SHORT))
+        assert f"resumed_from: {out / 'checkpoints' / 'step=4.ckpt'}" in stdout, stdout
+        assert (out / "logs" / "version_1" / "metrics.csv").is_file()
+        _same(out, tmp_path / "lightning")
