@@ -322,6 +322,21 @@ def test_tensor_parallelism_is_refused_naming_a_layout_that_works() -> None:
     check_quantized(qlora_model(quantize=False), ParallelLayout(tp_size=2).resolve(2))  # plain LoRA is not our call
 
 
+def test_parallelize_refuses_tensor_parallel_qlora_before_any_collective() -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import torch.distributed as dist
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        model = qlora_model()
+        with pytest.raises(LayoutError, match="do not compose with tensor parallelism"):
+            parallelize(model, ParallelLayout(tp_size=2))
+        assert mesh_of(model.get_base_model()) is None  # nothing was applied
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_weight_fsdp2_cannot_split_is_named_with_its_fix() -> None:
     # k_proj is 64 x 128: 128 blocks in 2 groups of 64, which 4 shards cannot split.
     model = qlora_model(scaler_block_size=64)

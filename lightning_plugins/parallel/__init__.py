@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_plugins.layout import MESH_DIM_NAMES, LayoutError, ParallelLayout
 from lightning_plugins.lora import hf_model_of
 from lightning_plugins.options import MemoryOptions, ParallelOptions
+from lightning_plugins.quantize import check_quantized
 from lightning_plugins.models import ModelFamily, check_supported, decoder_layers, family_for
 from lightning_plugins.parallel.activation import apply_activation_checkpointing
 from lightning_plugins.parallel.context import apply_context_parallel, check_context_parallel, context_parallel_batch
@@ -77,6 +78,7 @@ def parallelize(
         return model
     check_supported(model)
     resolved.validate(getattr(model, "config", None))
+    check_quantized(model, resolved)
     family = family_for(model, tensor_parallel=resolved.tp_size > 1)
     pipeline_options = None
     if resolved.pp_size > 1:
