@@ -236,8 +236,8 @@ def _check_adapters(model: nn.Module, family: ModelFamily) -> None:
         if isinstance(module, AuxiliaryTrainingWrapper):
             raise LayoutError(
                 f"{name} is a peft modules_to_save / trainable-tokens copy, which tensor parallelism does not split."
-                " Leave modules_to_save out of the LoraConfig, or use a layout without tensor parallelism (FSDP2, PP"
-                " and CP train it)."
+                " Leave modules_to_save out of the LoraConfig, or use a layout without tensor parallelism (FSDP2"
+                " trains it)."
             )
         if not isinstance(module, BaseTunerLayer):
             continue
@@ -245,7 +245,7 @@ def _check_adapters(model: nn.Module, family: ModelFamily) -> None:
             raise LayoutError(
                 f"Tensor parallelism splits LoRA adapters only on the decoder projections it splits {projections};"
                 f" {name} ({type(module).__name__}) is not one. Target those (LoraConfig(target_modules=...) /"
-                " lora.target_modules), or use a layout without tensor parallelism (FSDP2, PP and CP adapt any module)."
+                " lora.target_modules), or use a layout without tensor parallelism (FSDP2 adapts any linear)."
             )
         variants = sorted(getattr(module, "lora_variant", {}))
         if type(module) is not LoraLinear or variants:
