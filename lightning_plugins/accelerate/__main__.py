@@ -7,6 +7,7 @@ Also runs as ``python -m lightning_plugins.accelerate RECIPE`` (one process). Th
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -28,8 +29,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         recipe = load_recipe(args.recipe, [*_overrides(extra, parser), f"hardware.devices={local}", f"hardware.nodes={nodes}"])
     except RecipeError as err:
-        sys.exit(f"error: {err}\n(under accelerate launch the world is the one started by {describe_launch()};"
-                 " it replaces the recipe's hardware.devices x hardware.nodes)")  # fmt: skip
+        _fail(f"{err}\n(under accelerate launch the world is the one started by {describe_launch()}; it replaces the"
+              " recipe's hardware.devices x hardware.nodes)")  # fmt: skip
     if args.print_config:
         print(recipe.to_yaml(), end="")
         return
@@ -38,9 +39,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         result = run_recipe(recipe, resume=args.resume)
     except LayoutError as err:
-        sys.exit(f"error: {args.recipe}: {err}")
+        _fail(f"{args.recipe}: {err}")
     if result:
         print("\n".join(f"{key}: {value}" for key, value in result.items()))
+
+
+def _fail(message: str) -> None:
+    """Exit with ``message`` said once (every rank fails the same way, before any collective)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == "__main__":
