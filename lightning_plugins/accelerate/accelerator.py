@@ -166,8 +166,8 @@ class ParallelAccelerator(Accelerator):
                 " Prepare the model and optimizer before training."
             )
         names = {id(p): _canonical(name) for name, p in model.named_parameters(remove_duplicate=False)}
-        if not is_on_meta(hf_model):
-            model.to(self.device)
+        if not is_on_meta(hf_model) and not all(_on(p.device, self.device) for p in model.parameters()):
+            model.to(self.device)  # only when needed: `.to` on torchao NF4 weights leaves views FSDP2 cannot shard
         parallelize(hf_model, self.device_mesh, self.options, self.memory)
         if is_on_meta(hf_model):
             load_sharded_safetensors(hf_model, self._checkpoint_dir(hf_model), self.device)
@@ -399,6 +399,11 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 def _numbered(root: Path) -> list[Path]:
     found = [(int(m.group(1)), p) for p in root.glob("checkpoint_*") if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
     return [p for _, p in sorted(found)]
+
+
+def _on(device: torch.device, target: torch.device) -> bool:
+    """Whether ``device`` is ``target`` (Accelerate names the CPU ``cpu:0``; parameters live on ``cpu``)."""
+    return device.type == target.type and (device.type == "cpu" or device.index == target.index)
 
 
 def _canonical(name: str) -> str:
