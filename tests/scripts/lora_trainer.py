@@ -33,7 +33,7 @@ from lightning_plugins.strategies import (  # noqa: E402
 )
 
 TIMEOUT = timedelta(minutes=3)
-STEPS = 4
+STEPS = 3  # one epoch: 6 batches, 2 accumulated per step
 CASES = {  # name: (strategy factory, data-parallel ranks)
     2: {
         "tp2": (lambda: TensorParallelStrategy(tp_size=2, timeout=TIMEOUT), 1),
