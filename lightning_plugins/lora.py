@@ -22,8 +22,9 @@ import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -32,7 +33,7 @@ from lightning_plugins.layout import LayoutError
 if TYPE_CHECKING:
     from peft import PeftModel
 
-__all__ = ["LoraOptions", "apply_lora", "hf_model_of", "lora_layers", "trainable_parameters"]
+__all__ = ["LoraOptions", "apply_lora", "check_lora_targets", "hf_model_of", "lora_layers", "trainable_parameters"]
 
 QUANTIZE = ("none", "nf4")
 
@@ -163,6 +164,19 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> PeftModel:
 
         quantize_base_to_nf4(peft_model)
     return peft_model
+
+
+def check_lora_targets(config: Any, options: LoraOptions) -> None:
+    """Check ``options.target_modules`` against a model config before any weight is loaded (on the meta device).
+
+    Raises:
+        LayoutError: naming the targets that match nothing and the model's linear layers.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    _check_targets(model, options.target_modules or _default_targets(model))
 
 
 def _default_targets(model: nn.Module) -> tuple[str, ...]:

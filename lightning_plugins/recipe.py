@@ -264,6 +264,13 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             check_context_parallel(config, layout.cp_size, layout.tp_size, recipe.parallel.cp_backend, pp_size=layout.pp_size)
         except LayoutError as err:
             raise RecipeError(f"{path}: layout/parallel do not fit model {recipe.model.path}: {err}") from None
+        if recipe.lora is not None:
+            from lightning_plugins.lora import check_lora_targets
+
+            try:
+                check_lora_targets(config, recipe.lora)
+            except LayoutError as err:
+                raise RecipeError(f"{path}: lora.target_modules: {err}") from None
     recipe = recipe.model_copy(update={"layout": layout})
     per_step = recipe.train.micro_batch_size * layout.dp_size
     if recipe.samples_per_step % per_step:
