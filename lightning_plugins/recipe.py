@@ -234,9 +234,10 @@ def _resolve_paths(recipe: Recipe, path: Path) -> Recipe:
     except ValueError as err:
         raise RecipeError(f"{path}: {err}") from None
     model_path = recipe.model.path
-    local = (base / model_path) if not Path(model_path).is_absolute() else Path(model_path)
+    # Relative to the recipe (what the file says), else to the current directory (what an override says).
+    local = next((c for c in (base / model_path, Path(model_path).expanduser()) if c.is_dir()), base / model_path)
     if local.is_dir():
-        model_path = str(local)
+        model_path = str(local.resolve())
     elif model_path.startswith((".", "/", "~")) or local.suffix or model_path.count("/") > 1:
         raise RecipeError(
             f"{path}: model.path={recipe.model.path!r} is not a directory (looked for {local}). Give a local HF"
