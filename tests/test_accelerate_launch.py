@@ -25,8 +25,9 @@ COLUMNS = ("train/loss", "train/lr", "train/grad_norm", "val/loss")
 
 
 def accelerate_launch(recipe: Path, out: Path, *extra: str, config: Path = CONFIG) -> subprocess.CompletedProcess:
-    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config), "--main_process_port",
-               str(free_port()), "-m", "lightning_plugins.accelerate", str(recipe), f"--train.output_dir={out}", *extra]  # fmt: skip
+    launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config)]
+    command = [*launcher, "--main_process_port", str(free_port()), "-m", "lightning_plugins.accelerate", str(recipe),
+               f"--train.output_dir={out}", *extra]  # fmt: skip
     return subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -51,9 +52,8 @@ def _same(accelerate: Path, lightning: Path) -> None:
     got, want = _metrics(accelerate), _metrics(lightning)
     for key in COLUMNS:
         assert [s for s, _ in got[key]] == [s for s, _ in want[key]] and want[key], (key, got[key], want[key])
-        torch.testing.assert_close(
-            torch.tensor([v for _, v in got[key]]), torch.tensor([v for _, v in want[key]]), rtol=1e-5, atol=1e-5, msg=key
-        )
+        values = torch.tensor([v for _, v in got[key]]), torch.tensor([v for _, v in want[key]])
+        torch.testing.assert_close(*values, rtol=1e-5, atol=1e-5, msg=key)
     assert len(got["train/loss"]) == STEPS and len(got["val/loss"]) == 2
 
 

@@ -47,8 +47,8 @@ def build(case: dict[str, Any]) -> torch.nn.Module:
     return model
 
 
-def loop(accelerator: Any, model: torch.nn.Module, shuffle: bool = False, stop_after: int | None = None,
-         save_at: tuple[int, str] | None = None) -> dict[str, Any]:  # fmt: skip
+def loop(accelerator: Any, model: torch.nn.Module, shuffle: bool = False, save_at: tuple[int, str] | None = None,
+         export_to: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The user's loop. Returns per-micro-batch losses, norms, learning rates, gathered indices, final weights."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
@@ -57,8 +57,6 @@ def loop(accelerator: Any, model: torch.nn.Module, shuffle: bool = False, stop_a
     model.train()
     out: dict[str, Any] = {"loss": [], "norm": [], "lr": [], "index": []}
     for micro, batch in enumerate(loader):
-        if stop_after is not None and micro == stop_after:
-            break
         out["index"] += accelerator.gather_for_metrics(batch.pop("index")).tolist()
         with accelerator.accumulate(model):
             loss = model(**batch).loss
@@ -72,6 +70,8 @@ def loop(accelerator: Any, model: torch.nn.Module, shuffle: bool = False, stop_a
         if save_at is not None and micro + 1 == save_at[0]:
             accelerator.save_state(save_at[1])
     out["weights"] = {name: _full(p) for name, p in accelerator.unwrap_model(model).named_parameters()}
+    if export_to is not None:
+        accelerator.save_model(model, export_to)
     return out
 
 
@@ -130,36 +130,65 @@ def _loading(case: dict[str, Any]) -> Any:
 def _check(name: str, got: dict[str, Any], want: dict[str, Any]) -> list[str]:
     assert max(want["norm"]) > MAX_NORM, f"{name}: the test must exercise clipping ({max(want['norm'])})"
     for key in ("loss", "norm", "lr"):
-        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), rtol=TOL, atol=TOL, msg=f"{name} {key}")
+        values = torch.tensor(got[key]), torch.tensor(want[key])
+        torch.testing.assert_close(*values, rtol=TOL, atol=TOL, msg=f"{name} {key}")
     assert got["index"] == list(range(ROWS)), f"{name}: gather_for_metrics saw {got['index']}"
     for param_name, weight in got["weights"].items():
         torch.testing.assert_close(weight, want["weights"][param_name], rtol=TOL, atol=TOL, msg=f"{name} {param_name}")
     return list(got["weights"])
 
 
-def _run_cases(rank: int, world_size: int, cases: dict[str, dict[str, Any]], expected: dict[str, dict[str, Any]]) -> None:
+def _check_export(name: str, case: dict[str, Any], path: str, want: dict[str, Any]) -> None:
+    """``save_model`` wrote what plain transformers (or peft) loads: the trained weights."""
+    from transformers import AutoModelForCausalLM
+
+    if case.get("lora"):
+        from peft import PeftModel
+
+        loaded = PeftModel.from_pretrained(tiny_model("llama"), path)
+    else:
+        loaded = AutoModelForCausalLM.from_pretrained(path)
+    params = dict(loaded.named_parameters())
+    assert set(params) == set(want["weights"]), f"{name} export: {sorted(set(params) ^ set(want['weights']))[:4]}"
+    for param_name, weight in want["weights"].items():
+        torch.testing.assert_close(params[param_name].detach(), weight, rtol=TOL, atol=TOL, msg=f"{name} export")
+
+
+def _run_cases(
+    rank: int, world_size: int, cases: dict[str, dict[str, Any]], expected: dict[str, dict[str, Any]], root: str
+) -> None:
     import torch.distributed as dist
 
     from lightning_plugins.accelerate import ParallelAccelerator
+    from lightning_plugins.layout import LayoutError
 
     for name, case in cases.items():
         sizes = {k: case[k] for k in ("tp_size", "pp_size", "cp_size", "dp_shard_size") if k in case}
-        accelerator = ParallelAccelerator(
-            **sizes, **case.get("settings", {}), cpu=True, gradient_accumulation_steps=ACCUM, dataloader_config=_loading(case)
-        )
-        got = loop(accelerator, build(case))
+        settings = {**sizes, **case.get("settings", {}), "dataloader_config": _loading(case)}
+        accelerator = ParallelAccelerator(**settings, cpu=True, gradient_accumulation_steps=ACCUM)
+        export = f"{root}/{name}" if case.get("export") else None
+        got = loop(accelerator, build(case), export_to=export)
         seen = [None] * world_size
         dist.all_gather_object(seen, _check(name, got, expected[name]))
         assert set().union(*seen) == set(expected[name]["weights"]), f"{name}: some parameters are on no rank"
+        if export and rank == 0:
+            _check_export(name, case, export, expected[name])
+    # An optimizer built on the parameters that preparing the model replaced would train nothing: refused.
+    model = build({})
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    accelerator.prepare(model)
+    with pytest.raises(LayoutError, match="holds .* parameters that preparing the model replaced"):
+        accelerator.prepare(optimizer)
 
 
 TWO_RANKS = {
-    "tp2": {"tp_size": 2},
+    "tp2": {"tp_size": 2, "export": True},
     "tp2_plain": {"tp_size": 2, "settings": {"sequence_parallel": False, "loss_parallel": False}},
-    "pp2": {"pp_size": 2, "settings": {"pp_schedule": "1f1b", "pp_microbatches": 2}},
+    "pp2": {"pp_size": 2, "settings": {"pp_schedule": "1f1b", "pp_microbatches": 2}, "export": True},
     "cp2_ulysses": {"cp_size": 2, "settings": {"cp_backend": "ulysses"}},
     "cp2_ring": {"cp_size": 2, "settings": {"cp_backend": "ring"}},
     "fsdp2": {"dp_shard_size": 2, "split": True},
+    "lora_tp2": {"tp_size": 2, "lora": True, "export": True},
 }
 FOUR_RANKS = {
     "tp2_fsdp2": {"tp_size": 2, "dp_shard_size": 2, "split": True},
@@ -167,23 +196,32 @@ FOUR_RANKS = {
 }
 
 
-def _lora_ready() -> bool:
+def test_two_ranks_match_one_process(tmp_path) -> None:
+    run_world(_run_cases, 2, TWO_RANKS, reference(TWO_RANKS), str(tmp_path))
+
+
+def test_four_ranks_match_one_process(tmp_path) -> None:
+    run_world(_run_cases, 4, FOUR_RANKS, reference(FOUR_RANKS), str(tmp_path))
+
+
+def test_scheduler_steps_once_per_data_parallel_replica() -> None:
+    """Without split_batches every data rank reads its own batch: the schedule advances once per replica
+    (Accelerate counts processes, which under TP/CP/PP read the same samples; the worlds above check those)."""
+    from accelerate.state import GradientState
+
+    from lightning_plugins.accelerate.loaders import DataParallelScheduler
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    optimizer.step_was_skipped = False  # what AcceleratedOptimizer reports after a real step
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    optimizer.step()
     try:
-        from lightning_plugins.lora import apply_lora  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def test_two_ranks_match_one_process() -> None:
-    cases = dict(TWO_RANKS)
-    if _lora_ready():
-        cases["lora_tp2"] = {"tp_size": 2, "lora": True}
-    run_world(_run_cases, 2, cases, reference(cases))
-
-
-def test_four_ranks_match_one_process() -> None:
-    run_world(_run_cases, 4, FOUR_RANKS, reference(FOUR_RANKS))
+        DataParallelScheduler(schedule, optimizer, replicas=3).step()
+        assert schedule.last_epoch == 3 and optimizer.param_groups[0]["lr"] == 0.25
+        DataParallelScheduler(schedule, optimizer, replicas=3, split_batches=True).step()
+        assert schedule.last_epoch == 4  # a split batch is one global batch
+    finally:
+        GradientState._reset_state()
 
 
 def _save_then_continue(rank: int, world_size: int, case: dict[str, Any], root: str) -> None:

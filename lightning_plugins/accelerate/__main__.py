@@ -1,4 +1,6 @@
-"""``accelerate launch [--config_file accelerate_configs/X.yaml] -m lightning_plugins.accelerate RECIPE [--section.key=value ...]``.
+"""The Accelerate door's recipe runner.
+
+``accelerate launch [--config_file accelerate_configs/X.yaml] -m lightning_plugins.accelerate RECIPE [--a.b=v ...]``
 
 Also runs as ``python -m lightning_plugins.accelerate RECIPE`` (one process). The launch decides the world
 (``hardware.devices`` / ``hardware.nodes`` of the recipe are replaced by it); the recipe decides the rest.
@@ -18,7 +20,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lightning_plugins.accelerate", description=__doc__)
     parser.add_argument("recipe", help="the recipe file, e.g. recipes/tiny/full_tp2.yaml")
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
-    parser.add_argument("--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)")
+    parser.add_argument(
+        "--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)"
+    )
     args, extra = parser.parse_known_args(argv)
 
     from lightning_plugins.accelerate.settings import describe_launch, launched_world
@@ -27,7 +31,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     local, nodes = launched_world()
     try:
-        recipe = load_recipe(args.recipe, [*_overrides(extra, parser), f"hardware.devices={local}", f"hardware.nodes={nodes}"])
+        world = [f"hardware.devices={local}", f"hardware.nodes={nodes}"]
+        recipe = load_recipe(args.recipe, [*_overrides(extra, parser), *world])
     except RecipeError as err:
         _fail(f"{err}\n(under accelerate launch the world is the one started by {describe_launch()}; it replaces the"
               " recipe's hardware.devices x hardware.nodes)")  # fmt: skip

@@ -10,6 +10,7 @@ import contextlib
 import os
 import re
 import shutil
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -71,7 +72,8 @@ class ParallelAccelerator(Accelerator):
         dp_shard_size: FSDP2 shard ranks; ``-1`` (or ``None``) takes what the world leaves.
         dp_replicate_size: Data-parallel replicas (HSDP with ``dp_shard_size > 1``).
         options: How each dimension is applied (:class:`~lightning_plugins.ParallelOptions`).
-        memory: Activation checkpointing, FSDP2 mixed precision, CPU offload (:class:`~lightning_plugins.MemoryOptions`).
+        memory: Activation checkpointing, FSDP2 mixed precision, CPU offload
+            (:class:`~lightning_plugins.MemoryOptions`).
         load_from: HF checkpoint directory for a model built on the meta device (default: its ``name_or_path``).
         **kwargs: Fields of ``ParallelOptions``/``MemoryOptions`` by name (``sequence_parallel``, ``cp_backend``,
             ``pp_schedule``, ``activation_checkpointing``, ...), and every ``accelerate.Accelerator`` argument.
@@ -100,20 +102,24 @@ class ParallelAccelerator(Accelerator):
         self.options, self.memory = with_settings(owner, options, memory, **settings)
         sizes = {"tp_size": tp_size, "pp_size": pp_size, "cp_size": cp_size, "dp_shard_size": dp_shard_size,
                  "dp_replicate_size": dp_replicate_size}  # fmt: skip
-        self.builtin = builtin_path(kwargs.get("deepspeed_plugin") or kwargs.get("deepspeed_plugins"), kwargs.get("fsdp_plugin"))
+        deepspeed = kwargs.get("deepspeed_plugin") or kwargs.get("deepspeed_plugins")
+        self.builtin = builtin_path(deepspeed, kwargs.get("fsdp_plugin"))
         parallelism_config = None if self.builtin else kwargs.pop("parallelism_config", None)
         layout = merge_sizes(owner, sizes, parallelism_config)
         local, nodes = launched_world()
         try:
             self.layout = layout.resolve(local * nodes)
         except LayoutError as err:
-            raise LayoutError(f"{owner}: the layout does not fit the world started by {describe_launch()}. {err}") from None
+            where = describe_launch()
+            raise LayoutError(f"{owner}: the layout does not fit the world started by {where}. {err}") from None
         if self.builtin:
             check_builtin(owner, self.layout, self.builtin)
         self.load_from = load_from
         self.device_mesh = None
         self._pipeline_grads: list[tuple[Tensor, Tensor | None]] | None = None
         self._held_grads: list[Tensor | None] | None = None
+        # Parameters that parallelizing replaced (id -> parameter): an optimizer still holding one would train nothing.
+        self._replaced: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         if self.builtin:
             super().__init__(**kwargs)
             return
@@ -141,7 +147,9 @@ class ParallelAccelerator(Accelerator):
         return super().prepare(*args, device_placement=device_placement)
 
     @override
-    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> nn.Module:
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
         if self.builtin:
             return super().prepare_model(model, device_placement, evaluation_mode)
         self._parallelize(model, [])
@@ -165,6 +173,7 @@ class ParallelAccelerator(Accelerator):
                 f"{owner}.prepare: the optimizer has already stepped; its state belongs to the unsharded parameters."
                 " Prepare the model and optimizer before training."
             )
+        before = list(model.parameters())
         names = {id(p): _canonical(name) for name, p in model.named_parameters(remove_duplicate=False)}
         if not is_on_meta(hf_model) and not all(_on(p.device, self.device) for p in model.parameters()):
             model.to(self.device)  # only when needed: `.to` on torchao NF4 weights leaves views FSDP2 cannot shard
@@ -172,6 +181,7 @@ class ParallelAccelerator(Accelerator):
         if is_on_meta(hf_model):
             load_sharded_safetensors(hf_model, self._checkpoint_dir(hf_model), self.device)
         params = {_canonical(name): p for name, p in model.named_parameters(remove_duplicate=False)}
+        self._replaced.update((id(p), p) for p in before if params.get(names[id(p)]) is not p)
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 lost = sorted(names[id(p)] for p in group["params"] if id(p) in names and names[id(p)] not in params)
@@ -191,8 +201,23 @@ class ParallelAccelerator(Accelerator):
         return Path(source)
 
     @override
+    def prepare_optimizer(self, optimizer: Optimizer, device_placement: bool | None = None) -> Any:
+        stale = [p for group in optimizer.param_groups for p in group["params"] if self._replaced.get(id(p)) is p]
+        if stale:
+            raise LayoutError(
+                f"{type(self).__name__}.prepare: the optimizer holds {len(stale)} parameters that preparing the model"
+                " replaced (sharded or moved to pipeline stages), so it would update nothing. Prepare the model and"
+                " its optimizer in one call (`accelerator.prepare(model, optimizer, ...)`), or build the optimizer"
+                " after `prepare(model)`."
+            )
+        return super().prepare_optimizer(optimizer, device_placement)
+
+    @override
     def prepare_data_loader(
-        self, data_loader: torch.utils.data.DataLoader, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None
+        self,
+        data_loader: torch.utils.data.DataLoader,
+        device_placement: bool | None = None,
+        slice_fn_for_dispatch: Any = None,
     ) -> Any:
         """Shard over the ``dp`` mesh dimension only; a loader whose sampler is a ``DistributedSampler`` is
         already sharded and is only placed on the device (and context-sharded)."""
@@ -225,16 +250,15 @@ class ParallelAccelerator(Accelerator):
             use_stateful_dataloader=self.use_stateful_dataloader,
         )
         assert isinstance(shard, DataLoaderShard)
-        loader = ParallelDataLoader.adopt(
-            shard, self.device_mesh if self.layout.cp_size > 1 else None, type(self).__name__, getattr(sampler, "generator", None)
-        )
+        context = self.device_mesh if self.layout.cp_size > 1 else None
+        loader = ParallelDataLoader.adopt(shard, context, type(self).__name__, getattr(sampler, "generator", None))
         self._dataloaders.append(loader)
         return loader
 
     @override
     def prepare_scheduler(self, scheduler: Any) -> Any:
         prepared = super().prepare_scheduler(scheduler)
-        if self.builtin or not isinstance(prepared, AcceleratedScheduler) or isinstance(prepared, DataParallelScheduler):
+        if self.builtin or type(prepared) is not AcceleratedScheduler:  # ours already, or not Accelerate's wrapper
             return prepared
         wrapped = DataParallelScheduler(
             prepared.scheduler, prepared.optimizers, replicas=self.device_mesh["dp"].size(),
@@ -265,7 +289,7 @@ class ParallelAccelerator(Accelerator):
             param.grad = None
 
     def _take_pipeline_grads(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        """After a training call under PP: keep the gradients the schedule computed for ``backward``; restore the rest."""
+        """After a training call under PP: keep the schedule's gradients for ``backward``; restore the earlier ones."""
         if self._held_grads is None:
             return
         params = [p for p in module.parameters() if p.requires_grad]
@@ -354,7 +378,9 @@ class ParallelAccelerator(Accelerator):
         return None
 
     @override
-    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, **kwargs: Any) -> Path:
+    def save_state(
+        self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True, **kwargs: Any
+    ) -> Path:
         """One atomic distributed checkpoint of every prepared object, random states and data positions."""
         if self.builtin:
             return super().save_state(output_dir, safe_serialization, **kwargs)
@@ -366,7 +392,9 @@ class ParallelAccelerator(Accelerator):
         return saved
 
     @override
-    def load_state(self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+    def load_state(
+        self, input_dir: str | os.PathLike | None = None, load_kwargs: dict | None = None, **kwargs: Any
+    ) -> None:
         """Restore what :meth:`save_state` wrote (under this or another layout: DCP reshards)."""
         if self.builtin:
             return super().load_state(input_dir, load_kwargs, **kwargs)
@@ -397,8 +425,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def _numbered(root: Path) -> list[Path]:
-    found = [(int(m.group(1)), p) for p in root.glob("checkpoint_*") if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
-    return [p for _, p in sorted(found)]
+    found = [(m.group(1), p) for p in root.glob("checkpoint_*") if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
+    return [p for _, p in sorted(found, key=lambda item: int(item[0]))]
 
 
 def _on(device: torch.device, target: torch.device) -> bool:

@@ -63,7 +63,9 @@ def _sharded(loader: DataLoader, accelerator: ParallelAccelerator, shuffle: bool
     if accelerator.device_mesh is None:  # Accelerate's DeepSpeed/FSDP shard over every process themselves
         return loader
     dp = accelerator.device_mesh["dp"]
-    sampler = DistributedSampler(loader.dataset, num_replicas=dp.size(), rank=dp.get_local_rank(), shuffle=shuffle, seed=seed)
+    sampler = DistributedSampler(
+        loader.dataset, num_replicas=dp.size(), rank=dp.get_local_rank(), shuffle=shuffle, seed=seed
+    )
     return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn)
 
 
@@ -129,7 +131,8 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
                 now = time.perf_counter()
                 rate = rates.item() / (layout.tp_size * layout.pp_size) / (now - clock)
                 clock, tokens = now, 0
-                row = {"train/loss": last["train/loss"], "train/lr": optimizer.param_groups[0]["lr"], "train/tokens_per_s": rate}
+                row = {"train/loss": last["train/loss"], "train/lr": optimizer.param_groups[0]["lr"]}
+                row["train/tokens_per_s"] = rate
                 if norm is not None:
                     row["train/grad_norm"] = float(norm)
                 mfu = model_flops_utilization(rate, num_params, dist.get_world_size())
@@ -154,7 +157,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
 
 @torch.no_grad()
 def _evaluate(accelerator: ParallelAccelerator, model: torch.nn.Module, loader: Any) -> float:
-    """The held-out loss as Lightning's ``sync_dist`` epoch mean computes it (row-weighted, then averaged over ranks)."""
+    """The held-out loss as Lightning's ``sync_dist`` epoch mean computes it (row-weighted, averaged over ranks)."""
     model.eval()
     total, rows = torch.zeros((), dtype=torch.float64, device=accelerator.device), 0
     for batch in loader:
@@ -168,7 +171,12 @@ def _evaluate(accelerator: ParallelAccelerator, model: torch.nn.Module, loader: 
 
 
 def _finish(
-    accelerator: ParallelAccelerator, model: torch.nn.Module, tokenizer: Any, recipe: Recipe, ckpt: Path | None, last: dict
+    accelerator: ParallelAccelerator,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    recipe: Recipe,
+    ckpt: Path | None,
+    last: dict[str, float],
 ) -> dict[str, Any]:
     """Export (HF directory, or peft adapter and merged weights), merge the metrics, draw the loss curve."""
     from lightning_plugins.checkpoint import export_hf

@@ -34,7 +34,7 @@ def launch_config_file() -> str | None:
         argv = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
     except OSError:
         return None
-    if not any("accelerate" in Path(arg).name for arg in argv[:3]):  # `accelerate launch` or `-m accelerate.commands.launch`
+    if not any("accelerate" in Path(arg).name for arg in argv[:3]):  # `accelerate launch`, `-m accelerate.commands...`
         return None
     for index, arg in enumerate(argv):
         if arg == "--config_file" and index + 1 < len(argv):
@@ -113,7 +113,7 @@ def merge_sizes(owner: str, given: dict[str, int | None], parallelism_config: An
 
 
 def builtin_path(deepspeed_plugin: Any | None = None, fsdp_plugin: Any | None = None) -> str | None:
-    """``"DeepSpeed"`` or ``"FSDP"`` when Accelerate's own sharding is selected (plugin or launch config), else ``None``."""
+    """``"DeepSpeed"`` or ``"FSDP"`` when Accelerate's own sharding is selected (plugin or launch config)."""
     if deepspeed_plugin is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         return "DeepSpeed"
     if fsdp_plugin is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":

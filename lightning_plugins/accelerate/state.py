@@ -102,7 +102,10 @@ def load_training_state(accelerator: Any, path: str | Path) -> None:
     if len(saved["grads"]) != len(accelerator._models):
         raise ValueError(f"{path} holds {len(saved['grads'])} models but {len(accelerator._models)} are prepared now.")
     # This rank's part of the saved accumulated gradients (under pipeline parallelism: its stages' names).
-    grads = [[n for n, _ in model.named_parameters() if n in set(names)] for model, names in zip(accelerator._models, saved["grads"])]
+    grads = [
+        [name for name, _ in model.named_parameters() if name in set(names)]
+        for model, names in zip(accelerator._models, saved["grads"])
+    ]
     state = _tensor_state(accelerator, grads)
     dcp.load(state, checkpoint_id=path)
     for index, model in enumerate(accelerator._models):
@@ -182,7 +185,8 @@ def _owner(accelerator: Any, optimizer: torch.optim.Optimizer) -> nn.Module:
 
 
 def _capture_rng() -> dict[str, Any]:
-    states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state()}
+    states["torch"] = torch.get_rng_state()
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
