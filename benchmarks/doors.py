@@ -144,8 +144,8 @@ def _lightning(checkpoint: str, opts: Options) -> Door:
     def step(batch: dict) -> float:
         trainer = L.Trainer(
             accelerator="cpu", devices=WORLD, strategy=ParallelismStrategy(tp_size=WORLD), max_steps=1,
-            callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            use_distributed_sampler=False, num_sanity_val_steps=0,
+            callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
         )  # fmt: skip
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "the number of training batches is small" and the like

@@ -91,6 +91,17 @@ def test_recipe_that_does_not_fit_the_launch_names_both_files(tmp_path: Path) ->
     assert message.count("error: ") == 1, message[-3000:]  # said once, by the first rank
 
 
+def test_accelerates_fsdp_on_cpu_processes_is_refused_not_run_as_ddp(tmp_path: Path) -> None:
+    """Accelerate's own FSDP needs GPUs: on CPU processes it quietly runs DDP; the door says so instead."""
+    config = ROOT / "accelerate_configs" / "fsdp2_cpu_offload.yaml"
+    launch = ("--num_processes", "2")
+    proc = accelerate_launch(TINY / "lora_fsdp2_chat.yaml", tmp_path / "out", config=config, launch=launch)
+    assert proc.returncode != 0
+    expected = "selects Accelerate's FSDP, but Accelerate runs these processes as MULTI_CPU"
+    assert expected in proc.stderr, proc.stderr[-3000:]
+    assert "fsdp2_cpu_offload.yaml" in proc.stderr and "lightning_plugins/" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_conflicting_parallelism_config_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_plugins.accelerate import ParallelAccelerator
     from lightning_plugins.accelerate.settings import merge_sizes

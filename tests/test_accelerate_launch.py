@@ -24,8 +24,11 @@ SHORT = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_ever
 COLUMNS = ("train/loss", "train/lr", "train/grad_norm", "val/loss")
 
 
-def accelerate_launch(recipe: Path, out: Path, *extra: str, config: Path = CONFIG) -> subprocess.CompletedProcess:
-    launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config)]
+def accelerate_launch(
+    recipe: Path, out: Path, *extra: str, config: Path = CONFIG, launch: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """``accelerate launch --config_file CONFIG [options] -m lightning_plugins.accelerate RECIPE [overrides]``."""
+    launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config), *launch]
     command = [*launcher, "--main_process_port", str(free_port()), "-m", "lightning_plugins.accelerate", str(recipe),
                f"--train.output_dir={out}", *extra]  # fmt: skip
     return subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)

@@ -122,6 +122,13 @@ class ParallelAccelerator(Accelerator):
         self._replaced: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         if self.builtin:
             super().__init__(**kwargs)
+            if self.distributed_type.value != self.builtin.upper():
+                raise LayoutError(
+                    f"{owner}: {describe_launch()} selects Accelerate's {self.builtin}, but Accelerate runs these"
+                    f" processes as {self.distributed_type.value} (its {self.builtin} needs GPUs; on CPU processes it"
+                    " falls back silently). On CPU, launch with accelerate_configs/cpu_2proc.yaml and shard with the"
+                    " engine's FSDP2 (dp_shard_size, memory.cpu_offload)."
+                )
             return
         with _accelerate_parallelism_config_off():  # it refuses MULTI_CPU and would build a second mesh
             super().__init__(**kwargs)
