@@ -14,7 +14,6 @@ or the model, a micro-batch that does not divide the global batch.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 

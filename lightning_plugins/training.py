@@ -88,30 +88,6 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[DataLoader, DataLoade
     return train, DataLoader(build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate)
 
 
-def find_hf_model(module: torch.nn.Module, owner: str) -> torch.nn.Module:
-    """The one outermost ``transformers.PreTrainedModel`` inside ``module`` (itself, or inside a ``PeftModel``).
-
-    Raises:
-        LayoutError: if there is none, or several unrelated ones.
-    """
-    from transformers import PreTrainedModel
-
-    from lightning_plugins.layout import LayoutError
-
-    found: list[tuple[str, torch.nn.Module]] = []
-    for name, sub in module.named_modules():
-        if isinstance(sub, PreTrainedModel) and not any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found):
-            found.append((name, sub))
-    if len(found) != 1:
-        what = "no transformers PreTrainedModel" if not found else f"{len(found)} models ({[n for n, _ in found]})"
-        raise LayoutError(
-            f"{owner} found {what} inside {type(module).__name__}. Keep exactly one HF causal LM in the module (e.g."
-            " `AutoModelForCausalLM.from_config(...)`, or a peft `PeftModel` around one), or call"
-            " `lightning_plugins.parallelize(model, mesh)` on the model yourself."
-        )
-    return found[0][1]
-
-
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The complete checkpoint with the highest step in ``output_dir/checkpoints`` (partial ones never count)."""
     found = [(int(m.group(1)), p) for p in (Path(output_dir) / "checkpoints").glob("step=*") if (m := _CHECKPOINT.match(p.name))]

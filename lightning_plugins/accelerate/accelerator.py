@@ -40,7 +40,7 @@ from lightning_plugins.layout import LayoutError
 from lightning_plugins.loading import is_on_meta, load_sharded_safetensors
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import clip_grad_norm_, mesh_of, parallelize, pipeline_of
-from lightning_plugins.training import find_hf_model
+from lightning_plugins.models import find_hf_model
 
 __all__ = ["ParallelAccelerator"]
 

@@ -167,3 +167,31 @@ def check_supported(model: Any) -> None:
                 f"The model is already wrapped in {type(module).__name__}; this engine applies FSDP2 itself. Pass the"
                 " bare transformers model (unwrap it, e.g. `wrapped.module`) to `parallelize`."
             )
+
+
+def find_hf_model(
+    module: nn.Module, owner: str, fix: str = "or call `lightning_plugins.parallelize(model, mesh)` on the model yourself"
+) -> nn.Module:
+    """The one outermost ``transformers.PreTrainedModel`` inside ``module`` (itself, or inside a ``PeftModel``).
+
+    Args:
+        module: What a door was handed (a LightningModule, the model given to ``prepare``).
+        owner: Who asks, for the message (e.g. the strategy's class name).
+        fix: The door's other way out, ending the message.
+
+    Raises:
+        LayoutError: if there is none, or several unrelated ones.
+    """
+    from transformers import PreTrainedModel
+
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel) and not any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, sub))
+    if len(found) != 1:
+        what = "no transformers PreTrainedModel" if not found else f"{len(found)} models ({[n for n, _ in found]})"
+        raise LayoutError(
+            f"{owner} found {what} inside {type(module).__name__}. Keep exactly one HF causal LM in it (e.g."
+            f" `self.model = AutoModelForCausalLM.from_config(...)`, or a peft `PeftModel` around one), {fix}."
+        )
+    return found[0][1]

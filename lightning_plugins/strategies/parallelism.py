@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.loading import is_on_meta, load_sharded_safetensors
+from lightning_plugins import models
 from lightning_plugins.models import check_supported
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import check_same_settings, clip_grad_norm_, mesh_of, parallelize, pipeline_of
@@ -326,25 +327,10 @@ class ParallelismStrategy(ModelParallelStrategy):
 
 
 def find_hf_model(module: nn.Module, owner: str) -> nn.Module:
-    """The one outermost ``transformers.PreTrainedModel`` inside ``module``.
-
-    Raises:
-        LayoutError: if there is none, or several unrelated ones.
-    """
-    from transformers import PreTrainedModel
-
-    found: list[tuple[str, nn.Module]] = []
-    for name, sub in module.named_modules():
-        if isinstance(sub, PreTrainedModel) and not any(name.startswith(f"{outer}.") for outer, _ in found):
-            found.append((name, sub))
-    if len(found) != 1:
-        what = "no transformers PreTrainedModel" if not found else f"{len(found)} models ({[n for n, _ in found]})"
-        raise LayoutError(
-            f"{owner} found {what} inside {type(module).__name__}. Keep exactly one HF causal LM as an attribute"
-            " (e.g. `self.model = AutoModelForCausalLM.from_config(...)`), or override `configure_model` and call"
-            " `lightning_plugins.parallelize(model, self.device_mesh)` yourself."
-        )
-    return found[0][1]
+    """The LightningModule's HF model (see :func:`lightning_plugins.models.find_hf_model`)."""
+    return models.find_hf_model(
+        module, owner, "or override `configure_model` and call `lightning_plugins.parallelize(model, self.device_mesh)`"
+    )
 
 
 def _flat_options() -> Any:
