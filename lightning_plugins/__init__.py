@@ -1,6 +1,9 @@
 """lightning_plugins: tensor, pipeline, context and data parallelism for Hugging Face LLMs."""
 
+import os
 import warnings
+
+import torch
 
 
 def _import_torchao_quietly() -> None:
@@ -27,6 +30,9 @@ def _import_torchao_quietly() -> None:
 
 
 _import_torchao_quietly()
+if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+    # transformers imports DeepSpeed when it is installed, and DeepSpeed warns when it has to guess the CPU.
+    os.environ["DS_ACCELERATOR"] = "cpu"
 # The engine slices the flattened mesh dimensions it builds (`dp`, `dp_cp`, ...) from the root mesh on purpose.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
 

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from lightning_plugins.checkpoint import export_hf
 from lightning_plugins.data import collate_causal_lm, exact_match, load_prompt_completion, read_jsonl, tiny_assets
 from lightning_plugins.strategies import TensorParallelStrategy
+from lightning_plugins.training import lr_lambda
 
 
 class FineTune(L.LightningModule):
@@ -37,10 +38,11 @@ class FineTune(L.LightningModule):
 
     def configure_optimizers(self) -> dict:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
-        total, warmup = self.trainer.max_steps, 30
+        total = self.trainer.max_steps
+        warmup = min(30, total // 2)
         # Linear warmup then linear decay: this task's accuracy jumps late and needs the decay.
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min((step + 1) / warmup, max(0.0, (total - step) / (total - warmup)))
+            optimizer, partial(lr_lambda, total=total, warmup=warmup, scheduler="linear", min_ratio=0.0)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -85,6 +87,7 @@ def run_demo(
         devices=devices,
         strategy=TensorParallelStrategy(tp_size=tp_size, load_from=assets.model_dir),
         max_steps=max_steps,
+        max_epochs=-(-max_steps // len(loader)),  # the epochs it takes (the progress bar shows them)
         gradient_clip_val=1.0,
         logger=False,
         enable_checkpointing=False,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -133,8 +132,6 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = None) -> dict[str, 
     """
     from lightning_plugins.checkpoint import export_hf
 
-    # Lightning 2.6 on torch 2.13 warns about its own use of a torch pytree API on every step; not the user's to fix.
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     L.seed_everything(recipe.train.seed, verbose=False)
     model, tokenizer = build_model(recipe)
     train_loader, eval_loader = build_loaders(recipe, tokenizer)

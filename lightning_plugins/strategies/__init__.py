@@ -4,6 +4,8 @@ Importing this module registers the strategies in Lightning's registry, so
 ``Trainer(strategy="tensor_parallel")`` works once ``lightning_plugins.strategies`` is imported.
 """
 
+import warnings
+
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_plugins.strategies.context_parallel import ContextParallelStrategy
@@ -21,3 +23,7 @@ for _name, _cls, _description in (
 ):
     if _name not in StrategyRegistry:
         StrategyRegistry.register(_name, _cls, description=_description)
+
+# Lightning 2.6 on torch 2.13 warns on every training step about its own use of a torch pytree API; nothing
+# a user of these strategies can act on.
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
