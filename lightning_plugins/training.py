@@ -64,6 +64,7 @@ def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Modul
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path), **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
+    model.train()  # from_pretrained returns eval mode: dropout (LoRA's too) would be off
     model.config.use_cache = False  # training: no KV cache (it would also grow under recomputation)
     if recipe.data.packing:
         prepare_model_for_packing(model)
