@@ -13,7 +13,9 @@ def _overrides(extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
     while rest:
         arg = rest.pop(0)
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            parser.error(f"unrecognized argument {arg!r}: recipe overrides look like --section.key=value (e.g. --lora.r=32)")
+            parser.error(
+                f"unrecognized argument {arg!r}: recipe overrides look like --section.key=value (e.g. --lora.r=32)"
+            )
         if "=" in arg:
             overrides.append(arg[2:])
         elif rest:
@@ -42,7 +44,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     finetune.add_argument("recipe", help="the recipe file, e.g. recipes/tiny/lora_tp2.yaml")
     finetune.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
-    finetune.add_argument("--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)")
+    finetune.add_argument(
+        "--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)"
+    )
     args, extra = parser.parse_known_args(argv)
 
     if args.command == "demo":

@@ -32,6 +32,7 @@ from lightning_plugins.training import (
     model_flops_utilization,
 )
 
+
 class RecipeModule(L.LightningModule):
     """A plain fine-tuning module: the HF (or peft) model's own loss; nothing here knows the layout."""
 
@@ -50,7 +51,9 @@ class RecipeModule(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         # The loss is already the global one on every rank; syncing keeps Lightning's epoch mean exact too.
-        self.log("val/loss", self.model(**batch).loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        self.log(
+            "val/loss", self.model(**batch).loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0]
+        )
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """After every ``train.log_every``-th optimizer step: learning rate, gradient norm, tokens/s, MFU (GPUs)."""
@@ -92,15 +95,24 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
 
     layout, train = recipe.layout, recipe.train
     strategy = ParallelismStrategy(
-        layout.tp_size, layout.pp_size, layout.cp_size, layout.dp_shard_size, layout.dp_replicate_size,
-        options=recipe.parallel, memory=recipe.memory, load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
+        layout.tp_size,
+        layout.pp_size,
+        layout.cp_size,
+        layout.dp_shard_size,
+        layout.dp_replicate_size,
+        options=recipe.parallel,
+        memory=recipe.memory,
+        load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
     )
     callbacks: list[Any] = [_ProgressBar()]
     if train.checkpoint_every is not None:
         callbacks.append(
             ModelCheckpoint(
-                dirpath=Path(train.output_dir) / "checkpoints", filename=CHECKPOINT_NAME, auto_insert_metric_name=False,
-                every_n_train_steps=train.checkpoint_every, save_top_k=-1,
+                dirpath=Path(train.output_dir) / "checkpoints",
+                filename=CHECKPOINT_NAME,
+                auto_insert_metric_name=False,
+                every_n_train_steps=train.checkpoint_every,
+                save_top_k=-1,
             )
         )
     eval_kwargs: dict[str, Any] = {"num_sanity_val_steps": 0}

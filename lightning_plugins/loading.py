@@ -56,7 +56,9 @@ def _local_slices(tensor: torch.Tensor) -> tuple[slice, ...]:
 
 
 @torch.no_grad()
-def load_sharded_safetensors(model: nn.Module, checkpoint_dir: str | Path, device: torch.device | str | None = None) -> None:
+def load_sharded_safetensors(
+    model: nn.Module, checkpoint_dir: str | Path, device: torch.device | str | None = None
+) -> None:
     """Give a meta-device (parallelized) model storage and fill each rank's shards from the checkpoint.
 
     Args:
@@ -69,13 +71,19 @@ def load_sharded_safetensors(model: nn.Module, checkpoint_dir: str | Path, devic
     """
     mesh = mesh_of(model)
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if mesh is not None and mesh.device_type == "cuda" else "cpu"
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if mesh is not None and mesh.device_type == "cuda"
+            else "cpu"
+        )
     index = checkpoint_index(checkpoint_dir)
     state = dict(model.named_parameters())
     state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
     missing = sorted(set(state) - set(index))
     if missing:
-        raise KeyError(f"The checkpoint in {checkpoint_dir} lacks {len(missing)} tensors of the model, e.g. {missing[:5]}.")
+        raise KeyError(
+            f"The checkpoint in {checkpoint_dir} lacks {len(missing)} tensors of the model, e.g. {missing[:5]}."
+        )
     # `to_empty` gives every module its own new tensor, which would untie shared weights (tied
     # embeddings): remember who shares what and tie them again.
     shared = _shared_parameters(model)
@@ -133,6 +141,21 @@ def _reinit_nonpersistent_buffers(model: nn.Module, device: torch.device | str) 
             fresh = type(module)(config=config)
         for name in module._non_persistent_buffers_set:
             setattr(module, name, getattr(fresh, name))
+
+
+def checkpoint_dir_of(model: nn.Module, load_from: str | Path | None, owner: str) -> Path:
+    """Where a meta-device model's weights are: ``load_from``, else the config's ``name_or_path``.
+
+    Raises:
+        LayoutError: if neither is a local directory, naming the fix.
+    """
+    source = load_from or getattr(model.config, "name_or_path", None)
+    if not source or not Path(source).is_dir():
+        raise LayoutError(
+            f"{owner}: the model is on the meta device but no local HF checkpoint directory is known"
+            f" (config.name_or_path={source!r}). Pass `load_from=<dir with *.safetensors>`."
+        )
+    return Path(source)
 
 
 def from_pretrained(

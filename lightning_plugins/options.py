@@ -47,7 +47,9 @@ class ParallelOptions:
         from lightning_plugins.parallel.pipeline import SCHEDULES
 
         if self.cp_backend not in CP_BACKENDS:
-            raise LayoutError(f"cp_backend={self.cp_backend!r} is not a context-parallel backend; use one of {CP_BACKENDS}.")
+            raise LayoutError(
+                f"cp_backend={self.cp_backend!r} is not a context-parallel backend; use one of {CP_BACKENDS}."
+            )
         if self.pp_schedule not in SCHEDULES:
             raise LayoutError(
                 f"pp_schedule={self.pp_schedule!r} is not a known pipeline schedule. Use one of {sorted(SCHEDULES)}"
@@ -94,7 +96,9 @@ class MemoryOptions:
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of {CHECKPOINTING_MODES}."
             )
         if self.every_n_layers is not None and (
-            self.activation_checkpointing != "selective" or not isinstance(self.every_n_layers, int) or self.every_n_layers < 1
+            self.activation_checkpointing != "selective"
+            or not isinstance(self.every_n_layers, int)
+            or self.every_n_layers < 1
         ):
             raise LayoutError(
                 f"every_n_layers={self.every_n_layers!r} needs activation_checkpointing='selective' and a positive integer."
@@ -102,7 +106,9 @@ class MemoryOptions:
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if isinstance(value, str) and value not in DTYPE_NAMES:
-                raise LayoutError(f"Unknown dtype {name}={value!r} for mixed precision; use one of {sorted(DTYPE_NAMES)}.")
+                raise LayoutError(
+                    f"Unknown dtype {name}={value!r} for mixed precision; use one of {sorted(DTYPE_NAMES)}."
+                )
 
     @property
     def uses_fsdp_policy(self) -> bool:

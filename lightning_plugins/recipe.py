@@ -182,7 +182,9 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     except yaml.YAMLError as err:
         raise RecipeError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(raw, dict):
-        raise RecipeError(f"{path}: a recipe is a mapping of sections (model, data, layout, ...), got {type(raw).__name__}.")
+        raise RecipeError(
+            f"{path}: a recipe is a mapping of sections (model, data, layout, ...), got {type(raw).__name__}."
+        )
     for override in overrides:
         _apply_override(raw, override, path)
     try:
@@ -251,7 +253,9 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
     try:
         layout = recipe.layout.resolve(world)
     except LayoutError as err:
-        raise RecipeError(f"{path}: layout does not fit hardware.devices x hardware.nodes = {world} processes: {err}") from None
+        raise RecipeError(
+            f"{path}: layout does not fit hardware.devices x hardware.nodes = {world} processes: {err}"
+        ) from None
     config = _model_config(recipe.model.path)
     if config is not None:
         from lightning_plugins.parallel.context import check_context_parallel
@@ -261,7 +265,9 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             layout.validate(config)
             if layout.pp_size > 1:
                 check_pipeline_layout(layout, config, recipe.parallel.pipeline)
-            check_context_parallel(config, layout.cp_size, layout.tp_size, recipe.parallel.cp_backend, pp_size=layout.pp_size)
+            check_context_parallel(
+                config, layout.cp_size, layout.tp_size, recipe.parallel.cp_backend, pp_size=layout.pp_size
+            )
         except LayoutError as err:
             raise RecipeError(f"{path}: layout/parallel do not fit model {recipe.model.path}: {err}") from None
         if recipe.lora is not None:
@@ -301,7 +307,9 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             " sequences yet. Set data.packing: false, or layout.cp_size: 1."
         )
     if recipe.lora is None and recipe.train.merge_lora:
-        raise RecipeError(f"{path}: train.merge_lora is set but the recipe has no lora section. Remove it or add lora:.")
+        raise RecipeError(
+            f"{path}: train.merge_lora is set but the recipe has no lora section. Remove it or add lora:."
+        )
     if recipe.lora is not None and recipe.lora.quantize == "nf4" and recipe.train.merge_lora:
         raise RecipeError(
             f"{path}: train.merge_lora with lora.quantize: nf4: merging needs dense base weights. Export the adapter"

@@ -39,7 +39,9 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, total_steps: int) -> 
     """AdamW over the trainable parameters only (LoRA: the adapters) and its per-step schedule."""
     optim = recipe.optim
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    optimizer = torch.optim.AdamW(
+        trainable, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_lambda(step, total_steps, optim.warmup_steps, optim.scheduler, optim.min_lr_ratio)
     )
@@ -83,15 +85,23 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[DataLoader, DataLoade
     fixed = recipe.data.max_seq_len if recipe.layout.pp_size > 1 else None
     collate = make_collator(recipe.data, tokenizer.pad_token_id, pad_to_multiple_of=fixed)
     size = recipe.train.micro_batch_size
-    train = DataLoader(build_dataset(recipe.data, tokenizer, "train"), batch_size=size, shuffle=True, collate_fn=collate)
+    train = DataLoader(
+        build_dataset(recipe.data, tokenizer, "train"), batch_size=size, shuffle=True, collate_fn=collate
+    )
     if not recipe.data.has_eval:
         return train, None
-    return train, DataLoader(build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate)
+    return train, DataLoader(
+        build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate
+    )
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The complete checkpoint with the highest step in ``output_dir/checkpoints`` (partial ones never count)."""
-    found = [(int(m.group(1)), p) for p in (Path(output_dir) / "checkpoints").glob("step=*") if (m := _CHECKPOINT.match(p.name))]
+    found = [
+        (int(m.group(1)), p)
+        for p in (Path(output_dir) / "checkpoints").glob("step=*")
+        if (m := _CHECKPOINT.match(p.name))
+    ]
     return max(found)[1] if found else None
 
 

@@ -37,7 +37,7 @@ from lightning_plugins.accelerate.settings import (
 )
 from lightning_plugins.accelerate.state import load_training_state, save_training_state
 from lightning_plugins.layout import LayoutError
-from lightning_plugins.loading import is_on_meta, load_sharded_safetensors
+from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import clip_grad_norm_, mesh_of, parallelize, pipeline_of
 from lightning_plugins.models import find_hf_model
@@ -186,7 +186,7 @@ class ParallelAccelerator(Accelerator):
             model.to(self.device)  # only when needed: `.to` on torchao NF4 weights leaves views FSDP2 cannot shard
         parallelize(hf_model, self.device_mesh, self.options, self.memory)
         if is_on_meta(hf_model):
-            load_sharded_safetensors(hf_model, self._checkpoint_dir(hf_model), self.device)
+            load_sharded_safetensors(hf_model, checkpoint_dir_of(hf_model, self.load_from, type(self).__name__), self.device)
         params = {_canonical(name): p for name, p in model.named_parameters(remove_duplicate=False)}
         self._replaced.update((id(p), p) for p in before if params.get(names[id(p)]) is not p)
         for optimizer in optimizers:
@@ -197,15 +197,6 @@ class ParallelAccelerator(Accelerator):
                 # Under pipeline parallelism each rank's optimizer keeps only its stages' parameters.
                 group["params"] = [params[names[id(p)]] if id(p) in names else p for p in group["params"]
                                    if id(p) not in names or names[id(p)] in params]  # fmt: skip
-
-    def _checkpoint_dir(self, model: nn.Module) -> Path:
-        source = self.load_from or getattr(model.config, "name_or_path", None)
-        if not source or not Path(source).is_dir():
-            raise LayoutError(
-                f"{type(self).__name__}: the model is on the meta device but no local HF checkpoint directory is known"
-                f" (config.name_or_path={source!r}). Pass `load_from=<dir with *.safetensors>`."
-            )
-        return Path(source)
 
     @override
     def prepare_optimizer(self, optimizer: Optimizer, device_placement: bool | None = None) -> Any:

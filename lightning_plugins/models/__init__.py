@@ -170,7 +170,9 @@ def check_supported(model: Any) -> None:
 
 
 def find_hf_model(
-    module: nn.Module, owner: str, fix: str = "or call `lightning_plugins.parallelize(model, mesh)` on the model yourself"
+    module: nn.Module,
+    owner: str,
+    fix: str = "or call `lightning_plugins.parallelize(model, mesh)` on the model yourself",
 ) -> nn.Module:
     """The one outermost ``transformers.PreTrainedModel`` inside ``module`` (itself, or inside a ``PeftModel``).
 
@@ -186,7 +188,9 @@ def find_hf_model(
 
     found: list[tuple[str, nn.Module]] = []
     for name, sub in module.named_modules():
-        if isinstance(sub, PreTrainedModel) and not any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found):
+        if isinstance(sub, PreTrainedModel) and not any(
+            outer == "" or name.startswith(f"{outer}.") for outer, _ in found
+        ):
             found.append((name, sub))
     if len(found) != 1:
         what = "no transformers PreTrainedModel" if not found else f"{len(found)} models ({[n for n, _ in found]})"

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_plugins.layout import LayoutError, ParallelLayout
-from lightning_plugins.loading import is_on_meta, load_sharded_safetensors
+from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
 from lightning_plugins import models
 from lightning_plugins.models import check_supported
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
@@ -108,7 +108,10 @@ class ParallelismStrategy(ModelParallelStrategy):
             check_supported(model)
             self.layout.validate(model.config)
             check_context_parallel(
-                model.config, self.layout.cp_size, self.layout.tp_size, self.options.cp_backend,
+                model.config,
+                self.layout.cp_size,
+                self.layout.tp_size,
+                self.options.cp_backend,
                 pp_size=self.layout.pp_size,
             )
         # A model parallelized by an earlier entry point (fit, then test; a second Trainer) keeps its mesh.
@@ -150,7 +153,9 @@ class ParallelismStrategy(ModelParallelStrategy):
             model = find_hf_model(self.lightning_module, type(self).__name__)
             parallelize(model, self.device_mesh, self.options, self.memory)
             if is_on_meta(model):
-                load_sharded_safetensors(model, self._checkpoint_dir(model), self.root_device)
+                load_sharded_safetensors(
+                    model, checkpoint_dir_of(model, self.load_from, type(self).__name__), self.root_device
+                )
         check_supported(self.model)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -225,7 +230,9 @@ class ParallelismStrategy(ModelParallelStrategy):
                 param.grad = grad
 
     @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
         if self._pipeline() is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The pipeline ran backward inside training_step: accumulate its gradients, run the hooks.
@@ -242,15 +249,6 @@ class ParallelismStrategy(ModelParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
-
-    def _checkpoint_dir(self, model: nn.Module) -> Path:
-        source = self.load_from or getattr(model.config, "name_or_path", None)
-        if not source or not Path(source).is_dir():
-            raise LayoutError(
-                f"{type(self).__name__}: the model is on the meta device but no local HF checkpoint directory is"
-                f" known (config.name_or_path={source!r}). Pass `load_from=<dir with *.safetensors>`."
-            )
-        return Path(source)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
