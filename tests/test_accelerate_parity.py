@@ -47,13 +47,17 @@ def build(case: dict[str, Any]) -> torch.nn.Module:
     return model
 
 
-def loop(accelerator: Any, model: torch.nn.Module, shuffle: bool = False, save_at: tuple[int, str] | None = None,
-         export_to: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """The user's loop. Returns per-micro-batch losses, norms, learning rates, gathered indices, final weights."""
+def _prepared(accelerator: Any, model: torch.nn.Module, shuffle: bool) -> tuple[Any, Any, Any, Any]:
+    """The user's objects, prepared: SGD + momentum over the trainable parameters, a decaying LR, the rows."""
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     loader = torch.utils.data.DataLoader(Rows(64), batch_size=BATCH, shuffle=shuffle)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    return accelerator.prepare(model, optimizer, loader, scheduler)
+
+
+def _run(accelerator: Any, model: Any, optimizer: Any, loader: Any, scheduler: Any,
+         save_at: tuple[int, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The user's loop over ``loader``: per-micro-batch losses, norms, learning rates and gathered indices."""
     model.train()
     out: dict[str, Any] = {"loss": [], "norm": [], "lr": [], "index": []}
     for micro, batch in enumerate(loader):
@@ -69,6 +73,14 @@ def loop(accelerator: Any, model: torch.nn.Module, shuffle: bool = False, save_a
         out["lr"].append(scheduler.get_last_lr()[0])
         if save_at is not None and micro + 1 == save_at[0]:
             accelerator.save_state(save_at[1])
+    return out
+
+
+def loop(accelerator: Any, model: torch.nn.Module, shuffle: bool = False, save_at: tuple[int, str] | None = None,
+         export_to: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The user's loop. Returns per-micro-batch losses, norms, learning rates, gathered indices, final weights."""
+    model, optimizer, loader, scheduler = _prepared(accelerator, model, shuffle)
+    out = _run(accelerator, model, optimizer, loader, scheduler, save_at)
     out["weights"] = {name: _full(p) for name, p in accelerator.unwrap_model(model).named_parameters()}
     if export_to is not None:
         accelerator.save_model(model, export_to)
@@ -77,25 +89,9 @@ def loop(accelerator: Any, model: torch.nn.Module, shuffle: bool = False, save_a
 
 def resume(accelerator: Any, model: torch.nn.Module, path: str) -> dict[str, Any]:
     """A new process: prepare the same objects, load the state, run the rest of the epoch."""
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    loader = torch.utils.data.DataLoader(Rows(64), batch_size=BATCH, shuffle=True)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    model, optimizer, loader, scheduler = _prepared(accelerator, model, shuffle=True)
     accelerator.load_state(path)
-    model.train()
-    out: dict[str, Any] = {"loss": [], "norm": [], "lr": [], "index": []}
-    for batch in loader:
-        out["index"] += accelerator.gather_for_metrics(batch.pop("index")).tolist()
-        with accelerator.accumulate(model):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            out["norm"].append(float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-        out["loss"].append(loss.item())
-        out["lr"].append(scheduler.get_last_lr()[0])
-    return out
+    return _run(accelerator, model, optimizer, loader, scheduler)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
