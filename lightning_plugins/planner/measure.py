@@ -1,0 +1,344 @@
+"""What one training step really holds in memory on this rank, by category: the ground truth for the dry run.
+
+:func:`measure_step_memory` runs a few untracked steps, then one step under torch's ``MemTracker``
+(``torch.distributed._tools.mem_tracker``), and reports the categories at the moment of the peak and
+the resident training state (parameters, gradients, optimizer state) counted from the tensors themselves.
+It is framework-free and runs on any rank of a real (gloo/NCCL) world; it is what the planner's dry run
+(a fake process group, at real size) is checked against on small layouts that run here for real.
+
+What "peak" means: ``MemTracker.get_tracker_snapshot("peak")`` is the snapshot of *every* category taken
+when the tracked total reached its maximum (``_update_peak_stats`` deep-copies the whole current snapshot
+whenever the total exceeds the previous peak), not the per-category maxima. The categories therefore
+add up to the total.
+
+:class:`StepMemTracker` is ``MemTracker`` with three corrections for what the engine runs; without them the
+tracker either fails or files real memory in another category than the one it belongs to:
+
+* **Pipeline schedules** run the backward of micro-batches *inside* the model's forward
+  (:meth:`lightning_plugins.parallel.pipeline.Pipeline.step`). ``ModTracker`` resets its module hierarchy to
+  ``{"Global"}`` at the end of every backward, so the next micro-batch's stage forward looks like a second
+  iteration of a root module (``NotImplementedError: MemTracker does not support memory tracking for
+  multiple iterative calls``) and the model's own post-forward then fails (``RuntimeError: The Module
+  hierarchy tracking is wrong``). Here the hierarchy is restored to the forwards still running, and a root
+  module entered again within the tracked step is tracked like a re-used submodule.
+* **FSDP2 gathered parameters** live in storages that FSDP2 resizes (``all_gather_outputs``) and fills with
+  an out-variant copy that returns nothing. ``MemTracker`` only picks them up once a module holding them is
+  entered, and then files them as *parameters* (so that ``parameters`` at the peak reads sharded plus
+  gathered). Here they are registered up front, so their resizes are followed from the first all-gather, and
+  counted as *temporaries*, like the flat all-gather buffers (which ``MemTracker`` would file as activations
+  during forward). The total is the same either way; ``parameters`` is then exactly the resident shards.
+* **Frozen parameters** (LoRA's base): ``MemTracker`` registers gradient hooks on every parameter of a module
+  it enters, which raises ``cannot register a hook on a tensor that doesn't require gradient``; hooks go on
+  trainable parameters only.
+
+Gradients are filed by ``MemTracker``'s own hooks: on the parameters a module holds when it is entered, and
+FSDP2 (torch 2.13) runs the sharded parameters' post-accumulate-grad hooks when it assigns the reduce-scattered
+gradients. So under FSDP2 ``gradients`` holds the sharded gradients plus, while a layer's backward runs, the
+unsharded gradients autograd computes before they are reduce-scattered and freed.
+
+Pipeline stages' receive buffers (activations and gradients between stages, one per micro-batch, allocated
+on the first step and kept) are tracked as *other*, as is the batch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from copy import deepcopy
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed._tools.mem_tracker import (
+    _TOTAL_KEY,
+    MemTracker,
+    _MemRefType,
+    _ModState,
+    _UpdateType,
+    _WeakRefInfo,
+)
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = ["CATEGORIES", "StepMemTracker", "measure_step_memory", "training_state_bytes"]
+
+#: The categories of a measurement, in ``MemTracker``'s order, under the names the planner uses.
+CATEGORIES = ("parameters", "buffers", "gradients", "activations", "temporaries", "optimizer", "other")
+_NAMES = {
+    _MemRefType.PARAM: "parameters",
+    _MemRefType.BUFFER: "buffers",
+    _MemRefType.GRAD: "gradients",
+    _MemRefType.ACT: "activations",
+    _MemRefType.TEMP: "temporaries",
+    _MemRefType.OPT: "optimizer",
+    _MemRefType.OTH: "other",
+}
+
+
+class _NestedBackwardModTracker(ModTracker):
+    """``ModTracker`` whose hierarchy survives a backward that runs inside a forward (pipeline schedules).
+
+    The stock tracker sets ``parents = {"Global"}`` when any backward ends; modules whose forward is still
+    running (the pipelined model around its schedule) then vanish from the hierarchy. This one keeps a count
+    of running forwards (outside backward, where activation-checkpoint recomputation also runs forwards) and
+    restores them instead.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._running: Counter[str] = Counter()
+
+    def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
+        super()._fw_pre_hook(mod, input)
+        if not self.is_bw:
+            self._running[self._get_mod_name(mod)] += 1
+
+    def _fw_post_hook(self, mod: nn.Module, input: Any, output: Any) -> None:
+        if not self.is_bw:
+            self._running[self._get_mod_name(mod)] -= 1
+        super()._fw_post_hook(mod, input, output)
+
+    def _maybe_set_engine_callback(self) -> None:
+        # The stock method, with the final callback restoring the running forwards.
+        if self._has_callback:
+            return
+        for post_bw_callback in reversed(self._post_bw_callbacks_to_enqueue):
+            torch.autograd.Variable._execution_engine.queue_callback(post_bw_callback)
+        self._post_bw_callbacks_to_enqueue.clear()
+
+        def callback() -> None:
+            running = {name: count for name, count in self._running.items() if count > 0}
+            self.parents = {"Global", *running}
+            self._active_module_cnt.update(running)
+            self._has_callback = False
+
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+        self._has_callback = True
+
+
+class StepMemTracker(MemTracker):
+    """``MemTracker`` for one training step of a model made by :func:`lightning_plugins.parallelize`.
+
+    Use it as ``MemTracker``: ``track_external(model, optimizer, ...)``, then run the step inside
+    ``with tracker:``. Pass the model to the constructor so that the gathered parameters of its FSDP2 groups
+    (and those of its pipeline stages) are followed; see the module docstring for what differs from
+    ``MemTracker``.
+    """
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        super().__init__()
+        self._mod_tracker = _NestedBackwardModTracker()
+        self._fsdp_groups = list(_fsdp_param_groups(model)) if model is not None else []
+        #: Storages whose category is fixed (FSDP2's gathered parameters): modules re-file them as parameters.
+        self._fixed: dict[_WeakRefInfo, _MemRefType] = {}
+
+    def __enter__(self) -> Self:
+        if self._depth == 0:
+            for group in self._fsdp_groups:
+                for fsdp_param in group.fsdp_params:
+                    for tensor in getattr(fsdp_param, "all_gather_outputs", ()):
+                        # Registered at its current size (0 when resharded); resizes are followed from here on.
+                        for winfo in self._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP):
+                            self._fixed[winfo] = _MemRefType.TEMP
+        super().__enter__()
+        return self
+
+    def _update_and_maybe_create_winfos(
+        self, t: Tensor, reftype: _MemRefType, update_existing: bool = False
+    ) -> set[_WeakRefInfo]:
+        winfos = super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+        for winfo in winfos:
+            fixed = self._fixed.get(winfo)
+            if fixed is not None and winfo.reftype != fixed:
+                # A module entered while FSDP2 has its parameters gathered lists the gathered copies among its
+                # parameters: keep them where they belong (the sharded parameters are counted already).
+                old, winfo.reftype = winfo.reftype, fixed
+                self._update_snap(_UpdateType.REF, winfo, old_reftype=old)
+        return winfos
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        # ``MemTracker`` registers its gradient hooks on every parameter, which fails for frozen ones (LoRA's
+        # base): hook only those that get gradients.
+        memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(self._file_gradient),
+                        param.register_post_accumulate_grad_hook(lambda p: self._file_gradient(p.grad)),
+                    )
+        return memory
+
+    def _file_gradient(self, grad: Tensor) -> None:
+        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        if module not in self.memory_tracking or self._mod_tracker.is_bw:
+            super()._pre_fw_hook(module, inputs)
+            return
+        # A module entered again in forward: ``MemTracker`` refuses this for a root module (it takes it for
+        # the next iteration). A pipeline stage is a root entered once per micro-batch: track it as
+        # ``MemTracker`` tracks a re-used submodule.
+        mod_stats = self.memory_tracking[module]
+        mod_stats.mod_fqn = self._mod_tracker.get_known_fqn(module)
+        mod_stats.input_mem = self._track_inputs_or_outputs(inputs)
+        snapshot = self.get_tracker_snapshot()
+        mod_stats.local_peak = {dev: dev_snap[_TOTAL_KEY] for dev, dev_snap in snapshot.items()}
+        mod_stats.snapshots.setdefault(_ModState.PEAK_FW, []).append(snapshot)
+        mod_stats.snapshots.setdefault(_ModState.PRE_FW, []).append(deepcopy(snapshot))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        res = super().__torch_dispatch__(func, types, args, kwargs)
+        if res is not NotImplemented and func is torch.ops.fsdp.all_gather_copy_in.default:
+            # (all-gather input, flat all-gather output): communication buffers, not activations.
+            for tensor in res:
+                self._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP)
+        return res
+
+    def by_category(self, kind: str = "peak", device: torch.device | str = "cpu") -> dict[str, int]:
+        """The categories on ``device`` (bytes) and their ``"total"``: at the moment of the peak (``"peak"``) or now
+        (``"current"``)."""
+        snapshot = self.get_tracker_snapshot(kind).get(torch.device(device), {})
+        categories = {name: int(snapshot.get(reftype, 0)) for reftype, name in _NAMES.items()}
+        categories["total"] = int(snapshot.get(_TOTAL_KEY, 0))
+        return categories
+
+
+def _fsdp_param_groups(model: nn.Module) -> Iterator[Any]:
+    """FSDP2 parameter groups of ``model`` and of its pipeline stages (each stage is its own FSDP2 root)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from lightning_plugins.parallel import pipeline_of
+
+    pipeline = pipeline_of(model)
+    roots = [model, *(pipeline.stages.values() if pipeline is not None else ())]
+    seen: set[int] = set()
+    for root in roots:
+        for module in root.modules():
+            if isinstance(module, FSDPModule) and id(module) not in seen:
+                seen.add(id(module))
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is not None:
+                    yield group
+
+
+def _pipeline_buffers(model: nn.Module) -> list[Tensor]:
+    """Receive buffers of this rank's pipeline stages (activations and gradients, one per micro-batch)."""
+    from lightning_plugins.parallel import pipeline_of
+
+    pipeline = pipeline_of(model)
+    schedule = getattr(pipeline, "_schedule", None) if pipeline is not None else None
+    if schedule is None:
+        return []
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    buffers = []
+    for stage in stages:
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+            buffers += [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
+    return buffers
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _storage_bytes(tensors: Iterable[Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shards), padding included."""
+    storages: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is not None:
+            storage = _local(tensor).untyped_storage()
+            storages[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(storages.values())
+
+
+def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Resident bytes of this rank's parameters, gradients (of trainable parameters) and optimizer state.
+
+    Counted from the distinct storages of the local shards (FSDP2's dim-0 padding included), not from the
+    tracker: an independent view of the state the tracker's categories should contain.
+    """
+    params = list(model.parameters())
+    states = [t for state in optimizer.state.values() for t in state.values() if isinstance(t, Tensor)]
+    return {
+        "parameters": _storage_bytes(params),
+        "gradients": _storage_bytes(p.grad for p in params if p.requires_grad),
+        "optimizer": _storage_bytes(states),
+    }
+
+
+def _run_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, Tensor],
+    after_backward: Callable[[], None] | None = None,
+) -> None:
+    """One training step: forward and backward (through the schedule under pipelining), optimizer step."""
+    from lightning_plugins.parallel import pipeline_of
+
+    if pipeline_of(model) is not None:
+        model(**batch)  # runs forward and backward of every micro-batch; the loss comes back detached
+    else:
+        model(**batch).loss.backward()
+    if after_backward is not None:
+        after_backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure_step_memory(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, Tensor],
+    *,
+    steps_before: int = 1,
+    device: torch.device | str = "cpu",
+) -> dict[str, dict[str, int]]:
+    """Peak memory of one real training step on this rank, by category, and the resident training state.
+
+    Runs ``steps_before`` untracked steps (the first optimizer step creates the optimizer state, and DTensor
+    propagation on the first step would be counted at global shape), then one step under
+    :class:`StepMemTracker`: ``model(**batch).loss.backward()`` (under pipeline parallelism ``model(**batch)``
+    runs forward and backward of all micro-batches inside the schedule), ``optimizer.step()``,
+    ``optimizer.zero_grad(set_to_none=True)``. Call it on every rank at once (the step runs collectives).
+
+    Args:
+        model: A model made by :func:`lightning_plugins.parallelize` (or a plain one), in training mode.
+        optimizer: Its optimizer (over this rank's trainable parameters).
+        batch: This rank's batch (``input_ids``, ``labels``, ...); under context parallelism already sharded
+            with :func:`lightning_plugins.parallel.context_parallel_batch`.
+        steps_before: Untracked steps first; at least 1 so that the optimizer state exists.
+        device: The device whose memory is reported.
+
+    Returns:
+        ``{"peak": {category: bytes, ..., "total": bytes}, "state": {"parameters", "gradients", "optimizer"},
+        "after_backward": {category: bytes, ..., "total": bytes}}``: the categories of :data:`CATEGORIES` as
+        the tracker saw them at the moment of the peak; the state from :func:`training_state_bytes`, counted
+        from the tensors right after the tracked backward; and the tracker's categories at that same moment
+        (which should hold exactly that state: a check of the tracker's bookkeeping).
+
+    Raises:
+        ValueError: for ``steps_before < 1`` (naming why the warm-up is needed).
+    """
+    if steps_before < 1:
+        raise ValueError(
+            f"measure_step_memory: steps_before={steps_before}, but at least 1 untracked step is needed: the first"
+            " optimizer step creates the optimizer state, and DTensor propagation on the first step would be"
+            " counted at global shape. Use steps_before=1."
+        )
+    for _ in range(steps_before):
+        _run_step(model, optimizer, batch)
+    tracker = StepMemTracker(model)
+    tracker.track_external(model, optimizer, *batch.values(), *_pipeline_buffers(model))
+    result: dict[str, dict[str, int]] = {}
+
+    def after_backward() -> None:
+        result["after_backward"] = tracker.by_category("current", device)
+        result["state"] = training_state_bytes(model, optimizer)
+
+    with tracker:
+        _run_step(model, optimizer, batch, after_backward=after_backward)
+    return {"peak": tracker.by_category("peak", device), **result}

@@ -1,0 +1,175 @@
+"""Real per-rank peak memory of small layouts on gloo: the ground truth the planner's dry run is checked against.
+
+One small Llama (fp32, fixed seed) where activations are a visible share of the peak, and the layouts of
+issue 10's prediction test, run for real with :func:`lightning_plugins.planner.measure.measure_step_memory`.
+Importable settings, so that a dry run can be asked about exactly the same thing:
+
+* :data:`CONFIG` (the ``LlamaConfig`` keyword arguments), :data:`SEQ_LEN`, :data:`SEED`,
+  :func:`make_config`, :func:`make_model` (seeded, LoRA applied when asked, not parallelized);
+* :data:`LAYOUTS` (name -> :class:`MemoryLayout`: world size, ``ParallelLayout``, ``ParallelOptions``,
+  ``MemoryOptions``, LoRA, rows per data rank), :func:`make_batch`;
+* :func:`measure_all` runs them (one launched world per world size) and returns
+  ``{layout name: {"rank0": measurement, ...}}``; :func:`measured` does it once per process (tests that
+  compare predictions with these share one run).
+
+``python tests/_memory.py --out measured.json`` writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from _world import run_world
+
+from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions, parallelize
+from lightning_plugins.lora import LoraOptions
+
+#: The model: 4 layers, GQA (8 heads, 4 kv heads), SwiGLU; ~2.9M parameters (11.4 MiB in fp32).
+CONFIG: dict[str, Any] = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 1024,
+    "max_position_embeddings": 512,
+    "attn_implementation": "sdpa",
+    "use_cache": False,
+}
+#: Tokens per row (every token valid), and the seed of weights and adapters.
+SEQ_LEN, SEED = 256, 0
+#: AdamW over the trainable parameters.
+LR = 1e-3
+
+
+@dataclass(frozen=True)
+class MemoryLayout:
+    """One measured setting: a layout and its levers on ``world_size`` gloo ranks.
+
+    Args:
+        world_size: Ranks of the world it runs in.
+        layout: The parallel sizes.
+        options: How the dimensions are applied.
+        memory: Activation checkpointing and the FSDP2 levers.
+        lora: LoRA adapters (applied before ``parallelize``), or ``None`` for a full fine-tune.
+        rows: Batch rows each data rank trains per step (under pipelining split into ``pp_microbatches``).
+    """
+
+    world_size: int
+    layout: ParallelLayout
+    options: ParallelOptions = field(default_factory=ParallelOptions)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
+    lora: LoraOptions | None = None
+    rows: int = 2
+
+
+_SP = ParallelOptions(sequence_parallel=True, loss_parallel=True)
+#: The layouts, by name. 2 ranks: TP, FSDP2, PP 1F1B, CP (Ulysses), LoRA; 4 ranks: TP x FSDP2 with and without AC.
+LAYOUTS: dict[str, MemoryLayout] = {
+    "tp2": MemoryLayout(2, ParallelLayout(tp_size=2), _SP),
+    "fsdp2": MemoryLayout(2, ParallelLayout(dp_shard_size=2)),
+    "pp2_1f1b": MemoryLayout(2, ParallelLayout(pp_size=2), ParallelOptions(pp_schedule="1f1b", pp_microbatches=2)),
+    "cp2_ulysses": MemoryLayout(2, ParallelLayout(cp_size=2), ParallelOptions(cp_backend="ulysses")),
+    "lora_fsdp2": MemoryLayout(2, ParallelLayout(dp_shard_size=2), lora=LoraOptions(r=8, alpha=16)),
+    "tp2_fsdp2": MemoryLayout(4, ParallelLayout(tp_size=2, dp_shard_size=2), _SP),
+    "tp2_fsdp2_ac_full": MemoryLayout(
+        4, ParallelLayout(tp_size=2, dp_shard_size=2), _SP, MemoryOptions(activation_checkpointing="full")
+    ),
+}
+
+
+def make_config() -> Any:
+    """The ``LlamaConfig`` of :data:`CONFIG`."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**CONFIG)
+
+
+def make_model(lora: LoraOptions | None = None) -> torch.nn.Module:
+    """The seeded fp32 model in training mode, with LoRA adapters when asked (seeded again, as recipes do)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(SEED)
+    model = AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32)
+    model.train()
+    if lora is not None:
+        from lightning_plugins.lora import apply_lora
+
+        torch.manual_seed(SEED)
+        model = apply_lora(model, lora)
+    return model
+
+
+def make_batch(rows: int, data_rank: int = 0) -> dict[str, torch.Tensor]:
+    """``rows`` x :data:`SEQ_LEN` random tokens, all valid, different per data rank."""
+    gen = torch.Generator().manual_seed(1000 + data_rank)
+    input_ids = torch.randint(0, CONFIG["vocab_size"], (rows, SEQ_LEN), generator=gen)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
+
+
+def _measure(spec: MemoryLayout) -> dict[str, Any]:
+    """Build, parallelize and measure one layout on this rank, noting where the rank sits in the mesh."""
+    from lightning_plugins.lora import trainable_parameters
+    from lightning_plugins.parallel import context_parallel_batch, mesh_of
+    from lightning_plugins.planner.measure import measure_step_memory
+
+    model = parallelize(make_model(spec.lora), spec.layout, spec.options, spec.memory)
+    mesh = mesh_of(model)
+    batch = make_batch(spec.rows, mesh["dp"].get_local_rank())
+    if mesh["cp"].size() > 1:
+        batch = context_parallel_batch(batch, mesh)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=LR)
+    result: dict[str, Any] = measure_step_memory(model, optimizer, batch)
+    result["coords"] = {dim: mesh[dim].get_local_rank() for dim in ("pp", "dp", "cp", "tp")}
+    result["tokens"] = list(batch["input_ids"].shape)
+    del model, optimizer, batch
+    gc.collect()
+    return result
+
+
+def _world(rank: int, world_size: int, names: list[str], out_dir: str) -> None:
+    results = {name: _measure(LAYOUTS[name]) for name in names}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def measure_all(names: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Run the layouts ``names`` (default: all), one world per world size; ``{name: {"rank0": ..., ...}}``."""
+    names = list(LAYOUTS) if names is None else names
+    unknown = sorted(set(names) - set(LAYOUTS))
+    if unknown:
+        raise KeyError(f"Unknown layouts {unknown}; the measured layouts are {sorted(LAYOUTS)}.")
+    results: dict[str, dict[str, Any]] = {name: {} for name in names}
+    for world_size in sorted({LAYOUTS[name].world_size for name in names}):
+        group = [name for name in names if LAYOUTS[name].world_size == world_size]
+        with tempfile.TemporaryDirectory() as out_dir:
+            run_world(_world, world_size, group, out_dir)
+            for rank in range(world_size):
+                for name, measured in json.loads(Path(out_dir, f"rank{rank}.json").read_text()).items():
+                    results[name][f"rank{rank}"] = measured
+    return results
+
+
+@functools.cache
+def measured() -> dict[str, dict[str, Any]]:
+    """:func:`measure_all` of every layout, run once per process."""
+    return measure_all()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSON file to write the measurements to")
+    parser.add_argument("--layouts", nargs="*", default=None, help=f"subset of {sorted(LAYOUTS)}")
+    args = parser.parse_args()
+    args.out.write_text(json.dumps(measure_all(args.layouts), indent=1))
+
+
+if __name__ == "__main__":
+    main()
