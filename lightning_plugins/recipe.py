@@ -120,12 +120,15 @@ class HardwareSection(_Section):
         accelerator: ``cpu``, ``gpu`` or ``auto``.
         devices: Processes (GPUs) per node.
         nodes: Nodes.
-        gpu_memory_gb: Memory of one GPU (informational: the planner checks the layout against it).
+        gpu: The GPU model (``H100``, ``H200``, ``A100``, ``MI300X``, ...) ``lightning-plugins plan`` checks the
+            recipe against (its memory, peak FLOP/s and links).
+        gpu_memory_gb: Memory of one GPU in GiB, when it differs from the GPU model's.
     """
 
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
     devices: int = Field(1, ge=1)
     nodes: int = Field(1, ge=1)
+    gpu: str | None = None
     gpu_memory_gb: float | None = Field(None, gt=0)
 
     @property

@@ -198,6 +198,19 @@ class StepMemTracker(MemTracker):
                 self._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP)
         return res
 
+    def _update_peak_stats(self, peak_state: _ModState) -> None:
+        # Only the peak per device: ``MemTracker`` also updates every active module's own peak after every
+        # operation, which makes a step's tracking cost grow with the square of the number of layers.
+        for dev, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snapshot[_TOTAL_KEY]:
+                self._peak_mem[dev] = snapshot[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = deepcopy(snapshot)
+
+    def restart_peak(self) -> None:
+        """Forget the peak so far: the next :meth:`by_category` ``("peak")`` covers what runs from now on."""
+        self._peak_mem.clear()
+        self._peak_mem_snap.clear()
+
     def by_category(self, kind: str = "peak", device: torch.device | str = "cpu") -> dict[str, int]:
         """The categories on ``device`` (bytes) and their ``"total"``: at the moment of the peak (``"peak"``) or now
         (``"current"``)."""

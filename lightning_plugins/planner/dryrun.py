@@ -1,0 +1,450 @@
+"""The dry run: a model at real size, parallelized on a fake process group, its memory per rank counted and measured.
+
+For every distinct kind of rank (one kind without pipeline parallelism; the first, a middle and the last
+pipeline stage with it) the dry run
+
+1. builds the real-size model on the meta device, applies LoRA and :func:`lightning_plugins.parallelize`
+   with the workload's layout on a fake process group of the real world size (no communication, no
+   memory), and counts the parameters, gradients and optimizer state this rank holds from the sharded
+   tensors the engine created, with their real dtypes (**state**);
+2. runs one training step (forward, backward, AdamW) of the same layout under ``FakeTensorMode`` with
+   :class:`~lightning_plugins.planner.measure.StepMemTracker` (the tracker of the real runs it is checked against), after an untracked warm-up step, on a copy
+   of the model with 2 and with 4 decoder layers per pipeline stage, and extrapolates every category of
+   the step's peak linearly to the layers the rank really holds (**peak**, measured). The pipeline
+   schedule runs for real, so the micro-batches a stage holds at once are the schedule's own.
+
+Modelled rather than measured, and said so in :attr:`RankMemory.notes`: NF4 bases (QLoRA) are measured
+dense and their parameter bytes scaled to NF4, plus one dequantized weight as a temporary; with
+``memory.cpu_offload`` the sharded parameters, gradients and optimizer state are moved to the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import os
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_plugins.planner.measure import StepMemTracker
+from lightning_plugins.planner.workload import Workload
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Decoder layers per rank of the two measured copies of a model whose ranks hold more than the second.
+MEASURED_LAYERS = (8, 16)
+#: Categories of a peak, in report order.
+PEAK_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other")
+
+
+@dataclass
+class RankMemory:
+    """Memory of one kind of rank, in bytes.
+
+    Attributes:
+        kind: ``"every rank"``, or ``"first stage"`` / ``"middle stages"`` / ``"last stage"`` under PP.
+        rank: The global rank measured.
+        layers: Decoder layers this rank holds.
+        state: Resident ``parameters``, ``gradients`` and ``optimizer`` bytes counted from the sharded tensors.
+        peak: GPU bytes by category at the moment of the step's peak (:data:`PEAK_CATEGORIES`), and ``total``.
+        host: Bytes this rank keeps in host memory (CPU offload).
+        activations_per_layer: Measured bytes one decoder layer adds to the peak (all micro-batches in flight).
+        notes: What is modelled rather than measured.
+    """
+
+    kind: str
+    rank: int
+    layers: int
+    state: dict[str, int]
+    peak: dict[str, int]
+    host: int = 0
+    activations_per_layer: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.peak["total"]
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "rank": self.rank,
+            "layers": self.layers,
+            "state": dict(self.state),
+            "peak": dict(self.peak),
+            "host": self.host,
+            "activations_per_layer": self.activations_per_layer,
+            "notes": list(self.notes),
+        }
+
+
+def dry_run(workload: Workload) -> list[RankMemory]:
+    """The memory of every kind of rank of ``workload`` (see the module docstring); no GPU, no network.
+
+    Must not run inside an initialized process group (it makes its own fake ones).
+    """
+    if dist.is_initialized():
+        raise RuntimeError("dry_run makes its own fake process groups: call it outside torch.distributed.")
+    return _forked([(_rank_memory, (workload, kind, rank)) for kind, rank in rank_kinds(workload)])
+
+
+def resident_state(workload: Workload) -> list[tuple[str, int, dict[str, int]]]:
+    """``(kind, rank, state)`` of every kind of rank: the counted part of :func:`dry_run` alone (fast at any size)."""
+    kinds = rank_kinds(workload)
+    states = _forked([(count_state, (workload, rank)) for _, rank in kinds])
+    return [(kind, rank, state) for (kind, rank), state in zip(kinds, states)]
+
+
+def _rank_memory(workload: Workload, kind: str, rank: int) -> RankMemory:
+    state = count_state(workload, rank)
+    peak, per_layer, layers = _measured_peak(workload, rank)
+    report = RankMemory(kind, rank, layers, state, peak, activations_per_layer=per_layer)
+    if layers > MEASURED_LAYERS[1]:
+        report.notes.append(
+            f"peak extrapolated to {layers} layers from copies of the model with {MEASURED_LAYERS[0]} and"
+            f" {MEASURED_LAYERS[1]} layers on this rank"
+        )
+    if workload.method == "qlora":
+        _as_nf4(report, workload)
+    if workload.memory.cpu_offload:
+        _offload(report)
+    return report
+
+
+def _forked(calls: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
+    """``fn(*args)`` of each call, each in its own forked process, as many at once as there are cores.
+
+    Each fake world starts clean: DTensor and pipelining keep process-wide caches that refer to the process
+    groups of the previous world.
+    """
+    context = multiprocessing.get_context("fork")
+    results: list[Any] = [None] * len(calls)
+    width = max(1, min(len(calls), os.cpu_count() or 1))
+    for start in range(0, len(calls), width):
+        running = []
+        for index in range(start, min(start + width, len(calls))):
+            receive, send = context.Pipe(duplex=False)
+            child = context.Process(target=_child_main, args=(send, *calls[index]))
+            child.start()
+            send.close()
+            running.append((index, receive, child))
+        for index, receive, child in running:
+            try:
+                ok, value = receive.recv()
+            except EOFError:
+                child.join()
+                ok, value = False, f"the dry-run process died (exit code {child.exitcode})"
+            child.join()
+            if not ok:
+                raise RuntimeError(f"dry run of {calls[index][1][1:]} failed:\n{value}")
+            results[index] = value
+    return results
+
+
+def _child_main(send: Any, fn: Callable[..., Any], args: tuple) -> None:
+    try:
+        send.send((True, fn(*args)))
+    except BaseException:  # report everything to the parent, which raises it with the rank named
+        send.send((False, traceback.format_exc()))
+    finally:
+        send.close()
+
+
+def rank_kinds(workload: Workload) -> list[tuple[str, int]]:
+    """``(kind, global rank)`` of each distinct kind of rank: pipeline rank r holds global ranks r * W/pp + ..."""
+    pp = workload.layout.pp_size
+    if pp == 1:
+        return [("every rank", 0)]
+    per_stage = workload.world_size // pp
+    kinds = [("first stage", 0)]
+    if pp > 2:
+        kinds.append(("middle stages", per_stage))
+    kinds.append(("last stage", (pp - 1) * per_stage))
+    return kinds
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """A fake process group: every collective returns at once, nothing is sent."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build_parallel_model(workload: Workload) -> nn.Module:
+    """The workload's model on the meta device, with LoRA (dense base) and the layout applied.
+
+    Runs inside :func:`fake_world`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from lightning_plugins import parallelize
+    from lightning_plugins.lora import apply_lora
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            workload.config, dtype=_DTYPES[workload.dtype], attn_implementation=workload.attn_implementation
+        )
+    model.config.use_cache = False
+    model.train()
+    if workload.lora is not None:
+        model = apply_lora(model, replace(workload.lora, quantize="none"))
+    return parallelize(model, workload.layout, workload.options, workload.memory)
+
+
+def count_state(workload: Workload, rank: int) -> dict[str, int]:
+    """Resident parameter, gradient and AdamW bytes of ``rank``, from the engine's sharded tensors.
+
+    QLoRA: the frozen linear weights of the decoder are counted at their NF4 size (4-bit codes, block scales
+    and their factors, as :func:`lightning_plugins.quantize.nf4_nbytes_for` gives them) per shard; the model
+    itself is built with a dense base (NF4 needs real weights to quantize).
+    """
+    from lightning_plugins.lora import hf_model_of
+    from lightning_plugins.quantize import nf4_nbytes_for
+
+    with fake_world(rank, workload.world_size):
+        model = build_parallel_model(workload)
+        nf4 = set()
+        if workload.method == "qlora":  # what quantize_base_to_nf4 converts: frozen nn.Linear weights, not the head
+            head = hf_model_of(model).get_output_embeddings()
+            nf4 = {
+                id(module.weight)
+                for module in model.modules()
+                if type(module) is nn.Linear and module is not head and not module.weight.requires_grad
+            }
+        params = grads = optimizer = 0
+        for param in model.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            nbytes = local.numel() * local.element_size()
+            params += nf4_nbytes_for(local.numel(), dtype=local.dtype) if id(param) in nf4 else nbytes
+            if param.requires_grad:
+                grads += nbytes
+                optimizer += 2 * nbytes + 4  # exp_avg, exp_avg_sq in the parameter's dtype; a float32 step
+    return {"parameters": params, "gradients": grads, "optimizer": optimizer}
+
+
+def layers_of_rank(workload: Workload, rank: int) -> int:
+    """Decoder layers global ``rank`` holds (all of them without pipeline parallelism)."""
+    from lightning_plugins.parallel.pipeline import layer_ranges, stages_of_rank
+
+    layers = workload.config.num_hidden_layers
+    pipeline = workload.pipeline
+    if pipeline is None:
+        return layers
+    pp = workload.layout.pp_size
+    ranges = layer_ranges(layers, pp * pipeline.stages_per_rank)
+    return sum(len(ranges[s]) for s in stages_of_rank(rank // (workload.world_size // pp), pp, pipeline))
+
+
+def measure_step(workload: Workload, rank: int) -> dict[str, dict[str, int]]:
+    """Bytes by category at the peak of each phase of one training step of ``workload`` on ``rank``.
+
+    Returns ``{"forward_backward": peak, "optimizer": peak}``, measured under ``FakeTensorMode`` after an
+    untracked warm-up step on short rows (it creates the optimizer state and FSDP2's buffers, as the first
+    step of a real run does, at a fraction of the cost).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lightning_plugins.parallel import mesh_of, pipeline_of
+
+    with fake_world(rank, workload.world_size), _static_pipeline_shapes(), _unpacked_rows(), _default_dtype(workload.dtype):
+        model = build_parallel_model(workload)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+            layout = workload.layout
+            _train_step(model, optimizer, _batch(workload, mesh_of(model), 4 * layout.cp_size * layout.tp_size))
+            batch = _batch(workload, mesh_of(model), workload.seq_len)
+            tracker = StepMemTracker(model)
+            tracker.track_external(model, optimizer, *batch.values())
+            with tracker:
+                output = model(**batch)
+                if pipeline_of(model) is None:  # a pipeline's forward runs backward too
+                    output.loss.backward()
+                phases = {"forward_backward": tracker.by_category("peak")}
+                tracker.restart_peak()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                phases["optimizer"] = tracker.by_category("peak")
+    return phases
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> None:
+    from lightning_plugins.parallel import pipeline_of
+
+    output = model(**batch)
+    if pipeline_of(model) is None:  # a pipeline's forward runs backward too
+        output.loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _batch(workload: Workload, mesh: Any, seq_len: int) -> dict[str, torch.Tensor]:
+    from lightning_plugins.parallel import context_parallel_batch
+
+    ids = torch.randint(0, workload.config.vocab_size, (workload.micro_batch_size, seq_len))
+    return context_parallel_batch({"input_ids": ids, "labels": ids}, mesh)
+
+
+def _measured_peak(workload: Workload, rank: int) -> tuple[dict[str, int], int, int]:
+    """The step's peak on ``rank``: measured as it is when the rank holds few layers; else each phase's peak
+    extrapolated linearly from copies of the model holding 8 and 16 layers per rank (the phases apart: their
+    peaks grow at different rates)."""
+    layers = layers_of_rank(workload, rank)
+    measured = _fewer_microbatches(workload)
+    small, large = MEASURED_LAYERS
+    if layers <= large:
+        phases = measure_step(measured, rank)
+        return _folded(max(phases.values(), key=lambda peak: peak["total"])), 0, layers
+    pipeline = workload.pipeline
+    stages = 1 if pipeline is None else workload.layout.pp_size * pipeline.stages_per_rank
+    per_rank = 1 if pipeline is None else pipeline.stages_per_rank
+    low = measure_step(measured.with_layers(small // per_rank * stages), rank)
+    high = measure_step(measured.with_layers(large // per_rank * stages), rank)
+    extra_layers, span = layers - small, large - small
+    peaks = [
+        {key: low[phase][key] + round((high[phase][key] - low[phase][key]) * extra_layers / span) for key in low[phase]}
+        for phase in low
+    ]
+    per_layer = (high["forward_backward"]["activations"] - low["forward_backward"]["activations"]) / span
+    return _folded(max(peaks, key=lambda peak: peak["total"])), round(per_layer), layers
+
+
+def _folded(peak: dict[str, int]) -> dict[str, int]:
+    """Buffers (the rotary table: bytes) counted with "other" (the batch, pipeline receive buffers)."""
+    peak = dict(peak)
+    peak["other"] += peak.pop("buffers")
+    return peak
+
+
+def _fewer_microbatches(workload: Workload) -> Workload:
+    """The same pipeline with as many micro-batches as stages (of the same size), when that leaves the peak as it is.
+
+    Under 1F1B-like schedules a stage holds at most one micro-batch per later stage in flight, so the
+    micro-batches beyond the number of stages repeat the steady state and cost dry-run time only. GPipe and
+    looped BFS run every forward first: they keep all of them.
+    """
+    pipeline = workload.pipeline
+    if pipeline is None or pipeline.schedule in ("gpipe", "looped_bfs"):
+        return workload
+    stages = workload.layout.pp_size * pipeline.stages_per_rank
+    if pipeline.microbatches <= stages:
+        return workload
+    rows = workload.micro_batch_size // pipeline.microbatches
+    return replace(
+        workload, micro_batch_size=rows * stages, options=replace(workload.options, pp_microbatches=stages)
+    )
+
+
+def _as_nf4(report: RankMemory, workload: Workload) -> None:
+    """QLoRA: the step is measured with a dense base; its weights take their NF4 size (``report.state``, counted)
+    and one dequantized weight of a layer (the largest) is added as a temporary."""
+    dense = count_state(replace(workload, lora=replace(workload.lora, quantize="none")), report.rank)
+    saved = dense["parameters"] - report.state["parameters"]
+    config = workload.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    largest = max(config.intermediate_size, config.num_attention_heads * head_dim) * config.hidden_size
+    largest = largest * _DTYPES[workload.dtype].itemsize // workload.layout.tp_size
+    report.peak["parameters"] -= saved
+    report.peak["temporaries"] += largest
+    report.peak["total"] += largest - saved
+    report.notes.append(
+        f"NF4 base: measured dense, its frozen linear weights counted at NF4 size ({saved / 2**30:.2f} GiB less),"
+        f" plus one dequantized weight ({largest / 2**20:.0f} MiB) as a temporary"
+    )
+
+
+def _offload(report: RankMemory) -> None:
+    """FSDP2 CPU offload: sharded parameters, gradients and optimizer state live on the host."""
+    state = report.state
+    report.host = sum(state.values())
+    moved = {
+        "parameters": min(report.peak["parameters"], state["parameters"]),
+        "gradients": min(report.peak["gradients"], state["gradients"]),
+        "optimizer": report.peak["optimizer"],
+    }
+    for key, nbytes in moved.items():
+        report.peak[key] -= nbytes
+    report.peak["total"] -= sum(moved.values())
+    report.notes.append("CPU offload modelled: sharded parameters, gradients and AdamW state counted on the host")
+
+
+@contextlib.contextmanager
+def _default_dtype(name: str) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(_DTYPES[name])
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def _unpacked_rows() -> Iterator[None]:
+    """Rows of one sequence each: transformers skips the mask then (SDPA runs causal), as a real run does.
+
+    transformers looks for packed sequences in the position ids by reading their values, which fake
+    tensors do not have; undecided, it would build a dense ``[batch, 1, seq, seq]`` mask that a real run
+    of unpadded rows never makes.
+    """
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+@contextlib.contextmanager
+def _static_pipeline_shapes() -> Iterator[None]:
+    """Skip the pipeline's peer-to-peer warm-up vote: it reads a received value, which a fake group never sends.
+
+    Our stages always have static shapes (``lightning_plugins.parallel.pipeline`` builds them with the
+    batch's shapes), which is what the vote would decide.
+    """
+    from torch.distributed.pipelining import schedules
+
+    original = schedules._PipelineSchedule._warmup_p2p
+
+    def static(self: object, stages: list, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = schedules.InferenceMode.STATIC
+
+    schedules._PipelineSchedule._warmup_p2p = static
+    try:
+        yield
+    finally:
+        schedules._PipelineSchedule._warmup_p2p = original
+
+
+def korthikanti_activations(workload: Workload, layers: int, *, flash: bool = True) -> int:
+    """Closed-form saved activations of ``layers`` decoder layers for one micro-batch (Korthikanti et al. 2022).
+
+    ``sbh(34 + 5as/h)`` bytes per layer in 16-bit, divided by ``t`` with tensor + sequence parallelism,
+    ``2sbh`` (``/t`` with SP) with full recomputation; flash/SDPA attention drops the ``5as/h`` term; ``s`` is
+    the sequence shard a context-parallel rank holds. GPT-style: no SwiGLU, no GQA, no fp32 norms.
+    """
+    layout, config = workload.layout, workload.config
+    pipeline = workload.pipeline
+    b = workload.micro_batch_size // (pipeline.microbatches if pipeline is not None else 1)
+    s, h, a, t = workload.seq_len // layout.cp_size, config.hidden_size, config.num_attention_heads, layout.tp_size
+    sp = t > 1 and workload.options.sequence_parallel
+    if workload.memory.activation_checkpointing == "full":
+        per_layer = 2 * s * b * h / (t if sp else 1)
+    else:
+        attention = 0 if flash else 5 * a * s / h
+        per_layer = s * b * h * (34 + attention) / t if sp else s * b * h * (10 + 24 / t + attention / t)
+    return math.ceil(per_layer * layers)

@@ -1,0 +1,107 @@
+"""What the planner plans: a model config, a layout with its settings, and the batch shapes of one step.
+
+A :class:`Workload` is made from a recipe (:meth:`Workload.from_recipe`) or by the search; the dry run,
+the step-time model and the report all read the same object, so a setting is defined once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from lightning_plugins.layout import LayoutError, ParallelLayout
+from lightning_plugins.lora import LoraOptions
+from lightning_plugins.options import MemoryOptions, ParallelOptions
+try:
+    from lightning_plugins.planner.model_stats import PlannerError
+except ImportError:  # TEMP until model_stats lands
+    PlannerError = ValueError
+
+#: Training methods: all weights, LoRA adapters on a dense base, LoRA adapters on an NF4 base.
+METHODS = ("full", "lora", "qlora")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step of a model under a layout.
+
+    Args:
+        config: The transformers config of the model (real size).
+        layout: A resolved :class:`ParallelLayout` (its world size is the number of GPUs).
+        options: How the layout is applied (sequence/loss parallel, CP backend, pipeline schedule).
+        memory: Activation checkpointing, FSDP2 dtypes, CPU offload.
+        lora: LoRA settings (``quantize="nf4"`` for QLoRA), or ``None`` for a full fine-tune.
+        dtype: The weights' dtype (``"bf16"``, ``"fp32"``); FSDP2's ``memory.param_dtype`` is the compute dtype.
+        seq_len: Tokens per row.
+        micro_batch_size: Rows per data rank per forward (under pipeline parallelism: the batch the
+            pipeline splits into ``options.pp_microbatches`` micro-batches), as in a recipe.
+        global_batch_size: Rows per optimizer step over all data ranks.
+        attn_implementation: transformers' attention implementation the run uses.
+    """
+
+    config: Any
+    layout: ParallelLayout
+    options: ParallelOptions = field(default_factory=ParallelOptions)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
+    lora: LoraOptions | None = None
+    dtype: str = "bf16"
+    seq_len: int = 4096
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        if self.layout.dp_shard_size == -1:
+            raise PlannerError("Workload needs a resolved layout: call `layout.resolve(world_size)` first.")
+        try:
+            self.layout.validate(self.config)
+        except LayoutError as err:
+            raise PlannerError(str(err)) from None
+        if self.global_batch_size is None:
+            object.__setattr__(self, "global_batch_size", self.micro_batch_size * self.layout.dp_size)
+
+    @property
+    def method(self) -> str:
+        """``"full"``, ``"lora"`` or ``"qlora"``."""
+        if self.lora is None:
+            return "full"
+        return "qlora" if self.lora.quantize == "nf4" else "lora"
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def pipeline(self) -> Any:
+        """The resolved pipeline options (schedule, micro-batches, stages per rank), or ``None`` without PP."""
+        if self.layout.pp_size == 1:
+            return None
+        return self.options.pipeline.resolve(self.layout.pp_size, self.config.num_hidden_layers)
+
+    def with_layers(self, num_layers: int) -> Workload:
+        """The same workload on a copy of the model config with ``num_layers`` decoder layers."""
+        config = self.config.__class__.from_dict(self.config.to_dict())
+        config.num_hidden_layers = num_layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:num_layers]
+        return replace(self, config=config)
+
+    @classmethod
+    def from_recipe(cls, recipe: Any, config: Any | None = None) -> Workload:
+        """The workload of a loaded recipe (:func:`lightning_plugins.recipe.load_recipe`) at its real size."""
+        if config is None:
+            from lightning_plugins.planner.model_stats import load_model_config
+
+            config = load_model_config(recipe.model.path)
+        return cls(
+            config=config,
+            layout=recipe.layout.resolve(recipe.hardware.world_size),
+            options=recipe.parallel,
+            memory=recipe.memory,
+            lora=recipe.lora,
+            dtype=recipe.model.dtype,
+            seq_len=recipe.data.max_seq_len,
+            micro_batch_size=recipe.train.micro_batch_size,
+            global_batch_size=recipe.samples_per_step,
+            attn_implementation=recipe.model.attn_implementation,
+        )
