@@ -250,9 +250,8 @@ def layers_of_rank(workload: Workload, rank: int) -> int:
 def measure_step(workload: Workload, rank: int) -> dict[str, dict[str, int]]:
     """Bytes by category at the peak of each phase of one training step of ``workload`` on ``rank``.
 
-    Returns ``{"forward_backward": peak, "optimizer": peak}``, measured under ``FakeTensorMode`` after an
-    untracked warm-up step on short rows (it creates the optimizer state and FSDP2's buffers, as the first
-    step of a real run does, at a fraction of the cost).
+    Returns ``{"forward_backward": peak, "optimizer": peak}``, measured under ``FakeTensorMode`` in the state
+    a first step leaves (:func:`_warmed_up`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -262,9 +261,7 @@ def measure_step(workload: Workload, rank: int) -> dict[str, dict[str, int]]:
         model = build_parallel_model(workload)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
-            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-            layout = workload.layout
-            _train_step(model, optimizer, _batch(workload, mesh_of(model), 4 * layout.cp_size * layout.tp_size))
+            optimizer = _warmed_up(model)
             batch = _batch(workload, mesh_of(model), workload.seq_len)
             tracker = StepMemTracker(model)
             tracker.track_external(model, optimizer, *batch.values())
@@ -280,14 +277,27 @@ def measure_step(workload: Workload, rank: int) -> dict[str, dict[str, int]]:
     return phases
 
 
-def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> None:
+def _warmed_up(model: nn.Module) -> torch.optim.Optimizer:
+    """What the first step of a real run leaves behind, without running it (a fake step costs as much as a
+    real-size one): AdamW's state (a step on zero gradients) and FSDP2's gather buffers (one unshard and
+    reshard of every group)."""
+    from torch.distributed.fsdp import FSDPModule
+
     from lightning_plugins.parallel import pipeline_of
 
-    output = model(**batch)
-    if pipeline_of(model) is None:  # a pipeline's forward runs backward too
-        output.loss.backward()
+    pipeline = pipeline_of(model)
+    for root in (model, *(pipeline.stages.values() if pipeline is not None else ())):
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                module.unshard()
+                module.reshard()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for param in trainable:
+        param.grad = torch.zeros_like(param)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return optimizer
 
 
 def _batch(workload: Workload, mesh: Any, seq_len: int) -> dict[str, torch.Tensor]:
