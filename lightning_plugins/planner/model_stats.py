@@ -1,0 +1,323 @@
+"""What the planner needs to know about a model: its config, parameter counts and training FLOPs.
+
+Counts come in closed form from the config (no model is built), so the search can ask for them
+thousands of times. For the registered families (Llama, Mistral, Qwen2, Qwen3) the closed form is
+exact (``tests/test_planner_timing.py`` checks it against the meta-built transformers model for every
+shipped config); other model types are counted from one decoder layer built on the meta device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = ["ModelStats", "PlannerError", "load_model_config", "model_stats", "shipped_configs"]
+
+#: Training methods the planner models: all weights, LoRA on a dense base, LoRA on an NF4 base.
+TRAINABLE = ("full", "lora", "qlora")
+
+
+class PlannerError(ValueError):
+    """A planner input that cannot work; the message names it and the fix."""
+
+
+def _configs_dir() -> Path:
+    import lightning_plugins
+
+    return Path(lightning_plugins.__file__).resolve().parents[1] / "recipes" / "configs"
+
+
+def shipped_configs() -> list[str]:
+    """Names of the model configs shipped under ``recipes/configs`` (e.g. ``"Llama-3.1-8B"``)."""
+    root = _configs_dir()
+    return sorted(p.parent.name for p in root.glob("*/config.json")) if root.is_dir() else []
+
+
+def load_model_config(spec: str | Path) -> PretrainedConfig:
+    """A transformers config from a ``config.json``, a directory, a shipped name or a cached hub id.
+
+    Args:
+        spec: A path to a ``config.json`` file, a directory holding one, the name of a config shipped under
+            ``recipes/configs`` (``"Llama-3.1-8B"``), or a hub id already in the local Hugging Face cache.
+
+    Raises:
+        PlannerError: naming ``spec``, the shipped names and the fix. Nothing is downloaded.
+    """
+    from transformers import AutoConfig
+
+    path = Path(spec).expanduser()
+    for candidate in (path, path / "config.json", _configs_dir() / str(spec) / "config.json"):
+        if candidate.is_file():
+            try:
+                return AutoConfig.from_pretrained(str(candidate))
+            except (OSError, ValueError) as err:
+                raise PlannerError(
+                    f"{candidate} is not a transformers model config ({err}). Pass the model's config.json."
+                ) from None
+    if not path.exists():
+        try:
+            return AutoConfig.from_pretrained(str(spec), local_files_only=True)
+        except (OSError, ValueError):
+            pass
+    raise PlannerError(
+        f"Model config {str(spec)!r} was not found: it is no config.json file, no directory holding one, no shipped"
+        f" config ({', '.join(shipped_configs())}) and no hub id in the local Hugging Face cache (the planner"
+        " works offline). Pass a path to the model's config.json, or one of the shipped names."
+    )
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """Sizes of a decoder-only causal LM, read from its config.
+
+    Attributes:
+        hidden_size, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size, vocab_size: The shape.
+        tied_embeddings: Whether ``lm_head`` shares the embedding's weight.
+        embedding_params: ``embed_tokens``.
+        layer_params: One decoder layer: attention projections (with biases where the config has them),
+            MLP, the two norms, per-head q/k norms (Qwen3).
+        norm_params: The final norm.
+        head_params: ``lm_head`` (0 when tied).
+        linears: ``(name, in_features, out_features)`` of each linear layer of one decoder layer.
+        model_type: ``config.model_type``.
+        lora_targets: The default LoRA targets of the family (see :meth:`default_lora_targets`).
+    """
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tied_embeddings: bool
+    embedding_params: int
+    layer_params: int
+    norm_params: int
+    head_params: int
+    linears: tuple[tuple[str, int, int], ...] = field(default=(), compare=False)
+    model_type: str = "llama"
+    lora_targets: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def total_params(self) -> int:
+        """All parameters (a tied weight counted once), as ``sum(p.numel())`` of the transformers model."""
+        return self.embedding_params + self.num_layers * self.layer_params + self.norm_params + self.head_params
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """Weights of one decoder layer that take part in matmuls (its linear weights; no biases or norms)."""
+        return sum(fan_in * fan_out for _, fan_in, fan_out in self.linears)
+
+    @property
+    def matmul_params(self) -> int:
+        """``N`` of ``6N``: decoder linears plus the output projection (whether or not it is tied).
+
+        The embedding lookup and the norms do no matmuls; torchtitan counts ``params - embedding`` (which
+        keeps the norms, 0.003% of an 8B model).
+        """
+        return self.num_layers * self.layer_matmul_params + self.vocab_size * self.hidden_size
+
+    def default_lora_targets(self) -> tuple[str, ...]:
+        """What :func:`lightning_plugins.lora.apply_lora` adapts when ``target_modules`` is ``None``: the
+        family's column- and row-parallel projections (``q/k/v/o_proj``, ``gate/up/down_proj``)."""
+        return self.lora_targets or tuple(name for name, _, _ in self.linears)
+
+    def lora_params_per_layer(self, target_modules: tuple[str, ...] | None, r: int) -> int:
+        """Adapter parameters of one decoder layer: ``r x (in + out)`` per targeted linear.
+
+        Args:
+            target_modules: Last name components (``"q_proj"``); ``None`` takes :meth:`default_lora_targets`.
+            r: The adapter rank.
+
+        Raises:
+            PlannerError: for a target that names no linear of the decoder layer.
+        """
+        targets = tuple(target_modules) if target_modules is not None else self.default_lora_targets()
+        names = {name for name, _, _ in self.linears}
+        missing = [t for t in targets if t.rpartition(".")[2] not in names]
+        if missing:
+            raise PlannerError(
+                f"lora target_modules {missing} name no linear layer of a {self.model_type} decoder layer; its linears"
+                f" are {sorted(names)}. Use some of those (e.g. target_modules=['q_proj', 'v_proj'])."
+            )
+        wanted = {t.rpartition(".")[2] for t in targets}
+        return sum(r * (fan_in + fan_out) for name, fan_in, fan_out in self.linears if name in wanted)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs of attention scores and weighted values, all layers: ``4 x L x heads x head_dim x s``.
+
+        ``QK^T`` and ``PV`` each cost ``2 x s x heads x head_dim`` per token: the whole ``s x s`` square, the
+        convention torchtitan's MFU (``12 * l * h * q * t`` for forward and backward) and PaLM use. The causal
+        half a flash kernel actually computes is not halved out.
+        """
+        return 4.0 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
+    def flops_per_token(self, seq_len: int, *, trainable: str = "full", adapter_params: int = 0) -> float:
+        """Model FLOPs of one training token (forward and backward), without recomputation.
+
+        Convention (torchtitan's, used for its published MFU): forward ``2N`` for the matmuls
+        (``N`` = :attr:`matmul_params`) plus :meth:`attention_flops_per_token`; backward twice the
+        forward. For a full fine-tune that is ``6N + 12 x L x heads x head_dim x s``.
+
+        With ``trainable="lora"`` or ``"qlora"`` the frozen base needs no weight gradients: its matmuls cost
+        ``2N`` forward plus ``2N`` for the input gradients (``4N``); attention has no weights and keeps its
+        full backward; the adapters add ``6`` FLOPs per adapter parameter (``adapter_params`` for the whole
+        model, negligible at usual ranks). NF4 dequantisation does no model FLOPs (the step-time model
+        charges it as time).
+
+        Raises:
+            PlannerError: for an unknown ``trainable`` or a non-positive ``seq_len``.
+        """
+        if trainable not in TRAINABLE:
+            raise PlannerError(f"trainable={trainable!r} is not one of {TRAINABLE}.")
+        if not isinstance(seq_len, int) or seq_len < 1:
+            raise PlannerError(f"seq_len={seq_len!r} must be a positive integer (tokens per row).")
+        matmul_factor = 6.0 if trainable == "full" else 4.0
+        return matmul_factor * self.matmul_params + 3.0 * self.attention_flops_per_token(seq_len) + 6.0 * adapter_params
+
+
+def model_stats(config: Any) -> ModelStats:
+    """The :class:`ModelStats` of a transformers causal-LM config (a ``PretrainedConfig`` or a spec for
+    :func:`load_model_config`; a :class:`ModelStats` is returned as it is)."""
+    if isinstance(config, ModelStats):
+        return config
+    if isinstance(config, (str, Path)):
+        config = load_model_config(config)
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(getattr(config, name, None), int):
+            raise PlannerError(
+                f"The model config has no integer `{name}` ({type(config).__name__}): the planner models decoder-only"
+                " causal LMs described by a transformers config.json (Llama, Mistral, Qwen and alike)."
+            )
+    if getattr(config, "model_type", None) in _CLOSED_FORM:
+        return _closed_form(config)
+    return _from_meta_layer(config)
+
+
+#: Attention-projection biases per family: (q/k/v, o). Llama/Mistral-style configs name them with
+#: ``attention_bias``; Qwen2 always has q/k/v biases and no o bias.
+_CLOSED_FORM = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _shape(config: Any) -> tuple[int, int, int, int, int, int, int]:
+    h, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    return h, layers, heads, kv_heads, head_dim, config.intermediate_size, config.vocab_size
+
+
+def _family_targets(family: Any) -> tuple[str, ...]:
+    """The last name component of a family's column- and row-parallel projections (``lora._default_targets``)."""
+    return tuple(dict.fromkeys(path.rpartition(".")[2] for path in (*family.colwise, *family.rowwise)))
+
+
+def _closed_form(config: Any) -> ModelStats:
+    from lightning_plugins.models import FAMILIES
+
+    h, layers, heads, kv_heads, head_dim, ffn, vocab = _shape(config)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    linears = (
+        ("q_proj", h, q),
+        ("k_proj", h, kv),
+        ("v_proj", h, kv),
+        ("o_proj", q, h),
+        ("gate_proj", h, ffn),
+        ("up_proj", h, ffn),
+        ("down_proj", ffn, h),
+    )
+    if config.model_type == "qwen2":
+        qkv_bias, o_bias = True, False
+    elif config.model_type == "mistral":
+        qkv_bias = o_bias = False
+    else:
+        qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
+    mlp_bias = bool(getattr(config, "mlp_bias", False)) if config.model_type == "llama" else False
+    biases = (q + 2 * kv) * qkv_bias + h * o_bias + (2 * ffn + h) * mlp_bias
+    head_norms = 2 * head_dim if config.model_type == "qwen3" else 0
+    layer = sum(i * o for _, i, o in linears) + biases + 2 * h + head_norms
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return ModelStats(
+        hidden_size=h,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=ffn,
+        vocab_size=vocab,
+        tied_embeddings=tied,
+        embedding_params=vocab * h,
+        layer_params=layer,
+        norm_params=h,
+        head_params=0 if tied else vocab * h,
+        linears=linears,
+        model_type=config.model_type,
+        lora_targets=_family_targets(FAMILIES[config.model_type]),
+    )
+
+
+def _from_meta_layer(config: Any) -> ModelStats:
+    """Count an unregistered model type on a one-layer meta-device copy (shapes only, no memory)."""
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    from lightning_plugins.models import decoder_layers, family_for
+
+    fields = {**config.to_dict(), "num_hidden_layers": 1}
+    if fields.get("layer_types"):
+        fields["layer_types"] = fields["layer_types"][:1]
+    small = config.__class__.from_dict(fields)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(small)
+    except (ValueError, KeyError) as err:
+        raise PlannerError(
+            f"Cannot build a {getattr(config, 'model_type', '?')} causal LM from this config ({err}). The planner needs"
+            " a decoder-only model transformers can build with AutoModelForCausalLM."
+        ) from None
+    with warnings.catch_warnings():  # the notice about falling back to the config's TP plan concerns TP only
+        warnings.simplefilter("ignore", UserWarning)
+        family = family_for(model, tensor_parallel=False)
+    layer = decoder_layers(model, family)[0]
+    targets = _family_targets(family)
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding.weight
+    total = sum(p.numel() for p in model.parameters())
+    layer_params = sum(p.numel() for p in layer.parameters())
+    embedding_params = embedding.weight.numel()
+    head_params = 0 if tied or head is None else sum(p.numel() for p in head.parameters())
+    linears = tuple(
+        (name.rpartition(".")[2], m.in_features, m.out_features)
+        for name, m in layer.named_modules()
+        if isinstance(m, nn.Linear)
+    )
+    h, layers, heads, kv_heads, head_dim, ffn, vocab = _shape(config)
+    return ModelStats(
+        hidden_size=h,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=ffn,
+        vocab_size=vocab,
+        tied_embeddings=tied,
+        embedding_params=embedding_params,
+        layer_params=layer_params,
+        norm_params=total - embedding_params - layer_params - head_params,
+        head_params=head_params,
+        linears=linears,
+        model_type=str(config.model_type),
+        lora_targets=targets,
+    )
+
+
+#: Bytes per element of an NF4 weight: 4-bit codes, an int8 absmax per 64-element block and a bf16 factor per
+#: 256 blocks (:func:`lightning_plugins.quantize.nf4_nbytes_for` without its constant 34 bytes per tensor).
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 2 / (64 * 256)
