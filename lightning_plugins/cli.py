@@ -1,4 +1,4 @@
-"""The console script: ``lightning-plugins demo | finetune`` (also ``python -m lightning_plugins ...``)."""
+"""The console script: ``lightning-plugins demo | finetune | plan`` (also ``python -m lightning_plugins ...``)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     finetune.add_argument(
         "--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)"
     )
+    plan = commands.add_parser(
+        "plan",
+        help="check a recipe's layout at real size (memory per GPU, step time), or search the layouts of a model",
+    )
+    from lightning_plugins.planner.command import add_arguments
+
+    add_arguments(plan)
     args, extra = parser.parse_known_args(argv)
 
     if args.command == "demo":
@@ -63,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             out_dir=args.out,
             eval_limit=args.eval_limit,
         )
+    elif args.command == "plan":
+        from lightning_plugins.planner.command import main as plan_main
+
+        sys.exit(plan_main(args, _overrides(extra, plan)))
     elif args.command == "finetune":
         from lightning_plugins.recipe import RecipeError, load_recipe
 

@@ -231,6 +231,10 @@ def _describe(err: ValidationError, path: Path) -> str:
     return "\n".join(lines)
 
 
+#: What a model.path that names a file ends with (a hub id like ``meta-llama/Llama-3.1-8B`` may hold dots).
+_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".yaml", ".yml", ".gguf")
+
+
 def _resolve_paths(recipe: Recipe, path: Path) -> Recipe:
     base = path.resolve().parent
     try:
@@ -242,7 +246,7 @@ def _resolve_paths(recipe: Recipe, path: Path) -> Recipe:
     local = next((c for c in (base / model_path, Path(model_path).expanduser()) if c.is_dir()), base / model_path)
     if local.is_dir():
         model_path = str(local.resolve())
-    elif model_path.startswith((".", "/", "~")) or local.suffix or model_path.count("/") > 1:
+    elif model_path.startswith((".", "/", "~")) or local.suffix in _FILE_SUFFIXES or model_path.count("/") > 1:
         raise RecipeError(
             f"{path}: model.path={recipe.model.path!r} is not a directory (looked for {local}). Give a local HF"
             " checkpoint directory (config.json + *.safetensors + tokenizer), relative to the recipe, or a hub id."

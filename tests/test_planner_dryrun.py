@@ -76,13 +76,21 @@ def test_405b_tp8_pp8_fsdp8_state_per_pipeline_rank() -> None:
 
 def test_lora_state_trains_only_the_adapters() -> None:
     config = _config("Llama-3.1-8B")
-    lora = LoraOptions(r=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    lora = LoraOptions(
+        r=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    )
     workload = Workload(config, ParallelLayout().resolve(8), lora=lora, dtype="bf16")
     [(_, _, state)] = resident_state(workload)
     adapters = config.num_hidden_layers * _lora_layer(config, 16)
     # peft keeps adapters in fp32 on a bf16 base (autocast_adapter_dtype), so their AdamW state is fp32 too.
-    _close(state, {"parameters": (2 * _total(config) + 4 * adapters) / 8, "gradients": 4 * adapters / 8,
-                   "optimizer": 8 * adapters / 8})
+    _close(
+        state,
+        {
+            "parameters": (2 * _total(config) + 4 * adapters) / 8,
+            "gradients": 4 * adapters / 8,
+            "optimizer": 8 * adapters / 8,
+        },
+    )
 
 
 def test_qlora_base_is_counted_at_nf4_size() -> None:
@@ -100,12 +108,24 @@ def test_qlora_base_is_counted_at_nf4_size() -> None:
 
 def test_extrapolation_from_fewer_layers_matches_measuring_them_all(monkeypatch: pytest.MonkeyPatch) -> None:
     """A 24-layer model: each phase's peak, extrapolated from 8 and 16 layers, equals the peak of all 24."""
-    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=24, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=512)
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=24,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    )
     cases = [
         Workload(config, ParallelLayout().resolve(2), seq_len=256, micro_batch_size=2, dtype="fp32"),
-        Workload(config, ParallelLayout().resolve(2), memory=MemoryOptions(activation_checkpointing="full"),
-                 seq_len=256, micro_batch_size=2, dtype="fp32"),
+        Workload(
+            config,
+            ParallelLayout().resolve(2),
+            memory=MemoryOptions(activation_checkpointing="full"),
+            seq_len=256,
+            micro_batch_size=2,
+            dtype="fp32",
+        ),
     ]
     for workload in cases:
         [extrapolated] = dry_run(workload)
@@ -129,8 +149,16 @@ def test_dry_run_predicts_the_peak_of_real_runs() -> None:
     real = measured()
     config = LlamaConfig(**CONFIG)
     for name, spec in LAYOUTS.items():
-        workload = Workload(config, spec.layout.resolve(spec.world_size), spec.options, spec.memory, spec.lora,
-                            dtype="fp32", seq_len=SEQ_LEN, micro_batch_size=spec.rows)
+        workload = Workload(
+            config,
+            spec.layout.resolve(spec.world_size),
+            spec.options,
+            spec.memory,
+            spec.lora,
+            dtype="fp32",
+            seq_len=SEQ_LEN,
+            micro_batch_size=spec.rows,
+        )
         for predicted in dry_run(workload):
             truth = dict(real[name][f"rank{predicted.rank}"]["peak"])
             truth["other"] += truth.pop("buffers")

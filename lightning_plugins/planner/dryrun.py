@@ -88,11 +88,28 @@ class RankMemory:
 def dry_run(workload: Workload) -> list[RankMemory]:
     """The memory of every kind of rank of ``workload`` (see the module docstring); no GPU, no network.
 
-    Must not run inside an initialized process group (it makes its own fake ones).
+    Every fake world (a count, a measured step) runs in its own forked process, as many at once as there are
+    cores. Must not run inside an initialized process group.
     """
     if dist.is_initialized():
         raise RuntimeError("dry_run makes its own fake process groups: call it outside torch.distributed.")
-    return _forked([(_rank_memory, (workload, kind, rank)) for kind, rank in rank_kinds(workload)])
+    kinds = rank_kinds(workload)
+    calls = [_calls_of(workload, rank) for _, rank in kinds]
+    results = iter(_forked([call for rank_calls in calls for call in rank_calls]))
+    reports = []
+    for (kind, rank), rank_calls in zip(kinds, calls):
+        done = [next(results) for _ in rank_calls]
+        dense = done.pop(1) if workload.method == "qlora" else None
+        reports.append(_rank_memory(workload, kind, rank, done[0], dense, done[1:]))
+    return reports
+
+
+def _calls_of(workload: Workload, rank: int) -> list[tuple[Callable[..., Any], tuple]]:
+    """The fake worlds a rank's dry run needs: its state, (QLoRA) its state with a dense base, its measured steps."""
+    calls: list[tuple[Callable[..., Any], tuple]] = [(count_state, (workload, rank))]
+    if workload.method == "qlora":  # the measured step holds a dense base
+        calls.append((count_state, (replace(workload, lora=replace(workload.lora, quantize="none")), rank)))
+    return calls + [(measure_step, (copy, rank)) for copy in _measured_copies(workload, rank)]
 
 
 def resident_state(workload: Workload) -> list[tuple[str, int, dict[str, int]]]:
@@ -102,17 +119,19 @@ def resident_state(workload: Workload) -> list[tuple[str, int, dict[str, int]]]:
     return [(kind, rank, state) for (kind, rank), state in zip(kinds, states)]
 
 
-def _rank_memory(workload: Workload, kind: str, rank: int) -> RankMemory:
-    state = count_state(workload, rank)
-    peak, per_layer, layers = _measured_peak(workload, rank)
+def _rank_memory(
+    workload: Workload, kind: str, rank: int, state: dict, dense: dict | None, steps: list[dict]
+) -> RankMemory:
+    layers = layers_of_rank(workload, rank)
+    peak, per_layer = _extrapolated(steps, layers)
     report = RankMemory(kind, rank, layers, state, peak, activations_per_layer=per_layer)
-    if layers > MEASURED_LAYERS[1]:
+    if len(steps) > 1:
         report.notes.append(
             f"peak extrapolated to {layers} layers from copies of the model with {MEASURED_LAYERS[0]} and"
             f" {MEASURED_LAYERS[1]} layers on this rank"
         )
-    if workload.method == "qlora":
-        _as_nf4(report, workload)
+    if dense is not None:
+        _as_nf4(report, workload, dense)
     if workload.memory.cpu_offload:
         _offload(report)
     return report
@@ -170,11 +189,23 @@ def rank_kinds(workload: Workload) -> list[tuple[str, int]]:
     return kinds
 
 
+_FAKE_WORLDS = 0
+
+
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int) -> Iterator[None]:
-    """A fake process group: every collective returns at once, nothing is sent."""
+    """A fake process group: every collective returns at once, nothing is sent. Once per process.
+
+    DTensor and pipelining keep process-wide caches that hold meshes of the process groups they met; a
+    second fake world in the same process picks up the first one's entries and measures *wrong* numbers
+    without failing. :func:`dry_run` therefore forks a process per world; this refuses a second one.
+    """
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    global _FAKE_WORLDS
+    if _FAKE_WORLDS:
+        raise RuntimeError("fake_world: one fake world per process (caches of the first would corrupt the second).")
+    _FAKE_WORLDS += 1
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield
@@ -257,7 +288,12 @@ def measure_step(workload: Workload, rank: int) -> dict[str, dict[str, int]]:
 
     from lightning_plugins.parallel import mesh_of, pipeline_of
 
-    with fake_world(rank, workload.world_size), _static_pipeline_shapes(), _unpacked_rows(), _default_dtype(workload.dtype):
+    with (
+        fake_world(rank, workload.world_size),
+        _static_pipeline_shapes(),
+        _unpacked_rows(),
+        _default_dtype(workload.dtype),
+    ):
         model = build_parallel_model(workload)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
@@ -307,28 +343,31 @@ def _batch(workload: Workload, mesh: Any, seq_len: int) -> dict[str, torch.Tenso
     return context_parallel_batch({"input_ids": ids, "labels": ids}, mesh)
 
 
-def _measured_peak(workload: Workload, rank: int) -> tuple[dict[str, int], int, int]:
-    """The step's peak on ``rank``: measured as it is when the rank holds few layers; else each phase's peak
-    extrapolated linearly from copies of the model holding 8 and 16 layers per rank (the phases apart: their
-    peaks grow at different rates)."""
-    layers = layers_of_rank(workload, rank)
+def _measured_copies(workload: Workload, rank: int) -> list[Workload]:
+    """The workload itself when the rank holds few layers; else copies with 8 and 16 layers on the rank."""
     measured = _fewer_microbatches(workload)
-    small, large = MEASURED_LAYERS
-    if layers <= large:
-        phases = measure_step(measured, rank)
-        return _folded(max(phases.values(), key=lambda peak: peak["total"])), 0, layers
+    if layers_of_rank(workload, rank) <= MEASURED_LAYERS[1]:
+        return [measured]
     pipeline = workload.pipeline
     stages = 1 if pipeline is None else workload.layout.pp_size * pipeline.stages_per_rank
     per_rank = 1 if pipeline is None else pipeline.stages_per_rank
-    low = measure_step(measured.with_layers(small // per_rank * stages), rank)
-    high = measure_step(measured.with_layers(large // per_rank * stages), rank)
-    extra_layers, span = layers - small, large - small
+    return [measured.with_layers(count // per_rank * stages) for count in MEASURED_LAYERS]
+
+
+def _extrapolated(steps: list[dict[str, dict[str, int]]], layers: int) -> tuple[dict[str, int], int]:
+    """The step's peak at ``layers`` layers and the activations one layer adds: each phase's peak extrapolated
+    linearly from the two measured copies (the phases apart: their peaks grow at different rates)."""
+    if len(steps) == 1:
+        return _folded(max(steps[0].values(), key=lambda peak: peak["total"])), 0
+    low, high = steps
+    small, large = MEASURED_LAYERS
+    scale = (layers - small) / (large - small)
     peaks = [
-        {key: low[phase][key] + round((high[phase][key] - low[phase][key]) * extra_layers / span) for key in low[phase]}
+        {key: low[phase][key] + round((high[phase][key] - low[phase][key]) * scale) for key in low[phase]}
         for phase in low
     ]
-    per_layer = (high["forward_backward"]["activations"] - low["forward_backward"]["activations"]) / span
-    return _folded(max(peaks, key=lambda peak: peak["total"])), round(per_layer), layers
+    per_layer = (high["forward_backward"]["activations"] - low["forward_backward"]["activations"]) / (large - small)
+    return _folded(max(peaks, key=lambda peak: peak["total"])), round(per_layer)
 
 
 def _folded(peak: dict[str, int]) -> dict[str, int]:
@@ -352,15 +391,12 @@ def _fewer_microbatches(workload: Workload) -> Workload:
     if pipeline.microbatches <= stages:
         return workload
     rows = workload.micro_batch_size // pipeline.microbatches
-    return replace(
-        workload, micro_batch_size=rows * stages, options=replace(workload.options, pp_microbatches=stages)
-    )
+    return replace(workload, micro_batch_size=rows * stages, options=replace(workload.options, pp_microbatches=stages))
 
 
-def _as_nf4(report: RankMemory, workload: Workload) -> None:
+def _as_nf4(report: RankMemory, workload: Workload, dense: dict[str, int]) -> None:
     """QLoRA: the step is measured with a dense base; its weights take their NF4 size (``report.state``, counted)
     and one dequantized weight of a layer (the largest) is added as a temporary."""
-    dense = count_state(replace(workload, lora=replace(workload.lora, quantize="none")), report.rank)
     saved = dense["parameters"] - report.state["parameters"]
     config = workload.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

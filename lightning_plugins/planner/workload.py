@@ -12,10 +12,7 @@ from typing import Any
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.lora import LoraOptions
 from lightning_plugins.options import MemoryOptions, ParallelOptions
-try:
-    from lightning_plugins.planner.model_stats import PlannerError
-except ImportError:  # TEMP until model_stats lands
-    PlannerError = ValueError
+from lightning_plugins.planner.model_stats import PlannerError
 
 #: Training methods: all weights, LoRA adapters on a dense base, LoRA adapters on an NF4 base.
 METHODS = ("full", "lora", "qlora")

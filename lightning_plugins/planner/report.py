@@ -1,0 +1,172 @@
+"""A plan: a workload's dry-run memory per kind of rank and its step time, against a cluster.
+
+:func:`plan` runs both models; :class:`Plan` says whether it fits (each GPU's peak under its memory less a
+safety margin; host memory per node for what is offloaded), which lever helps most when it does not, and
+prints itself as a table or JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from lightning_plugins.planner.dryrun import PEAK_CATEGORIES, RankMemory, dry_run, korthikanti_activations
+from lightning_plugins.planner.hardware import Cluster
+from lightning_plugins.planner.timing import StepTime, estimate_step_time
+from lightning_plugins.planner.workload import Workload
+
+#: Share of each GPU's memory kept free: the CUDA context, NCCL buffers and allocator fragmentation.
+DEFAULT_MARGIN = 0.10
+GIB = 2**30
+
+
+@dataclass
+class Plan:
+    """What a workload needs on a cluster: memory per kind of rank (dry run) and the step time (model)."""
+
+    workload: Workload
+    cluster: Cluster
+    ranks: list[RankMemory]
+    step: StepTime
+    margin: float = DEFAULT_MARGIN
+
+    @property
+    def budget(self) -> int:
+        """Bytes of one GPU a rank may use: its memory less the margin."""
+        return int(self.cluster.memory * (1 - self.margin))
+
+    @property
+    def peak(self) -> int:
+        """The largest peak of any rank."""
+        return max(rank.total for rank in self.ranks)
+
+    @property
+    def host_per_node(self) -> int:
+        """Host bytes per node for offloaded state (the busiest kind of rank on every GPU of a node)."""
+        return max(rank.host for rank in self.ranks) * self.cluster.gpus_per_node
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.budget and self.host_per_node <= self.cluster.host_memory_per_node_bytes
+
+    def advice(self) -> list[str]:
+        """What would make a plan that does not fit fit, the lever that saves most first (estimates)."""
+        if self.fits:
+            return []
+        worst = max(self.ranks, key=lambda rank: rank.total)
+        workload, layout, memory = self.workload, self.workload.layout, self.workload.memory
+        levers: list[tuple[int, str]] = []
+        if memory.activation_checkpointing != "full":
+            full = replace(workload, memory=replace(memory, activation_checkpointing="full"))
+            keeps = korthikanti_activations(full, 1) / max(1, korthikanti_activations(workload, 1))
+            levers.append((int(worst.peak["activations"] * (1 - keeps)), "memory.activation_checkpointing: full"))
+        if workload.micro_batch_size > 1:
+            levers.append((worst.peak["activations"] // 2, f"train.micro_batch_size: {workload.micro_batch_size // 2}"))
+        if not memory.cpu_offload and layout.fsdp_size > 1:
+            state = worst.peak["parameters"] + worst.peak["gradients"] + worst.peak["optimizer"]
+            levers.append((min(state, sum(worst.state.values())), "memory.cpu_offload: true"))
+        tp = layout.tp_size * 2
+        if tp <= self.cluster.gpus_per_node and workload.config.num_key_value_heads % tp == 0:
+            levers.append((worst.total // 2 - worst.peak["temporaries"] // 2, f"layout.tp_size: {tp}"))
+        if layout.tp_size > 1 and not workload.options.loss_parallel:
+            levers.append((worst.peak["temporaries"] // 2, "parallel.loss_parallel: true"))
+        over = worst.total - self.budget
+        return [
+            f"{setting} (saves ~{saved / GIB:.1f} GiB per GPU{'' if saved >= over else ', not enough alone'})"
+            for saved, setting in sorted(levers, reverse=True)
+        ]
+
+    def as_dict(self) -> dict[str, Any]:
+        layout = self.workload.layout
+        return {
+            "model": getattr(self.workload.config, "_name_or_path", "") or self.workload.config.model_type,
+            "method": self.workload.method,
+            "layout": {
+                "pp": layout.pp_size,
+                "dp_replicate": layout.dp_replicate_size,
+                "dp_shard": layout.dp_shard_size,
+                "cp": layout.cp_size,
+                "tp": layout.tp_size,
+            },
+            "activation_checkpointing": self.workload.memory.activation_checkpointing,
+            "cpu_offload": self.workload.memory.cpu_offload,
+            "seq_len": self.workload.seq_len,
+            "micro_batch_size": self.workload.micro_batch_size,
+            "global_batch_size": self.workload.global_batch_size,
+            "gpu": self.cluster.gpu.name,
+            "gpu_memory": self.cluster.memory,
+            "budget": self.budget,
+            "fits": self.fits,
+            "ranks": [rank.as_dict() for rank in self.ranks],
+            "host_per_node": self.host_per_node,
+            "step": self.step.as_dict(),
+            "advice": self.advice(),
+        }
+
+    def describe(self) -> str:
+        """The plan as a console report: a table per kind of rank, the verdict, the step time and its assumptions."""
+        w, layout = self.workload, self.workload.layout
+        lines = [
+            f"{w.method} fine-tune, layout pp={layout.pp_size} dp_replicate={layout.dp_replicate_size}"
+            f" dp_shard={layout.dp_shard_size} cp={layout.cp_size} tp={layout.tp_size}"
+            f" ({layout.world_size} x {self.cluster.gpu.name} {self.cluster.memory / GIB:.0f} GiB),"
+            f" seq {w.seq_len}, micro-batch {w.micro_batch_size}, AC {w.memory.activation_checkpointing}"
+            + (", CPU offload" if w.memory.cpu_offload else ""),
+            "",
+            "GiB per GPU at the step's peak (dry run on a fake process group; activations measured):",
+            f"{'rank kind':<14}{'layers':>7}"
+            + "".join(f"{name[:11]:>12}" for name in PEAK_CATEGORIES)
+            + f"{'total':>9}",
+        ]
+        for rank in self.ranks:
+            lines.append(
+                f"{rank.kind:<14}{rank.layers:>7}"
+                + "".join(f"{rank.peak[name] / GIB:>12.2f}" for name in PEAK_CATEGORIES)
+                + f"{rank.total / GIB:>9.2f}"
+            )
+        for rank in self.ranks:
+            if rank.activations_per_layer:
+                formula = korthikanti_activations(w, 1)
+                lines.append(
+                    f"  {rank.kind}: {rank.activations_per_layer / 2**20:.0f} MiB of activations per layer measured"
+                    f" (all micro-batches in flight); Korthikanti's formula gives {formula / 2**20:.0f} MiB per"
+                    " layer and micro-batch. The measured figure is reported."
+                )
+            lines += [f"  {rank.kind}: {note}" for note in rank.notes]
+        if self.host_per_node:
+            lines.append(
+                f"Host memory per node for offloaded state: {self.host_per_node / GIB:.0f} GiB"
+                f" of {self.cluster.host_memory_per_node_bytes / GIB:.0f} GiB"
+            )
+        verdict = "FITS" if self.fits else "DOES NOT FIT"
+        lines += [
+            "",
+            f"{verdict}: peak {self.peak / GIB:.1f} GiB against {self.budget / GIB:.1f} GiB"
+            f" ({self.cluster.memory / GIB:.0f} GiB less a {self.margin:.0%} margin)",
+        ]
+        lines += [f"  try: {line}" for line in self.advice()]
+        s = self.step
+        lines += [
+            "",
+            f"Step time ~{s.step_s:.2f} s: {s.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {s.mfu:.1%},"
+            f" pipeline bubble {s.bubble:.1%} (estimate, +-25%)",
+        ]
+        lines += [f"  assumes: {line}" for line in s.assumptions]
+        return "\n".join(lines)
+
+
+def plan(workload: Workload, cluster: Cluster, *, margin: float = DEFAULT_MARGIN) -> Plan:
+    """Dry-run ``workload`` and estimate its step time on ``cluster``."""
+    step = estimate_step_time(
+        workload.config,
+        workload.layout,
+        workload.options,
+        workload.memory,
+        cluster,
+        seq_len=workload.seq_len,
+        micro_batch_size=workload.micro_batch_size,
+        global_batch_size=workload.global_batch_size,
+        method=workload.method,
+        lora=workload.lora,
+    )
+    return Plan(workload, cluster, dry_run(workload), step, margin)

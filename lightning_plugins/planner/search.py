@@ -1,0 +1,264 @@
+"""The layout search: every valid layout of a model on a cluster, times the memory levers, ranked by step time.
+
+Enumeration: TP within a node dividing heads, kv heads, the MLP and the vocabulary; PP dividing the
+world (stages of at least one layer; 1F1B, or interleaved 1F1B with 2 stages per rank); CP when the
+sequence is long (>= 16K tokens); data parallel with the rest, as FSDP2 or, across nodes, HSDP (replicas
+of one node); activation checkpointing none / selective / full; FSDP2 CPU offload; micro-batch sizes.
+
+Screening: a closed-form memory estimate (:func:`estimate_peak`, conservative by construction) drops what
+cannot fit and the step-time model ranks the rest; then the dry run (:func:`~lightning_plugins.planner.report.plan`)
+checks candidates in rank order until ``top`` of them fit, so a layout the dry run says does not fit is
+never returned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+from lightning_plugins.layout import LayoutError, ParallelLayout
+from lightning_plugins.lora import LoraOptions
+from lightning_plugins.options import MemoryOptions, ParallelOptions
+from lightning_plugins.planner.dryrun import korthikanti_activations
+from lightning_plugins.planner.hardware import Cluster
+from lightning_plugins.planner.model_stats import PlannerError, model_stats
+from lightning_plugins.planner.report import DEFAULT_MARGIN, Plan, plan
+from lightning_plugins.planner.timing import StepTime, estimate_step_time
+from lightning_plugins.planner.workload import Workload
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: Saved activations of a Llama layer (HF, SDPA) over Korthikanti's flash formula, as the dry run measures them
+#: (SwiGLU, fp32 norm copies; with sequence parallelism also the gathered region inputs): 8B FSDP8 at 8K tokens
+#: 1.65, TP8+SP (GROUND.md) 2.3.
+ACTIVATION_FACTOR = {"plain": 1.65, "sequence_parallel": 2.3}
+#: Selective (op-level) checkpointing keeps this share of the saved activations (8B FSDP8 at 8K: 31.2 / 55.2 GiB).
+SELECTIVE_KEEPS = 0.57
+#: Full checkpointing keeps this many times Korthikanti's 2sbh per layer (the layer input and what HF passes
+#: along: position embeddings, the mask; 8B FSDP8 at 8K measures 3.0).
+FULL_KEEPS = 3.0
+#: Sequences at least this long are also tried with context parallelism.
+CP_FROM_SEQ_LEN = 16384
+
+
+@dataclass
+class Candidate:
+    """A workload the screen kept: its estimated peak, its step time, and (once checked) its dry-run plan."""
+
+    workload: Workload
+    estimated_peak: int
+    step: StepTime
+    plan: Plan | None = None
+
+
+def search(
+    config: Any,
+    cluster: Cluster,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    lora: LoraOptions | None = None,
+    dtype: str = "bf16",
+    top: int = 5,
+    margin: float = DEFAULT_MARGIN,
+    verify: bool = True,
+) -> list[Candidate]:
+    """The ``top`` fastest layouts that fit, fastest first (checked by the dry run unless ``verify=False``).
+
+    Args:
+        config: The model's transformers config (real size).
+        cluster: The GPUs.
+        seq_len: Tokens per row.
+        global_batch_size: Rows per optimizer step.
+        lora: LoRA settings (``quantize="nf4"`` for QLoRA), or ``None`` for a full fine-tune.
+        dtype: Weight dtype; full fine-tunes keep fp32 master weights with bf16 compute (FSDP2 mixed precision).
+        top: How many to return.
+        margin: Share of each GPU's memory kept free.
+        verify: Dry-run the candidates (slow for the largest models; the screen alone is an estimate).
+
+    Raises:
+        PlannerError: when nothing fits, naming the smallest estimated peak and what to change.
+    """
+    budget = cluster.memory * (1 - margin)
+    screened, smallest = [], None
+    for workload in candidate_workloads(config, cluster, seq_len, global_batch_size, lora, dtype):
+        peak = estimate_peak(workload)
+        smallest = peak if smallest is None else min(smallest, peak)
+        if peak <= budget:
+            screened.append(Candidate(workload, peak, _step_time(workload, cluster)))
+    screened.sort(key=lambda c: c.step.step_s)
+    chosen = []
+    for candidate in screened:
+        if len(chosen) == top:
+            break
+        if verify:
+            candidate.plan = plan(candidate.workload, cluster, margin=margin)
+            if not candidate.plan.fits:
+                continue
+        chosen.append(candidate)
+    if not chosen:
+        smallest_text = (
+            "no valid layout" if smallest is None else f"the smallest estimated peak is {smallest / 2**30:.1f} GiB"
+        )
+        raise PlannerError(
+            f"No layout of this model fits {cluster.gpus} x {cluster.memory / 2**30:.0f} GiB with a {margin:.0%} margin:"
+            f" {smallest_text}. Use more or larger GPUs, LoRA or QLoRA (--method), or a shorter --seq-len."
+        )
+    return chosen
+
+
+def candidate_workloads(
+    config: Any, cluster: Cluster, seq_len: int, global_batch_size: int, lora: LoraOptions | None, dtype: str
+) -> Iterator[Workload]:
+    """Every valid layout x memory lever for the cluster (see the module docstring)."""
+    gpus, per_node = cluster.gpus, cluster.gpus_per_node
+    full = lora is None
+    weights = "fp32" if full and dtype == "bf16" else dtype  # fp32 master weights, bf16 compute
+    for tp in _powers_of_two(min(per_node, gpus)):
+        for cp in _powers_of_two(gpus // tp) if seq_len >= CP_FROM_SEQ_LEN else [1]:
+            for pp in _powers_of_two(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                if global_batch_size % dp:
+                    continue
+                for replicate in _replicas(dp, tp * cp, per_node):
+                    try:
+                        layout = ParallelLayout(pp, replicate, dp // replicate, cp, tp).resolve(gpus)
+                        layout.validate(config)
+                    except LayoutError:
+                        continue
+                    for options in _pipeline_options(pp, config.num_hidden_layers, tp, cp):
+                        for memory in _memory_levers(layout, weights, dtype):
+                            for micro in _micro_batches(global_batch_size // dp, options, pp):
+                                if pp > 1:  # one row per pipeline micro-batch
+                                    options = replace(options, pp_microbatches=micro)
+                                try:
+                                    yield Workload(
+                                        config,
+                                        layout,
+                                        options,
+                                        memory,
+                                        lora,
+                                        weights,
+                                        seq_len,
+                                        micro,
+                                        global_batch_size,
+                                    )
+                                except (LayoutError, PlannerError):
+                                    continue
+
+
+def estimate_peak(workload: Workload) -> int:
+    """A closed-form peak per GPU of the busiest rank, for screening (the dry run is the measurement).
+
+    State from the parameter counts and the layout; activations from Korthikanti's formula times
+    :data:`ACTIVATION_FACTOR` and the micro-batches a pipeline stage holds; temporaries: the fp32 logits
+    and their gradient, FSDP2's gathered root (embedding, head) and two gathered layers, and under
+    pipeline parallelism the stage's unsharded gradients kept until the last micro-batch.
+    """
+    stats, layout, memory = model_stats(workload.config), workload.layout, workload.memory
+    weight, compute = _BYTES[workload.dtype], _BYTES.get(memory.param_dtype or workload.dtype, 2)
+    pipeline = workload.pipeline
+    v = 1 if pipeline is None else pipeline.stages_per_rank
+    layers = math.ceil(stats.num_layers / (layout.pp_size * v)) * v
+    shards = layout.tp_size * layout.fsdp_size
+    ends = max(stats.embedding_params, stats.head_params + stats.norm_params)
+    if layout.pp_size == 1:
+        ends = stats.embedding_params + stats.head_params + stats.norm_params
+    dense = (layers * stats.layer_params + ends) / shards
+    if workload.method == "full":
+        trainable, params = dense, dense * weight
+    else:
+        trainable = (
+            layers * stats.lora_params_per_layer(workload.lora.target_modules, workload.lora.r) / layout.fsdp_size
+        )
+        per_param = 0.5 + 1 / 64 if workload.method == "qlora" else weight
+        params = (layers * stats.layer_params / shards) * per_param + ends / shards * weight
+    state = params + trainable * weight * 3
+    # Activations of one micro-batch, times the micro-batches in flight on the first stage.
+    rows = workload.micro_batch_size // (pipeline.microbatches if pipeline else 1)
+    in_flight = 1
+    if pipeline is not None:
+        p = layout.pp_size
+        in_flight = pipeline.microbatches if pipeline.schedule in ("gpipe", "looped_bfs") else p + (v - 1) * p // v
+    one = replace(workload, micro_batch_size=rows, memory=replace(memory, activation_checkpointing="none"))
+    sp = layout.tp_size > 1 and workload.options.sequence_parallel
+    whole_layer = ACTIVATION_FACTOR["sequence_parallel" if sp else "plain"] * korthikanti_activations(one, 1)
+    per_layer = {
+        "none": whole_layer,
+        "selective": SELECTIVE_KEEPS * whole_layer,
+        "full": FULL_KEEPS * korthikanti_activations(replace(one, memory=memory), 1),
+    }[memory.activation_checkpointing]
+    activations = per_layer * layers * in_flight
+    if memory.activation_checkpointing != "none":  # one layer is recomputed whole in backward
+        activations += whole_layer
+    tokens = rows * workload.seq_len / layout.cp_size
+    vocab = stats.vocab_size / (layout.tp_size if workload.options.loss_parallel else 1)
+    temporaries = 3 * tokens * vocab * 4
+    if layout.fsdp_size > 1:
+        temporaries += (ends + 2 * stats.layer_params) / layout.tp_size * compute
+        if layout.pp_size > 1:
+            temporaries += trainable * layout.fsdp_size * weight
+    if memory.cpu_offload:
+        state = 0
+    return int(state + activations + temporaries)
+
+
+def _step_time(workload: Workload, cluster: Cluster) -> StepTime:
+    return estimate_step_time(
+        workload.config,
+        workload.layout,
+        workload.options,
+        workload.memory,
+        cluster,
+        seq_len=workload.seq_len,
+        micro_batch_size=workload.micro_batch_size,
+        global_batch_size=workload.global_batch_size,
+        method=workload.method,
+        lora=workload.lora,
+    )
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**k for k in range(int(math.log2(max(1, limit))) + 1) if limit % 2**k == 0]
+
+
+def _replicas(dp: int, inner: int, per_node: int) -> list[int]:
+    """FSDP2 over all data ranks, and HSDP with one replica per node when the data ranks span nodes."""
+    shard = per_node // inner if per_node % inner == 0 else 0
+    options = [1]
+    if shard > 1 and dp > shard and dp % shard == 0:
+        options.append(dp // shard)
+    return options
+
+
+def _pipeline_options(pp: int, layers: int, tp: int, cp: int) -> list[ParallelOptions]:
+    options = ParallelOptions(
+        sequence_parallel=tp > 1, loss_parallel=tp > 1, cp_backend="ring" if cp > 1 else "ulysses"
+    )
+    if pp == 1:
+        return [options]
+    out = [replace(options, pp_schedule="1f1b")]
+    if layers >= 2 * pp:
+        out.append(replace(options, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2))
+    return out
+
+
+def _memory_levers(layout: ParallelLayout, weights: str, dtype: str) -> list[MemoryOptions]:
+    param_dtype = "bf16" if weights == "fp32" and dtype == "bf16" and layout.fsdp_size > 1 else None
+    levers = []
+    for checkpointing in ("none", "selective", "full"):
+        for offload in (False, True) if layout.fsdp_size > 1 else (False,):
+            levers.append(
+                MemoryOptions(activation_checkpointing=checkpointing, cpu_offload=offload, param_dtype=param_dtype)
+            )
+    return levers
+
+
+def _micro_batches(rows_per_rank: int, options: ParallelOptions, pp: int) -> list[int]:
+    """Rows per data rank per forward: powers of two dividing the rank's rows (under PP: one row per micro-batch)."""
+    sizes = [m for m in _powers_of_two(rows_per_rank) if m <= 8] if pp == 1 else []
+    if pp > 1:
+        stages = pp * (options.pp_stages_per_rank or 1)
+        sizes = [m for m in _powers_of_two(rows_per_rank) if m >= stages][:2]
+    return sizes
