@@ -23,14 +23,8 @@ from lightning_plugins.planner.model_stats import (
     model_stats,
     shipped_configs,
 )
-from lightning_plugins.planner.timing import (
-    CALIBRATION,
-    KERNELS,
-    VALIDATION,
-    calibration_table,
-    estimate_step_time,
-    fit_efficiencies,
-)
+from lightning_plugins.planner.calibration import CALIBRATION, VALIDATION, calibration_table, fit_efficiencies
+from lightning_plugins.planner.timing import KERNELS, estimate_step_time
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny" / "model"

@@ -36,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write-recipe", default=None, help="search: write the fastest layout as a recipe YAML")
     parser.add_argument("--plot", default=None, help="write a PNG of the memory by category next to the GPU's")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--calibration",
+        action="store_true",
+        help="print the step-time model against the published runs it is calibrated on",
+    )
 
 
 def main(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -44,6 +49,11 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
     from lightning_plugins.recipe import RecipeError
 
     try:
+        if args.calibration:
+            from lightning_plugins.planner.calibration import print_calibration
+
+            print_calibration()
+            return 0
         if args.recipe:
             return _check_recipe(args, overrides)
         if overrides:
