@@ -48,6 +48,10 @@ def test_recipe_that_does_not_fit_exits_1_and_names_the_levers(capsys: pytest.Ca
     assert png.stat().st_size > 10_000
 
 
+def test_hub_ids_of_shipped_configs_work_offline() -> None:
+    assert load_model_config("meta-llama/Llama-3.1-70B").num_hidden_layers == 80
+
+
 def test_recipe_overrides_reach_the_plan(capsys: pytest.CaptureFixture) -> None:
     code, out, _ = _run(capsys, str(TINY / "full_tp2.yaml"), "--json", "--memory.activation_checkpointing=full")
     assert code == 0 and json.loads(out)["activation_checkpointing"] == "full"

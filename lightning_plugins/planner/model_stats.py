@@ -43,7 +43,8 @@ def load_model_config(spec: str | Path) -> PretrainedConfig:
 
     Args:
         spec: A path to a ``config.json`` file, a directory holding one, the name of a config shipped under
-            ``recipes/configs`` (``"Llama-3.1-8B"``), or a hub id already in the local Hugging Face cache.
+            ``recipes/configs`` (``"Llama-3.1-8B"``) or the hub id of one (``"meta-llama/Llama-3.1-8B"``), or a
+            hub id already in the local Hugging Face cache.
 
     Raises:
         PlannerError: naming ``spec``, the shipped names and the fix. Nothing is downloaded.
@@ -51,7 +52,9 @@ def load_model_config(spec: str | Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
     path = Path(spec).expanduser()
-    for candidate in (path, path / "config.json", _configs_dir() / str(spec) / "config.json"):
+    # A shipped name, or a hub id whose repository is shipped (meta-llama/Llama-3.1-8B -> Llama-3.1-8B).
+    shipped = _configs_dir() / str(spec).rsplit("/", 1)[-1] / "config.json"
+    for candidate in (path, path / "config.json", shipped):
         if candidate.is_file():
             try:
                 return AutoConfig.from_pretrained(str(candidate))

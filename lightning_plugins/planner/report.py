@@ -106,6 +106,7 @@ class Plan:
     def describe(self) -> str:
         """The plan as a console report: a table per kind of rank, the verdict, the step time and its assumptions."""
         w, layout = self.workload, self.workload.layout
+        unit, size = ("GiB", GIB) if self.peak >= GIB else ("MiB", 2**20)
         lines = [
             f"{w.method} fine-tune, layout pp={layout.pp_size} dp_replicate={layout.dp_replicate_size}"
             f" dp_shard={layout.dp_shard_size} cp={layout.cp_size} tp={layout.tp_size}"
@@ -113,7 +114,7 @@ class Plan:
             f" seq {w.seq_len}, micro-batch {w.micro_batch_size}, AC {w.memory.activation_checkpointing}"
             + (", CPU offload" if w.memory.cpu_offload else ""),
             "",
-            "GiB per GPU at the step's peak (dry run on a fake process group; activations measured):",
+            f"{unit} per GPU at the step's peak (dry run on a fake process group; activations measured):",
             f"{'rank kind':<14}{'layers':>7}"
             + "".join(f"{name[:11]:>12}" for name in PEAK_CATEGORIES)
             + f"{'total':>9}",
@@ -121,8 +122,8 @@ class Plan:
         for rank in self.ranks:
             lines.append(
                 f"{rank.kind:<14}{rank.layers:>7}"
-                + "".join(f"{rank.peak[name] / GIB:>12.2f}" for name in PEAK_CATEGORIES)
-                + f"{rank.total / GIB:>9.2f}"
+                + "".join(f"{rank.peak[name] / size:>12.2f}" for name in PEAK_CATEGORIES)
+                + f"{rank.total / size:>9.2f}"
             )
         for rank in self.ranks:
             if rank.activations_per_layer:
@@ -141,7 +142,7 @@ class Plan:
         verdict = "FITS" if self.fits else "DOES NOT FIT"
         lines += [
             "",
-            f"{verdict}: peak {self.peak / GIB:.1f} GiB against {self.budget / GIB:.1f} GiB"
+            f"{verdict}: peak {self.peak / size:.1f} {unit} against {self.budget / GIB:.1f} GiB"
             f" ({self.cluster.memory / GIB:.0f} GiB less a {self.margin:.0%} margin)",
         ]
         lines += [f"  try: {line}" for line in self.advice()]
