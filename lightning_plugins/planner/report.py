@@ -126,13 +126,13 @@ class Plan:
                 + f"{rank.total / size:>9.2f}"
             )
         for rank in self.ranks:
-            if rank.activations_per_layer:
-                formula = korthikanti_activations(w, 1)
-                lines.append(
-                    f"  {rank.kind}: {rank.activations_per_layer / 2**20:.0f} MiB of activations per layer measured"
-                    f" (all micro-batches in flight); Korthikanti's formula gives {formula / 2**20:.0f} MiB per"
-                    " layer and micro-batch. The measured figure is reported."
-                )
+            formula = korthikanti_activations(w, rank.layers)
+            held = " per micro-batch (a pipeline stage holds several at once)" if layout.pp_size > 1 else ""
+            lines.append(
+                f"  {rank.kind}: activations at the peak {rank.peak['activations'] / size:.2f} {unit} measured;"
+                f" Korthikanti et al.'s formula gives {formula / size:.2f} {unit} for {rank.layers} layer(s){held}."
+                " The measured figure is reported."
+            )
             lines += [f"  {rank.kind}: {note}" for note in rank.notes]
         if self.host_per_node:
             lines.append(
