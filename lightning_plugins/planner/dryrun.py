@@ -27,6 +27,7 @@ import os
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -99,17 +100,24 @@ def dry_run(workload: Workload) -> list[RankMemory]:
     reports = []
     for (kind, rank), rank_calls in zip(kinds, calls):
         done = [next(results) for _ in rank_calls]
-        dense = done.pop(1) if workload.method == "qlora" else None
-        reports.append(_rank_memory(workload, kind, rank, done[0], dense, done[1:]))
+        if len(done) == 1:  # measured as it is: the step's own model was counted
+            state, dense = done[0].pop("state"), done[0].pop("dense_state", None)
+        else:
+            state, dense = done.pop(0), done.pop(0) if workload.method == "qlora" else None
+        reports.append(_rank_memory(workload, kind, rank, state, dense, done))
     return reports
 
 
 def _calls_of(workload: Workload, rank: int) -> list[tuple[Callable[..., Any], tuple]]:
-    """The fake worlds a rank's dry run needs: its state, (QLoRA) its state with a dense base, its measured steps."""
+    """The fake worlds a rank's dry run needs: one measured step that also counts the state when the rank holds
+    few layers; else its state, (QLoRA) its state with a dense base, and the two measured copies."""
+    copies = _measured_copies(workload, rank)
+    if len(copies) == 1:
+        return [(partial(measure_step, count=True), (copies[0], rank))]
     calls: list[tuple[Callable[..., Any], tuple]] = [(count_state, (workload, rank))]
-    if workload.method == "qlora":  # the measured step holds a dense base
+    if workload.method == "qlora":  # the measured steps hold a dense base
         calls.append((count_state, (replace(workload, lora=replace(workload.lora, quantize="none")), rank)))
-    return calls + [(measure_step, (copy, rank)) for copy in _measured_copies(workload, rank)]
+    return calls + [(measure_step, (copy, rank)) for copy in copies]
 
 
 def resident_state(workload: Workload) -> list[tuple[str, int, dict[str, int]]]:
@@ -162,7 +170,7 @@ def _forked(calls: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
                 ok, value = False, f"the dry-run process died (exit code {child.exitcode})"
             child.join()
             if not ok:
-                raise RuntimeError(f"dry run of {calls[index][1][1:]} failed:\n{value}")
+                raise RuntimeError(f"dry run of rank {calls[index][1][-1]} failed:\n{value}")
             results[index] = value
     return results
 
@@ -235,33 +243,37 @@ def build_parallel_model(workload: Workload) -> nn.Module:
 
 
 def count_state(workload: Workload, rank: int) -> dict[str, int]:
-    """Resident parameter, gradient and AdamW bytes of ``rank``, from the engine's sharded tensors.
+    """Resident parameter, gradient and AdamW bytes of ``rank``, from the engine's sharded tensors (:func:`_state_of`)."""
+    with fake_world(rank, workload.world_size):
+        return _state_of(build_parallel_model(workload), nf4=workload.method == "qlora")
 
-    QLoRA: the frozen linear weights of the decoder are counted at their NF4 size (4-bit codes, block scales
-    and their factors, as :func:`lightning_plugins.quantize.nf4_nbytes_for` gives them) per shard; the model
-    itself is built with a dense base (NF4 needs real weights to quantize).
+
+def _state_of(model: nn.Module, *, nf4: bool) -> dict[str, int]:
+    """Parameter, gradient and AdamW bytes of a parallelized model's local shards.
+
+    With ``nf4`` (QLoRA) the frozen linear weights of the decoder are counted at their NF4 size (4-bit codes,
+    block scales and their factors, as :func:`lightning_plugins.quantize.nf4_nbytes_for` gives them) per
+    shard: the model is built with a dense base (NF4 needs real weights to quantize).
     """
     from lightning_plugins.lora import hf_model_of
     from lightning_plugins.quantize import nf4_nbytes_for
 
-    with fake_world(rank, workload.world_size):
-        model = build_parallel_model(workload)
-        nf4 = set()
-        if workload.method == "qlora":  # what quantize_base_to_nf4 converts: frozen nn.Linear weights, not the head
-            head = hf_model_of(model).get_output_embeddings()
-            nf4 = {
-                id(module.weight)
-                for module in model.modules()
-                if type(module) is nn.Linear and module is not head and not module.weight.requires_grad
-            }
-        params = grads = optimizer = 0
-        for param in model.parameters():
-            local = param.to_local() if isinstance(param, DTensor) else param
-            nbytes = local.numel() * local.element_size()
-            params += nf4_nbytes_for(local.numel(), dtype=local.dtype) if id(param) in nf4 else nbytes
-            if param.requires_grad:
-                grads += nbytes
-                optimizer += 2 * nbytes + 4  # exp_avg, exp_avg_sq in the parameter's dtype; a float32 step
+    quantized = set()
+    if nf4:  # what quantize_base_to_nf4 converts: frozen nn.Linear weights, not the head
+        head = hf_model_of(model).get_output_embeddings()
+        quantized = {
+            id(module.weight)
+            for module in model.modules()
+            if type(module) is nn.Linear and module is not head and not module.weight.requires_grad
+        }
+    params = grads = optimizer = 0
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        nbytes = local.numel() * local.element_size()
+        params += nf4_nbytes_for(local.numel(), dtype=local.dtype) if id(param) in quantized else nbytes
+        if param.requires_grad:
+            grads += nbytes
+            optimizer += 2 * nbytes + 4  # exp_avg, exp_avg_sq in the parameter's dtype; a float32 step
     return {"parameters": params, "gradients": grads, "optimizer": optimizer}
 
 
@@ -278,11 +290,12 @@ def layers_of_rank(workload: Workload, rank: int) -> int:
     return sum(len(ranges[s]) for s in stages_of_rank(rank // (workload.world_size // pp), pp, pipeline))
 
 
-def measure_step(workload: Workload, rank: int) -> dict[str, dict[str, int]]:
+def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[str, dict[str, int]]:
     """Bytes by category at the peak of each phase of one training step of ``workload`` on ``rank``.
 
     Returns ``{"forward_backward": peak, "optimizer": peak}``, measured under ``FakeTensorMode`` in the state
-    a first step leaves (:func:`_warmed_up`).
+    a first step leaves (:func:`_warmed_up`); with ``count`` also the model's ``"state"`` (:func:`_state_of`)
+    and, for QLoRA, its ``"dense_state"`` (what the measured step holds).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -295,6 +308,11 @@ def measure_step(workload: Workload, rank: int) -> dict[str, dict[str, int]]:
         _default_dtype(workload.dtype),
     ):
         model = build_parallel_model(workload)
+        counted = {}
+        if count:
+            counted["state"] = _state_of(model, nf4=workload.method == "qlora")
+            if workload.method == "qlora":
+                counted["dense_state"] = _state_of(model, nf4=False)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")
             optimizer = _warmed_up(model)
@@ -310,7 +328,7 @@ def measure_step(workload: Workload, rank: int) -> dict[str, dict[str, int]]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 phases["optimizer"] = tracker.by_category("peak")
-    return phases
+    return {**phases, **counted}
 
 
 def _warmed_up(model: nn.Module) -> torch.optim.Optimizer:
