@@ -107,34 +107,33 @@ def test_qlora_base_is_counted_at_nf4_size() -> None:
 
 
 def test_extrapolation_from_fewer_layers_matches_measuring_them_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 24-layer model: each phase's peak, extrapolated from 8 and 16 layers, equals the peak of all 24."""
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=24,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-    )
+    """Each interval's peak, extrapolated from 8 and 16 layers per rank, equals the peak of all of them: 24 layers
+    in one process, with and without checkpointing; 40 layers in a 2-stage 1F1B pipeline (20 per rank)."""
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    config, deep = LlamaConfig(num_hidden_layers=24, **shape), LlamaConfig(num_hidden_layers=40, **shape)
+    full = MemoryOptions(activation_checkpointing="full")
     cases = [
         Workload(config, ParallelLayout().resolve(2), seq_len=256, micro_batch_size=2, dtype="fp32"),
+        Workload(config, ParallelLayout().resolve(2), memory=full, seq_len=256, micro_batch_size=2, dtype="fp32"),
         Workload(
-            config,
-            ParallelLayout().resolve(2),
-            memory=MemoryOptions(activation_checkpointing="full"),
+            deep,
+            ParallelLayout(pp_size=2).resolve(4),
+            ParallelOptions(pp_microbatches=4),
             seq_len=256,
-            micro_batch_size=2,
+            micro_batch_size=4,
             dtype="fp32",
         ),
     ]
     for workload in cases:
-        [extrapolated] = dry_run(workload)
-        assert any("extrapolated" in note for note in extrapolated.notes)
+        extrapolated = dry_run(workload)
+        assert all(any("extrapolated" in note for note in rank.notes) for rank in extrapolated)
         monkeypatch.setattr(dryrun, "MEASURED_LAYERS", (32, 64))
-        [direct] = dry_run(workload)
+        direct = dry_run(workload)
         monkeypatch.undo()
-        assert not direct.notes  # measured as it is
-        assert extrapolated.total == pytest.approx(direct.total, rel=0.01)
+        for guess, truth in zip(extrapolated, direct):
+            assert not truth.notes  # measured as it is
+            assert guess.total == pytest.approx(truth.total, rel=0.01), (guess.kind, guess.peak, truth.peak)
+            assert min(guess.peak.values()) >= 0
 
 
 def test_dry_run_predicts_the_peak_of_real_runs() -> None:

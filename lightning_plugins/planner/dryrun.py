@@ -25,6 +25,7 @@ import math
 import multiprocessing
 import os
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -141,7 +142,7 @@ def _rank_memory(
     if dense is not None:
         _as_nf4(report, workload, dense)
     if workload.memory.cpu_offload:
-        _offload(report)
+        with_offload(report)
     return report
 
 
@@ -293,9 +294,11 @@ def layers_of_rank(workload: Workload, rank: int) -> int:
 def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[str, dict[str, int]]:
     """Bytes by category at the peak of each phase of one training step of ``workload`` on ``rank``.
 
-    Returns ``{"forward_backward": peak, "optimizer": peak}``, measured under ``FakeTensorMode`` in the state
-    a first step leaves (:func:`_warmed_up`); with ``count`` also the model's ``"state"`` (:func:`_state_of`)
-    and, for QLoRA, its ``"dense_state"`` (what the measured step holds).
+    Returns ``{"intervals": [peak, ...]}``, measured under ``FakeTensorMode`` in the state a first step leaves
+    (:func:`_warmed_up`): the peak of each interval of the step, the intervals cut where the step's structure
+    does not depend on the number of layers (forward + backward, the optimizer step; under a pipeline also at
+    every stage's forward and backward of a micro-batch); with ``count`` also the model's ``"state"``
+    (:func:`_state_of`) and, for QLoRA, its ``"dense_state"`` (what the measured step holds).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -319,16 +322,27 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
             batch = _batch(workload, mesh_of(model), workload.seq_len)
             tracker = StepMemTracker(model)
             tracker.track_external(model, optimizer, *batch.values())
-            with tracker:
-                output = model(**batch)
-                if pipeline_of(model) is None:  # a pipeline's forward runs backward too
-                    output.loss.backward()
-                phases = {"forward_backward": tracker.by_category("peak")}
+            intervals: list[dict[str, int]] = []
+
+            def mark(*_: Any) -> None:  # the peak since the last mark, then a new interval
+                intervals.append(tracker.by_category("peak"))
                 tracker.restart_peak()
+
+            pipeline = pipeline_of(model)
+            for stage in pipeline.stages.values() if pipeline is not None else ():
+                stage.register_forward_pre_hook(mark)
+                stage.register_full_backward_pre_hook(mark)
+            with tracker, warnings.catch_warnings():
+                # The first stage's input (token ids) takes no gradient: torch says its backward hook fires anyway.
+                warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+                output = model(**batch)
+                if pipeline is None:  # a pipeline's forward runs backward too
+                    output.loss.backward()
+                mark()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                phases["optimizer"] = tracker.by_category("peak")
-    return {**phases, **counted}
+                mark()
+    return {"intervals": [peak for peak in intervals if peak["total"]], **counted}
 
 
 def _warmed_up(model: nn.Module) -> torch.optim.Optimizer:
@@ -372,20 +386,27 @@ def _measured_copies(workload: Workload, rank: int) -> list[Workload]:
     return [measured.with_layers(count // per_rank * stages) for count in MEASURED_LAYERS]
 
 
-def _extrapolated(steps: list[dict[str, dict[str, int]]], layers: int) -> tuple[dict[str, int], int]:
-    """The step's peak at ``layers`` layers and the activations one layer adds: each phase's peak extrapolated
-    linearly from the two measured copies (the phases apart: their peaks grow at different rates)."""
+def _extrapolated(steps: list[dict[str, list[dict[str, int]]]], layers: int) -> tuple[dict[str, int], int]:
+    """The step's peak at ``layers`` layers and the activations one layer adds.
+
+    Each interval's peak (:func:`measure_step`) is extrapolated linearly from the two measured copies and the
+    largest is taken: within an interval the peak falls at the same point whatever the layer count (the end of
+    forward, or the end of backward), so each is linear in the layers, while the step's overall peak may move
+    from one interval to another as layers are added.
+    """
     if len(steps) == 1:
-        return _folded(max(steps[0].values(), key=lambda peak: peak["total"])), 0
-    low, high = steps
+        return _folded(max(steps[0]["intervals"], key=lambda peak: peak["total"])), 0
+    low, high = steps[0]["intervals"], steps[1]["intervals"]
+    if len(low) != len(high):
+        raise RuntimeError(
+            f"dry run: the measured copies ran {len(low)} and {len(high)} intervals; cannot extrapolate."
+        )
     small, large = MEASURED_LAYERS
     scale = (layers - small) / (large - small)
-    peaks = [
-        {key: low[phase][key] + round((high[phase][key] - low[phase][key]) * scale) for key in low[phase]}
-        for phase in low
-    ]
-    per_layer = (high["forward_backward"]["activations"] - low["forward_backward"]["activations"]) / (large - small)
-    return _folded(max(peaks, key=lambda peak: peak["total"])), round(per_layer)
+    peaks = [{key: a[key] + round((b[key] - a[key]) * scale) for key in a} for a, b in zip(low, high)]
+    worst = max(range(len(peaks)), key=lambda index: peaks[index]["total"])
+    per_layer = (high[worst]["activations"] - low[worst]["activations"]) / (large - small)
+    return _folded(peaks[worst]), round(per_layer)
 
 
 def _folded(peak: dict[str, int]) -> dict[str, int]:
@@ -429,7 +450,7 @@ def _as_nf4(report: RankMemory, workload: Workload, dense: dict[str, int]) -> No
     )
 
 
-def _offload(report: RankMemory) -> None:
+def with_offload(report: RankMemory) -> None:
     """FSDP2 CPU offload: sharded parameters, gradients and optimizer state live on the host."""
     state = report.state
     report.host = sum(state.values())

@@ -13,6 +13,7 @@ never returned.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -21,10 +22,10 @@ from typing import Any
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.lora import LoraOptions
 from lightning_plugins.options import MemoryOptions, ParallelOptions
-from lightning_plugins.planner.dryrun import korthikanti_activations
+from lightning_plugins.planner.dryrun import RankMemory, dry_run, korthikanti_activations, with_offload
 from lightning_plugins.planner.hardware import Cluster
 from lightning_plugins.planner.model_stats import PlannerError, model_stats
-from lightning_plugins.planner.report import DEFAULT_MARGIN, Plan, plan
+from lightning_plugins.planner.report import DEFAULT_MARGIN, Plan
 from lightning_plugins.planner.timing import StepTime, estimate_step_time
 from lightning_plugins.planner.workload import Workload
 
@@ -88,12 +89,13 @@ def search(
         if peak <= budget:
             screened.append(Candidate(workload, peak, _step_time(workload, cluster)))
     screened.sort(key=lambda c: c.step.step_s)
-    chosen = []
+    chosen: list[Candidate] = []
+    measured: dict[tuple, list[RankMemory]] = {}
     for candidate in screened:
         if len(chosen) == top:
             break
         if verify:
-            candidate.plan = plan(candidate.workload, cluster, margin=margin)
+            candidate.plan = _dry_run_plan(candidate, cluster, margin, measured)
             if not candidate.plan.fits:
                 continue
         chosen.append(candidate)
@@ -106,6 +108,21 @@ def search(
             f" {smallest_text}. Use more or larger GPUs, LoRA or QLoRA (--method), or a shorter --seq-len."
         )
     return chosen
+
+
+def _dry_run_plan(candidate: Candidate, cluster: Cluster, margin: float, measured: dict) -> Plan:
+    """The candidate's dry run; with and without CPU offload the step measures the same (offload moves the
+    state to the host afterwards), so one dry run serves both."""
+    workload = candidate.workload
+    dense = replace(workload, memory=replace(workload.memory, cpu_offload=False))
+    key = (dense.layout, dense.options, dense.memory, dense.micro_batch_size)
+    if key not in measured:
+        measured[key] = dry_run(dense)
+    ranks = copy.deepcopy(measured[key])
+    if workload.memory.cpu_offload:
+        for rank in ranks:
+            with_offload(rank)
+    return Plan(workload, cluster, ranks, candidate.step, margin)
 
 
 def candidate_workloads(
@@ -181,7 +198,8 @@ def estimate_peak(workload: Workload) -> int:
     if pipeline is not None:
         p = layout.pp_size
         in_flight = pipeline.microbatches if pipeline.schedule in ("gpipe", "looped_bfs") else p + (v - 1) * p // v
-    one = replace(workload, micro_batch_size=rows, memory=replace(memory, activation_checkpointing="none"))
+    # korthikanti_activations takes one pipeline micro-batch of the workload's rows itself.
+    one = replace(workload, memory=replace(memory, activation_checkpointing="none"))
     sp = layout.tp_size > 1 and workload.options.sequence_parallel
     whole_layer = ACTIVATION_FACTOR["sequence_parallel" if sp else "plain"] * korthikanti_activations(one, 1)
     per_layer = {
