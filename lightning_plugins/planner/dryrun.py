@@ -296,12 +296,13 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
 
     Returns ``{"intervals": [peak, ...]}``, measured under ``FakeTensorMode`` in the state a first step leaves
     (:func:`_warmed_up`): the peak of each interval of the step, the intervals cut where the step's structure
-    does not depend on the number of layers (forward + backward, the optimizer step; under a pipeline also at
-    every stage's forward and backward of a micro-batch); with ``count`` also the model's ``"state"``
+    does not depend on the number of layers (the head's forward and backward, the optimizer step; under a
+    pipeline also every stage's forward and backward of a micro-batch); with ``count`` also the model's ``"state"``
     (:func:`_state_of`) and, for QLoRA, its ``"dense_state"`` (what the measured step holds).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from lightning_plugins.lora import hf_model_of
     from lightning_plugins.parallel import mesh_of, pipeline_of
 
     with (
@@ -332,6 +333,10 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
             for stage in pipeline.stages.values() if pipeline is not None else ():
                 stage.register_forward_pre_hook(mark)
                 stage.register_full_backward_pre_hook(mark)
+            head = hf_model_of(model).get_output_embeddings()
+            if head is not None:  # the head's logits and loss apart from the layers before and after them
+                head.register_forward_pre_hook(mark)
+                head.register_full_backward_hook(mark)
             with tracker, warnings.catch_warnings():
                 # The first stage's input (token ids) takes no gradient: torch says its backward hook fires anyway.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
@@ -446,7 +451,8 @@ def _as_nf4(report: RankMemory, workload: Workload, dense: dict[str, int]) -> No
     report.peak["total"] += largest - saved
     report.notes.append(
         f"NF4 base: measured dense, its frozen linear weights counted at NF4 size ({saved / 2**30:.2f} GiB less),"
-        f" plus one dequantized weight ({largest / 2**20:.0f} MiB) as a temporary"
+        f" plus one dequantized weight ({largest / 2**20:.0f} MiB) as a temporary; FSDP2's gathered copies stay"
+        " counted dense (torchao gathers the 4-bit data: an over-estimate)"
     )
 
 
