@@ -14,8 +14,7 @@ Sections (default: all), each printed as markdown tables:
   built from our shipped config, as its ``create_empty_model`` builds one from the Hub), and what each leaves out.
 * ``--published``: the dry run on the settings of published fine-tuning memory figures (torchtune's README table,
   settings from its recipe configs; LLaMA-Factory's per-method table), with the settings it cannot match named.
-* ``--calibration``: the planner's ``calibration_table`` (``planner.calibration``, or ``planner.timing`` where it
-  first lived): published vs predicted tokens/s/GPU, for the fitted runs and the held-out ``VALIDATION`` runs.
+* ``--calibration``: the planner's ``calibration_table`` (``planner.calibration``): published vs predicted tokens/s/GPU, for the fitted runs and the held-out ``VALIDATION`` runs.
 
 Exits non-zero when the 405B interleaved dry run takes longer than ``--max-405b-seconds`` (after printing all).
 
@@ -685,23 +684,10 @@ def published_section() -> Section:
 # ------------------------------------------------------------------------------------------------------ calibration
 
 
-def _calibration_module() -> Any:
-    """The module holding ``calibration_table`` (``planner.calibration``; ``planner.timing`` before it moved)."""
-    import importlib
-
-    for name in ("lightning_plugins.planner.calibration", "lightning_plugins.planner.timing"):
-        with contextlib.suppress(ImportError):
-            module = importlib.import_module(name)
-            if hasattr(module, "calibration_table"):
-                return module
-    return None
-
-
 def calibration_section() -> Section:
-    """``calibration_table()``: published tokens/s/GPU against the step-time model, if the planner has it."""
-    module = _calibration_module()
-    if module is None:
-        return Section(["### Calibration", "", "The planner has no `calibration_table` (calibration or timing)."], None)
+    """``calibration_table()``: published tokens/s/GPU against the step-time model."""
+    from lightning_plugins.planner import calibration as module
+
     header = [
         "run",
         "kernels",
@@ -715,9 +701,7 @@ def calibration_section() -> Section:
         "issue's anchor",
         "source",
     ]
-    tables = {"fitted": module.calibration_table()}
-    if hasattr(module, "VALIDATION"):
-        tables["validation"] = module.calibration_table(module.VALIDATION)
+    tables = {"fitted": module.calibration_table(), "validation": module.calibration_table(module.VALIDATION)}
     lines = [
         "### Calibration of the step-time model",
         "",
