@@ -204,7 +204,7 @@ class StepMemTracker(MemTracker):
         for dev, snapshot in self._curr_mem_snap.items():
             if self._peak_mem.get(dev, 0) < snapshot[_TOTAL_KEY]:
                 self._peak_mem[dev] = snapshot[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = deepcopy(snapshot)
+                self._peak_mem_snap[dev] = dict(snapshot)  # {category: bytes}: a shallow copy is a full one
 
     def restart_peak(self) -> None:
         """Forget the peak so far: the next :meth:`by_category` ``("peak")`` covers what runs from now on."""
