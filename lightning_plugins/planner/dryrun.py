@@ -24,6 +24,7 @@ import contextlib
 import math
 import multiprocessing
 import os
+import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -146,13 +147,20 @@ def _rank_memory(
     return report
 
 
+#: Imported once by the fork server, so that each dry-run process starts without importing them again.
+_PRELOAD = ["lightning_plugins.planner.dryrun", "lightning_plugins.parallel", "transformers", "peft"]
+
+
 def _forked(calls: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
-    """``fn(*args)`` of each call, each in its own forked process, as many at once as there are cores.
+    """``fn(*args)`` of each call, each in its own process, as many at once as there are cores.
 
     Each fake world starts clean: DTensor and pipelining keep process-wide caches that refer to the process
-    groups of the previous world.
+    groups of the previous world. The processes are forked from a fork server (single-threaded, modules
+    preloaded), never from the caller: forking a process that runs threads (a test runner after gloo worlds,
+    a notebook) can leave a child waiting forever on a lock another thread held.
     """
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
     results: list[Any] = [None] * len(calls)
     width = max(1, min(len(calls), os.cpu_count() or 1))
     for start in range(0, len(calls), width):
@@ -160,7 +168,8 @@ def _forked(calls: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
         for index in range(start, min(start + width, len(calls))):
             receive, send = context.Pipe(duplex=False)
             child = context.Process(target=_child_main, args=(send, *calls[index]))
-            child.start()
+            with _main_not_reimported():
+                child.start()
             send.close()
             running.append((index, receive, child))
         for index, receive, child in running:
@@ -174,6 +183,20 @@ def _forked(calls: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
                 raise RuntimeError(f"dry run of rank {calls[index][1][-1]} failed:\n{value}")
             results[index] = value
     return results
+
+
+@contextlib.contextmanager
+def _main_not_reimported() -> Iterator[None]:
+    """Start a process without it importing the caller's ``__main__`` (what it runs lives in this module): a
+    script that calls :func:`dry_run` needs no ``if __name__ == "__main__":`` guard."""
+    main = sys.modules["__main__"]
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
 
 
 def _child_main(send: Any, fn: Callable[..., Any], args: tuple) -> None:
