@@ -70,7 +70,7 @@ class ParallelOptions:
 
 @dataclass(frozen=True)
 class MemoryOptions:
-    """Memory levers: activation checkpointing, FSDP2 mixed precision, CPU offload, resharding.
+    """Memory levers: activation checkpointing and offload, FSDP2 mixed precision, CPU and optimizer offload, resharding.
 
     Args:
         activation_checkpointing: ``"none"``, ``"full"`` (each layer keeps only its input) or
@@ -81,6 +81,15 @@ class MemoryOptions:
         cpu_offload: FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state on the
             host (pinned on GPUs; unpinned on CPU, where the path still runs).
         reshard_after_forward: FSDP2 ZeRO-3 (``True``) or keep parameters gathered until backward.
+        optimizer_offload: The optimizer's state and step on the host, parameters and gradients on the GPU
+            (DeepSpeed ZeRO-Offload style; :class:`lightning_plugins.offload.HostOffloadOptimizer`): saves AdamW's
+            8 bytes per trainable fp32 parameter of GPU memory for a host copy of parameters, gradients and
+            state, and costs a gradient and a parameter transfer over PCIe plus a host AdamW per step. Applied
+            where the optimizer is built (``make_optimizer``; your own: ``lightning_plugins.offload.offload_optimizer``).
+            Not with ``cpu_offload``, which already keeps the optimizer on the host.
+        activation_offload: Saved activations of each decoder layer moved to host memory during forward and
+            back in backward (pinned on GPUs; on CPU the copies still run). With ``activation_checkpointing``
+            only what checkpointing keeps (a fully checkpointed layer's input) moves.
     """
 
     activation_checkpointing: str = "none"
@@ -89,6 +98,8 @@ class MemoryOptions:
     reduce_dtype: str | None = None
     cpu_offload: bool = False
     reshard_after_forward: bool = True
+    optimizer_offload: bool = False
+    activation_offload: bool = False
 
     def __post_init__(self) -> None:
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
@@ -109,6 +120,16 @@ class MemoryOptions:
                 raise LayoutError(
                     f"Unknown dtype {name}={value!r} for mixed precision; use one of {sorted(DTYPE_NAMES)}."
                 )
+        for name in ("optimizer_offload", "activation_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise LayoutError(f"{name} must be true or false, got {getattr(self, name)!r}.")
+        if self.optimizer_offload and self.cpu_offload:
+            raise LayoutError(
+                "optimizer_offload and cpu_offload cannot be combined: cpu_offload (FSDP2's CPUOffloadPolicy) already"
+                " keeps the sharded parameters, gradients and optimizer state on the host and steps there. Keep"
+                " cpu_offload alone to free the most GPU memory, or optimizer_offload alone to keep the parameters"
+                " and gradients on the GPU."
+            )
 
     @property
     def uses_fsdp_policy(self) -> bool:

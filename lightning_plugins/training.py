@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_plugins.offload import offload_optimizer
 from lightning_plugins.recipe import Recipe
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,12 +37,18 @@ def lr_lambda(step: int, total: int, warmup: int, scheduler: str, min_ratio: flo
 
 
 def make_optimizer(model: torch.nn.Module, recipe: Recipe, total_steps: int) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW over the trainable parameters only (LoRA: the adapters) and its per-step schedule."""
+    """AdamW over the trainable parameters only (LoRA: the adapters) and its per-step schedule.
+
+    With ``memory.optimizer_offload`` the AdamW state and step live in host memory
+    (:class:`lightning_plugins.offload.HostOffloadOptimizer`); the schedule drives it the same way.
+    """
     optim = recipe.optim
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        trainable, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
-    )
+    hyperparameters = {"lr": optim.lr, "betas": optim.betas, "eps": optim.eps, "weight_decay": optim.weight_decay}
+    if recipe.memory.optimizer_offload:
+        optimizer: torch.optim.Optimizer = offload_optimizer(torch.optim.AdamW, trainable, **hyperparameters)
+    else:
+        optimizer = torch.optim.AdamW(trainable, **hyperparameters)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_lambda(step, total_steps, optim.warmup_steps, optim.scheduler, optim.min_lr_ratio)
     )

@@ -57,7 +57,8 @@ def parallelize(
             :meth:`ParallelLayout.build_mesh`.
         options: How each dimension is applied (sequence/loss parallel, CP backend, pipeline schedule
             and micro-batches); defaults when ``None``. Shard CP batches with :func:`context_parallel_batch`.
-        memory: Activation checkpointing, FSDP2 mixed precision, CPU offload, resharding; defaults when ``None``.
+        memory: Activation checkpointing and offload, FSDP2 mixed precision, CPU offload, resharding; defaults when
+            ``None`` (``optimizer_offload`` is the optimizer's: see :func:`lightning_plugins.training.make_optimizer`).
 
     Returns:
         The same model, now holding DTensor parameters; its ``loss_function`` averages over valid tokens
@@ -111,7 +112,9 @@ def parallelize(
     if resolved.cp_size > 1:
         apply_context_parallel(model, layers, mesh["cp"], options.cp_backend)
         _refuse_generate(model, "context parallelism (each rank holds only a shard of the sequence)")
-    apply_activation_checkpointing(layers, memory.activation_checkpointing, memory.every_n_layers)
+    apply_activation_checkpointing(
+        layers, memory.activation_checkpointing, memory.every_n_layers, offload=memory.activation_offload
+    )
     fsdp = fsdp_mesh(mesh)
     if fsdp is not None:
         apply_fsdp(
@@ -159,7 +162,10 @@ def _parallelize_pipeline(
         tensor_parallel=tensor_parallel,
         sequence_mesh=sequence_mesh,
         activation_checkpointing=partial(
-            apply_activation_checkpointing, mode=memory.activation_checkpointing, every_n_layers=memory.every_n_layers
+            apply_activation_checkpointing,
+            mode=memory.activation_checkpointing,
+            every_n_layers=memory.every_n_layers,
+            offload=memory.activation_offload,
         ),
         fully_shard_stage=fully_shard_stage,
         reshard_after_forward=memory.reshard_after_forward,

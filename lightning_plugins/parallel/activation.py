@@ -1,19 +1,29 @@
-"""Activation checkpointing of decoder layers: full, every N-th layer, or op-level selective.
+"""Activation memory of decoder layers: checkpointing (full, every N-th layer, or op-level selective) and offload.
 
 transformers' decoder layers (``GradientCheckpointingLayer``) checkpoint their own ``forward`` when
 ``gradient_checkpointing`` is set, which keeps FSDP2's module hooks outside the recomputed region and
 leaves parameter names untouched; we only choose which layers and what is saved.
+
+Activation offload moves what a layer saves for backward to host memory during its forward and brings it
+back when backward needs it (:class:`offload_saved_tensors`, entered by module hooks around each layer's
+call, so around the checkpoint of a checkpointed layer). It composes with checkpointing: a fully
+checkpointed layer saves only its inputs (through torch's checkpoint), which is then what moves; the
+recomputation in backward runs outside the hooks and stays on the device. Op-level selective checkpointing
+keeps its matmul and attention outputs in the checkpoint's own cache: those stay on the device too.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
+from lightning_plugins import offload
 from lightning_plugins.layout import LayoutError
 
 MODES = ("none", "full", "selective")
@@ -39,7 +49,9 @@ def _selective_contexts() -> tuple:
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
-def apply_activation_checkpointing(layers: Iterable[nn.Module], mode: str = "full", every_n_layers: int | None = None) -> None:
+def apply_activation_checkpointing(
+    layers: Iterable[nn.Module], mode: str = "full", every_n_layers: int | None = None, *, offload: bool = False
+) -> None:
     """Checkpoint decoder layers.
 
     Args:
@@ -48,6 +60,7 @@ def apply_activation_checkpointing(layers: Iterable[nn.Module], mode: str = "ful
             ``every_n_layers``: every N-th layer is checkpointed fully; without: every layer saves its
             matmul and attention outputs and recomputes the rest).
         every_n_layers: For ``"selective"``: checkpoint layers ``0, N, 2N, ...``.
+        offload: Also offload what each layer saves for backward to host memory (:func:`apply_activation_offload`).
 
     Raises:
         LayoutError: for an unknown mode, a bad N, or layers that cannot checkpoint themselves.
@@ -58,6 +71,9 @@ def apply_activation_checkpointing(layers: Iterable[nn.Module], mode: str = "ful
         raise LayoutError(
             f"every_n_layers={every_n_layers!r} needs activation_checkpointing='selective' and a positive integer."
         )
+    layers = list(layers)
+    if offload:
+        apply_activation_offload(layers)
     if mode == "none":
         return
     op_level = mode == "selective" and every_n_layers is None
@@ -73,3 +89,54 @@ def apply_activation_checkpointing(layers: Iterable[nn.Module], mode: str = "ful
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = function
 
+
+
+class offload_saved_tensors(saved_tensors_hooks):  # a context manager, named like torch's save_on_cpu
+    """Tensors saved for backward go to host memory (:func:`lightning_plugins.offload.to_host`) and come back to
+    their device when backward unpacks them; parameters stay. A tensor saved by several ops is moved once."""
+
+    def __init__(self) -> None:
+        moved: dict[int, tuple[Any, Any]] = {}  # id(tensor) -> (tensor, packed): the same tensor saved again
+
+        def pack(tensor: torch.Tensor) -> Any:
+            seen = moved.get(id(tensor))
+            if seen is not None and seen[0] is tensor and seen[1][0] == tensor._version:
+                return seen[1][1]
+            packed = offload.to_host(tensor)
+            moved[id(tensor)] = (tensor, (tensor._version, packed))
+            return packed
+
+        super().__init__(pack, offload.from_host)
+        self._moved = moved
+
+    def __exit__(self, *args: object) -> None:
+        self._moved.clear()  # the originals may be freed now: only the host copies stay referenced (by autograd)
+        super().__exit__(*args)
+
+
+_OFFLOAD_ATTR = "_lightning_plugins_offload"
+
+
+def _enter_offload(layer: nn.Module, args: object) -> None:
+    context = offload_saved_tensors()
+    context.__enter__()
+    getattr(layer, _OFFLOAD_ATTR).append(context)
+
+
+def _exit_offload(layer: nn.Module, args: object, output: object) -> None:
+    getattr(layer, _OFFLOAD_ATTR).pop().__exit__(None, None, None)
+
+
+def apply_activation_offload(layers: Iterable[nn.Module]) -> None:
+    """Offload each decoder layer's saved activations to host memory for the duration of its call.
+
+    Module hooks open :class:`offload_saved_tensors` before the layer's ``forward`` (and so before the checkpoint
+    of a checkpointed layer) and close it after, also when the forward fails. Under pipeline parallelism the
+    hooks sit on each stage's own layers; what they save for every micro-batch in flight goes to the host.
+    """
+    for layer in layers:
+        if hasattr(layer, _OFFLOAD_ATTR):
+            continue
+        setattr(layer, _OFFLOAD_ATTR, [])
+        layer.register_forward_pre_hook(_enter_offload)
+        layer.register_forward_hook(_exit_offload, always_call=True)
