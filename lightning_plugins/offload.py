@@ -156,6 +156,14 @@ def _as_local(value: Any, param: Tensor, owner: str, key: str) -> Any:
     return value
 
 
+#: Optimizers whose fused CPU kernel the host step uses unless told otherwise: an H100 run of an 850M-parameter
+#: model stepped in 0.29 s fused against 1.1-1.5 s with the per-parameter loop (benchmarks/offload_gpu_h100.json).
+_FUSED_ON_CPU = (torch.optim.AdamW, torch.optim.Adam)
+#: Group keys that choose the host optimizer's implementation rather than the update: not copied from the groups.
+_IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
+_NOT_SYNCED = ("params", *_IMPLEMENTATION)
+
+
 class HostOffloadOptimizer(Optimizer):
     """A ``torch.optim`` optimizer whose state and step live in host memory; parameters and gradients stay on the GPU.
 
@@ -251,7 +259,13 @@ class HostOffloadOptimizer(Optimizer):
             {**{k: v for k, v in group.items() if k != "params"}, "params": [next(hosts) for _ in group["params"]]}
             for group in self.param_groups
         ]
-        self._host = self.optimizer_class(groups, **self.optimizer_kwargs)
+        kwargs = dict(self.optimizer_kwargs)
+        if self.optimizer_class in _FUSED_ON_CPU and _HOST.type == "cpu" and not {"fused", "foreach"} & kwargs.keys():
+            kwargs["fused"] = True
+        for group in groups:
+            for key in _IMPLEMENTATION:
+                group.pop(key, None)
+        self._host = self.optimizer_class(groups, **kwargs)
         return self._host
 
     @torch.no_grad()
@@ -263,7 +277,7 @@ class HostOffloadOptimizer(Optimizer):
                 loss = closure()
         host_optimizer = self._ensure_host()
         for group, host_group in zip(self.param_groups, host_optimizer.param_groups):
-            host_group.update((key, value) for key, value in group.items() if key != "params")
+            host_group.update((key, value) for key, value in group.items() if key not in _NOT_SYNCED)
         stepped, devices = set(), set()
         for index, (param, host, buffer) in enumerate(self._pairs):
             local = _local(param.detach())
