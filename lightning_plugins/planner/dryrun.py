@@ -13,9 +13,16 @@ pipeline stage with it) the dry run
    the step's peak linearly to the layers the rank really holds (**peak**, measured). The pipeline
    schedule runs for real, so the micro-batches a stage holds at once are the schedule's own.
 
+Host memory is measured where a lever changes the step: with ``memory.activation_offload`` the offload hooks
+run in the measured step and move what each layer saves to the meta device, which the tracker counts apart from
+the (fake, CPU) GPU: the GPU peak is what stays, :attr:`RankMemory.host` the most the host holds at once.
+
 Modelled rather than measured, and said so in :attr:`RankMemory.notes`: NF4 bases (QLoRA) are measured
 dense and their parameter bytes scaled to NF4, plus one dequantized weight as a temporary; with
-``memory.cpu_offload`` the sharded parameters, gradients and optimizer state are moved to the host.
+``memory.cpu_offload`` the sharded parameters, gradients and optimizer state are moved to the host; with
+``memory.optimizer_offload`` the optimizer state is (and the optimizer step's GPU temporaries vanish), the host
+holding it with a copy of the trainable parameters and their gradients. Both only move resident state, so one
+measured step serves a workload with and without them (the layout search relies on it).
 """
 
 from __future__ import annotations
@@ -57,9 +64,13 @@ class RankMemory:
         layers: Decoder layers this rank holds.
         state: Resident ``parameters``, ``gradients`` and ``optimizer`` bytes counted from the sharded tensors.
         peak: GPU bytes by category at the moment of the step's peak (:data:`PEAK_CATEGORIES`), and ``total``.
-        host: Bytes this rank keeps in host memory (CPU offload).
+        host: Bytes this rank keeps in host memory at most: offloaded state (CPU or optimizer offload) plus the
+            most activations offloaded at once (activation offload).
         activations_per_layer: Measured bytes one decoder layer adds to the peak (all micro-batches in flight).
         notes: What is modelled rather than measured.
+        intervals: The peak of each interval of the step (the last one the optimizer step), by category, before
+            the levers that only move state (CPU and optimizer offload): :attr:`peak` is the largest once they
+            are applied.
     """
 
     kind: str
@@ -70,6 +81,7 @@ class RankMemory:
     host: int = 0
     activations_per_layer: int = 0
     notes: list[str] = field(default_factory=list)
+    intervals: list[dict[str, int]] = field(default_factory=list, repr=False)
 
     @property
     def total(self) -> int:
@@ -133,8 +145,10 @@ def _rank_memory(
     workload: Workload, kind: str, rank: int, state: dict, dense: dict | None, steps: list[dict]
 ) -> RankMemory:
     layers = layers_of_rank(workload, rank)
-    peak, per_layer = _extrapolated(steps, layers)
-    report = RankMemory(kind, rank, layers, state, peak, activations_per_layer=per_layer)
+    intervals, per_layer = _extrapolated(steps, layers)
+    offloaded = max(interval.pop("host") for interval in intervals)  # activations on the host at most at once
+    report = RankMemory(kind, rank, layers, state, {}, host=offloaded, activations_per_layer=per_layer)
+    report.intervals = intervals
     if len(steps) > 1:
         report.notes.append(
             f"peak extrapolated to {layers} layers from copies of the model with {MEASURED_LAYERS[0]} and"
@@ -142,6 +156,14 @@ def _rank_memory(
         )
     if dense is not None:
         _as_nf4(report, workload, dense)
+    report.peak = _worst(report.intervals)
+    if workload.memory.activation_offload:
+        report.notes.append(
+            f"activation offload measured: the step ran with the offload hooks, {offloaded / 2**30:.2f} GiB of saved"
+            " activations on the host at most"
+        )
+    if workload.memory.optimizer_offload:
+        with_optimizer_offload(report)
     if workload.memory.cpu_offload:
         with_offload(report)
     return report
@@ -319,13 +341,15 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
 
     Returns ``{"intervals": [peak, ...]}``, measured under ``FakeTensorMode`` in the state a first step leaves
     (:func:`_warmed_up`): the peak of each interval of the step, the intervals cut where the step's structure
-    does not depend on the number of layers (the head's forward and backward, the optimizer step; under a
-    pipeline also every stage's forward and backward of a micro-batch); with ``count`` also the model's ``"state"``
+    does not depend on the number of layers (the head's forward and backward, the optimizer step, which is the
+    last; under a pipeline also every stage's forward and backward of a micro-batch), each with the most bytes
+    offloaded to the host during it (``"host"``, activation offload); with ``count`` also the model's ``"state"``
     (:func:`_state_of`) and, for QLoRA, its ``"dense_state"`` (what the measured step holds).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lightning_plugins.lora import hf_model_of
+    from lightning_plugins.offload import host_device
     from lightning_plugins.parallel import mesh_of, pipeline_of
 
     with (
@@ -333,6 +357,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
         _static_pipeline_shapes(),
         _unpacked_rows(),
         _default_dtype(workload.dtype),
+        host_device("meta"),  # offloaded activations: tracked on the meta device, apart from the GPU's
     ):
         model = build_parallel_model(workload)
         counted = {}
@@ -349,7 +374,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
             intervals: list[dict[str, int]] = []
 
             def mark(*_: Any) -> None:  # the peak since the last mark, then a new interval
-                intervals.append(tracker.by_category("peak"))
+                intervals.append({**tracker.by_category("peak"), "host": tracker.by_category("peak", "meta")["total"]})
                 tracker.restart_peak()
 
             pipeline = pipeline_of(model)
@@ -414,16 +439,16 @@ def _measured_copies(workload: Workload, rank: int) -> list[Workload]:
     return [measured.with_layers(count // per_rank * stages) for count in MEASURED_LAYERS]
 
 
-def _extrapolated(steps: list[dict[str, list[dict[str, int]]]], layers: int) -> tuple[dict[str, int], int]:
-    """The step's peak at ``layers`` layers and the activations one layer adds.
+def _extrapolated(steps: list[dict[str, list[dict[str, int]]]], layers: int) -> tuple[list[dict[str, int]], int]:
+    """Each interval's peak at ``layers`` layers (buffers folded into "other") and the activations one layer adds.
 
-    Each interval's peak (:func:`measure_step`) is extrapolated linearly from the two measured copies and the
-    largest is taken: within an interval the peak falls at the same point whatever the layer count (the end of
-    forward, or the end of backward), so each is linear in the layers, while the step's overall peak may move
-    from one interval to another as layers are added.
+    Each interval's peak (:func:`measure_step`) is extrapolated linearly from the two measured copies; the step's
+    peak is the largest (:func:`_worst`): within an interval the peak falls at the same point whatever the layer
+    count (the end of forward, or the end of backward), so each is linear in the layers, while the step's overall
+    peak may move from one interval to another as layers are added.
     """
     if len(steps) == 1:
-        return _folded(max(steps[0]["intervals"], key=lambda peak: peak["total"])), 0
+        return [_folded(peak) for peak in steps[0]["intervals"]], 0
     low, high = steps[0]["intervals"], steps[1]["intervals"]
     if len(low) != len(high):
         raise RuntimeError(
@@ -434,7 +459,7 @@ def _extrapolated(steps: list[dict[str, list[dict[str, int]]]], layers: int) -> 
     peaks = [{key: a[key] + round((b[key] - a[key]) * scale) for key in a} for a, b in zip(low, high)]
     worst = max(range(len(peaks)), key=lambda index: peaks[index]["total"])
     per_layer = (high[worst]["activations"] - low[worst]["activations"]) / (large - small)
-    return _folded(peaks[worst]), round(per_layer)
+    return [_folded(peak) for peak in peaks], round(per_layer)
 
 
 def _folded(peak: dict[str, int]) -> dict[str, int]:
@@ -442,6 +467,11 @@ def _folded(peak: dict[str, int]) -> dict[str, int]:
     peak = dict(peak)
     peak["other"] += peak.pop("buffers")
     return peak
+
+
+def _worst(intervals: list[dict[str, int]]) -> dict[str, int]:
+    """The step's peak: the interval whose peak is largest."""
+    return dict(max(intervals, key=lambda peak: peak["total"]))
 
 
 def _fewer_microbatches(workload: Workload) -> Workload:
@@ -463,15 +493,16 @@ def _fewer_microbatches(workload: Workload) -> Workload:
 
 def _as_nf4(report: RankMemory, workload: Workload, dense: dict[str, int]) -> None:
     """QLoRA: the step is measured with a dense base; its weights take their NF4 size (``report.state``, counted)
-    and one dequantized weight of a layer (the largest) is added as a temporary."""
+    and one dequantized weight of a layer (the largest) is added as a temporary, in every interval."""
     saved = dense["parameters"] - report.state["parameters"]
     config = workload.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     largest = max(config.intermediate_size, config.num_attention_heads * head_dim) * config.hidden_size
     largest = largest * _DTYPES[workload.dtype].itemsize // workload.layout.tp_size
-    report.peak["parameters"] -= saved
-    report.peak["temporaries"] += largest
-    report.peak["total"] += largest - saved
+    for peak in report.intervals:
+        peak["parameters"] -= saved
+        peak["temporaries"] += largest
+        peak["total"] += largest - saved
     report.notes.append(
         f"NF4 base: measured dense, its frozen linear weights counted at NF4 size ({saved / 2**30:.2f} GiB less),"
         f" plus one dequantized weight ({largest / 2**20:.0f} MiB) as a temporary; FSDP2's gathered copies stay"
@@ -479,10 +510,30 @@ def _as_nf4(report: RankMemory, workload: Workload, dense: dict[str, int]) -> No
     )
 
 
+def with_optimizer_offload(report: RankMemory) -> None:
+    """Optimizer offload: the optimizer state lives on the host, with a copy of the trainable parameters and a
+    buffer for their gradients, and the optimizer step leaves nothing on the GPU. The step's peak is taken again
+    over the intervals without them."""
+    state = report.state
+    report.host += state["optimizer"] + 2 * state["gradients"]  # state, parameter copies, gradient buffers
+    intervals = [dict(peak) for peak in report.intervals]
+    for peak in intervals:
+        peak["total"] -= peak["optimizer"]
+        peak["optimizer"] = 0
+    step = intervals[-1]  # the optimizer step: AdamW's temporaries were on the GPU, the host's step has none
+    step["total"] -= step["temporaries"]
+    step["temporaries"] = 0
+    report.peak = _worst(intervals)
+    report.notes.append(
+        "optimizer offload modelled: AdamW state on the host with a copy of the trainable parameters and"
+        " gradients; the optimizer step's GPU temporaries dropped"
+    )
+
+
 def with_offload(report: RankMemory) -> None:
     """FSDP2 CPU offload: sharded parameters, gradients and optimizer state live on the host."""
     state = report.state
-    report.host = sum(state.values())
+    report.host += sum(state.values())
     moved = {
         "parameters": min(report.peak["parameters"], state["parameters"]),
         "gradients": min(report.peak["gradients"], state["gradients"]),

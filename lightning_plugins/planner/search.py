@@ -3,7 +3,8 @@
 Enumeration: TP within a node dividing heads, kv heads, the MLP and the vocabulary; PP dividing the
 world (stages of at least one layer; 1F1B, or interleaved 1F1B with 2 stages per rank); CP when the
 sequence is long (>= 16K tokens); data parallel with the rest, as FSDP2 or, across nodes, HSDP (replicas
-of one node); activation checkpointing none / selective / full; FSDP2 CPU offload; micro-batch sizes.
+of one node); activation checkpointing none / selective / full; FSDP2 CPU offload or optimizer offload (AdamW
+on the host); micro-batch sizes.
 
 Screening: a closed-form memory estimate (:func:`estimate_peak`, conservative by construction) drops what
 cannot fit and the step-time model ranks the rest; then the dry run (:func:`~lightning_plugins.planner.report.plan`)
@@ -22,7 +23,13 @@ from typing import Any
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.lora import LoraOptions
 from lightning_plugins.options import MemoryOptions, ParallelOptions
-from lightning_plugins.planner.dryrun import RankMemory, dry_run, korthikanti_activations, with_offload
+from lightning_plugins.planner.dryrun import (
+    RankMemory,
+    dry_run,
+    korthikanti_activations,
+    with_offload,
+    with_optimizer_offload,
+)
 from lightning_plugins.planner.hardware import Cluster
 from lightning_plugins.planner.model_stats import PlannerError, model_stats
 from lightning_plugins.planner.report import DEFAULT_MARGIN, Plan
@@ -111,16 +118,18 @@ def search(
 
 
 def _dry_run_plan(candidate: Candidate, cluster: Cluster, margin: float, measured: dict) -> Plan:
-    """The candidate's dry run; with and without CPU offload the step measures the same (offload moves the
-    state to the host afterwards), so one dry run serves both."""
+    """The candidate's dry run; with and without CPU or optimizer offload the step measures the same (they move
+    state to the host afterwards), so one dry run serves all three."""
     workload = candidate.workload
-    dense = replace(workload, memory=replace(workload.memory, cpu_offload=False))
+    dense = replace(workload, memory=replace(workload.memory, cpu_offload=False, optimizer_offload=False))
     key = (dense.layout, dense.options, dense.memory, dense.micro_batch_size)
     if key not in measured:
         measured[key] = dry_run(dense)
     ranks = copy.deepcopy(measured[key])
-    if workload.memory.cpu_offload:
-        for rank in ranks:
+    for rank in ranks:
+        if workload.memory.optimizer_offload:
+            with_optimizer_offload(rank)
+        if workload.memory.cpu_offload:
             with_offload(rank)
     return Plan(workload, cluster, ranks, candidate.step, margin)
 
@@ -191,7 +200,7 @@ def estimate_peak(workload: Workload) -> int:
         )
         per_param = 0.5 + 1 / 64 if workload.method == "qlora" else weight
         params = (layers * stats.layer_params / shards) * per_param + ends / shards * weight
-    state = params + trainable * weight * 3
+    state = params + trainable * weight * (1 if memory.optimizer_offload else 3)  # gradients (and AdamW's moments)
     # Activations of one micro-batch, times the micro-batches in flight on the first stage.
     rows = workload.micro_batch_size // (pipeline.microbatches if pipeline else 1)
     in_flight = 1
@@ -263,14 +272,16 @@ def _pipeline_options(pp: int, layers: int, tp: int, cp: int) -> list[ParallelOp
 
 
 def _memory_levers(layout: ParallelLayout, weights: str, dtype: str) -> list[MemoryOptions]:
+    """Checkpointing modes x no offload, FSDP2 CPU offload (with data-parallel shards) or optimizer offload."""
     param_dtype = "bf16" if weights == "fp32" and dtype == "bf16" and layout.fsdp_size > 1 else None
-    levers = []
-    for checkpointing in ("none", "selective", "full"):
-        for offload in (False, True) if layout.fsdp_size > 1 else (False,):
-            levers.append(
-                MemoryOptions(activation_checkpointing=checkpointing, cpu_offload=offload, param_dtype=param_dtype)
-            )
-    return levers
+    offloads = [{}, {"optimizer_offload": True}]
+    if layout.fsdp_size > 1:
+        offloads.insert(1, {"cpu_offload": True})
+    return [
+        MemoryOptions(activation_checkpointing=checkpointing, param_dtype=param_dtype, **offload)
+        for checkpointing in ("none", "selective", "full")
+        for offload in offloads
+    ]
 
 
 def _micro_batches(rows_per_rank: int, options: ParallelOptions, pp: int) -> list[int]:

@@ -23,6 +23,9 @@ The model, per optimizer step, for the slowest rank (pipeline stages differ: the
   gather and the last reduce-scatter (``1 / layers`` of it), and except what exceeds the compute.
 * **CPU offload.** Parameters host->GPU at every gather and gradients back over PCIe (overlapped like FSDP),
   plus the optimizer step on the host (:data:`HOST_ADAM_PARAMS_PER_S`), exposed.
+* **Optimizer offload.** Once per optimizer step, the rank's trainable shard's gradients to the host and its
+  updated parameters back over PCIe, and the optimizer step on the host, all exposed (the engine runs them
+  between backward and the next forward).
 
 Absolute step times are +-25%: good enough to rank layouts and to size a rental, not to quote.
 """
@@ -62,8 +65,10 @@ QLORA_SLOWDOWN = 1.39
 #: benchmark (Llama 3 70B, FSDP32 x TP8, H100) gains 9% (bf16) to 16% (float8) with TP collectives ~18-20%
 #: of the step in this model: roughly half of them hidden.
 ASYNC_TP_HIDDEN = 0.5
-#: AdamW on the host (FSDP2 CPU offload runs the optimizer there), parameters per second per GPU's share of
-#: the node's cores and memory bandwidth: ~28 bytes of fp32 state read and written per parameter at ~30 GB/s.
+#: AdamW on the host (FSDP2 CPU offload and optimizer offload run the optimizer there), parameters per second per
+#: GPU's share of the node's cores and memory bandwidth: ~28 bytes of fp32 state read and written per parameter at
+#: ~30 GB/s. (One H100 host's 16 cores ran the fused CPU AdamW at 2.9e9 parameters/s for a single GPU:
+#: benchmarks/offload_gpu_h100.json.)
 HOST_ADAM_PARAMS_PER_S = 1e9
 
 
@@ -171,7 +176,7 @@ def estimate_step_time(
         config_or_stats: A transformers config, a :class:`ModelStats` or a config spec.
         layout: A resolved :class:`ParallelLayout` whose world size is ``cluster.gpus``.
         options: Sequence/loss parallel, CP backend, pipeline schedule and micro-batches.
-        memory: Activation checkpointing, FSDP2 dtypes, CPU offload, ``reshard_after_forward``.
+        memory: Activation checkpointing, FSDP2 dtypes, CPU or optimizer offload, ``reshard_after_forward``.
         cluster: The GPUs and links.
         seq_len: Tokens per row.
         micro_batch_size: Rows per data rank per forward (under PP: the batch the pipeline splits into
@@ -470,6 +475,14 @@ def _rank_time(
         comm["offload"] = transfer + optimizer
         edge = transfer / max(1, layers)
         exposed["offload"] = edge + max(0.0, transfer - edge - hidden_budget) + optimizer
+    if memory.optimizer_offload:
+        # Full fine-tunes with FSDP2 mixed precision keep fp32 master weights, LoRA fp32 adapters; gradients match.
+        master = 4.0 if method != "full" or memory.param_dtype is not None else weight_bytes
+        shard = trainable / fsdp_group
+        transfer = 2 * shard * master / cluster.gpu.pcie_bytes_per_s  # gradients to the host, parameters back
+        optimizer = shard / HOST_ADAM_PARAMS_PER_S
+        comm["offload"] = transfer + optimizer
+        exposed["offload"] = transfer + optimizer
 
     in_pipeline = busy + exposed["tp"] + exposed["cp"]
     bubble = shape.bubble_fraction()
@@ -636,5 +649,11 @@ def _assumptions(
             f"CPU offload: parameters and gradients over PCIe at {gpu.pcie_bytes_per_s / 1e9:.0f} GB/s, optimizer on"
             f" the host at {HOST_ADAM_PARAMS_PER_S:.0e} parameters/s per GPU (exposed)"
         )
-    lines.append("optimizer step on the GPU, data loading and logging: not counted")
+    if memory.optimizer_offload:
+        lines.append(
+            f"optimizer offload: gradients to the host and parameters back over PCIe at {gpu.pcie_bytes_per_s / 1e9:.0f}"
+            f" GB/s once per step, AdamW on the host at {HOST_ADAM_PARAMS_PER_S:.0e} parameters/s per GPU (exposed)"
+        )
+    step_on_gpu = "" if memory.cpu_offload or memory.optimizer_offload else "optimizer step on the GPU, "
+    lines.append(f"{step_on_gpu}data loading and logging: not counted")
     return tuple(lines)
