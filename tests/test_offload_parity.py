@@ -265,3 +265,23 @@ def test_offloaded_optimizer_on_one_process_is_the_wrapped_one() -> None:
     torch.testing.assert_close(again.state[params[0]]["momentum_buffer"], plain.state[twins[0]]["momentum_buffer"])
     with pytest.raises(TypeError, match="view of the host state"):
         hosted.state = {params[0]: {}}
+
+
+def test_offloaded_optimizer_follows_parameters_replaced_before_its_first_step() -> None:
+    """What Accelerate's ``prepare`` does: the groups are pointed at new (sharded) parameters after the optimizer was
+    built. The host copies are made on first use, from those; replacing them after a step is refused."""
+    old = [torch.nn.Parameter(torch.zeros(2, 2))]
+    new = [torch.nn.Parameter(torch.ones(2, 2))]
+    hosted = offload_optimizer(torch.optim.SGD, old, lr=0.5)
+    hosted.param_groups[0]["params"] = new
+    new[0].grad = torch.ones(2, 2)
+    hosted.step()
+    torch.testing.assert_close(new[0].detach(), torch.full((2, 2), 0.5))
+    assert old[0].abs().sum() == 0
+    hosted = offload_optimizer(torch.optim.AdamW, new, lr=0.5)
+    hosted.step()  # no gradient yet: no state
+    new[0].grad = torch.ones(2, 2)
+    hosted.step()
+    hosted.param_groups[0]["params"] = old
+    with pytest.raises(RuntimeError, match="replaced after it stepped"):
+        hosted.step()
