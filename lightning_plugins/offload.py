@@ -121,6 +121,18 @@ def _local(tensor: Tensor) -> Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def _data(param: Tensor) -> Tensor:
+    """The tensor holding ``param``'s (local) values. Not ``param.detach()`` for a DTensor: its local alias is made
+    below autograd and starts a version counter of its own."""
+    return param._local_tensor if isinstance(param, DTensor) else param.detach()
+
+
+def _version(param: Tensor) -> tuple[int, int]:
+    """What in-place writes to ``param`` bump: its own version counter (writes through the DTensor, e.g.
+    ``load_state_dict``) and its local tensor's (writes to the shard, e.g. a DCP load; and this optimizer's)."""
+    return param._version, _data(param)._version
+
+
 def _local_grad(param: Tensor) -> Tensor:
     """This rank's part of ``param.grad``, laid out like the parameter (a partial sum is reduced first, as the
     wrapped optimizer would do on the DTensors)."""
@@ -171,7 +183,7 @@ class HostOffloadOptimizer(Optimizer):
     ``optimizer_class`` on host copies of the parameters, and copies the updated parameters back (asynchronously:
     the next forward on the same stream waits for them). The parameters on the device stay the truth: a host copy
     is refreshed whenever its parameter was changed in place by anything but this optimizer (a checkpoint load),
-    which the parameter's version counter tells. DTensor parameters (FSDP2, TP) are handled shard by shard: the
+    which the version counters of the parameter and of its local shard tell. DTensor parameters (FSDP2, TP) are handled shard by shard: the
     update is elementwise, so every rank updates its own shard as the wrapped optimizer would.
 
     ``param_groups`` holds the model's parameters and the hyperparameters: learning-rate schedulers drive it as
@@ -203,7 +215,7 @@ class HostOffloadOptimizer(Optimizer):
         defaults = optimizer_class([torch.empty(1)], **kwargs).defaults
         self._host: Optimizer | None = None
         self._pairs: list[tuple[Tensor, Tensor, Tensor]] = []  # (parameter, host copy, host gradient buffer)
-        self._versions: list[int] = []
+        self._versions: list[tuple[int, int]] = []
         super().__init__(params, defaults)
 
     # -- the state lives on the host: ``state`` is a view of it (assigning to it changes nothing) --
@@ -251,9 +263,9 @@ class HostOffloadOptimizer(Optimizer):
         with torch.no_grad():
             self._pairs = []
             for param in params:
-                local = _local(param.detach())
+                local = _data(param)
                 self._pairs.append((param, _host_copy(local, non_blocking=False), _host_empty(local)))
-        self._versions = [_local(param).detach()._version for param in params]
+        self._versions = [_version(param) for param in params]
         hosts = iter(host for _, host, _ in self._pairs)
         groups = [
             {**{k: v for k, v in group.items() if k != "params"}, "params": [next(hosts) for _ in group["params"]]}
@@ -280,8 +292,8 @@ class HostOffloadOptimizer(Optimizer):
             host_group.update((key, value) for key, value in group.items() if key not in _NOT_SYNCED)
         stepped, devices = set(), set()
         for index, (param, host, buffer) in enumerate(self._pairs):
-            local = _local(param.detach())
-            if local._version != self._versions[index]:  # changed in place by someone else: refresh the copy
+            local = _data(param)
+            if _version(param) != self._versions[index]:  # changed in place by someone else: refresh the copy
                 host.copy_(local, non_blocking=_pinned(local))
             if param.grad is None:
                 host.grad = None
@@ -295,11 +307,15 @@ class HostOffloadOptimizer(Optimizer):
                 torch.cuda.current_stream(device).synchronize()
         host_optimizer.step()
         for index, (param, host, _) in enumerate(self._pairs):
-            local = _local(param.detach())
+            local = _data(param)
             if index in stepped:
                 local.copy_(host, non_blocking=_pinned(local))
-            self._versions[index] = local._version
+            self._versions[index] = _version(param)
         return loss
+
+    def _changed(self) -> list[Tensor]:
+        """The parameters written in place since this optimizer last wrote them (their host copies are stale)."""
+        return [param for (param, _, _), seen in zip(self._pairs, self._versions) if _version(param) != seen]
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, keyed by the positions of the model's parameters."""
@@ -322,11 +338,18 @@ class HostOffloadOptimizer(Optimizer):
             )
         positions = [index for group in groups for index in group["params"]]
         at = dict(zip(positions, params))
-        state = {
-            index: {key: _as_local(value, at[index], owner, key) for key, value in values.items()}
+        host_device = {position: host.device for position, (_, host, _) in zip(positions, self._pairs)}
+        state = {  # on the host (a state dict moved to the GPU, as Accelerate's prepare does, comes back)
+            index: {
+                key: value.to(host_device[index]) if isinstance(value, Tensor) else value
+                for key, value in ((key, _as_local(value, at[index], owner, key)) for key, value in values.items())
+            }
             for index, values in state_dict["state"].items()
         }
+        implementation = [{key: g[key] for key in _IMPLEMENTATION if key in g} for g in host_optimizer.param_groups]
         host_optimizer.load_state_dict({"state": state, "param_groups": groups})
+        for host_group, kept in zip(host_optimizer.param_groups, implementation):
+            host_group.update(kept)  # the host's own choice (the fused CPU kernel), not the saved groups'
         for group, saved in zip(self.param_groups, groups):
             group.update((key, value) for key, value in saved.items() if key != "params")
 

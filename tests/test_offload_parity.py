@@ -211,6 +211,8 @@ def _check_cases(rank: int, world_size: int, tmp: str) -> None:
             if sizes.get("tp_size", 1) > 1:
                 assert counted.dtensors > 0, f"{where}: no DTensor activation was offloaded"
         if memory.optimizer_offload:
+            # Training alone writes no parameter behind the optimizer's back: no host copy is refreshed needlessly.
+            assert optimizer._changed() == [], where
             state, plain_state = (get_optimizer_state_dict(m, o) for m, o in ((model, optimizer), (plain, plain_optimizer)))
             assert state["state"].keys() == plain_state["state"].keys() and state["state"], where
             for name, values in plain_state["state"].items():
@@ -265,6 +267,12 @@ def test_offloaded_optimizer_on_one_process_is_the_wrapped_one() -> None:
     torch.testing.assert_close(again.state[params[0]]["momentum_buffer"], plain.state[twins[0]]["momentum_buffer"])
     with pytest.raises(TypeError, match="view of the host state"):
         hosted.state = {params[0]: {}}
+    # AdamW steps on the host with torch's fused CPU kernel, also after loading a state dict saved without it.
+    adam = offload_optimizer(torch.optim.AdamW, params, lr=0.1)
+    adam.step()
+    adam.load_state_dict(adam.state_dict())
+    adam.step()
+    assert adam._host.param_groups[0]["fused"] is True and adam.param_groups[0]["fused"] is None
 
 
 def test_offloaded_optimizer_follows_parameters_replaced_before_its_first_step() -> None:
