@@ -1,4 +1,4 @@
-"""The console script: ``lightning-plugins demo | finetune | plan`` (also ``python -m lightning_plugins ...``)."""
+"""The console script: ``lightning-plugins demo | finetune | plan | tiny`` (also ``python -m lightning_plugins ...``)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     from lightning_plugins.planner.command import add_arguments
 
     add_arguments(plan)
+    tiny = commands.add_parser(
+        "tiny",
+        help="write a recipe's tiny twin (its model family shrunk, its layout kinds on <= 4 CPU processes) to run here",
+    )
+    tiny.add_argument("recipe", help="a real-size recipe, e.g. recipes/llama-3.1-70b/lora_fsdp8.yaml")
+    tiny.add_argument("--out", default=None, help="where to write it (default: outputs/tiny/<model>/<recipe name>)")
+    tiny.add_argument("--steps", type=int, default=20, help="optimizer steps of the tiny run (default: 20)")
     args, extra = parser.parse_known_args(argv)
 
     if args.command == "demo":
@@ -74,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         from lightning_plugins.planner.command import main as plan_main
 
         sys.exit(plan_main(args, _overrides(extra, plan)))
+    elif args.command == "tiny":
+        _tiny(args, _overrides(extra, tiny))
     elif args.command == "finetune":
         from lightning_plugins.recipe import RecipeError, load_recipe
 
@@ -89,6 +98,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         result = run_finetune(recipe, resume=args.resume)
         if result and is_launcher_rank():
             print("\n".join(f"{key}: {value}" for key, value in result.items()))
+
+
+def _tiny(args: argparse.Namespace, overrides: list[str]) -> None:
+    from pathlib import Path
+
+    from lightning_plugins.recipe import RecipeError
+    from lightning_plugins.shrink import shrink_recipe
+
+    source = Path(args.recipe)
+    out = Path(args.out or Path("outputs") / "tiny" / source.parent.name / source.stem)
+    try:
+        recipe = shrink_recipe(source, out, steps=args.steps, overrides=tuple(overrides))
+    except RecipeError as err:
+        sys.exit(f"error: {err}")
+    from lightning_plugins.recipe import load_recipe
+
+    world = load_recipe(recipe).hardware.world_size
+    print(f"wrote {recipe} and its model; run it through either door:")
+    print(f"  lightning-plugins finetune {recipe}")
+    launch = "python" if world == 1 else f"accelerate launch --config_file accelerate_configs/cpu_{world}proc.yaml"
+    print(f"  {launch} -m lightning_plugins.accelerate {recipe}")
 
 
 if __name__ == "__main__":

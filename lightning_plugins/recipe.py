@@ -327,9 +327,16 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
 
 
 def _model_config(model_path: str) -> Any:
-    """The transformers config of a local checkpoint (``None`` for a hub id: checked when it is loaded)."""
-    if not Path(model_path).is_dir():
-        return None
-    from transformers import AutoConfig
+    """The transformers config of a local checkpoint, or of a hub id whose config is shipped under
+    ``recipes/configs`` (``meta-llama/Llama-3.1-70B``) or cached locally; ``None`` for another hub id (checked
+    when it is loaded)."""
+    if Path(model_path).is_dir():
+        from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_path)
+        return AutoConfig.from_pretrained(model_path)
+    from lightning_plugins.planner.model_stats import PlannerError, load_model_config
+
+    try:
+        return load_model_config(model_path)
+    except PlannerError:
+        return None

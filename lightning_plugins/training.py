@@ -92,13 +92,15 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[DataLoader, DataLoade
     fixed = recipe.data.max_seq_len if recipe.layout.pp_size > 1 else None
     collate = make_collator(recipe.data, tokenizer.pad_token_id, pad_to_multiple_of=fixed)
     size = recipe.train.micro_batch_size
+    # A pipeline splits every batch into its micro-batches: a short last batch would not split, so it is dropped.
+    drop = recipe.layout.pp_size > 1
     train = DataLoader(
-        build_dataset(recipe.data, tokenizer, "train"), batch_size=size, shuffle=True, collate_fn=collate
+        build_dataset(recipe.data, tokenizer, "train"), batch_size=size, shuffle=True, collate_fn=collate, drop_last=drop
     )
     if not recipe.data.has_eval:
         return train, None
     return train, DataLoader(
-        build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate
+        build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate, drop_last=drop
     )
 
 

@@ -593,3 +593,26 @@ def test_make_tiny_model_is_deterministic(make_tiny: ModuleType, tmp_path: Path)
         new_cfg.pop("transformers_version", None)
         old_cfg.pop("transformers_version", None)
         assert new_cfg == old_cfg, name
+
+
+def test_hub_dataset_ids(tmp_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`owner/name[:split]` that is no local path is a hub dataset, read when the run starts; a local path wins."""
+    from lightning_plugins.data.config import hub_dataset
+
+    assert hub_dataset("trl-lib/tldr") == ("trl-lib/tldr", "train")
+    assert hub_dataset("trl-lib/tldr:validation") == ("trl-lib/tldr", "validation")
+    for local in ("data/train.jsonl", "train.jsonl", "/abs/path", "a/b/c", "./x/y"):
+        assert hub_dataset(local) is None, local
+    config = DataConfig(train="trl-lib/tldr", eval="trl-lib/tldr:validation").resolve(tmp_path)
+    assert (config.train, config.eval) == ("trl-lib/tldr", "trl-lib/tldr:validation")
+    (tmp_path / "trl-lib").mkdir()
+    (tmp_path / "trl-lib" / "tldr").write_text(json.dumps(PROMPTS[0]) + "\n")  # a local file of that name wins
+    assert DataConfig(train="trl-lib/tldr").resolve(tmp_path).train == str(tmp_path / "trl-lib" / "tldr")
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # read at import: the variables alone do not reach it
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"data.train: 'nobody-here/no-such-set' is no local file .* could not be loaded"):
+        build_dataset(DataConfig(train="nobody-here/no-such-set"), tokenizer, "train")

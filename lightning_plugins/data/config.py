@@ -3,6 +3,7 @@ data module raises, and the label value and record types they share."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final, Literal, Union
@@ -28,7 +29,9 @@ class DataConfig:
 
     Args:
         train: Training records: a ``.jsonl`` / ``.json`` / ``.parquet`` file or a ``save_to_disk``
-            directory. Relative paths are resolved by :meth:`resolve`.
+            directory (relative paths are resolved by :meth:`resolve`), or a Hugging Face Hub dataset id with an
+            optional split (``trl-lib/tldr``, ``trl-lib/tldr:validation``; split ``train`` by default), read
+            through ``datasets.load_dataset`` (its cache, or the hub) when the run starts.
         eval: Held-out records in the same forms; ``None`` to hold out ``eval_fraction`` of ``train``.
         eval_fraction: Fraction of ``train`` held out for evaluation when ``eval`` is ``None``
             (``0`` for no evaluation split).
@@ -76,11 +79,33 @@ class DataConfig:
         Raises:
             DataError: if a file or directory does not exist, naming the key and both paths.
         """
-        resolved = {key: str(_existing(key, getattr(self, key), Path(base_dir))) for key in self._path_keys()}
+        resolved = {key: _resolved(key, getattr(self, key), Path(base_dir)) for key in self._path_keys()}
         return replace(self, **resolved)
 
     def _path_keys(self) -> tuple[str, ...]:
         return ("train",) if self.eval is None else ("train", "eval")
+
+
+#: A Hugging Face Hub dataset id and an optional split: ``owner/name`` or ``owner/name:split``.
+_HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?::(?P<split>[\w.-]+))?$")
+#: What a local data file ends with (``data/train.jsonl`` is a missing file, never a hub id).
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".txt")
+
+
+def hub_dataset(value: str) -> tuple[str, str] | None:
+    """``(repository id, split)`` when ``value`` names a hub dataset (``trl-lib/tldr:validation``), else ``None``."""
+    match = _HUB_ID.match(str(value))
+    if match is None or match["repo"].endswith(_FILE_SUFFIXES):
+        return None
+    return match["repo"], match["split"] or "train"
+
+
+def _resolved(key: str, value: str, base_dir: Path) -> str:
+    """An existing local path made absolute, or a hub dataset id as it is (read when the run starts)."""
+    local = Path(value).expanduser()
+    if not (local if local.is_absolute() else base_dir / local).exists() and hub_dataset(value) is not None:
+        return value
+    return str(_existing(key, value, base_dir))
 
 
 def _existing(key: str, value: str, base_dir: Path | None = None) -> Path:
@@ -90,7 +115,8 @@ def _existing(key: str, value: str, base_dir: Path | None = None) -> Path:
     if not path.exists():
         against = f" (resolved against {base_dir})" if base_dir is not None and not Path(value).is_absolute() else ""
         raise DataError(
-            f"data.{key}: {path} does not exist{against}. Point data.{key} at a .jsonl / .json / .parquet file or a"
-            " datasets `save_to_disk` directory; relative paths are taken from the recipe's directory."
+            f"data.{key}: {path} does not exist{against}. Point data.{key} at a .jsonl / .json / .parquet file, a"
+            " datasets `save_to_disk` directory (relative paths are taken from the recipe's directory) or a hub"
+            " dataset id (`owner/name[:split]`)."
         )
     return path.resolve()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import random
+from pathlib import Path
 from typing import Any, Literal
 
-from lightning_plugins.data.config import DataConfig, DataError, _existing
+from lightning_plugins.data.config import DataConfig, DataError, _existing, hub_dataset
 from lightning_plugins.data.encoding import _ENCODERS, _fit
 from lightning_plugins.data.loading import _quiet_datasets, _Source
 from lightning_plugins.data.packing import _packed_dataset
@@ -51,7 +52,9 @@ def build_dataset(config: DataConfig, tokenizer: Any, split: Literal["train", "e
     if split == "eval" and not config.has_eval:
         raise DataError("There is no evaluation split: set data.eval (a file) or data.eval_fraction (e.g. 0.05).")
     key = "eval" if split == "eval" and config.eval is not None else "train"
-    source = _Source(_existing(key, getattr(config, key)), key)
+    value = getattr(config, key)
+    hub = not Path(value).expanduser().exists() and hub_dataset(value) is not None
+    source = _Source(value if hub else _existing(key, value), key)
     fmt = _detect_format(config, source)
     dataset, indices = source.dataset, None
     if config.eval is None and config.eval_fraction > 0:

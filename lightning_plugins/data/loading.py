@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lightning_plugins.data.config import DataError, PathLike, Record
+from lightning_plugins.data.config import DataError, PathLike, Record, hub_dataset
 from lightning_plugins.data.encoding import _messages, _text
 
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -83,15 +83,19 @@ def _where(path: Path, line_no: int, index: int) -> str:
 
 
 class _Source:
-    """A loaded file: its ``datasets.Dataset`` and where each record came from, for error messages."""
+    """A loaded file or hub dataset: its ``datasets.Dataset`` and where each record came from, for error messages.
 
-    def __init__(self, path: Path, key: str) -> None:
+    ``path`` is an existing local path, or a hub dataset id (``owner/name[:split]``, a ``str``)."""
+
+    def __init__(self, path: Path | str, key: str) -> None:
         self.path, self.key = path, key
         self._lines: list[int] | None = None
         self.dataset = self._load()
 
     def where(self, index: int) -> str:
         """``file:line`` for JSON lines, ``file record N`` otherwise (``index`` is 0-based)."""
+        if isinstance(self.path, str):
+            return f"{self.path} record {index + 1}"
         if self.path.suffix in _JSON_SUFFIXES and self.path.is_file():
             if self._lines is None:
                 self._lines = [line_no for line_no, _ in _scan_json(self.path)]
@@ -103,7 +107,9 @@ class _Source:
 
         path = self.path
         with _quiet_datasets():
-            if path.is_dir():
+            if isinstance(path, str):
+                loaded = self._load_hub(path)
+            elif path.is_dir():
                 try:
                     loaded = datasets.load_from_disk(str(path))
                 except FileNotFoundError as err:
@@ -123,6 +129,19 @@ class _Source:
         if loaded.num_rows == 0:
             raise DataError(f"data.{self.key}: {path} holds no records.")
         return loaded
+
+    def _load_hub(self, value: str) -> Any:
+        import datasets
+
+        repo, split = hub_dataset(value)
+        try:
+            return datasets.load_dataset(repo, split=split)
+        except Exception as err:
+            raise DataError(
+                f"data.{self.key}: {value!r} is no local file (none at that path) and hub dataset {repo!r} split"
+                f" {split!r} could not be loaded ({type(err).__name__}: {err}). Point data.{self.key} at a local"
+                " .jsonl / .json / .parquet file, or at a hub dataset in the local cache or reachable online."
+            ) from None
 
     def _load_file(self) -> Any:
         import datasets

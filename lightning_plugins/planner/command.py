@@ -74,15 +74,10 @@ def _cluster(args: argparse.Namespace, gpus: int, per_node: int, gpu: str | None
 
 def _check_recipe(args: argparse.Namespace, overrides: list[str]) -> int:
     from lightning_plugins.planner.plot import plot_plans
-    from lightning_plugins.planner.report import plan
-    from lightning_plugins.planner.workload import Workload
+    from lightning_plugins.planner.report import plan_recipe
     from lightning_plugins.recipe import load_recipe
 
-    recipe = load_recipe(args.recipe, overrides)
-    hardware = recipe.hardware
-    memory = f"{hardware.gpu_memory_gb}GiB" if hardware.gpu_memory_gb else None
-    cluster = _cluster(args, hardware.world_size, hardware.devices, hardware.gpu, memory)
-    result = plan(Workload.from_recipe(recipe), cluster, margin=args.margin)
+    result = plan_recipe(load_recipe(args.recipe, overrides), margin=args.margin, gpu=args.gpu, gpu_memory=args.gpu_memory)
     print(json.dumps(result.as_dict(), indent=1) if args.json else result.describe())
     if args.plot:
         plot_plans([result], args.plot)

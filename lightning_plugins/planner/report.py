@@ -171,3 +171,18 @@ def plan(workload: Workload, cluster: Cluster, *, margin: float = DEFAULT_MARGIN
         lora=workload.lora,
     )
     return Plan(workload, cluster, dry_run(workload), step, margin)
+
+
+def plan_recipe(recipe: Any, *, margin: float = DEFAULT_MARGIN, gpu: str | None = None, gpu_memory: Any = None) -> Plan:
+    """Dry-run a loaded recipe (:func:`lightning_plugins.recipe.load_recipe`) on the hardware it names.
+
+    ``gpu`` and ``gpu_memory`` (``"48GiB"``) replace the recipe's ``hardware.gpu`` / ``hardware.gpu_memory_gb``.
+    """
+    from lightning_plugins.planner.hardware import cluster_from
+
+    hardware = recipe.hardware
+    memory = gpu_memory or (f"{hardware.gpu_memory_gb}GiB" if hardware.gpu_memory_gb else None)
+    cluster = cluster_from(
+        gpu or hardware.gpu or "H100", gpus=hardware.world_size, gpus_per_node=hardware.devices, gpu_memory=memory
+    )
+    return plan(Workload.from_recipe(recipe), cluster, margin=margin)
