@@ -35,6 +35,8 @@ TINY_DIMS = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads"
 TINY_LR = {"full": 3e-3, "lora": 1e-2}
 TINY_SEQ_LEN = 64
 TINY_MICRO_BATCH = 4
+#: Records of the tiny data a twin trains and evaluates on (the first ones of the shipped files).
+TINY_RECORDS = {"train": 1024, "eval": 32}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -156,8 +158,8 @@ def _tiny_settings(recipe: Recipe, layout: ParallelLayout, steps: int, out: Path
         "model.path": str((out / "model").resolve()),
         "model.dtype": "fp32",
         "model.attn_implementation": "sdpa",
-        "data.train": str(assets.chat_train_file if chat else assets.train_file),
-        "data.eval": str(assets.chat_eval_file if chat else assets.eval_file),
+        "data.train": str(_head(assets.chat_train_file if chat else assets.train_file, out, "train")),
+        "data.eval": str(_head(assets.chat_eval_file if chat else assets.eval_file, out, "eval")),
         "data.eval_fraction": 0.0,
         "data.max_seq_len": TINY_SEQ_LEN,
         "layout": {
@@ -180,6 +182,15 @@ def _tiny_settings(recipe: Recipe, layout: ParallelLayout, steps: int, out: Path
         "hardware": {"accelerator": "cpu", "devices": world, "nodes": 1},
     }
     return settings
+
+
+def _head(source: Path, out: Path, split: str) -> Path:
+    """The first :data:`TINY_RECORDS` records of a tiny data file, written under ``out/data``."""
+    target = out / "data" / f"{split}.jsonl"
+    target.parent.mkdir(exist_ok=True)
+    with open(source) as lines:
+        target.write_text("".join(line for _, line in zip(range(TINY_RECORDS[split]), lines)))
+    return target.resolve()
 
 
 def _apply(raw: dict[str, Any], settings: dict[str, Any]) -> None:
