@@ -388,6 +388,9 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
             with tracker, warnings.catch_warnings():
                 # The first stage's input (token ids) takes no gradient: torch says its backward hook fires anyway.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+                # The head's full backward hook (our measuring mark) hands FSDP2 its logits as a view; nothing
+                # writes to them in place, so FSDP2's caution about views does not apply.
+                warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view", category=UserWarning)
                 output = model(**batch)
                 if pipeline is None:  # a pipeline's forward runs backward too
                     output.loss.backward()
