@@ -147,3 +147,21 @@ def test_every_recipe_trains_tiny_through_the_door(twins: dict[str, Path], door:
     ran = set(unique.values())
     for name, twin in twins.items():  # every recipe is covered by a twin that ran
         assert _fingerprint(twin) in unique and unique[_fingerprint(twin)] in ran, name
+
+
+def test_tiny_command_writes_a_twin_and_says_how_to_run_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from lightning_plugins.cli import main
+
+    recipe = ROOT / "recipes" / "llama-3.1-70b" / "lora_64k_cp.yaml"
+    main(["tiny", str(recipe), "--out", str(tmp_path / "twin"), "--steps", "3", "--lora.r=8"])
+    out = capsys.readouterr().out
+    twin = load_recipe(tmp_path / "twin" / "recipe.yaml")
+    assert f"lightning-plugins finetune {tmp_path / 'twin' / 'recipe.yaml'}" in out
+    assert "accelerate launch --config_file accelerate_configs/cpu_4proc.yaml -m lightning_plugins.accelerate" in out
+    assert (twin.layout.tp_size, twin.layout.cp_size, twin.parallel.cp_backend) == (2, 2, "ulysses")
+    assert twin.lora.r == 8 and twin.train.max_steps == 3 and twin.hardware.accelerator == "cpu"
+    config = __import__("json").loads((tmp_path / "twin" / "model" / "config.json").read_text())
+    assert (config["model_type"], config["hidden_size"], config["num_hidden_layers"]) == ("llama", 128, 2)
+    assert config["rope_parameters"]["rope_type"] == "llama3"  # Llama 3.1's RoPE scaling, as the real config
+    with pytest.raises(SystemExit, match="layout does not fit"):
+        main(["tiny", str(recipe), "--out", str(tmp_path / "bad"), "--hardware.nodes=3"])
