@@ -117,8 +117,7 @@ def _tiny(args: argparse.Namespace, overrides: list[str]) -> None:
     world = load_recipe(recipe).hardware.world_size
     print(f"wrote {recipe} and its model; run it through either door:")
     print(f"  lightning-plugins finetune {recipe}")
-    launch = "python" if world == 1 else f"accelerate launch --config_file accelerate_configs/cpu_{world}proc.yaml"
-    print(f"  {launch} -m lightning_plugins.accelerate {recipe}")
+    print(f"  accelerate launch --config_file accelerate_configs/cpu_{world}proc.yaml -m lightning_plugins.accelerate {recipe}")
 
 
 if __name__ == "__main__":
