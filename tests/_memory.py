@@ -72,12 +72,13 @@ class MemoryLayout:
 
 
 _SP = ParallelOptions(sequence_parallel=True, loss_parallel=True)
-#: The layouts, by name. 2 ranks: TP, FSDP2, PP 1F1B, CP (Ulysses), LoRA; 4 ranks: TP x FSDP2 with and without AC.
+#: The layouts, by name. 2 ranks: TP, FSDP2, PP 1F1B, CP (Ulysses, ring), LoRA; 4 ranks: TP x FSDP2 with and without AC.
 LAYOUTS: dict[str, MemoryLayout] = {
     "tp2": MemoryLayout(2, ParallelLayout(tp_size=2), _SP),
     "fsdp2": MemoryLayout(2, ParallelLayout(dp_shard_size=2)),
     "pp2_1f1b": MemoryLayout(2, ParallelLayout(pp_size=2), ParallelOptions(pp_schedule="1f1b", pp_microbatches=2)),
     "cp2_ulysses": MemoryLayout(2, ParallelLayout(cp_size=2), ParallelOptions(cp_backend="ulysses")),
+    "cp2_ring": MemoryLayout(2, ParallelLayout(cp_size=2), ParallelOptions(cp_backend="ring")),
     "lora_fsdp2": MemoryLayout(2, ParallelLayout(dp_shard_size=2), lora=LoraOptions(r=8, alpha=16)),
     "tp2_fsdp2": MemoryLayout(4, ParallelLayout(tp_size=2, dp_shard_size=2), _SP),
     "tp2_fsdp2_ac_full": MemoryLayout(

@@ -107,12 +107,19 @@ def load_balanced_indices(seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
 
 
 def _sequence_positions(seq_len: int, cp_rank: int, cp_size: int, load_balanced: bool) -> Tensor:
-    """Global positions of one rank's shard, for either layout (sorted ascending in both)."""
-    if load_balanced:
-        return load_balanced_indices(seq_len, cp_rank, cp_size)
-    _check_divisible(seq_len, cp_size, cp_size)
-    local = seq_len // cp_size
-    return torch.arange(cp_rank * local, (cp_rank + 1) * local)
+    """Global positions of one rank's shard, for either layout (sorted ascending in both).
+
+    Real tensors also under a ``FakeTensorMode`` (the planner's dry run): they depend on nothing but the sizes, and
+    :func:`_active_block` reads them.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        if load_balanced:
+            return load_balanced_indices(seq_len, cp_rank, cp_size)
+        _check_divisible(seq_len, cp_size, cp_size)
+        local = seq_len // cp_size
+        return torch.arange(cp_rank * local, (cp_rank + 1) * local)
 
 
 def shard_sequence_load_balanced(x: Tensor, dim: int, cp_rank: int, cp_size: int) -> Tensor:
@@ -248,7 +255,16 @@ def _active_block(q_pos: Tensor, k_pos: Tensor, causal: bool, valid_len: Optiona
     Positions are sorted within a shard in both layouts, so the rows that attend anything form a
     contiguous range and the keys that are attended form a prefix: slicing to that box skips the
     masked work (this is where load balancing pays: off-diagonal causal blocks shrink to a half).
+
+    The positions are real tensors (:func:`_sequence_positions`), read outside any ``FakeTensorMode``.
     """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _block_of(q_pos, k_pos, causal, valid_len)
+
+
+def _block_of(q_pos: Tensor, k_pos: Tensor, causal: bool, valid_len: Optional[int]) -> Optional[_Block]:
     row_end = len(q_pos) if valid_len is None else int((q_pos < valid_len).sum())
     col_end = len(k_pos) if valid_len is None else int((k_pos < valid_len).sum())
     if row_end == 0 or col_end == 0:
