@@ -43,18 +43,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.ji
 def tiny_layout(layout: ParallelLayout) -> ParallelLayout:
     """The recipe's layout at 2 ranks per dimension it uses, dropping data, then TP, CP, PP beyond 4 processes.
 
-    FSDP8 becomes FSDP4 (the data dimension fills the world); TP8 x FSDP4 becomes TP2 x FSDP2; TP8 x PP4 x
-    FSDP8 becomes TP2 x PP2; one process stays one process.
+    FSDP8 becomes FSDP2; TP8 x FSDP4 becomes TP2 x FSDP2; TP8 x PP4 x FSDP8 becomes TP2 x PP2; one process stays
+    one process. No more processes than the kinds need: on a few CPU cores every extra rank slows every step.
     """
     used = {name: 2 for name in _DROP_ORDER if getattr(layout, name) > 1}
     for name in _DROP_ORDER:
         if _product(used) <= MAX_TINY_WORLD:
             break
         used.pop(name, None)
-    sizes = {name: used.get(name, 1) for name in _DROP_ORDER}
-    if "dp_shard_size" in used and "dp_replicate_size" not in used:  # data parallelism fills the world
-        sizes["dp_shard_size"] = max(2, MAX_TINY_WORLD // _product({**sizes, "dp_shard_size": 1}))
-    return ParallelLayout(**sizes)
+    return ParallelLayout(**{name: used.get(name, 1) for name in _DROP_ORDER})
 
 
 def _product(sizes: dict[str, int]) -> int:

@@ -107,7 +107,7 @@ def test_qlora_base_is_counted_at_nf4_size() -> None:
 
 
 def test_extrapolation_from_fewer_layers_matches_measuring_them_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each interval's peak, extrapolated from 8 and 16 layers per rank, equals the peak of all of them: 24 layers
+    """Each interval's peak, extrapolated from 4 and 8 layers per rank, equals the peak of all of them: 24 layers
     in one process, with and without checkpointing; 40 layers in a 2-stage 1F1B pipeline (20 per rank)."""
     shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
     config, deep = LlamaConfig(num_hidden_layers=24, **shape), LlamaConfig(num_hidden_layers=40, **shape)

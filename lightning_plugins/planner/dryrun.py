@@ -8,9 +8,10 @@ pipeline stage with it) the dry run
    memory), and counts the parameters, gradients and optimizer state this rank holds from the sharded
    tensors the engine created, with their real dtypes (**state**);
 2. runs one training step (forward, backward, AdamW) of the same layout under ``FakeTensorMode`` with
-   :class:`~lightning_plugins.planner.measure.StepMemTracker` (the tracker of the real runs it is checked against), after an untracked warm-up step, on a copy
-   of the model with 2 and with 4 decoder layers per pipeline stage, and extrapolates every category of
-   the step's peak linearly to the layers the rank really holds (**peak**, measured). The pipeline
+   :class:`~lightning_plugins.planner.measure.StepMemTracker` (the tracker of the real runs it is checked against),
+   after an untracked warm-up step, on copies of the model with 4 and with 8 decoder layers on the rank
+   (:data:`MEASURED_LAYERS`) when it holds more, and extrapolates every interval's peak linearly to the layers the
+   rank really holds (**peak**, measured). The pipeline
    schedule runs for real, so the micro-batches a stage holds at once are the schedule's own.
 
 Host memory is measured where a lever changes the step: with ``memory.activation_offload`` the offload hooks
@@ -30,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import sys
 import traceback
@@ -48,8 +50,10 @@ from lightning_plugins.planner.measure import StepMemTracker
 from lightning_plugins.planner.workload import Workload
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: Decoder layers per rank of the two measured copies of a model whose ranks hold more than the second.
-MEASURED_LAYERS = (8, 16)
+#: Decoder layers per rank of the two measured copies of a model whose ranks hold more than the second. Each
+#: interval's peak is linear in the layers from 4 on (at 2 the head's backward still overlaps the last layer's);
+#: every shipped recipe's peak is the same (0.05 GiB) as from 8 and 16, at half the cost.
+MEASURED_LAYERS = (4, 8)
 #: Categories of a peak, in report order.
 PEAK_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other")
 
@@ -106,11 +110,26 @@ def dry_run(workload: Workload) -> list[RankMemory]:
     Every fake world (a count, a measured step) runs in its own forked process, as many at once as there are
     cores. Must not run inside an initialized process group.
     """
+    return dry_runs([workload])[0]
+
+
+def dry_runs(workloads: list[Workload]) -> list[list[RankMemory]]:
+    """:func:`dry_run` of each workload, their fake worlds all in one pool of processes (no core waits for the
+    last world of one workload before the next workload starts)."""
     if dist.is_initialized():
         raise RuntimeError("dry_run makes its own fake process groups: call it outside torch.distributed.")
-    kinds = rank_kinds(workload)
-    calls = [_calls_of(workload, rank) for _, rank in kinds]
-    results = iter(_forked([call for rank_calls in calls for call in rank_calls]))
+    plans = []
+    for workload in workloads:
+        kinds = rank_kinds(workload)
+        plans.append((workload, kinds, [_calls_of(workload, rank) for _, rank in kinds]))
+    results = iter(_forked([call for _, _, calls in plans for rank_calls in calls for call in rank_calls]))
+    return [_assembled(workload, kinds, calls, results) for workload, kinds, calls in plans]
+
+
+def _assembled(
+    workload: Workload, kinds: list[tuple[str, int]], calls: list[list], results: Iterator[Any]
+) -> list[RankMemory]:
+    """Each kind of rank's report from the results of its calls (:func:`_calls_of`), taken from ``results`` in order."""
     reports = []
     for (kind, rank), rank_calls in zip(kinds, calls):
         done = [next(results) for _ in rank_calls]
@@ -185,23 +204,28 @@ def _forked(calls: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
     context.set_forkserver_preload(_PRELOAD)
     results: list[Any] = [None] * len(calls)
     width = max(1, min(len(calls), os.cpu_count() or 1))
-    for start in range(0, len(calls), width):
-        running = []
-        for index in range(start, min(start + width, len(calls))):
+    pending, running = list(range(len(calls)))[::-1], {}
+    while pending or running:
+        while pending and len(running) < width:  # a new process as soon as one ends
+            index = pending.pop()
             receive, send = context.Pipe(duplex=False)
             child = context.Process(target=_child_main, args=(send, *calls[index]))
             with _main_not_reimported():
                 child.start()
             send.close()
-            running.append((index, receive, child))
-        for index, receive, child in running:
+            running[receive] = (index, child)
+        for receive in multiprocessing.connection.wait(list(running)):
+            index, child = running.pop(receive)
             try:
                 ok, value = receive.recv()
             except EOFError:
-                child.join()
-                ok, value = False, f"the dry-run process died (exit code {child.exitcode})"
+                ok, value = False, None
             child.join()
             if not ok:
+                for _, other in running.values():
+                    other.kill()
+                    other.join()
+                value = value or f"the dry-run process died (exit code {child.exitcode})"
                 raise RuntimeError(f"dry run of rank {calls[index][1][-1]} failed:\n{value}")
             results[index] = value
     return results
@@ -284,7 +308,8 @@ def build_parallel_model(workload: Workload) -> nn.Module:
     model.config.use_cache = False
     model.train()
     if workload.lora is not None:
-        model = apply_lora(model, replace(workload.lora, quantize="none"))
+        with torch.device("meta"):  # the adapters too: their initialization costs seconds at real size
+            model = apply_lora(model, replace(workload.lora, quantize="none"))
     return parallelize(model, workload.layout, workload.options, workload.memory)
 
 
@@ -390,7 +415,9 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
                 warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
                 # The head's full backward hook (our measuring mark) hands FSDP2 its logits as a view; nothing
                 # writes to them in place, so FSDP2's caution about views does not apply.
-                warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view", category=UserWarning)
+                warnings.filterwarnings(
+                    "ignore", message="FSDP2-wrapped module .* returned a view", category=UserWarning
+                )
                 output = model(**batch)
                 if pipeline is None:  # a pipeline's forward runs backward too
                     output.loss.backward()
@@ -432,7 +459,7 @@ def _batch(workload: Workload, mesh: Any, seq_len: int) -> dict[str, torch.Tenso
 
 
 def _measured_copies(workload: Workload, rank: int) -> list[Workload]:
-    """The workload itself when the rank holds few layers; else copies with 8 and 16 layers on the rank."""
+    """The workload itself when the rank holds few layers; else copies with :data:`MEASURED_LAYERS` on the rank."""
     measured = _fewer_microbatches(workload)
     if layers_of_rank(workload, rank) <= MEASURED_LAYERS[1]:
         return [measured]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_plugins.planner.dryrun import PEAK_CATEGORIES, RankMemory, dry_run, korthikanti_activations
+from lightning_plugins.planner.dryrun import PEAK_CATEGORIES, RankMemory, dry_runs, korthikanti_activations
 from lightning_plugins.planner.hardware import Cluster
 from lightning_plugins.planner.timing import StepTime, estimate_step_time
 from lightning_plugins.planner.workload import Workload
@@ -158,19 +158,28 @@ class Plan:
 
 def plan(workload: Workload, cluster: Cluster, *, margin: float = DEFAULT_MARGIN) -> Plan:
     """Dry-run ``workload`` and estimate its step time on ``cluster``."""
-    step = estimate_step_time(
-        workload.config,
-        workload.layout,
-        workload.options,
-        workload.memory,
-        cluster,
-        seq_len=workload.seq_len,
-        micro_batch_size=workload.micro_batch_size,
-        global_batch_size=workload.global_batch_size,
-        method=workload.method,
-        lora=workload.lora,
-    )
-    return Plan(workload, cluster, dry_run(workload), step, margin)
+    return plans([(workload, cluster)], margin=margin)[0]
+
+
+def plans(jobs: list[tuple[Workload, Cluster]], *, margin: float = DEFAULT_MARGIN) -> list[Plan]:
+    """:func:`plan` of each ``(workload, cluster)``, their dry runs in one pool of processes."""
+    steps = [
+        estimate_step_time(
+            workload.config,
+            workload.layout,
+            workload.options,
+            workload.memory,
+            cluster,
+            seq_len=workload.seq_len,
+            micro_batch_size=workload.micro_batch_size,
+            global_batch_size=workload.global_batch_size,
+            method=workload.method,
+            lora=workload.lora,
+        )
+        for workload, cluster in jobs
+    ]
+    ranks = dry_runs([workload for workload, _ in jobs])
+    return [Plan(workload, cluster, r, step, margin) for (workload, cluster), r, step in zip(jobs, ranks, steps)]
 
 
 def plan_recipe(recipe: Any, *, margin: float = DEFAULT_MARGIN, gpu: str | None = None, gpu_memory: Any = None) -> Plan:
@@ -178,11 +187,21 @@ def plan_recipe(recipe: Any, *, margin: float = DEFAULT_MARGIN, gpu: str | None 
 
     ``gpu`` and ``gpu_memory`` (``"48GiB"``) replace the recipe's ``hardware.gpu`` / ``hardware.gpu_memory_gb``.
     """
+    return plan_recipes([recipe], margin=margin, gpu=gpu, gpu_memory=gpu_memory)[0]
+
+
+def plan_recipes(
+    recipes: list[Any], *, margin: float = DEFAULT_MARGIN, gpu: str | None = None, gpu_memory: Any = None
+) -> list[Plan]:
+    """:func:`plan_recipe` of each recipe, their dry runs in one pool of processes."""
     from lightning_plugins.planner.hardware import cluster_from
 
-    hardware = recipe.hardware
-    memory = gpu_memory or (f"{hardware.gpu_memory_gb}GiB" if hardware.gpu_memory_gb else None)
-    cluster = cluster_from(
-        gpu or hardware.gpu or "H100", gpus=hardware.world_size, gpus_per_node=hardware.devices, gpu_memory=memory
-    )
-    return plan(Workload.from_recipe(recipe), cluster, margin=margin)
+    jobs = []
+    for recipe in recipes:
+        hardware = recipe.hardware
+        memory = gpu_memory or (f"{hardware.gpu_memory_gb}GiB" if hardware.gpu_memory_gb else None)
+        cluster = cluster_from(
+            gpu or hardware.gpu or "H100", gpus=hardware.world_size, gpus_per_node=hardware.devices, gpu_memory=memory
+        )
+        jobs.append((Workload.from_recipe(recipe), cluster))
+    return plans(jobs, margin=margin)
