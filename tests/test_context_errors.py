@@ -16,9 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, parallelize
 from lightning_plugins.parallel.context import (
-    _STATE_ATTR,
     ATTENTION_IMPLEMENTATION,
-    _AttentionState,
     apply_context_parallel,
     check_context_parallel,
     context_parallel_attention,
@@ -26,6 +24,7 @@ from lightning_plugins.parallel.context import (
     shard_batch_for_context_parallel,
     unshard_sequence_load_balanced,
 )
+from lightning_plugins.parallel.context.wiring import _STATE_ATTR, _AttentionState
 from lightning_plugins.strategies import ContextParallelStrategy, ParallelismStrategy
 
 

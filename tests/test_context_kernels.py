@@ -23,8 +23,6 @@ import torch.nn.functional as F
 from _world import run_world
 
 from lightning_plugins.parallel.context import (
-    _active_block,
-    _sequence_positions,
     check_ulysses_heads,
     head_to_seq,
     load_balanced_indices,
@@ -36,6 +34,8 @@ from lightning_plugins.parallel.context import (
     ulysses_attention,
     unshard_sequence_load_balanced,
 )
+from lightning_plugins.parallel.context.ring import _active_block
+from lightning_plugins.parallel.context.sharding import _sequence_positions
 
 CP_SIZES = (1, 2, 4)
 WORLD_SIZE = 4

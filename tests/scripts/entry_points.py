@@ -9,30 +9,31 @@ Rank 0 writes the largest differences over all ranks as JSON.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline_trainer import (  # noqa: E402
-    LOCAL_BATCH,
+from _common import (  # noqa: E402
+    TIMEOUT,
     FineTune,
     dataset,
     evaluate,
     full_weights,
     global_batches,
+    make_trainer,
+    max_diff,
     max_over_ranks,
     max_weight_diff,
+    reference_fit,
+    script_args,
+    step_losses,
+    write_results,
 )
 from tiny_models import tiny_model  # noqa: E402
-from trainer_parity import make_trainer, sgd_steps, step_losses  # noqa: E402
 
 from lightning_plugins import LayoutError  # noqa: E402
 from lightning_plugins.strategies import (  # noqa: E402
@@ -42,7 +43,7 @@ from lightning_plugins.strategies import (  # noqa: E402
     TensorParallelStrategy,
 )
 
-TIMEOUT = timedelta(minutes=3)
+LOCAL_BATCH = 4
 FIRST_STEPS, SECOND_STEPS, PROMPT, NEW_TOKENS = 3, 2, 6, 4
 
 CASES = [  # name, strategy factory, data-parallel ranks, whether `generate` works
@@ -75,39 +76,36 @@ class Evaluated(FineTune):
         if not self.generates:
             return {"loss": self.model(**batch).loss.item()}
         prompt = batch["input_ids"][:, :PROMPT]
-        tokens = self.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False)
+        tokens = self.model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS, do_sample=False
+        )
         return {"prompt": prompt, "tokens": tokens}
-
-
-def reference_fit(model: torch.nn.Module, data: list[dict], dp: int, steps: int) -> list[float]:
-    """One process, a fresh optimizer, the data order of a fresh `fit`: the losses per optimizer step."""
-    return sgd_steps(model, global_batches(data, dp, epochs=1), steps)
-
-
-def max_diff(a: list[float], b: list[float]) -> float:
-    return max_over_ranks(max(abs(x - y) for x, y in zip(a, b, strict=True)))
 
 
 def run_case(name: str, make_strategy, dp: int, generates: bool) -> dict:
     reference = tiny_model("llama_4l")
     vocab = reference.config.vocab_size
-    data, val, test, pred = (dataset(LOCAL_BATCH * dp, vocab, batches=b, seed=s) for b, s in ((6, 0), (2, 100), (2, 200), (2, 300)))
+    data, val, test, pred = (
+        dataset(LOCAL_BATCH * dp, vocab, batches=b, seed=s) for b, s in ((6, 0), (2, 100), (2, 200), (2, 300))
+    )
     loader = lambda rows: DataLoader(rows, batch_size=LOCAL_BATCH, shuffle=False)  # noqa: E731
     module = Evaluated(copy.deepcopy(reference), generates)
     result: dict = {}
 
     trainer = make_trainer(make_strategy(), 2, FIRST_STEPS, enable_checkpointing=False)
     trainer.fit(module, loader(data))
-    result["fit_loss"] = max_diff(step_losses(module.micro_losses), reference_fit(reference, data, dp, FIRST_STEPS))
+    result["fit_loss"] = max_diff(
+        step_losses(module.micro_losses), reference_fit(reference, data, dp, FIRST_STEPS, LOCAL_BATCH)
+    )
     result["fit_weights"] = max_weight_diff(module.model, full_weights(reference))
 
     reference.eval()
-    val_ref = evaluate(reference, global_batches(val, dp, epochs=1, shuffle=False))
+    val_ref = evaluate(reference, global_batches(val, dp, LOCAL_BATCH, epochs=1, shuffle=False))
     metrics = trainer.validate(module, loader(val), verbose=False)[0]
     result["validate"] = max_diff(module.val_losses, val_ref)
     result["validate_logged"] = max_over_ranks(abs(metrics["val_loss"] - sum(val_ref) / len(val_ref)))
 
-    test_ref = evaluate(reference, global_batches(test, dp, epochs=1, shuffle=False))
+    test_ref = evaluate(reference, global_batches(test, dp, LOCAL_BATCH, epochs=1, shuffle=False))
     metrics = trainer.test(module, loader(test), verbose=False)[0]
     result["test"] = max_diff(module.test_losses, test_ref)
     result["test_logged"] = max_over_ranks(abs(metrics["test_loss"] - sum(test_ref) / len(test_ref)))
@@ -115,12 +113,17 @@ def run_case(name: str, make_strategy, dp: int, generates: bool) -> dict:
     predictions = trainer.predict(module, loader(pred))
     if generates:
         with torch.no_grad():
-            expected = [reference.generate(p["prompt"], attention_mask=torch.ones_like(p["prompt"]), max_new_tokens=NEW_TOKENS, do_sample=False) for p in predictions]
+            expected = [
+                reference.generate(
+                    p["prompt"], attention_mask=torch.ones_like(p["prompt"]), max_new_tokens=NEW_TOKENS, do_sample=False
+                )
+                for p in predictions
+            ]
         mismatched = sum(int(not torch.equal(p["tokens"], e)) for p, e in zip(predictions, expected, strict=True))
         result["predict_mismatched_batches"] = max_over_ranks(mismatched)
         result["predict_new_tokens"] = predictions[0]["tokens"].shape[-1] - PROMPT
     else:
-        pred_ref = evaluate(reference, global_batches(pred, dp, epochs=1, shuffle=False))
+        pred_ref = evaluate(reference, global_batches(pred, dp, LOCAL_BATCH, epochs=1, shuffle=False))
         result["predict"] = max_diff([p["loss"] for p in predictions], pred_ref)
         try:
             module.model.generate(torch.zeros(1, 2, dtype=torch.long))
@@ -132,13 +135,17 @@ def run_case(name: str, make_strategy, dp: int, generates: bool) -> dict:
     module.micro_losses.clear()
     trainer = make_trainer(make_strategy(), 2, SECOND_STEPS, enable_checkpointing=False)
     trainer.fit(module, loader(data))
-    result["refit_loss"] = max_diff(step_losses(module.micro_losses), reference_fit(reference, data, dp, SECOND_STEPS))
+    result["refit_loss"] = max_diff(
+        step_losses(module.micro_losses), reference_fit(reference, data, dp, SECOND_STEPS, LOCAL_BATCH)
+    )
     result["refit_weights"] = max_weight_diff(module.model, full_weights(reference))
     result["refit_steps"] = trainer.global_step
 
     if name == "tp2":  # the same module under another layout: refused, naming both
         try:
-            make_trainer(ParallelismStrategy(dp_shard_size=2, timeout=TIMEOUT), 2, 1, enable_checkpointing=False).fit(module, loader(data))
+            make_trainer(ParallelismStrategy(dp_shard_size=2, timeout=TIMEOUT), 2, 1, enable_checkpointing=False).fit(
+                module, loader(data)
+            )
             result["other_layout_error"] = ""
         except LayoutError as err:
             result["other_layout_error"] = str(err)
@@ -146,12 +153,9 @@ def run_case(name: str, make_strategy, dp: int, generates: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = script_args(devices=False)
     results = {name: run_case(name, make, dp, generates) for name, make, dp, generates in CASES}
-    if torch.distributed.get_rank() == 0:
-        args.out.write_text(json.dumps(results, indent=1))
+    write_results(results, args.out)
 
 
 if __name__ == "__main__":

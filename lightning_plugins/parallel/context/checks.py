@@ -1,0 +1,92 @@
+"""Checks that fail before any collective when context parallelism cannot run a model or a layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_plugins.options import CP_BACKENDS
+
+BACKENDS = CP_BACKENDS
+
+
+def _check_gqa(num_heads: int, num_kv_heads: int) -> None:
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"Grouped-query attention needs the query heads ({num_heads}) to be a multiple of the key/value "
+            f"heads ({num_kv_heads})."
+        )
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(c for c in range(1, min(n, limit) + 1) if n % c == 0)
+
+
+def check_ulysses_heads(num_heads: int, num_kv_heads: int, cp_size: int) -> None:
+    """Fail early, before any collective, when Ulysses cannot split these heads over ``cp_size`` ranks.
+
+    Args:
+        num_heads: Query heads of the attention layer.
+        num_kv_heads: Key/value heads of the attention layer.
+        cp_size: Size of the context-parallel group.
+
+    Raises:
+        ValueError: When the query heads are not divisible by ``cp_size`` (key/value heads need not be:
+            they are repeated until they are), or are not a multiple of the key/value heads.
+    """
+    _check_gqa(num_heads, num_kv_heads)
+    if num_heads % cp_size != 0:
+        raise ValueError(
+            f"Ulysses context parallelism splits attention heads across the cp group, so the query heads "
+            f"({num_heads}) must be divisible by cp_size ({cp_size}). Use cp_size="
+            f"{_largest_divisor_at_most(num_heads, cp_size)} (or another divisor of {num_heads}), or ring attention."
+        )
+
+
+def check_context_parallel(
+    config: Any, cp_size: int, tp_size: int = 1, backend: str = "ulysses", *, pp_size: int = 1
+) -> None:
+    """Fail before any collective when context parallelism cannot run this model config.
+
+    Args:
+        config: The transformers model config (``num_attention_heads``, ``num_key_value_heads``, ...).
+        cp_size: Context-parallel ranks.
+        tp_size: Tensor-parallel ranks (they already split the heads; Ulysses splits the local ones).
+        backend: ``"ulysses"`` or ``"ring"``.
+        pp_size: Pipeline stages (not composed with context parallelism yet).
+
+    Raises:
+        LayoutError: naming the violated constraint and a setting that works.
+    """
+    from lightning_plugins.layout import LayoutError
+
+    if backend not in BACKENDS:
+        raise LayoutError(f"Unknown context-parallel backend {backend!r}; use one of {BACKENDS}.")
+    if cp_size == 1:
+        return
+    if pp_size > 1:
+        raise LayoutError(
+            f"cp_size={cp_size} with pp_size={pp_size}: context parallelism is not composed with pipeline"
+            " parallelism yet. Use cp_size=1 with pipelines, or pp_size=1 (CP composes with TP and FSDP2)."
+        )
+    if config is None:
+        return
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if backend == "ulysses" and heads is not None:
+        local_heads, local_kv = heads // tp_size, max(kv_heads // tp_size, 1)
+        try:
+            check_ulysses_heads(local_heads, local_kv, cp_size)
+        except ValueError as err:
+            where = f" ({heads} heads / tp_size={tp_size})" if tp_size > 1 else ""
+            good = [c for c in range(1, local_heads + 1) if local_heads % c == 0]
+            raise LayoutError(
+                f"Ulysses context parallelism splits each rank's {local_heads} attention heads{where} over"
+                f" cp_size={cp_size} ranks, which needs them divisible by cp_size. Use cp_size in {good}, or"
+                f" backend='ring' (no head constraint). ({err})"
+            ) from None
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if backend == "ring" and dropout > 0:
+        raise LayoutError(
+            f"Ring attention has no attention dropout, but config.attention_dropout={dropout}. Set it to 0.0 or use"
+            " backend='ulysses'."
+        )

@@ -1,0 +1,314 @@
+"""Ring attention (:func:`ring_attention`): exact attention over a sequence sharded across the cp ranks.
+
+Each rank keeps its own queries and passes its key/value block around the ring of ``cp`` ranks; attention of
+the local queries against each arriving block is merged with an online softmax (running log-sum-exp in fp32
+or wider). The backward recomputes each block from the saved ``q, k, v, out, lse`` (FlashAttention-2 style)
+while K/V and the dK/dV accumulators travel the ring again, so no rank ever holds more than two K/V blocks or
+any attention probabilities beyond the tile of query rows being computed against one block. Pure torch
+(matmul + exp): runs on CPU/gloo as well as on GPUs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_plugins.parallel.context.checks import _check_gqa
+from lightning_plugins.parallel.context.sharding import _sequence_positions
+
+# p2p tags keep the K/V ring and the dK/dV ring apart where a backend matches messages by tag (gloo);
+# NCCL ignores tags and matches by posting order, which is the same on every rank.
+_KV_TAG = 0
+_GRAD_TAG = 1
+
+
+class _Block(NamedTuple):
+    """Where one query block meets one key block: rows ``[row_start, row_end)``, keys ``[0, col_end)``."""
+
+    row_start: int
+    row_end: int
+    col_end: int
+    mask: Optional[Tensor]  # [rows, cols] bool, True = attend; None when every pair in the box attends
+
+
+def _active_block(q_pos: Tensor, k_pos: Tensor, causal: bool, valid_len: Optional[int]) -> Optional[_Block]:
+    """The box of query rows x key columns that can attend, or ``None`` when the block is fully masked.
+
+    Positions are sorted within a shard in both layouts, so the rows that attend anything form a
+    contiguous range and the keys that are attended form a prefix: slicing to that box skips the
+    masked work (this is where load balancing pays: off-diagonal causal blocks shrink to a half).
+
+    The positions are real tensors (:func:`_sequence_positions`), read outside any ``FakeTensorMode``.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _block_of(q_pos, k_pos, causal, valid_len)
+
+
+def _block_of(q_pos: Tensor, k_pos: Tensor, causal: bool, valid_len: Optional[int]) -> Optional[_Block]:
+    row_end = len(q_pos) if valid_len is None else int((q_pos < valid_len).sum())
+    col_end = len(k_pos) if valid_len is None else int((k_pos < valid_len).sum())
+    if row_end == 0 or col_end == 0:
+        return None
+    if not causal:
+        return _Block(0, row_end, col_end, None)
+    # Keys after the last attending query are never attended; queries before the first key attend none.
+    col_end = min(col_end, int(torch.searchsorted(k_pos, q_pos[row_end - 1], right=True)))
+    row_start = int(torch.searchsorted(q_pos, k_pos[0]))
+    if col_end == 0 or row_start >= row_end:
+        return None
+    mask = q_pos[row_start:row_end, None] >= k_pos[None, :col_end]
+    return _Block(row_start, row_end, col_end, None if bool(mask.all()) else mask)
+
+
+def _block_scores(q: Tensor, k: Tensor, scale: float, mask: Optional[Tensor]) -> Tensor:
+    """Scaled scores ``[b, kv_heads, group, rows, cols]`` of grouped queries against one key block.
+
+    ``q`` is ``[b, kv_heads, group, rows, d]``; folding the group into the rows lets one matmul serve
+    every query head that shares a key head, without repeating K.
+    """
+    b, hkv, group, rows, d = q.shape
+    scores = torch.matmul(q.reshape(b, hkv, group * rows, d), k.transpose(-1, -2)) * scale
+    scores = scores.view(b, hkv, group, rows, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
+    return scores
+
+
+def _ring_shift(tensor: Tensor, group: dist.ProcessGroup, tag: int) -> tuple[list[Any], Tensor]:
+    """Start sending ``tensor`` to the next rank and receiving the previous rank's; returns (works, buffer)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    received = torch.empty_like(tensor)
+    ops = [
+        dist.P2POp(dist.isend, tensor, group=group, tag=tag, group_peer=(rank + 1) % size),
+        dist.P2POp(dist.irecv, received, group=group, tag=tag, group_peer=(rank - 1) % size),
+    ]
+    return dist.batch_isend_irecv(ops), received
+
+
+def _wait(works: list[Any]) -> None:
+    for work in works:
+        work.wait()
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Softmax statistics and partial outputs in fp32 at least: bf16/fp16 would lose the merge.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _attend_block(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Softmax attention of grouped queries to one key block: (normalised output, log-sum-exp per row)."""
+    scores = _block_scores(q, k, scale, mask)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.unsqueeze(2)), lse
+
+
+def _merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    """Online softmax: both outputs are normalised by their own lse, so reweight each to the joint one."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out.copy_(out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
+def _attend_block_backward(
+    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, scale: float, mask: Optional[Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq, dk, dv) of one block, recomputing its probabilities from the forward's final lse."""
+    b, hkv, group, rows, d = q.shape
+    probs = torch.exp(_block_scores(q, k, scale, mask) - lse.unsqueeze(-1))
+    grad_probs = torch.matmul(grad_out, v.unsqueeze(2).transpose(-1, -2))
+    grad_scores = probs * (grad_probs - delta.unsqueeze(-1)) * scale
+    grad_q = torch.matmul(grad_scores, k.unsqueeze(2))
+    # Fold the query group into the rows: one matmul then sums over the heads that share a key head.
+    grad_scores_t = grad_scores.reshape(b, hkv, group * rows, -1).transpose(-1, -2)
+    grad_k = torch.matmul(grad_scores_t, q.reshape(b, hkv, group * rows, d))
+    probs_t = probs.reshape(b, hkv, group * rows, -1).transpose(-1, -2)
+    grad_v = torch.matmul(probs_t, grad_out.reshape(b, hkv, group * rows, d))
+    return grad_q, grad_k, grad_v
+
+
+#: Elements of one score-sized temporary (``batch x heads x rows x keys``) that ring attention aims at.
+_SCORE_ELEMENTS = 1 << 22
+
+
+def _row_tiles(block: _Block, query_tile: Optional[int], batch_heads: int) -> Iterator[tuple[slice, Optional[Tensor]]]:
+    """Query-row tiles of an active block, with their slice of its mask.
+
+    Rows are independent in attention, so a block is computed a tile at a time: the probabilities of
+    one tile against the block's keys are the largest temporaries, whatever the local length.
+    """
+    tile = query_tile or max(1, _SCORE_ELEMENTS // (batch_heads * block.col_end))
+    for start in range(block.row_start, block.row_end, tile):
+        stop = min(start + tile, block.row_end)
+        mask = None if block.mask is None else block.mask[start - block.row_start : stop - block.row_start]
+        yield slice(start, stop), mask
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention over grouped queries; see :func:`ring_attention`."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        group: dist.ProcessGroup,
+        causal: bool,
+        scale: float,
+        load_balanced: bool,
+        valid_len: Optional[int],
+        query_tile: Optional[int],
+    ) -> Tensor:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        b, hq, s, d = q.shape
+        hkv = k.shape[1]
+        acc = _accumulation_dtype(q.dtype)
+        positions = functools.partial(_sequence_positions, s * size, cp_size=size, load_balanced=load_balanced)
+        q_pos = positions(rank)
+
+        q5 = q.to(acc).reshape(b, hkv, hq // hkv, s, d)
+        out = torch.zeros_like(q5)
+        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(size):
+            # Start moving the next block before computing on this one, so communication overlaps compute.
+            works, kv_next = _ring_shift(kv, group, _KV_TAG) if step < size - 1 else ([], kv)
+            block = _active_block(q_pos, positions((rank - step) % size), causal, valid_len)
+            if block is not None:
+                cols = slice(0, block.col_end)
+                k_blk, v_blk = kv[0, :, :, cols].to(acc), kv[1, :, :, cols].to(acc)
+                for rows, mask in _row_tiles(block, query_tile, b * hq):
+                    block_out, block_lse = _attend_block(q5[..., rows, :], k_blk, v_blk, scale, mask)
+                    _merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
+            _wait(works)
+            kv = kv_next
+
+        out = out.to(q.dtype).reshape(b, hq, s, d)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.load_balanced, ctx.valid_len, ctx.query_tile = load_balanced, valid_len, query_tile
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        group = ctx.group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        b, hq, s, d = q.shape
+        hkv = k.shape[1]
+        acc = lse.dtype
+        positions = functools.partial(_sequence_positions, s * size, cp_size=size, load_balanced=ctx.load_balanced)
+        q_pos = positions(rank)
+
+        q5 = q.to(acc).reshape(b, hkv, hq // hkv, s, d)
+        grad_out5 = grad_out.to(acc).reshape(q5.shape)
+        # FlashAttention-2's D = rowsum(dO * O): the softmax-Jacobian term, the same for every key block.
+        delta = (grad_out5 * out.to(acc).reshape(q5.shape)).sum(dim=-1)
+        grad_q = torch.zeros_like(q5)
+        kv = torch.stack([k, v])
+        grad_works: list[Any] = []
+        grad_kv_in: Optional[Tensor] = None
+        for step in range(size):
+            works, kv_next = _ring_shift(kv, group, _KV_TAG) if step < size - 1 else ([], kv)
+            grad_kv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
+            block = _active_block(q_pos, positions((rank - step) % size), ctx.causal, ctx.valid_len)
+            if block is not None:
+                cols = slice(0, block.col_end)
+                k_blk, v_blk = kv[0, :, :, cols].to(acc), kv[1, :, :, cols].to(acc)
+                for rows, mask in _row_tiles(block, ctx.query_tile, b * hq):
+                    grad_q_blk, grad_k_blk, grad_v_blk = _attend_block_backward(
+                        q5[..., rows, :],
+                        k_blk,
+                        v_blk,
+                        grad_out5[..., rows, :],
+                        lse[..., rows],
+                        delta[..., rows],
+                        ctx.scale,
+                        mask,
+                    )
+                    grad_q[..., rows, :] += grad_q_blk
+                    grad_kv[0, :, :, cols] += grad_k_blk
+                    grad_kv[1, :, :, cols] += grad_v_blk
+            if grad_kv_in is not None:
+                # This block's dK/dV so far (its owner's and every rank's since) arrives from the previous rank.
+                _wait(grad_works)
+                grad_kv += grad_kv_in
+            if size > 1:
+                # After the last step the sum lands on the block's owner: the next rank after the last adder.
+                grad_works, grad_kv_in = _ring_shift(grad_kv, group, _GRAD_TAG)
+            _wait(works)
+            kv = kv_next
+
+        if grad_kv_in is not None:
+            _wait(grad_works)
+            grad_kv = grad_kv_in
+        grad_q = grad_q.reshape(b, hq, s, d).to(q.dtype)
+        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None, None, None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    load_balanced: bool = True,
+    valid_len: Optional[int] = None,
+    query_tile: Optional[int] = None,
+) -> Tensor:
+    """Exact attention over a sequence sharded across the context-parallel group.
+
+    Every rank passes its K/V block around the ring and attends its queries to each block in turn,
+    merging with an online softmax; backward recomputes the blocks and sends dK/dV home around the
+    ring. Memory is the local shard, its fp32 output and log-sum-exp, two K/V blocks, and a few
+    ``[local_seq, local_seq]`` score-sized buffers per head for the block being computed.
+
+    Args:
+        q: This rank's queries ``[batch, heads, local_seq, head_dim]``.
+        k: This rank's keys ``[batch, kv_heads, local_seq, head_dim]``; ``heads`` must be a multiple of
+            ``kv_heads`` (grouped-query attention, query head ``i`` uses key head ``i // (heads // kv_heads)``
+            as in transformers' ``repeat_kv``).
+        v: This rank's values, shaped like ``k``.
+        group: The context-parallel process group (default: the world).
+        causal: Whether query position ``i`` attends only key positions ``<= i`` (global positions).
+        scale: Score scale; default ``1 / sqrt(head_dim)``.
+        load_balanced: Whether the shards follow the load-balanced layout (rank ``r`` holds chunks ``r``
+            and ``2 * cp - 1 - r``, see :func:`shard_sequence_load_balanced`) rather than contiguous slices.
+        valid_len: Global length before padding; positions from it on are padding and neither attend
+            nor are attended (their output is zero). Needed for non-causal attention over a padded
+            sequence; with causal attention real tokens never see trailing pads anyway.
+        query_tile: Query rows computed at once against a K/V block; bounds the score-sized temporaries
+            to ``batch x heads x query_tile x local_seq``. Default: as many rows as keep each of them
+            under 2**22 elements (16 MiB in fp32).
+
+    Returns:
+        This rank's attention output, shaped like ``q``.
+    """
+    group = group if group is not None else dist.group.WORLD
+    if query_tile is not None and query_tile < 1:
+        raise ValueError(f"query_tile must be a positive number of rows, got {query_tile}.")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
+        raise ValueError(
+            f"ring_attention takes this rank's shard of q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} "
+            "as [batch, heads, local_seq, head_dim], with equal batch, local_seq and head_dim."
+        )
+    _check_gqa(q.shape[1], k.shape[1])
+    if load_balanced and q.shape[2] % 2 != 0:
+        raise ValueError(
+            f"The load-balanced layout holds two equal chunks per rank, but the local sequence length "
+            f"{q.shape[2]} is odd. Pad the global sequence with `pad_for_context_parallel`."
+        )
+    if valid_len is not None and valid_len < 1:
+        raise ValueError(f"valid_len must be at least 1, got {valid_len}.")
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(q, k, v, group, causal, scale, load_balanced, valid_len, query_tile)

@@ -1,0 +1,179 @@
+"""Ulysses (:func:`ulysses_attention`, built from :func:`seq_to_head` / :func:`head_to_seq`).
+
+An all-to-all turns sequence-sharded ``[b, h, s/cp, d]`` activations into head-sharded ``[b, h/cp, s, d]``
+ones, any ordinary attention runs on the full sequence, and the inverse all-to-all brings the output back.
+Its degree is limited by the number of heads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_plugins.parallel.context.checks import check_ulysses_heads
+from lightning_plugins.parallel.context.sharding import reorder_sequence_load_balanced, unshard_sequence_load_balanced
+
+AttentionFn = Callable[..., Tensor]
+"""``attn_fn(q, k, v, *, is_causal, scale) -> out`` on ``[b, heads, seq, head_dim]`` tensors in natural
+sequence order; ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention)."""
+
+
+def _all_to_all(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """All-to-all along dim 0, whose size is the group size: slice ``j`` goes to rank ``j``."""
+    x = x.contiguous()  # the collective reads and writes raw memory: both buffers must be dense
+    received = torch.empty_like(x)
+    dist.all_to_all_single(received, x, group=group)
+    return received
+
+
+def _seq_to_head(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    size = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    if h % size != 0:
+        raise ValueError(f"seq_to_head splits {h} heads across cp_size={size}: heads must be divisible by cp_size.")
+    # [cp, b, h/cp, s, d]: head slice j is sent to rank j, which receives every rank's sequence shard of it.
+    received = _all_to_all(x.reshape(b, size, h // size, s, d).transpose(0, 1), group)
+    return received.permute(1, 2, 0, 3, 4).reshape(b, h // size, size * s, d)
+
+
+def _head_to_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    size = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    if s % size != 0:
+        raise ValueError(f"head_to_seq splits a sequence of {s} across cp_size={size}: it must be divisible.")
+    # [cp, b, h/cp, s/cp, d]: sequence shard j is sent to rank j, which receives every rank's heads of it.
+    received = _all_to_all(x.reshape(b, h, size, s // size, d).permute(2, 0, 1, 3, 4), group)
+    return received.transpose(0, 1).reshape(b, size * h, s // size, d)
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _seq_to_head(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        # The all-to-all is a permutation of data across ranks; its adjoint is the inverse permutation.
+        return _head_to_seq(grad, ctx.group), None
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _head_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _seq_to_head(grad, ctx.group), None
+
+
+def seq_to_head(x: Tensor, group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """Sequence-sharded ``[b, heads, s/cp, d]`` to head-sharded ``[b, heads/cp, s, d]`` (differentiable).
+
+    Rank ``j`` gets heads ``[j * heads/cp, (j+1) * heads/cp)``; the gathered sequence is the
+    concatenation of the ranks' shards in rank order (see :func:`unshard_sequence_load_balanced`).
+
+    Args:
+        x: This rank's sequence shard.
+        group: The context-parallel process group (default: the world).
+
+    Returns:
+        This rank's head shard over the whole sequence.
+    """
+    return _SeqToHead.apply(x, group if group is not None else dist.group.WORLD)
+
+
+def head_to_seq(x: Tensor, group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """Head-sharded ``[b, heads/cp, s, d]`` to sequence-sharded ``[b, heads, s/cp, d]``: inverse of :func:`seq_to_head`.
+
+    Args:
+        x: This rank's head shard over the whole sequence (in rank order).
+        group: The context-parallel process group (default: the world).
+
+    Returns:
+        This rank's sequence shard with all heads.
+    """
+    return _HeadToSeq.apply(x, group if group is not None else dist.group.WORLD)
+
+
+def _repeat_kv_for_cp(x: Tensor, cp_size: int) -> Tensor:
+    """Repeat key/value heads (each in place, like ``repeat_kv``) until their number divides ``cp_size``.
+
+    ``lcm(kv_heads, cp)`` heads are the fewest that split evenly; they still divide the query heads
+    (which both ``kv_heads`` and ``cp`` divide), so query head ``i`` keeps its key head.
+    """
+    kv_heads = x.shape[1]
+    repeats = cp_size // math.gcd(kv_heads, cp_size)
+    return x if repeats == 1 else x.repeat_interleave(repeats, dim=1)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float]) -> Tensor:
+    grouped = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=grouped)
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    causal: bool = True,
+    scale: Optional[float] = None,
+    load_balanced: bool = True,
+    valid_len: Optional[int] = None,
+    attn_fn: Optional[AttentionFn] = None,
+) -> Tensor:
+    """Exact attention over a sequence sharded across the context-parallel group, by all-to-all over heads.
+
+    After :func:`seq_to_head` the sequence is in rank order; for causal attention (and to drop padding)
+    it is put in natural order before ``attn_fn`` and back after, so ``attn_fn`` can be any ordinary
+    attention (SDPA, flash, ...) with its plain causal mask. Padding (``valid_len``) is sliced off before
+    ``attn_fn``, which therefore always sees equal query and key lengths: no causal-alignment ambiguity.
+
+    Args:
+        q: This rank's queries ``[batch, heads, local_seq, head_dim]``; ``heads`` must be divisible by the
+            group size (see :func:`check_ulysses_heads`).
+        k: This rank's keys ``[batch, kv_heads, local_seq, head_dim]``; repeated when ``kv_heads`` does
+            not divide the group size.
+        v: This rank's values, shaped like ``k``.
+        group: The context-parallel process group (default: the world).
+        causal: Whether query position ``i`` attends only key positions ``<= i``.
+        scale: Score scale; default ``1 / sqrt(head_dim)``.
+        load_balanced: Whether the shards follow the load-balanced layout.
+        valid_len: Global length before padding; positions from it on neither attend nor are attended
+            (their output is zero).
+        attn_fn: ``attn_fn(q, k, v, *, is_causal, scale)`` on natural-order ``[b, h, S, d]`` tensors;
+            default :func:`torch.nn.functional.scaled_dot_product_attention`.
+
+    Returns:
+        This rank's attention output, shaped like ``q``.
+    """
+    group = group if group is not None else dist.group.WORLD
+    size = dist.get_world_size(group)
+    check_ulysses_heads(q.shape[1], k.shape[1], size)
+    attn_fn = attn_fn if attn_fn is not None else _sdpa
+    q, k, v = (seq_to_head(x, group) for x in (q, _repeat_kv_for_cp(k, size), _repeat_kv_for_cp(v, size)))
+
+    seq_len = q.shape[2]
+    # Rank order is the natural order for contiguous shards. Non-causal attention over unpadded data needs
+    # no reordering either: permuting queries and keys together just permutes the output rows.
+    reorder = load_balanced and size > 1 and (causal or valid_len is not None)
+    if reorder:
+        q, k, v = (unshard_sequence_load_balanced(x, 2, size) for x in (q, k, v))
+    if valid_len is not None and valid_len < seq_len:
+        q, k, v = (x[:, :, :valid_len] for x in (q, k, v))  # natural order here: the pads are trailing
+    out = attn_fn(q, k, v, is_causal=causal, scale=scale)
+    if out.shape[2] < seq_len:
+        out = F.pad(out, (0, 0, 0, seq_len - out.shape[2]))
+    if reorder:
+        out = reorder_sequence_load_balanced(out, 2, size)
+    return head_to_seq(out, group)

@@ -1,0 +1,57 @@
+"""Pipeline parallelism: decoder layers split into stages, micro-batches streamed by a torch schedule.
+
+The parts: :mod:`.options` (schedules, :class:`PipelineOptions`, which stages and layers a rank holds, the
+layout check), :mod:`.stage` (:class:`StageModule`), :mod:`.split` (pruning a model to its stages),
+:mod:`.runtime` (:class:`Pipeline`, the step over a whole batch) and :mod:`.apply`
+(:func:`apply_pipeline_parallel`, the model whose ``forward`` drives the pipeline).
+
+How a causal LM becomes a pipeline:
+
+* **Split.** The layers are cut into ``pp_size x stages_per_rank`` contiguous stages. Each rank keeps
+  only its stages' layers (under their original names, so ``model.layers.5`` stays ``model.layers.5``
+  and checkpoints map across layouts), the embedding if it holds the first stage, the final norm and
+  ``lm_head`` if it holds the last.
+* **Stages.** A :class:`StageModule` runs one stage. It recomputes the causal mask and the rotary
+  embeddings from the sequence length, attention mask and position ids. Those, and the labels, are
+  chunked by the schedule and handed to every stage locally: all ranks of one pipeline read the same
+  batch, so only hidden states (and their gradients) travel between ranks.
+* **Loss.** The last stage turns each micro-batch's token-loss *sum* into its share of the global
+  token mean: ``sum x data_ranks x loss_scale / valid tokens of the whole batch over all data ranks``.
+  Schedules run with ``scale_grads=False``, so the accumulated gradient is exactly the one process
+  averaging over the whole batch would get (FSDP2 then averages over the data ranks).
+* **Shapes** are given to ``PipelineStage`` up front (static mode): no metadata-inference pass runs.
+  A new (micro-batch, sequence) shape rebuilds the stages; padding to a fixed length avoids that.
+* **Tied embeddings.** When the first and last stage live on different ranks, each keeps a copy of the
+  tied weight. After every step the gradient increments of the two copies are summed over the pair of
+  ranks, so both copies take identical updates; :meth:`Pipeline.clip_grad_norm_` counts the weight once.
+
+Composition: tensor parallelism is applied to the rank's part of the model, FSDP2 to each stage module
+(the stage is the FSDP root, which is what ``PipelineStage`` expects), activation checkpointing to the
+kept layers. Context parallelism does not compose with the pipeline yet.
+"""
+
+from lightning_plugins.parallel.pipeline.apply import apply_pipeline_parallel, pipeline_of
+from lightning_plugins.parallel.pipeline.options import (
+    SCHEDULES,
+    PipelineOptions,
+    check_pipeline_layout,
+    layer_ranges,
+    stages_of_rank,
+)
+from lightning_plugins.parallel.pipeline.runtime import Pipeline
+from lightning_plugins.parallel.pipeline.split import split_into_stages, tied_pair_group
+from lightning_plugins.parallel.pipeline.stage import StageModule
+
+__all__ = [
+    "apply_pipeline_parallel",
+    "check_pipeline_layout",
+    "SCHEDULES",
+    "Pipeline",
+    "PipelineOptions",
+    "StageModule",
+    "layer_ranges",
+    "pipeline_of",
+    "split_into_stages",
+    "stages_of_rank",
+    "tied_pair_group",
+]

@@ -1,0 +1,133 @@
+"""A causal LM made into a pipeline: :func:`apply_pipeline_parallel`, and its ``forward`` driving the pipeline.
+
+Composition: tensor parallelism is applied to the rank's part of the model, FSDP2 to each stage module
+(the stage is the FSDP root, which is what ``PipelineStage`` expects), activation checkpointing to the
+kept layers. Context parallelism does not compose with the pipeline yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_plugins.models import ModelFamily, decoder_layers
+from lightning_plugins.parallel.pipeline.options import PipelineOptions
+from lightning_plugins.parallel.pipeline.runtime import Pipeline, _Tie
+from lightning_plugins.parallel.pipeline.split import split_into_stages, tied_pair_group
+
+_PIPELINE_ATTR = "_lightning_plugins_pipeline"
+
+
+def pipeline_of(model: nn.Module) -> Pipeline | None:
+    """The :class:`Pipeline` ``parallelize`` attached to ``model`` (``None`` without pipeline parallelism)."""
+    return getattr(model, _PIPELINE_ATTR, None)
+
+
+def apply_pipeline_parallel(
+    model: nn.Module,
+    family: ModelFamily,
+    mesh: DeviceMesh,
+    options: PipelineOptions,
+    *,
+    tensor_parallel: Callable[[nn.Module], None] | None = None,
+    sequence_mesh: DeviceMesh | None = None,
+    activation_checkpointing: Callable[[nn.ModuleList], None] | None = None,
+    fully_shard_stage: Callable[..., None] | None = None,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+) -> Pipeline:
+    """Split ``model`` into this rank's stages, compose the other dimensions per stage, attach the pipeline.
+
+    Order: split (with tensor parallelism applied in between, see :func:`split_into_stages`) ->
+    activation checkpointing of the kept layers -> FSDP2 per stage module (each stage is its own root),
+    called as ``fully_shard_stage(stage, layers, reshard_after_forward=...)``.
+    Afterwards ``model(**batch)`` runs the whole batch through the pipeline (see :class:`Pipeline`).
+
+    Zero-bubble schedules (``interleaved_zero_bubble``, ``zbv_zero_bubble``, ``dualpipev``) compute weight
+    gradients in a pass after the input gradients, from the parameters the forward used: FSDP2 must keep
+    them gathered until then, so ``reshard_after_forward`` is off for them (with it on, the weight pass
+    would see resharded parameters and the gradients would be wrong).
+    """
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = lm_head is not None and lm_head.weight is embed.weight
+    stages = split_into_stages(
+        model, family, mesh, options, tensor_parallel=tensor_parallel, sequence_mesh=sequence_mesh
+    )
+    if activation_checkpointing is not None:
+        activation_checkpointing(decoder_layers(model, family))
+    if fully_shard_stage is not None:
+        for stage in stages.values():
+            fully_shard_stage(
+                stage,
+                list(stage.layers.values()),
+                reshard_after_forward=reshard_after_forward and not options.spec.split_backward,
+            )
+        if tied and model.get_input_embeddings() is not None and model.get_output_embeddings() is not None:
+            # FSDP2 gave the head a new (sharded) parameter; the kept embedding module names the same one.
+            model.get_input_embeddings().weight = model.get_output_embeddings().weight
+
+    tie = None
+    group = tied_pair_group(mesh, options) if tied else None
+    if group is not None:
+        num_stages = mesh["pp"].size() * (options.stages_per_rank or 1)
+        if 0 in stages and num_stages - 1 not in stages:
+            tie = _Tie(_param_name(model, model.get_input_embeddings().weight), group, counted=True)
+        elif num_stages - 1 in stages and 0 not in stages:
+            tie = _Tie(_param_name(model, model.get_output_embeddings().weight), group, counted=False)
+    pipeline = Pipeline(model, stages, options, mesh, tie=tie, param_dtype=param_dtype)
+    setattr(model, _PIPELINE_ATTR, pipeline)
+    model.__class__ = _pipelined_class(type(model))
+    return pipeline
+
+
+def _param_name(model: nn.Module, param: Tensor) -> str:
+    return next(name for name, p in model.named_parameters() if p is param)
+
+
+class _PipelinedCausalLM:
+    """Put in front of a parallelized model's class: ``forward`` drives the pipeline for the whole batch.
+
+    In training mode with gradients enabled, a call runs forward *and* backward of every micro-batch
+    (the schedule interleaves them) and returns the loss detached: do not call ``backward`` on it. In
+    eval mode or under ``no_grad`` it runs forward only. Either way the loss is the global mean token
+    loss of the batch, identical on every rank; logits are not returned.
+    """
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        unsupported = sorted(k for k in ("inputs_embeds", "past_key_values") if kwargs.get(k) is not None)
+        if input_ids is None or unsupported or kwargs.get("use_cache"):
+            raise ValueError(
+                f"{type(self).__name__} runs a pipeline: pass `input_ids` (and `labels`); {unsupported or 'use_cache'}"
+                " is not supported under pipeline parallelism."
+            )
+        pipeline = pipeline_of(self)  # type: ignore[arg-type]
+        assert pipeline is not None
+        if self.training and torch.is_grad_enabled():  # type: ignore[attr-defined]
+            loss = pipeline.step(input_ids, attention_mask, position_ids, labels)
+        else:
+            loss = pipeline.evaluate(input_ids, attention_mask, position_ids, labels)
+        return CausalLMOutputWithPast(loss=loss)
+
+
+_PIPELINED_CLASSES: dict[type, type] = {}
+
+
+def _pipelined_class(cls: type) -> type:
+    if issubclass(cls, _PipelinedCausalLM):
+        return cls
+    if cls not in _PIPELINED_CLASSES:
+        _PIPELINED_CLASSES[cls] = type(f"Pipelined{cls.__name__}", (_PipelinedCausalLM, cls), {})
+    return _PIPELINED_CLASSES[cls]

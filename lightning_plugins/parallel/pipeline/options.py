@@ -1,0 +1,166 @@
+"""Pipeline options and schedules: which torch schedule runs, how many stages and micro-batches, which layers.
+
+:class:`PipelineOptions` resolves the defaults and checks every constraint of a schedule;
+:func:`stages_of_rank` and :func:`layer_ranges` say which stages a rank runs and which layers a stage holds;
+:func:`check_pipeline_layout` validates the options against a layout and a model config before any collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from lightning_plugins.layout import LayoutError, ParallelLayout
+from lightning_plugins.models import FAMILIES
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    cls: type
+    multi: bool  # several stages per rank
+    v_shape: bool  # stage s on rank s for s < pp, then back: rank 0 holds the first and the last stage
+    split_backward: bool = False  # input and weight gradients in separate passes (zero bubble)
+
+
+#: Schedule names accepted by ``pp_schedule``.
+SCHEDULES: dict[str, _Schedule] = {
+    "gpipe": _Schedule(ScheduleGPipe, multi=False, v_shape=False),
+    "1f1b": _Schedule(Schedule1F1B, multi=False, v_shape=False),
+    "interleaved_1f1b": _Schedule(ScheduleInterleaved1F1B, multi=True, v_shape=False),
+    "looped_bfs": _Schedule(ScheduleLoopedBFS, multi=True, v_shape=False),
+    "interleaved_zero_bubble": _Schedule(ScheduleInterleavedZeroBubble, multi=True, v_shape=False, split_backward=True),
+    "zbv_zero_bubble": _Schedule(ScheduleZBVZeroBubble, multi=True, v_shape=True, split_backward=True),
+    "dualpipev": _Schedule(ScheduleDualPipeV, multi=True, v_shape=True, split_backward=True),
+}
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How the pipeline runs.
+
+    Args:
+        schedule: One of :data:`SCHEDULES` (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ...).
+        microbatches: Micro-batches per step; ``None`` takes the number of stages.
+        stages_per_rank: Stages each rank holds; ``None`` takes 1 for single-stage schedules and 2
+            for interleaved and V-shaped ones.
+    """
+
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    stages_per_rank: int | None = None
+
+    def resolve(self, pp_size: int, num_layers: int | None = None) -> PipelineOptions:
+        """Fill in the defaults and check every constraint; raises :class:`LayoutError` naming the fix."""
+        name = self.schedule.lower() if isinstance(self.schedule, str) else self.schedule
+        if name not in SCHEDULES:
+            raise LayoutError(
+                f"pp_schedule={self.schedule!r} is not a known pipeline schedule. Use one of {sorted(SCHEDULES)}"
+                " (e.g. pp_schedule='1f1b')."
+            )
+        spec = SCHEDULES[name]
+        v = self.stages_per_rank if self.stages_per_rank is not None else (2 if spec.multi else 1)
+        if not isinstance(v, int) or v < 1:
+            raise LayoutError(f"pp_stages_per_rank must be a positive integer, got {v!r}.")
+        if not spec.multi and v != 1:
+            raise LayoutError(
+                f"pp_schedule={name!r} runs one stage per rank, but pp_stages_per_rank={v}. Use pp_stages_per_rank=1,"
+                " or an interleaved schedule (e.g. pp_schedule='interleaved_1f1b') for several stages per rank."
+            )
+        if spec.v_shape and v != 2:
+            raise LayoutError(
+                f"pp_schedule={name!r} is V-shaped and needs exactly 2 stages per rank, got pp_stages_per_rank={v}."
+                " Use pp_stages_per_rank=2."
+            )
+        if spec.multi and not spec.v_shape and v < 2:
+            raise LayoutError(
+                f"pp_schedule={name!r} interleaves several stages per rank, but pp_stages_per_rank={v}. Use"
+                " pp_stages_per_rank >= 2, or pp_schedule='1f1b' for one stage per rank."
+            )
+        stages = pp_size * v
+        if num_layers is not None and stages > num_layers:
+            fewer = num_layers // pp_size
+            fix = (
+                f"pp_stages_per_rank={fewer}"
+                if spec.multi and not spec.v_shape and fewer >= 2
+                else "pp_schedule='1f1b' (one stage per rank)"
+                if pp_size <= num_layers
+                else f"pp_size <= {num_layers}"
+            )
+            raise LayoutError(
+                f"pp_size={pp_size} x pp_stages_per_rank={v} = {stages} pipeline stages, but the model has only"
+                f" num_hidden_layers={num_layers}: every stage needs at least one decoder layer. Use {fix}."
+            )
+        m = self.microbatches if self.microbatches is not None else stages
+        if not isinstance(m, int) or m < 1:
+            raise LayoutError(f"pp_microbatches must be a positive integer, got {m!r}.")
+        if name in ("1f1b", "dualpipev") and m < stages:
+            raise LayoutError(
+                f"pp_schedule={name!r} needs at least as many micro-batches as pipeline stages: pp_microbatches={m} <"
+                f" {stages} stages. Use pp_microbatches >= {stages} (more micro-batches also shrink the bubble)."
+            )
+        if spec.multi and name != "dualpipev" and (m < pp_size or m % pp_size):
+            raise LayoutError(
+                f"pp_schedule={name!r} runs micro-batches in rounds of pp_size={pp_size}: pp_microbatches={m} must be a"
+                f" positive multiple of {pp_size}. Use e.g. pp_microbatches={max(1, m // pp_size) * pp_size}."
+            )
+        return replace(self, schedule=name, microbatches=m, stages_per_rank=v)
+
+    @property
+    def spec(self) -> _Schedule:
+        return SCHEDULES[self.schedule]
+
+
+def stages_of_rank(pp_rank: int, pp_size: int, options: PipelineOptions) -> list[int]:
+    """The stage indices pipeline rank ``pp_rank`` runs (looped: r, r+p, ...; V-shaped: r and 2p-1-r)."""
+    if options.spec.v_shape:
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + k * pp_size for k in range(options.stages_per_rank or 1)]
+
+
+def layer_ranges(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous layer ranges per stage; the first ``num_layers % num_stages`` stages get one more.
+
+    The last stage, which also runs the final norm, ``lm_head`` and the loss, is never the larger one.
+    """
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for stage in range(num_stages):
+        size = base + (1 if stage < extra else 0)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def check_pipeline_layout(layout: ParallelLayout, config: Any, options: PipelineOptions) -> PipelineOptions:
+    """Validate ``options`` against a resolved layout and a model config before any collective."""
+    if layout.cp_size > 1:
+        raise LayoutError(
+            f"pp_size={layout.pp_size} with cp_size={layout.cp_size}: pipeline and context parallelism do not compose"
+            " in this version. Use cp_size=1 with pipeline parallelism, or pp_size=1 with context parallelism."
+        )
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise LayoutError(
+            f"pp_size={layout.pp_size}: pipeline parallelism re-runs the decoder stack stage by stage and is verified"
+            f" for the registered families {sorted(FAMILIES)}, not model_type {model_type!r} (its forward may scale or"
+            " transform embeddings in ways a stage would miss). Use pp_size=1 for this model."
+        )
+    resolved = options.resolve(layout.pp_size, getattr(config, "num_hidden_layers", None))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied and resolved.spec.v_shape and layout.fsdp_size > 1:
+        raise LayoutError(
+            f"pp_schedule={resolved.schedule!r} puts the first and the last stage on one rank, where a tied embedding"
+            " would be one parameter in two FSDP2 stage modules. Use pp_schedule='interleaved_1f1b' (or another"
+            " looped schedule) for this tied-embedding model with data parallelism."
+        )
+    return resolved

@@ -1,0 +1,291 @@
+"""The pipeline runtime (:class:`Pipeline`): this rank's stages, the schedule that runs them, one step per batch.
+
+* **Shapes** are given to ``PipelineStage`` up front (static mode): no metadata-inference pass runs.
+  A new (micro-batch, sequence) shape rebuilds the stages; padding to a fixed length avoids that.
+* **Tied embeddings.** When the first and last stage live on different ranks, each keeps a copy of the
+  tied weight. After every step the gradient increments of the two copies are summed over the pair of
+  ranks, so both copies take identical updates; :meth:`Pipeline.clip_grad_norm_` counts the weight once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_send_recv,
+    _add_unshard_reshard,
+    _ComputationType,
+    _PipelineScheduleRuntime,
+)
+from torch.distributed.tensor import DTensor
+
+from lightning_plugins.layout import LayoutError
+from lightning_plugins.parallel.grad import total_grad_norm
+from lightning_plugins.parallel.loss import IGNORE_INDEX, next_token_targets
+from lightning_plugins.parallel.pipeline.options import PipelineOptions, stages_of_rank
+from lightning_plugins.parallel.pipeline.stage import StageModule, _identity_loss
+
+
+@dataclass
+class _Tie:
+    """A tied input/output embedding whose two copies live on different ranks."""
+
+    param_name: str
+    group: dist.ProcessGroup
+    counted: bool  # False on the rank holding the duplicate (last stage): the norm counts it once
+
+
+class Pipeline:
+    """This rank's stages, the schedule that runs them, and the step that drives a whole batch.
+
+    Made by :func:`lightning_plugins.parallelize` for ``pp_size > 1``; reach it with :func:`pipeline_of`.
+
+    Attributes:
+        loss_scale: Multiplies the differentiated loss of :meth:`step` when called through the model's
+            ``forward`` (the Lightning door sets ``1 / accumulate_grad_batches``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stages: dict[int, StageModule],
+        options: PipelineOptions,
+        mesh: DeviceMesh,
+        tie: _Tie | None = None,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        self.param_dtype = param_dtype
+        self.stages = stages
+        self.options = options
+        self.mesh = mesh
+        self.pp_mesh = mesh["pp"]
+        self.num_stages = mesh["pp"].size() * (options.stages_per_rank or 1)
+        self.tie = tie
+        self.loss_scale = 1.0
+        self._data_mesh = mesh["dp_cp"] if mesh["dp_cp"].size() > 1 else None
+        self._sequence_shards = mesh["tp"].size() if any(s.sequence_mesh is not None for s in stages.values()) else 1
+        self._schedule: Any = None
+        self._schedule_key: tuple | None = None
+
+    def step(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        *,
+        loss_scale: float | None = None,
+    ) -> Tensor:
+        """Forward and backward of this rank's part of the whole batch; gradients accumulate.
+
+        Args:
+            input_ids: ``[batch, seq]`` this data rank's batch (every pipeline rank passes the same).
+            attention_mask: Optional ``[batch, seq]`` padding mask.
+            position_ids: Optional ``[batch, seq]`` or ``[1, seq]`` positions.
+            labels: ``[batch, seq]`` labels (``-100`` is ignored), as for the transformers model.
+            loss_scale: Multiplies the differentiated loss (e.g. ``1 / accumulation_steps``);
+                defaults to :attr:`loss_scale`.
+
+        Returns:
+            The batch's mean token loss over all data ranks (unscaled, detached), on every rank.
+        """
+        return self._run(True, input_ids, attention_mask, position_ids, labels, loss_scale)
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> Tensor:
+        """The batch's mean token loss over all data ranks, forward only, on every rank."""
+        return self._run(False, input_ids, attention_mask, position_ids, labels, 1.0)
+
+    def clip_grad_norm_(self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the global gradient norm over all stages, counting a tied embedding once."""
+        parameters = [p for p in parameters if p.grad is not None]
+        duplicate = None
+        if self.tie is not None and not self.tie.counted:
+            duplicate = self.model.get_parameter(self.tie.param_name)
+        total = total_grad_norm([p for p in parameters if p is not duplicate], norm_type, self.pp_mesh)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for param in parameters:
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            grad.mul_(coef.to(grad.device))
+        return total
+
+    def _run(
+        self,
+        train: bool,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        position_ids: Tensor | None,
+        labels: Tensor | None,
+        loss_scale: float | None,
+    ) -> Tensor:
+        if labels is None:
+            raise ValueError(
+                "Under pipeline parallelism the model returns the loss only (the logits stay on the last stage, one"
+                " micro-batch at a time): pass `labels`."
+            )
+        batch, seq = input_ids.shape
+        m = self.options.microbatches or 1
+        if batch % m:
+            good = [d for d in range(1, batch + 1) if batch % d == 0]
+            raise LayoutError(
+                f"The batch of {batch} rows on this data rank does not split into pp_microbatches={m} equal"
+                f" micro-batches. Use a per-rank batch size that is a multiple of {m}, or pp_microbatches in {good}"
+                " (respecting the schedule's own constraint)."
+            )
+        if self._sequence_shards > 1 and seq % self._sequence_shards:
+            raise LayoutError(
+                f"Sequence length {seq} is not divisible by tp_size={self._sequence_shards}, which sequence"
+                f" parallelism needs at the stage boundaries. Pad batches to a multiple of {self._sequence_shards}."
+            )
+        count = (next_token_targets(labels) != IGNORE_INDEX).sum()
+        if self._data_mesh is not None:
+            dist.all_reduce(count, group=self._data_mesh.get_group())
+        ranks = 1 if self._data_mesh is None else self._data_mesh.size()
+        scale = self.loss_scale if loss_scale is None else loss_scale
+        factor = ranks * scale / count.clamp(min=1).to(torch.float32)
+        for stage in self.stages.values():
+            stage.loss_factor = factor
+            stage.loss_sums.clear()
+
+        kwargs: dict[str, Tensor] = {"labels": labels}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
+        schedule = self._schedule_for(input_ids, batch // m, seq, train)
+        if train:
+            before = self._tied_grad()
+            before = None if before is None else before.clone()  # the step accumulates into the same storage
+            schedule.step(input_ids, target=labels, return_outputs=False, **kwargs)
+            self._sum_tied_grads(before)
+        else:
+            schedule.eval(input_ids, target=labels, return_outputs=False, **kwargs)
+
+        loss_sum = torch.zeros((), dtype=torch.float32, device=input_ids.device)
+        for stage in self.stages.values():
+            if stage.is_last:
+                loss_sum = torch.stack(stage.loss_sums).sum().float()
+            stage.loss_sums.clear()
+        dist.all_reduce(loss_sum, group=self.pp_mesh.get_group())  # from the last stage to every stage
+        if self._data_mesh is not None:
+            dist.all_reduce(loss_sum, group=self._data_mesh.get_group())
+        return loss_sum / count.clamp(min=1)
+
+    def _schedule_for(self, input_ids: Tensor, micro: int, seq: int, train: bool) -> Any:
+        # Fresh stages for every new shape and every switch between training and evaluation: the
+        # stages' receive buffers and send/receive plans belong to one schedule.
+        dtype = self._activation_dtype()
+        key = (micro, seq, input_ids.dtype, dtype, train)
+        if key != self._schedule_key:
+            self._schedule = self._build_schedule(micro, seq, input_ids.dtype, dtype, input_ids.device, train)
+            self._schedule_key = key
+        return self._schedule
+
+    def _activation_dtype(self) -> torch.dtype:
+        if self.param_dtype is not None:
+            return self.param_dtype
+        for param in self.model.parameters():
+            if param.is_floating_point():
+                return param.dtype
+        return torch.get_default_dtype()
+
+    def _build_schedule(
+        self, micro: int, seq: int, ids_dtype: torch.dtype, dtype: torch.dtype, device: torch.device, train: bool
+    ) -> Any:
+        hidden = (micro, seq // self._sequence_shards, self.model.config.hidden_size)
+
+        def boundary() -> Tensor:
+            return torch.empty(hidden, dtype=dtype, device=device, requires_grad=True)
+
+        stages = []
+        for index, module in sorted(self.stages.items()):
+            module.boundary_dtype = dtype
+            inputs = torch.empty(micro, seq, dtype=ids_dtype, device=device) if index == 0 else boundary()
+            last = index == self.num_stages - 1
+            outputs = torch.empty((), dtype=torch.float32, device=device, requires_grad=True) if last else boundary()
+            stages.append(
+                PipelineStage(
+                    module,
+                    index,
+                    self.num_stages,
+                    device,
+                    input_args=(inputs,),
+                    output_args=(outputs,),
+                    group=self.pp_mesh.get_group(),
+                )
+            )
+        spec = self.options.spec
+        m = self.options.microbatches
+        if not spec.multi:
+            return spec.cls(stages[0], n_microbatches=m, loss_fn=_identity_loss, scale_grads=False)
+        if not train:
+            return _ForwardOnlyMulti(stages, m, self._stage_to_rank())
+        return spec.cls(stages, n_microbatches=m, loss_fn=_identity_loss, scale_grads=False)
+
+    def _stage_to_rank(self) -> dict[int, int]:
+        pp_size = self.pp_mesh.size()
+        return {stage: rank for rank in range(pp_size) for stage in stages_of_rank(rank, pp_size, self.options)}
+
+    def _tied_grad(self) -> Tensor | None:
+        """This rank's shard of the tied weight's gradient, laid out like the weight."""
+        if self.tie is None:
+            return None
+        param = self.model.get_parameter(self.tie.param_name)
+        grad = param.grad
+        if grad is None:
+            return None
+        if isinstance(grad, DTensor) and grad.placements != param.placements:
+            # e.g. a vocab-parallel embedding's gradient comes back replicated; the head's is sharded.
+            grad = param.grad = grad.redistribute(placements=param.placements)
+        return grad.to_local() if isinstance(grad, DTensor) else grad
+
+    def _sum_tied_grads(self, before: Tensor | None) -> None:
+        """Add the other copy's gradient increment of this step: both copies end with the same gradient."""
+        if self.tie is None:
+            return
+        local = self._tied_grad()
+        if local is None:
+            raise RuntimeError(f"The tied weight {self.tie.param_name} got no gradient in this pipeline step.")
+        increment = local - before if before is not None else local.clone()
+        dist.all_reduce(increment, group=self.tie.group)
+        local.copy_(increment if before is None else before + increment)
+
+
+class _ForwardOnlyMulti(_PipelineScheduleRuntime):
+    """Evaluation for several stages per rank, in any placement: each stage runs every micro-batch in turn.
+
+    torch's zero-bubble and V-shaped runtimes still walk their backward actions in ``eval()``, which
+    fails for stages adjacent on one rank; a forward-only plan (GPipe's fill) needs none of that.
+    """
+
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, stage_to_rank: dict[int, int]) -> None:
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=_identity_loss, scale_grads=False)
+        self.stage_index_to_group_rank = dict(stage_to_rank)
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
+        order: dict[int, list[_Action]] = {rank: [] for rank in sorted(set(stage_to_rank.values()))}
+        for stage in sorted(stage_to_rank):
+            forwards = [_Action(stage, _ComputationType.FORWARD, mb) for mb in range(n_microbatches)]
+            order[stage_to_rank[stage]] += forwards
+        # Lower to a plan with communication (and FSDP unshard/reshard), as `_prepare_schedule_with_comms`
+        # does, minus its validation (which expects a backward for every forward).
+        self.pipeline_order_with_comms = _add_send_recv(
+            {rank: _add_unshard_reshard(actions) for rank, actions in order.items()},
+            stage_to_rank=lambda s: stage_to_rank[s],
+            num_stages=self._num_stages,
+        )

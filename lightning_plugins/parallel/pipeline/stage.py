@@ -1,0 +1,127 @@
+"""One pipeline stage of a transformers decoder (:class:`StageModule`) and the loss it returns.
+
+* **Stages.** A :class:`StageModule` runs one stage. It recomputes the causal mask and the rotary
+  embeddings from the sequence length, attention mask and position ids. Those, and the labels, are
+  chunked by the schedule and handed to every stage locally: all ranks of one pipeline read the same
+  batch, so only hidden states (and their gradients) travel between ranks.
+* **Loss.** The last stage turns each micro-batch's token-loss *sum* into its share of the global
+  token mean: ``sum x data_ranks x loss_scale / valid tokens of the whole batch over all data ranks``.
+  Schedules run with ``scale_grads=False``, so the accumulated gradient is exactly the one process
+  averaging over the whole batch would get (FSDP2 then averages over the data ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_plugins.parallel.loss import next_token_targets, token_losses
+
+
+def _attention_kind(config: Any, layer_index: int) -> str:
+    """Which mask a layer uses, as the model's own forward decides it."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return layer_types[layer_index]
+    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a transformers decoder: embedding (first), layers, norm + head + loss (last).
+
+    The submodules are the causal LM's own (shared, not copied), so the LM keeps owning the parameters
+    under their original names. The rotary embedding is referenced outside this module's tree: it holds
+    buffers only and may be shared by two stages on one rank.
+
+    Forward: ``input_ids`` (first stage) or the previous stage's hidden states, plus ``attention_mask``,
+    ``position_ids`` and ``labels`` of the same micro-batch; returns hidden states, or on the last stage
+    the micro-batch's share of the global mean token loss.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layers: dict[int, nn.Module],
+        rotary: nn.Module,
+        *,
+        embed: nn.Module | None = None,
+        norm: nn.Module | None = None,
+        lm_head: nn.Module | None = None,
+        sequence_mesh: DeviceMesh | None = None,
+    ) -> None:
+        super().__init__()
+        self.embed = embed
+        self.layers = nn.ModuleDict({str(index): layer for index, layer in layers.items()})
+        self.norm = norm
+        self.lm_head = lm_head
+        self.__dict__["config"] = config
+        self.__dict__["rotary"] = rotary
+        # Under sequence parallelism the stage boundary carries this rank's sequence shard.
+        self.__dict__["sequence_mesh"] = sequence_mesh
+        self._kinds = {index: _attention_kind(config, index) for index in layers}
+        #: Set by the pipeline before each step: data ranks x loss scale / global valid-token count.
+        self.loss_factor: Tensor | float = 1.0
+        #: Token-loss sums (detached) of the micro-batches this stage ran in the current step.
+        self.loss_sums: list[Tensor] = []
+        #: The dtype the next stage's receive buffer has (set with the schedule's static shapes).
+        self.boundary_dtype: torch.dtype | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.lm_head is not None
+
+    def forward(
+        self,
+        inputs: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> Tensor:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        if self.embed is not None:
+            hidden = self.embed(inputs)
+        elif self.sequence_mesh is not None:
+            hidden = DTensor.from_local(inputs, self.sequence_mesh, [Shard(1)], run_check=False)
+        else:
+            hidden = inputs
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=inputs.device).unsqueeze(0)
+        mask_fns = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        masks = {
+            kind: mask_fns[kind](
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=attention_mask,
+                past_key_values=None,
+                position_ids=position_ids,
+            )
+            for kind in set(self._kinds.values())
+        }
+        position_embeddings = self.rotary(hidden, position_ids)
+        for key, layer in self.layers.items():
+            hidden = layer(
+                hidden,
+                attention_mask=masks[self._kinds[int(key)]],
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+            )
+        if self.lm_head is None:
+            # A fresh tensor, not a view of the DTensor: zero-bubble schedules detach stage outputs in place.
+            out = hidden.to_local().clone() if isinstance(hidden, DTensor) else hidden
+            return out if self.boundary_dtype in (None, out.dtype) else out.to(self.boundary_dtype)
+        logits = self.lm_head(self.norm(hidden))
+        if labels is None:
+            raise ValueError("The last pipeline stage needs `labels` to compute the loss.")
+        loss_sum = token_losses(logits, next_token_targets(labels)).sum()
+        self.loss_sums.append(loss_sum.detach())
+        return loss_sum * self.loss_factor
+
+
+def _identity_loss(output: Tensor, target: Tensor) -> Tensor:
+    # The last stage already returns the scaled loss (it needs the labels and the global token count).
+    return output
