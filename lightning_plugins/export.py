@@ -158,7 +158,9 @@ def export_checkpoint(
     """
     ckpt = Path(checkpoint)
     if not (ckpt / ".metadata").is_file():
-        hint = " (an interrupted save leaves only `*.partial`)" if ckpt.is_dir() or ckpt.name.endswith(".partial") else ""
+        hint = (
+            " (an interrupted save leaves only `*.partial`)" if ckpt.is_dir() or ckpt.name.endswith(".partial") else ""
+        )
         raise ExportError(
             f"{ckpt} is not a complete distributed checkpoint: it has no .metadata{hint}. Pass a"
             " `checkpoints/step=N.ckpt` directory written by a finished save."
@@ -171,7 +173,9 @@ def export_checkpoint(
     config = _config(ckpt, model, source)
     reader = _Reader(ckpt)
     tensors = {
-        key: md for key, md in reader.read_metadata().state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
+        key: md
+        for key, md in reader.read_metadata().state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
     }
     names = _hf_names(config)
     prefix = info.get("state_prefix") or _infer_prefix(tensors, names, ckpt)
@@ -226,7 +230,9 @@ def _load(reader: _Reader, tensors: dict[str, TensorStorageMetadata], keys: list
     return state
 
 
-def _stream(reader: _Reader, tensors: dict[str, TensorStorageMetadata], keys: dict[str, str]) -> Iterator[tuple[str, Tensor]]:
+def _stream(
+    reader: _Reader, tensors: dict[str, TensorStorageMetadata], keys: dict[str, str]
+) -> Iterator[tuple[str, Tensor]]:
     """``(name, tensor)`` for ``keys`` (name -> checkpoint key), loading a few at a time: never more than the
     largest tensor's bytes per load (small ones such as norms are read together)."""
     budget = max((_spec(tensors[key])[0] for key in keys.values()), default=0)
@@ -272,7 +278,13 @@ def _full(reader: _Reader, tensors: dict, prefix: str, names: dict[str, TensorSp
 
 
 def _merged(
-    reader: _Reader, tensors: dict, prefix: str, names: dict[str, TensorSpec], info: dict, ckpt: Path, source: str | None
+    reader: _Reader,
+    tensors: dict,
+    prefix: str,
+    names: dict[str, TensorSpec],
+    info: dict,
+    ckpt: Path,
+    source: str | None,
 ) -> tuple[dict, Any]:
     """Specs and a producer of the base weights (from ``source``) with the active adapters merged in."""
     from peft.utils.other import get_pattern_key
@@ -304,7 +316,9 @@ def _merged(
             b_key = f"{prefix}{module}.lora_B.{adapter}.weight"
             deltas.setdefault(f"{module}.weight", []).append((key, b_key, scaling, bool(config.fan_in_fan_out)))
     if any(".lora_embedding_" in key or ".lora_magnitude_vector" in key for key in tensors):
-        raise ExportError(f"--merge merges LoRA on linear layers; {ckpt} has embedding or DoRA adapters. Export the adapter.")
+        raise ExportError(
+            f"--merge merges LoRA on linear layers; {ckpt} has embedding or DoRA adapters. Export the adapter."
+        )
     specs = {}
     for name in names:
         if name not in base:
@@ -361,7 +375,9 @@ def _write_shards(specs: dict[str, TensorSpec], produce: Any, directory: Path, m
         shards[-1].append(name)
         size += nb
     count = len(shards)
-    files = ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    files = (
+        ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    )
     for file, chosen in zip(files, shards):
         write_streaming(directory / file, {name: specs[name] for name in chosen}, produce(chosen))
     if count > 1:
@@ -468,7 +484,9 @@ def _infer_prefix(tensors: dict, names: dict[str, TensorSpec], ckpt: Path) -> st
                 if key.endswith(form) and (len(key) == len(form) or key[-len(form) - 1] == "."):
                     counts[key[: len(key) - len(form)]] = counts.get(key[: len(key) - len(form)], 0) + 1
     if not counts:
-        raise ExportError(f"{ckpt} holds none of the model's weights (e.g. {next(iter(names))}): pass the right --model.")
+        raise ExportError(
+            f"{ckpt} holds none of the model's weights (e.g. {next(iter(names))}): pass the right --model."
+        )
     return max(counts, key=counts.__getitem__)
 
 

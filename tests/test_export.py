@@ -81,9 +81,10 @@ def test_lora_adapter_and_merge_match_peft(tmp_path: Path) -> None:
     ckpt = _save(model, tmp_path / "step=3.ckpt")  # the source is the config's name_or_path: `source`
     adapter = export_checkpoint(ckpt, tmp_path / "adapter")
     model.save_pretrained(tmp_path / "peft")  # peft's own adapter files
-    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as got, safe_open(
-        str(tmp_path / "peft" / "adapter_model.safetensors"), "pt"
-    ) as want:
+    with (
+        safe_open(str(adapter / "adapter_model.safetensors"), "pt") as got,
+        safe_open(str(tmp_path / "peft" / "adapter_model.safetensors"), "pt") as want,
+    ):
         assert set(got.keys()) == set(want.keys())
         for key in want.keys():
             torch.testing.assert_close(got.get_tensor(key), want.get_tensor(key), rtol=0, atol=0)
