@@ -223,8 +223,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[3, 14, 61], help="model sizes, in decoder layers")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="world sizes for save/load")
     parser.add_argument("--async-layers", type=int, default=14, help="model size of the sync vs async loop")
-    parser.add_argument("--steps", type=int, default=40, help="training steps of the sync vs async loop")
-    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=60, help="training steps of the sync vs async loop")
+    parser.add_argument("--save-every", type=int, default=30, help="steps between saves (~0.1 s each)")
+    parser.add_argument("--async-only", action="store_true", help="only the sync vs async loop")
     parser.add_argument("--quick", action="store_true", help="small sizes: checks that the script runs")
     parser.add_argument("--tmp", default=None, help="where to write the checkpoints (default: the system's temp)")
     args = parser.parse_args()
@@ -240,7 +241,7 @@ def main() -> None:
         print("| params | fp32 weights | ranks | save (s) | save GB/s | load (s) | load GB/s | on disk |")
         print("|---|---|---|---|---|---|---|---|")
         exports = []
-        for layers in args.layers:
+        for layers in [] if args.async_only else args.layers:
             size = params(layers) * 4
             for world in args.ranks:
                 ckpt = root / f"ckpt_{layers}_{world}"
