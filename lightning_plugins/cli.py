@@ -1,4 +1,4 @@
-"""The console script: ``lightning-plugins demo | finetune | plan | tiny`` (also ``python -m lightning_plugins ...``)."""
+"""The console script: ``lightning-plugins demo | finetune | plan | tiny | export`` (also ``python -m lightning_plugins ...``)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     tiny.add_argument("recipe", help="a real-size recipe, e.g. recipes/llama-3.1-70b/lora_fsdp8.yaml")
     tiny.add_argument("--out", default=None, help="where to write it (default: outputs/tiny/<model>/<recipe name>)")
     tiny.add_argument("--steps", type=int, default=20, help="optimizer steps of the tiny run (default: 20)")
+    export = commands.add_parser(
+        "export",
+        help="turn a training checkpoint (checkpoints/step=N.ckpt) into an HF or peft directory, streaming, in one process",
+    )
+    export.add_argument("checkpoint", help="a checkpoint directory written by either door, e.g. outputs/x/checkpoints/step=100.ckpt")
+    export.add_argument("out_dir", help="the HF (or peft adapter) directory to write; must not exist or be empty")
+    export.add_argument("--merge", action="store_true", help="LoRA: merge the adapters into the base weights")
+    export.add_argument("--model", default=None, help="the original model directory (config, tokenizer, base for --merge)")
+    export.add_argument("--force", action="store_true", help="replace out_dir if it exists and is not empty")
+    export.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file, e.g. 5GB, 500MB (default: 5GB)")
     args, extra = parser.parse_known_args(argv)
 
     if args.command == "demo":
@@ -83,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(plan_main(args, _overrides(extra, plan)))
     elif args.command == "tiny":
         _tiny(args, _overrides(extra, tiny))
+    elif args.command == "export":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        _export(args, export)
     elif args.command == "finetune":
         from lightning_plugins.recipe import RecipeError, load_recipe
 
@@ -98,6 +112,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         result = run_finetune(recipe, resume=args.resume)
         if result and is_launcher_rank():
             print("\n".join(f"{key}: {value}" for key, value in result.items()))
+
+
+def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from lightning_plugins.export import ExportError, export_checkpoint
+
+    size = args.max_shard_size.strip().upper()
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    unit = next((u for u in units if size.endswith(u)), "")
+    try:
+        max_shard_size = int(float(size.removesuffix(unit)) * units.get(unit, 1))
+    except ValueError:
+        parser.error(f"--max-shard-size {args.max_shard_size!r}: give bytes or a size such as 5GB or 500MB")
+    try:
+        out = export_checkpoint(
+            args.checkpoint, args.out_dir, merge=args.merge, model=args.model, force=args.force, max_shard_size=max_shard_size
+        )
+    except (ExportError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")
+    print(f"wrote {out}")
 
 
 def _tiny(args: argparse.Namespace, overrides: list[str]) -> None:

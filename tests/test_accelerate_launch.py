@@ -60,12 +60,26 @@ def _same(accelerate: Path, lightning: Path) -> None:
     assert len(got["train/loss"]) == STEPS and len(got["val/loss"]) == 2
 
 
+def _exports_like(checkpoint: Path, reference: Path, out: Path) -> None:
+    """``lightning-plugins export`` of the checkpoint (one process, streaming) loads like the door's own export."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_plugins.cli import main
+
+    main(["export", str(checkpoint), str(out)])
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    with torch.no_grad():
+        got, want = (AutoModelForCausalLM.from_pretrained(d)(ids).logits for d in (out, reference))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("recipe", ["full_tp2.yaml", "full_pp2.yaml", "full_cp2.yaml"])
 def test_accelerate_launch_matches_the_lightning_door(tmp_path: Path, recipe: str) -> None:
     out = tmp_path / "accelerate"
     stdout = _ok(accelerate_launch(TINY / recipe, out, *SHORT))
     assert f"model: {out / 'hf'}" in stdout and (out / "loss_curve.png").stat().st_size > 1000
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    _exports_like(out / "checkpoints" / "step=6.ckpt", out / "hf", tmp_path / "export")
     _lightning(TINY / recipe, tmp_path / "lightning", *SHORT)
     _same(out, tmp_path / "lightning")
     if recipe == "full_pp2.yaml":  # interrupted after step 4: the same command resumes from its checkpoint

@@ -55,9 +55,26 @@ def trained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out / "hf"
 
 
-def test_full_tp2_exports_and_resumes(trained_base: Path) -> None:
+def _same_logits(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    ids = torch.tensor([[1, 5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(got(ids).logits, want(ids).logits, rtol=0, atol=0)
+
+
+def _export(checkpoint: Path, out: Path, *args: str) -> Path:
+    """``lightning-plugins export`` of a door's checkpoint, in one process (no process group)."""
+    from lightning_plugins.cli import main
+
+    main(["export", str(checkpoint), str(out), *args])
+    return out
+
+
+def test_full_tp2_exports_and_resumes(trained_base: Path, tmp_path: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(trained_base)
     assert model(torch.tensor([[1, 5, 6]])).logits.isfinite().all()
+    # The last checkpoint (TP=2 DTensor shards) exported streaming equals the in-memory export of the same weights.
+    exported = _export(trained_base.parent / "checkpoints" / "step=30.ckpt", tmp_path / "export")
+    _same_logits(AutoModelForCausalLM.from_pretrained(exported), model)
 
 
 def test_full_pp2_exports_every_stage(tmp_path: Path) -> None:
@@ -68,6 +85,8 @@ def test_full_pp2_exports_every_stage(tmp_path: Path) -> None:
         names = set(handle.keys())
     reference = set(AutoModelForCausalLM.from_pretrained(TINY / "model").state_dict())
     assert names == reference, sorted(reference ^ names)
+    exported = _export(out / "checkpoints" / "step=20.ckpt", tmp_path / "export")  # each stage's file
+    _same_logits(AutoModelForCausalLM.from_pretrained(exported), AutoModelForCausalLM.from_pretrained(out / "hf"))
 
 
 def test_lora_tp2_writes_an_adapter(trained_base: Path, tmp_path: Path) -> None:
@@ -83,6 +102,12 @@ def test_lora_tp2_writes_an_adapter(trained_base: Path, tmp_path: Path) -> None:
     with torch.no_grad():
         torch.testing.assert_close(tuned(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
         assert not torch.allclose(AutoModelForCausalLM.from_pretrained(trained_base)(ids).logits, merged(ids).logits)
+    ckpt = out / "checkpoints" / "step=20.ckpt"  # the adapter (TP=2) and the merge, streaming from the checkpoint
+    adapter = _export(ckpt, tmp_path / "a")
+    _same_logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained_base), adapter), tuned)
+    streamed = AutoModelForCausalLM.from_pretrained(_export(ckpt, tmp_path / "m", "--merge"))
+    for name, weight in tuned.merge_and_unload().state_dict().items():
+        torch.testing.assert_close(streamed.state_dict()[name], weight, rtol=1e-6, atol=1e-6, msg=name)
 
 
 def test_qlora_and_packed_chat(trained_base: Path, tmp_path: Path) -> None:

@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from lightning_plugins.export import save_export_info
+
 #: Non-tensor state written once (identical on every rank).
 STATE_FILE = "accelerator_state.pt"
 _RNG_FILE = "rng_state_{rank}.pt"
@@ -71,6 +73,8 @@ def save_training_state(accelerator: Any, path: str | Path) -> Path:
             },
             partial / STATE_FILE,
         )
+        if accelerator._models:  # what `lightning-plugins export` needs besides the weights
+            save_export_info(partial, accelerator._models[0], _key("model", 0), accelerator.load_from)
     dist.barrier()
     if rank == 0:
         previous = path.with_name(path.name + ".previous")

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_plugins.export import save_export_info
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
 from lightning_plugins import models
@@ -316,6 +317,8 @@ class ParallelismStrategy(ModelParallelStrategy):
         super().save_checkpoint(checkpoint, partial, storage_options)
         self.barrier()
         if self.global_rank == 0:
+            if partial.is_dir():  # what `lightning-plugins export` needs besides the weights
+                save_export_info(partial, self.lightning_module, "state_dict", self.load_from)
             if path.is_dir():
                 shutil.rmtree(path)
             elif path.exists():

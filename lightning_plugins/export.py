@@ -1,0 +1,511 @@
+"""``lightning-plugins export CHECKPOINT OUT_DIR``: a training checkpoint (DCP) to an HF or peft directory, streaming.
+
+A checkpoint written by either door (``output_dir/checkpoints/step=N.ckpt``, under any layout) is read in
+one process, without a process group, tensor by tensor (``dcp.load(..., no_dist=True)`` of a few
+entries at a time, which reassembles each from the shards the ranks wrote), and written tensor by tensor
+into safetensors files whose headers are known up front (:mod:`lightning_plugins.safetensors_io`). The
+peak host memory is therefore a small multiple of the largest tensor, whatever the model size.
+
+What is written:
+
+* a full fine-tune: an HF checkpoint directory as ``save_pretrained`` writes it (``model.safetensors``, or
+  ``model-0000i-of-0000N.safetensors`` shards and ``model.safetensors.index.json``; ``config.json``,
+  ``generation_config.json`` and the tokenizer), under the plain HF parameter names whatever the layout or
+  door (``lm_head.weight`` left out when the config ties it to the embeddings, as transformers does);
+* a LoRA run: a peft adapter directory (``adapter_config.json`` + ``adapter_model.safetensors`` and the
+  tokenizer; other adapters than ``default`` in sub-directories of their name), or with ``merge=True`` the
+  adapters merged into the base weights (read, streaming too, from the original model directory) as an
+  HF checkpoint directory.
+
+The doors store what this needs next to the weights (:func:`save_export_info`: the HF config, the tokenizer,
+the adapter configs, the original model's path, under ``<checkpoint>/export/``), so the checkpoint
+alone suffices; ``model=`` overrides the model directory (config, tokenizer and, for ``merge``, the base).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_plugins.safetensors_io import SafetensorsDirectory, TensorSpec, nbytes, write_streaming
+
+__all__ = ["EXPORT_DIR", "ExportError", "export_checkpoint", "save_export_info"]
+
+#: The sub-directory of a checkpoint where the doors keep what export needs besides the weights.
+EXPORT_DIR = "export"
+_INFO = "export.json"
+#: peft's key prefix for the transformers model inside a ``PeftModel``.
+_PEFT_PREFIX = "base_model.model."
+_DEFAULT_SHARD = 5 * 2**30
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported as asked; the message names the file or key and the fix."""
+
+
+# ------------------------------------------------------------------------------------------- door side
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def save_export_info(
+    directory: str | Path, module: nn.Module, state_key: str, source: str | Path | None = None, tokenizer: Any = None
+) -> None:
+    """Write what :func:`export_checkpoint` needs besides the weights into ``directory/export/`` (one rank calls it).
+
+    Args:
+        directory: The checkpoint directory being written (before it is moved into place).
+        module: What the door saves (a LightningModule, or the model given to ``prepare``); its HF model is found.
+        state_key: The top-level key the door saves the module's state dict under (``"state_dict"``, ``"model"``).
+        source: The directory or hub id the model was loaded from (default: the config's ``name_or_path``).
+        tokenizer: Saved alongside; by default the tokenizer of ``source`` when it is a local directory.
+    """
+    from lightning_plugins.lora import lora_layers
+    from lightning_plugins.models import find_hf_model
+
+    from lightning_plugins.layout import LayoutError
+
+    try:
+        hf = find_hf_model(module, "save_export_info")
+    except LayoutError:  # not one HF model (a custom module): `export --model DIR` supplies what is missing
+        return
+    path = next(name for name, sub in module.named_modules() if sub is hf)
+    source = str(source or hf.config.name_or_path or "")
+    if source and Path(source).is_dir():
+        source = str(Path(source).resolve())
+    target = Path(directory) / EXPORT_DIR
+    config = copy.deepcopy(hf.config)
+    # A pipelined model's class is our subclass of the transformers class: record the latter.
+    hf_class = next(cls for cls in type(hf).__mro__ if cls.__module__.startswith("transformers."))
+    config.architectures = [hf_class.__name__]
+    config.save_pretrained(target / "config")
+    if getattr(hf, "generation_config", None) is not None:
+        hf.generation_config.save_pretrained(target / "config")
+    if tokenizer is None and source and Path(source).is_dir():
+        tokenizer = _source_tokenizer(source)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(target / "tokenizer")
+    adapters, active = getattr(hf, "peft_config", {}) or {}, []
+    for name, adapter_config in adapters.items():
+        saved = copy.deepcopy(adapter_config)
+        saved.inference_mode = True
+        saved.save_pretrained(str(target / "adapters" / name))
+    for _, layer in lora_layers(hf):
+        active = list(layer.active_adapters)
+        break
+    info = {"state_prefix": f"{state_key}.{path}." if path else f"{state_key}.", "model_path": source}
+    info.update(adapters=list(adapters), active_adapters=active)
+    (target / _INFO).write_text(json.dumps(info, indent=1))
+
+
+def _source_tokenizer(source: str) -> Any:
+    """The tokenizer of a local model directory (loaded once per process), or ``None`` if it has none."""
+    if source not in _TOKENIZERS:
+        from transformers import AutoTokenizer
+
+        has_files = any((Path(source) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+        _TOKENIZERS[source] = AutoTokenizer.from_pretrained(source) if has_files else None
+    return _TOKENIZERS[source]
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    merge: bool = False,
+    model: str | Path | None = None,
+    force: bool = False,
+    max_shard_size: int = _DEFAULT_SHARD,
+) -> Path:
+    """Turn a distributed (DCP) checkpoint into an HF directory, or for a LoRA run a peft adapter directory.
+
+    Runs in one process, no process group needed; streams tensor by tensor. The result is written into
+    ``<out_dir>.partial`` and renamed to ``out_dir`` when complete.
+
+    Args:
+        checkpoint: A complete checkpoint directory (``.../checkpoints/step=N.ckpt``) written by either door.
+        out_dir: Where to write; must not exist or be empty unless ``force``.
+        merge: For a LoRA checkpoint: merge the adapters into the base weights (read from the original model
+            directory) and write an HF checkpoint directory instead of the adapter.
+        model: The original HF model directory: config and tokenizer (and the base for ``merge``) come from
+            it instead of what the checkpoint recorded.
+        force: Replace an existing non-empty ``out_dir``.
+        max_shard_size: Bytes per safetensors file at most (a larger single tensor gets a file of its own).
+
+    Returns:
+        ``out_dir`` as a ``Path``.
+
+    Raises:
+        ExportError: for an incomplete checkpoint, an existing output, a model that does not match, or a LoRA
+            setting that cannot be merged.
+    """
+    ckpt = Path(checkpoint)
+    if not (ckpt / ".metadata").is_file():
+        hint = (
+            " (an interrupted save leaves only `*.partial`)" if ckpt.is_dir() or ckpt.name.endswith(".partial") else ""
+        )
+        raise ExportError(
+            f"{ckpt} is not a complete distributed checkpoint: it has no .metadata{hint}. Pass a"
+            " `checkpoints/step=N.ckpt` directory written by a finished save."
+        )
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ExportError(f"{out} exists and is not empty: choose another directory, or pass --force to replace it.")
+    info = _read_info(ckpt)
+    source = str(model) if model is not None else info.get("model_path") or None
+    config = _config(ckpt, model, source)
+    reader = _Reader(ckpt)
+    tensors = {
+        key: md
+        for key, md in reader.read_metadata().state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+    names = _hf_names(config)
+    prefix = info.get("state_prefix") or _infer_prefix(tensors, names, ckpt)
+    adapted = sorted({key for key in tensors if key.startswith(prefix) and ".lora_" in key})
+    if merge and not adapted:
+        raise ExportError(f"--merge merges LoRA adapters, but {ckpt} holds no LoRA weight. Export without --merge.")
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        if adapted and not merge:
+            _write_adapters(reader, tensors, prefix, adapted, info, ckpt, partial)
+        else:
+            if adapted:
+                specs, produce = _merged(reader, tensors, prefix, names, info, ckpt, source)
+            else:
+                specs, produce = _full(reader, tensors, prefix, names, ckpt)
+            _write_shards(specs, produce, partial, max_shard_size)
+            _write_config(ckpt, model, config, partial)
+        _write_tokenizer(ckpt, model, partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    if out.exists():
+        old = out.with_name(out.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(partial, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(partial, out)
+    return out
+
+
+class _Reader(FileSystemReader):
+    """A ``FileSystemReader`` that parses the checkpoint's ``.metadata`` once for the many small loads."""
+
+    _cached: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._cached is None:
+            self._cached = super().read_metadata(*args, **kwargs)
+        return self._cached
+
+
+def _load(reader: _Reader, tensors: dict[str, TensorStorageMetadata], keys: list[str]) -> dict[str, Tensor]:
+    """The full tensors ``keys`` of the checkpoint (reassembled from every rank's shards) in this process."""
+    state = {key: torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype) for key in keys}
+    with warnings.catch_warnings():  # one process on purpose: no process group is needed to read a checkpoint
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def _stream(
+    reader: _Reader, tensors: dict[str, TensorStorageMetadata], keys: dict[str, str]
+) -> Iterator[tuple[str, Tensor]]:
+    """``(name, tensor)`` for ``keys`` (name -> checkpoint key), loading a few at a time: never more than the
+    largest tensor's bytes per load (small ones such as norms are read together)."""
+    budget = max((_spec(tensors[key])[0] for key in keys.values()), default=0)
+    group: list[tuple[str, str]] = []
+    size = 0
+
+    def flush() -> Iterator[tuple[str, Tensor]]:
+        loaded = _load(reader, tensors, [key for _, key in group])
+        for name, key in group:
+            yield name, loaded.pop(key)
+
+    for name, key in keys.items():
+        nb = _spec(tensors[key])[0]
+        if group and size + nb > budget:
+            yield from flush()
+            group, size = [], 0
+        group.append((name, key))
+        size += nb
+    if group:
+        yield from flush()
+
+
+def _spec(md: TensorStorageMetadata) -> tuple[int, TensorSpec]:
+    spec = (tuple(md.size), md.properties.dtype)
+    return nbytes(spec), spec
+
+
+# -------------------------------------------------------------------------------------------- full / merged
+
+
+def _full(reader: _Reader, tensors: dict, prefix: str, names: dict[str, TensorSpec], ckpt: Path) -> tuple[dict, Any]:
+    keys = {name: _key_of(tensors, prefix, name, ckpt) for name in names}
+    specs = {}
+    for name, key in keys.items():
+        spec = _spec(tensors[key])[1]
+        if spec[0] != names[name][0]:
+            raise ExportError(
+                f"{ckpt}: {key} has shape {spec[0]} but the model config gives {name} the shape {names[name][0]}:"
+                " the checkpoint is of another model. Pass its own model directory with --model."
+            )
+        specs[name] = spec
+    return specs, lambda chosen: _stream(reader, tensors, {name: keys[name] for name in chosen})
+
+
+def _merged(
+    reader: _Reader,
+    tensors: dict,
+    prefix: str,
+    names: dict[str, TensorSpec],
+    info: dict,
+    ckpt: Path,
+    source: str | None,
+) -> tuple[dict, Any]:
+    """Specs and a producer of the base weights (from ``source``) with the active adapters merged in."""
+    from peft.utils.other import get_pattern_key
+
+    if source is None or not Path(source).is_dir():
+        raise ExportError(
+            f"--merge reads the base weights from the original model directory, and {ckpt} records"
+            f" {source!r}, not a local directory. Pass it with --model DIR."
+        )
+    base = SafetensorsDirectory(source)
+    configs = _adapter_configs(ckpt, info)
+    active = info.get("active_adapters") or (["default"] if "default" in configs else sorted(configs))
+    deltas: dict[str, list[tuple[str, str, float, bool]]] = {}  # weight name -> (A key, B key, scaling, fan_in_fan_out)
+    for adapter in active:
+        config = configs[adapter]
+        if getattr(config, "use_dora", False) or getattr(config, "modules_to_save", None):
+            raise ExportError(
+                f"--merge merges plain LoRA; adapter {adapter!r} of {ckpt} uses DoRA or modules_to_save. Export the"
+                " adapter (without --merge) and merge it with peft: PeftModel.from_pretrained(base, dir).merge_and_unload()."
+            )
+        for key in tensors:
+            tail = key[len(prefix) :] if key.startswith(prefix) else None
+            if tail is None or not tail.endswith(f".lora_A.{adapter}.weight"):
+                continue
+            module = tail.removesuffix(f".lora_A.{adapter}.weight")
+            rank = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
+            alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module), config.lora_alpha)
+            scaling = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+            b_key = f"{prefix}{module}.lora_B.{adapter}.weight"
+            deltas.setdefault(f"{module}.weight", []).append((key, b_key, scaling, bool(config.fan_in_fan_out)))
+    if any(".lora_embedding_" in key or ".lora_magnitude_vector" in key for key in tensors):
+        raise ExportError(
+            f"--merge merges LoRA on linear layers; {ckpt} has embedding or DoRA adapters. Export the adapter."
+        )
+    specs = {}
+    for name in names:
+        if name not in base:
+            raise ExportError(f"{source} has no weight {name!r}: it is not the base model of {ckpt}.")
+        trained = tensors.get(f"{prefix}{_lora_base(name)}") or tensors.get(f"{prefix}{name}")
+        dtype = trained.properties.dtype if trained is not None and trained.properties.dtype.is_floating_point else None
+        specs[name] = (names[name][0], dtype or base.dtype(name))
+    unknown = sorted(set(deltas) - set(names))
+    if unknown:
+        raise ExportError(f"{ckpt}: adapters on {unknown[:3]}, which the model config does not have.")
+
+    def produce(chosen: list[str]) -> Iterator[tuple[str, Tensor]]:
+        for name in chosen:
+            weight = base.read(name)
+            if tuple(weight.shape) != specs[name][0]:
+                raise ExportError(f"{source}: {name} has shape {tuple(weight.shape)}, the config {specs[name][0]}.")
+            if name in deltas:
+                update = torch.zeros(weight.shape, dtype=torch.float32)
+                for a_key, b_key, scaling, transposed in deltas[name]:
+                    ab = _load(reader, tensors, [a_key, b_key])
+                    delta = (ab[b_key].float() @ ab[a_key].float()) * scaling
+                    update += delta.T if transposed else delta
+                weight = weight.float() + update
+            yield name, weight.to(specs[name][1])
+
+    return specs, produce
+
+
+def _lora_base(name: str) -> str:
+    """``x.q_proj.weight`` -> ``x.q_proj.base_layer.weight`` (where peft keeps a wrapped layer's weight)."""
+    module, _, leaf = name.rpartition(".")
+    return f"{module}.base_layer.{leaf}"
+
+
+def _key_of(tensors: dict, prefix: str, name: str, ckpt: Path) -> str:
+    for key in (f"{prefix}{name}", f"{prefix}{_lora_base(name)}"):
+        if key in tensors:
+            return key
+    raise ExportError(
+        f"{ckpt} has no weight for {name} (looked for {prefix}{name}): the checkpoint is of another model or"
+        " was saved under other names. Pass its own model directory with --model."
+    )
+
+
+def _write_shards(specs: dict[str, TensorSpec], produce: Any, directory: Path, max_shard_size: int) -> None:
+    """``save_pretrained``'s layout: one ``model.safetensors``, or numbered shards and their index."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, spec in specs.items():
+        nb = nbytes(spec)
+        if shards[-1] and size + nb > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nb
+    count = len(shards)
+    files = (
+        ["model.safetensors"] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    )
+    for file, chosen in zip(files, shards):
+        write_streaming(directory / file, {name: specs[name] for name in chosen}, produce(chosen))
+    if count > 1:
+        index = {
+            "metadata": {"total_size": sum(nbytes(spec) for spec in specs.values())},
+            "weight_map": {name: file for file, chosen in zip(files, shards) for name in chosen},
+        }
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+# --------------------------------------------------------------------------------------------------- adapters
+
+
+def _write_adapters(
+    reader: _Reader, tensors: dict, prefix: str, adapted: list[str], info: dict, ckpt: Path, directory: Path
+) -> None:
+    """peft's layout: ``default`` at the top, any other adapter in a sub-directory of its name."""
+    configs = _adapter_configs(ckpt, info)
+    for adapter, config in configs.items():
+        keys = {}
+        for key in adapted:
+            parts = key[len(prefix) :].split(".")
+            if adapter in parts:
+                parts.remove(adapter)  # peft's file keys carry no adapter name
+                keys[_PEFT_PREFIX + ".".join(parts)] = key
+        extra = sorted(
+            key for key in tensors if key.startswith(prefix) and f".{adapter}." in key and ".lora_" not in key
+        )
+        if extra:
+            raise ExportError(
+                f"{ckpt}: adapter {adapter!r} trains {extra[0]} besides its LoRA weights (modules_to_save?); the"
+                " streaming export writes LoRA weights only. Export from the model in memory (export_hf)."
+            )
+        if not keys:
+            raise ExportError(f"{ckpt} has no weight of adapter {adapter!r} (its keys start with {prefix!r}).")
+        target = directory if adapter == "default" else directory / adapter
+        target.mkdir(parents=True, exist_ok=True)
+        specs = {name: _spec(tensors[key])[1] for name, key in keys.items()}
+        write_streaming(target / "adapter_model.safetensors", specs, _stream(reader, tensors, keys))
+        config.save_pretrained(str(target))
+
+
+def _adapter_configs(ckpt: Path, info: dict) -> dict[str, Any]:
+    from peft import PeftConfig
+
+    root = ckpt / EXPORT_DIR / "adapters"
+    names = info.get("adapters") or (sorted(p.name for p in root.iterdir()) if root.is_dir() else [])
+    if not names:
+        raise ExportError(
+            f"{ckpt} holds LoRA weights but no adapter config ({root}/<name>/adapter_config.json): it was not written"
+            " by a door of this version. Save the adapter from the model in memory (export_hf) instead."
+        )
+    return {name: PeftConfig.from_pretrained(str(root / name)) for name in names}
+
+
+# ------------------------------------------------------------------------------------- config, names, tokenizer
+
+
+def _read_info(ckpt: Path) -> dict[str, Any]:
+    path = ckpt / EXPORT_DIR / _INFO
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _config(ckpt: Path, model: str | Path | None, source: str | None) -> Any:
+    from transformers import AutoConfig
+
+    recorded = ckpt / EXPORT_DIR / "config"
+    where = model if model is not None else recorded if (recorded / "config.json").is_file() else source
+    if where is None:
+        raise ExportError(
+            f"{ckpt} records no model config ({recorded}/config.json is missing): pass the original model"
+            " directory with --model DIR."
+        )
+    try:
+        return AutoConfig.from_pretrained(str(where))
+    except (OSError, ValueError) as err:
+        raise ExportError(f"cannot read the model config from {where}: {err}") from None
+
+
+def _hf_names(config: Any) -> dict[str, TensorSpec]:
+    """The names, shapes and dtypes ``save_pretrained`` writes for ``config``'s model (tied copies left out)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    seen: set[int] = set()
+    names = {}
+    for name, tensor in meta.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:  # e.g. lm_head.weight tied to the embeddings: transformers re-ties it on load
+            continue
+        seen.add(id(tensor))
+        names[name] = (tuple(tensor.shape), tensor.dtype)
+    return names
+
+
+def _infer_prefix(tensors: dict, names: dict[str, TensorSpec], ckpt: Path) -> str:
+    """The key prefix under which the checkpoint holds the model's weights (for checkpoints without export.json)."""
+    counts: dict[str, int] = {}
+    for key in tensors:
+        if key.startswith(("optimizer", "grads")):
+            continue
+        for name in names:
+            for form in (name, _lora_base(name)):
+                if key.endswith(form) and (len(key) == len(form) or key[-len(form) - 1] == "."):
+                    counts[key[: len(key) - len(form)]] = counts.get(key[: len(key) - len(form)], 0) + 1
+    if not counts:
+        raise ExportError(
+            f"{ckpt} holds none of the model's weights (e.g. {next(iter(names))}): pass the right --model."
+        )
+    return max(counts, key=counts.__getitem__)
+
+
+def _write_config(ckpt: Path, model: str | Path | None, config: Any, directory: Path) -> None:
+    config = copy.deepcopy(config)
+    config.save_pretrained(directory)
+    recorded = ckpt / EXPORT_DIR / "config" / "generation_config.json"
+    if model is None and recorded.is_file():
+        shutil.copy(recorded, directory / recorded.name)
+    elif model is not None and (Path(model) / "generation_config.json").is_file():
+        shutil.copy(Path(model) / "generation_config.json", directory / "generation_config.json")
+
+
+def _write_tokenizer(ckpt: Path, model: str | Path | None, directory: Path) -> None:
+    recorded = ckpt / EXPORT_DIR / "tokenizer"
+    if model is None and recorded.is_dir():
+        for path in recorded.iterdir():
+            shutil.copy(path, directory / path.name)
+    elif model is not None:
+        tokenizer = _source_tokenizer(str(model)) if Path(model).is_dir() else None
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
