@@ -28,6 +28,7 @@ from lightning_plugins.models import check_supported
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import check_same_settings, clip_grad_norm_, mesh_of, parallelize, pipeline_of
 from lightning_plugins.parallel.context import check_context_parallel, context_parallel_batch
+from lightning_plugins.resume import read_rng, restore_rng, save_rng
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -267,8 +268,7 @@ class ParallelismStrategy(ModelParallelStrategy):
             optimizer = optimizer._optimizer
         return get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
 
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def _load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Under pipeline parallelism: load a sharded (DCP) checkpoint, each rank reading its stages.
 
         Lightning's loader only recognises models with DTensor parameters (with pipeline parallelism
@@ -307,22 +307,46 @@ class ParallelismStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Write the checkpoint next to its destination, then move it into place: never half-written."""
+        """Write the checkpoint (and every rank's random states) next to its destination, then move it into place.
+
+        A save killed at any point leaves only ``<name>.partial`` (never loaded; removed by the next save) and
+        the previous checkpoints untouched.
+        """
         path = Path(self.broadcast(filepath))
         partial = path.with_name(path.name + ".partial")
         if self.global_rank == 0 and partial.exists():
             shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
         self.barrier()
         super().save_checkpoint(checkpoint, partial, storage_options)
+        if partial.is_dir():
+            save_rng(partial, self.global_rank)
         self.barrier()
         if self.global_rank == 0:
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            previous = path.with_name(path.name + ".previous")
+            if path.exists():
+                path.rename(previous)
             partial.rename(path)
+            if previous.is_dir():
+                shutil.rmtree(previous)
+            elif previous.exists():
+                previous.unlink()
         self.barrier()
 
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load model and optimizer (see :meth:`_load_checkpoint`); keep this rank's random states for the training
+        start (restoring them now would let setup draw from them: the run would no longer draw what it would have)."""
+        checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        self._rng_to_restore = read_rng(path, self.global_rank) if path.is_dir() else None
+        return checkpoint
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
+        if states is not None:
+            restore_rng(states)
 
 def find_hf_model(module: nn.Module, owner: str) -> nn.Module:
     """The LightningModule's HF model (see :func:`lightning_plugins.models.find_hf_model`)."""
