@@ -109,21 +109,46 @@ class ResumableLoader:
         self._seen = 0  # a whole epoch done: the position is the next epoch's start
         self._start_state = None if generator is None else generator.get_state()
 
+    def samples_per_batch(self) -> int | None:
+        """Samples one batch of this loader stands for over all data-parallel ranks (``None``: unknown)."""
+        size = getattr(self, "batch_size", None)
+        replicas = getattr(getattr(self, "sampler", None), "num_replicas", 1)
+        return None if not isinstance(size, int) else size * replicas
+
     def position(self) -> dict[str, Any]:
-        """Where the loader stands: batches yielded in this epoch, whether the epoch is finished, the order's state."""
+        """Where the loader stands: batches yielded in this epoch (and the samples they hold over all data-parallel
+        ranks, so that a resume under another ``dp_size`` or micro-batch size finds the same place), whether the
+        epoch is finished, and the order generator's state."""
         try:
             done = self._seen > 0 and self._seen >= len(self)  # type: ignore[arg-type]
         except TypeError:  # an iterable dataset of unknown length
             done = False
         generator = self.order_generator()
+        per_batch = self.samples_per_batch()
         if done:
             state = None if generator is None else generator.get_state()
-            return {"batches": 0, "epochs_done": 1, "generator": state}
-        return {"batches": self._seen, "epochs_done": 0, "generator": self._start_state}
+            return {"batches": 0, "samples": 0, "epochs_done": 1, "generator": state}
+        samples = None if per_batch is None else self._seen * per_batch
+        return {"batches": self._seen, "samples": samples, "epochs_done": 0, "generator": self._start_state}
 
     def resume_from(self, position: dict[str, Any]) -> None:
-        """Continue from a :meth:`position`: the next iteration starts after the last batch it counted."""
-        self._skip = position["batches"]
+        """Continue from a :meth:`position`: the next iteration starts after the last batch it counted.
+
+        Raises:
+            ValueError: when the samples trained so far are not a whole number of this loader's batches (over all
+                data-parallel ranks), so no batch boundary of this layout continues the saved run.
+        """
+        per_batch, samples = self.samples_per_batch(), position.get("samples")
+        if per_batch is None or samples is None:
+            self._skip = position["batches"]
+        elif samples % per_batch:
+            raise ValueError(
+                f"The checkpoint was saved after {samples} samples of the epoch, which is not a whole number of"
+                f" batches of {per_batch} samples (micro_batch_size x dp_size) here. Resume with a micro-batch size"
+                " and data-parallel size whose product divides it, e.g. the saving run's."
+            )
+        else:
+            self._skip = samples // per_batch
         generator = self.order_generator()
         if generator is not None and position.get("generator") is not None:
             generator.set_state(position["generator"])
