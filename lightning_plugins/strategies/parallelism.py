@@ -253,15 +253,16 @@ class ParallelismStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Under pipeline parallelism: this rank's optimizer state, flattened to one entry per parameter name.
+        """For sharded checkpoints: this rank's optimizer state, flattened to one entry per parameter name.
 
         Pipeline ranks hold different parameters, so their ``param_groups`` differ; DCP keeps one copy of
         a non-tensor entry per key, which would hand every rank the first rank's groups. Flattened,
-        every hyper-parameter is stored under its parameter's name and each rank reads back its own.
+        every hyper-parameter is stored under its parameter's name and each rank reads back its own. Every
+        layout writes this one format, so a checkpoint resumes under any other layout (pipeline or not).
         """
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        if self.layout.pp_size == 1:
+        if not self._save_distributed_checkpoint:
             return super().optimizer_state(optimizer)
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
@@ -269,7 +270,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         return get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
 
     def _load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Under pipeline parallelism: load a sharded (DCP) checkpoint, each rank reading its stages.
+        """Load a sharded (DCP) checkpoint, each rank reading its slices (or its stages) whatever layout wrote it.
 
         Lightning's loader only recognises models with DTensor parameters (with pipeline parallelism
         alone each rank holds plain tensors of its own stages) and reads optimizer groups unflattened.
@@ -280,12 +281,14 @@ class ParallelismStrategy(ModelParallelStrategy):
             _is_sharded_checkpoint,
         )
         from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
+            set_model_state_dict,
             set_optimizer_state_dict,
         )
 
-        if self.layout.pp_size == 1:
+        if self.layout.pp_size == 1 and not _is_sharded_checkpoint(Path(self.broadcast(checkpoint_path))):
             return super().load_checkpoint(checkpoint_path, weights_only)
         assert self.model is not None
         assert self.lightning_module is not None
@@ -297,7 +300,8 @@ class ParallelismStrategy(ModelParallelStrategy):
             )
         module_state = {"state_dict": get_model_state_dict(self.model)}
         _distributed_checkpoint_load(module_state, path)
-        self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
+        strict = StateDictOptions(strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, module_state["state_dict"], options=strict)
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
             optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer, options=_FLAT)}
