@@ -97,4 +97,3 @@ class DataParallelScheduler(AcceleratedScheduler):
         for _ in range(self.replicas):
             if total is None or self.scheduler._step_count <= total:
                 self.scheduler.step(*args, **kwargs)
-

@@ -352,6 +352,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         if states is not None:
             restore_rng(states)
 
+
 def find_hf_model(module: nn.Module, owner: str) -> nn.Module:
     """The LightningModule's HF model (see :func:`lightning_plugins.models.find_hf_model`)."""
     return models.find_hf_model(
