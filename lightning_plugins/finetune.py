@@ -24,22 +24,27 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
+    batches_per_rank,
     build_loaders,
     build_model,
     input_tokens,
     latest_checkpoint,
     make_optimizer,
     model_flops_utilization,
+    total_steps,
 )
 
 
 class RecipeModule(L.LightningModule):
     """A plain fine-tuning module: the HF (or peft) model's own loss; nothing here knows the layout."""
 
-    def __init__(self, model: torch.nn.Module, recipe: Recipe) -> None:
+    def __init__(self, model: torch.nn.Module, recipe: Recipe, total_steps: int) -> None:
         super().__init__()
         self.model = model
         self.recipe = recipe
+        # Known before fit: `trainer.estimated_stepping_batches` would set up the training loader before a
+        # checkpoint is restored, and Lightning would then never give the loader its saved position.
+        self.total_steps = total_steps
         self._num_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
         self._tokens, self._logged_step, self._clock = 0, -1, time.perf_counter()
 
@@ -77,7 +82,7 @@ class RecipeModule(L.LightningModule):
         self.log_dict(metrics, rank_zero_only=True)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer, schedule = make_optimizer(self, self.recipe, int(self.trainer.estimated_stepping_batches))
+        optimizer, schedule = make_optimizer(self, self.recipe, self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
@@ -88,6 +93,15 @@ class _ProgressBar(RichProgressBar):
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
         return metrics
+
+
+class _StepCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint``, which, after a resume, would write the restored step again after the first
+    micro-batch (inside an accumulation window: a resume from that checkpoint would drop the window's gradients)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._last_global_step_saved = trainer.global_step  # that step's checkpoint is the one resumed from
 
 
 def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
@@ -107,7 +121,7 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
     callbacks: list[Any] = [_ProgressBar()]
     if train.checkpoint_every is not None:
         callbacks.append(
-            ModelCheckpoint(
+            _StepCheckpoint(
                 dirpath=Path(train.output_dir) / "checkpoints",
                 filename=CHECKPOINT_NAME,
                 auto_insert_metric_name=False,
@@ -147,8 +161,9 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = None) -> dict[str, 
     L.seed_everything(recipe.train.seed, verbose=False)
     model, tokenizer = build_model(recipe)
     train_loader, eval_loader = build_loaders(recipe, tokenizer)
-    module = RecipeModule(model, recipe)
-    trainer = build_trainer(recipe, math.ceil(len(train_loader) / recipe.layout.dp_size))
+    batches = batches_per_rank(recipe, len(train_loader.dataset))
+    module = RecipeModule(model, recipe, total_steps(recipe, batches))
+    trainer = build_trainer(recipe, batches)
     ckpt = resume or latest_checkpoint(recipe.train.output_dir)
     trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
     out = Path(recipe.train.output_dir)

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from lightning_plugins.offload import offload_optimizer
 from lightning_plugins.recipe import Recipe
+from lightning_plugins.resume import ResumableDataLoader, loader_generator
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Checkpoint directories are named after the optimizer step they were written at.
@@ -85,8 +86,12 @@ def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Modul
     return model, tokenizer
 
 
-def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[DataLoader, DataLoader | None]:
-    """Training and held-out loaders; pipelines get fixed-length batches (stages are built per shape)."""
+def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, DataLoader | None]:
+    """Training and held-out loaders; pipelines get fixed-length batches (stages are built per shape).
+
+    The training loader resumes mid-epoch (:class:`~lightning_plugins.resume.ResumableDataLoader`); both draw from
+    their own generators, never from the global random state (see :mod:`lightning_plugins.resume`).
+    """
     from lightning_plugins.data import build_dataset, make_collator
 
     fixed = recipe.data.max_seq_len if recipe.layout.pp_size > 1 else None
@@ -94,14 +99,30 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[DataLoader, DataLoade
     size = recipe.train.micro_batch_size
     # A pipeline splits every batch into its micro-batches: a short last batch would not split, so it is dropped.
     drop = recipe.layout.pp_size > 1
-    train = DataLoader(
-        build_dataset(recipe.data, tokenizer, "train"), batch_size=size, shuffle=True, collate_fn=collate, drop_last=drop
-    )
+    seed = recipe.train.seed
+    train = ResumableDataLoader(
+        build_dataset(recipe.data, tokenizer, "train"), batch_size=size, shuffle=True, collate_fn=collate,
+        drop_last=drop, generator=loader_generator(seed),
+    )  # fmt: skip
     if not recipe.data.has_eval:
         return train, None
     return train, DataLoader(
-        build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate, drop_last=drop
-    )
+        build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate,
+        drop_last=drop, generator=loader_generator(seed),
+    )  # fmt: skip
+
+
+def batches_per_rank(recipe: Recipe, samples: int) -> int:
+    """Training batches each data-parallel rank runs per epoch: Lightning's ``DistributedSampler`` (and the
+    Accelerate door's) pads the ``samples`` to a multiple of ``dp_size``; pipelines drop a short last batch."""
+    per_rank = math.ceil(samples / recipe.layout.dp_size)
+    size = recipe.train.micro_batch_size
+    return per_rank // size if recipe.layout.pp_size > 1 else math.ceil(per_rank / size)
+
+
+def total_steps(recipe: Recipe, batches_per_epoch: int) -> int:
+    """Optimizer steps of the whole run: ``train.max_steps``, or the epochs' (a short last window steps too)."""
+    return recipe.train.max_steps or recipe.train.epochs * math.ceil(batches_per_epoch / recipe.accumulation)
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

@@ -18,18 +18,19 @@ from accelerate.scheduler import AcceleratedScheduler
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.parallel import context_parallel_batch
+from lightning_plugins.resume import ResumableLoader
 
 
-class ParallelDataLoader(DataLoaderShard):
+class ParallelDataLoader(ResumableLoader, DataLoaderShard):
     """A ``DataLoaderShard`` (as Accelerate prepared it) that hands context-parallel ranks their shards.
 
-    It also counts the batches it has yielded in the current epoch (:meth:`position`); a position given
-    back with :meth:`resume_from` makes the next iteration start at that epoch and skip that many batches.
+    It also knows its place in the epoch (:class:`~lightning_plugins.resume.ResumableLoader`): a :meth:`position`
+    given back with :meth:`resume_from` makes the next iteration that epoch, from the batch after the last one.
     """
 
     mesh: DeviceMesh | None
     owner: str
-    generator: torch.Generator | None
+    sampler_generator: torch.Generator | None
 
     @classmethod
     def adopt(
@@ -45,19 +46,15 @@ class ParallelDataLoader(DataLoaderShard):
         """
         loader = cls.__new__(cls)
         loader.__dict__.update(shard.__dict__)  # bypasses DataLoader.__setattr__, which guards set-once fields
-        loader.__dict__.update(mesh=mesh, owner=owner, generator=generator, _seen=0, _skip=0, _generator_state=None)
+        loader.__dict__.update(mesh=mesh, owner=owner, sampler_generator=generator)
         return loader
 
+    def order_generator(self) -> torch.Generator | None:
+        return self.sampler_generator
+
     def __iter__(self) -> Iterator[Any]:
-        skip, self._skip = self._skip, 0
-        if self.generator is not None:
-            self._generator_state = self.generator.get_state()
-        for index, batch in enumerate(super().__iter__()):
-            if index < skip:
-                continue
-            self._seen = index + 1
+        for batch in self._positioned(super().__iter__):
             yield batch if self.mesh is None else self._shard(batch)
-        self._seen = 0
 
     def _shard(self, batch: Any) -> Any:
         try:
@@ -66,15 +63,14 @@ class ParallelDataLoader(DataLoaderShard):
             raise ValueError(f"{self.owner} (cp_size={self.mesh['cp'].size()}): {err}") from None
 
     def position(self) -> dict[str, Any]:
-        """Where the loader stands: epoch, batches yielded in it, and the sampler generator's state at its start."""
-        return {"epoch": self.iteration, "batches": self._seen, "generator": self._generator_state}
+        """Where the loader stands: its epoch (Accelerate's ``iteration``) and its place in it."""
+        place = super().position()
+        return {**place, "epoch": self.iteration + place["epochs_done"]}
 
     def resume_from(self, position: dict[str, Any]) -> None:
         """Continue from a :meth:`position`: the next iteration is that epoch, from the batch after the last one."""
         self.iteration = position["epoch"]
-        self._skip = position["batches"]
-        if self.generator is not None and position["generator"] is not None and position["batches"]:
-            self.generator.set_state(position["generator"])
+        super().resume_from(position)
 
 
 class DataParallelScheduler(AcceleratedScheduler):
@@ -101,4 +97,3 @@ class DataParallelScheduler(AcceleratedScheduler):
         for _ in range(self.replicas):
             if total is None or self.scheduler._step_count <= total:
                 self.scheduler.step(*args, **kwargs)
-

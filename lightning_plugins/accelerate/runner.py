@@ -67,8 +67,9 @@ def _sharded(loader: DataLoader, accelerator: ParallelAccelerator, shuffle: bool
         loader.dataset, num_replicas=dp.size(), rank=dp.get_local_rank(), shuffle=shuffle, seed=seed
     )
     return DataLoader(
-        loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn, drop_last=loader.drop_last
-    )
+        loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn,
+        drop_last=loader.drop_last, generator=loader.generator,  # its own: see lightning_plugins.resume
+    )  # fmt: skip
 
 
 def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, Any]:

@@ -12,12 +12,10 @@ leaves a half-written checkpoint under the final name (see GROUND.md: DCP over a
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -32,10 +30,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lightning_plugins.export import save_export_info
+from lightning_plugins.resume import load_rng, save_rng
 
 #: Non-tensor state written once (identical on every rank).
 STATE_FILE = "accelerator_state.pt"
-_RNG_FILE = "rng_state_{rank}.pt"
 # One entry per parameter name: pipeline ranks hold different parameter groups (see the Lightning door).
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -60,7 +58,7 @@ def save_training_state(accelerator: Any, path: str | Path) -> Path:
     dcp.save(_tensor_state(accelerator, grads), checkpoint_id=partial)
     every = [None] * dist.get_world_size()  # pipeline ranks hold different parameters: name them all
     dist.all_gather_object(every, grads)
-    torch.save(_capture_rng(), partial / _RNG_FILE.format(rank=rank))
+    save_rng(partial, rank)
     if rank == 0:
         torch.save(
             {
@@ -90,7 +88,7 @@ def load_training_state(accelerator: Any, path: str | Path) -> None:
     """Restore ``accelerator``'s prepared objects from a directory written by :func:`save_training_state`.
 
     The layout may differ from the one that saved (DCP reshards model and optimizer); random states are
-    restored where this rank's file exists.
+    restored from this rank's file (rank 0's when the saving world was smaller).
 
     Raises:
         FileNotFoundError: when ``path`` is not a complete checkpoint directory.
@@ -138,9 +136,7 @@ def load_training_state(accelerator: Any, path: str | Path) -> None:
     if accelerator.scaler is not None and saved["scaler"] is not None:
         accelerator.scaler.load_state_dict(saved["scaler"])
     accelerator.step = saved["step"]
-    rng = path / _RNG_FILE.format(rank=dist.get_rank())
-    if rng.is_file():
-        _restore_rng(torch.load(rng, weights_only=False))
+    load_rng(path, dist.get_rank())
 
 
 def _tensor_state(accelerator: Any, grads: list[list[str]]) -> dict[str, Any]:
@@ -186,19 +182,3 @@ def _owner(accelerator: Any, optimizer: torch.optim.Optimizer) -> nn.Module:
         f"{type(accelerator).__name__}.save_state/load_state: an optimizer updates no parameter of a prepared model;"
         " prepare the model and its optimizer together (accelerator.prepare(model, optimizer, ...))."
     )
-
-
-def _capture_rng() -> dict[str, Any]:
-    states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state()}
-    states["torch"] = torch.get_rng_state()
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def _restore_rng(states: dict[str, Any]) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])

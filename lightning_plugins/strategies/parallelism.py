@@ -29,6 +29,7 @@ from lightning_plugins.models import check_supported
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import check_same_settings, clip_grad_norm_, mesh_of, parallelize, pipeline_of
 from lightning_plugins.parallel.context import check_context_parallel, context_parallel_batch
+from lightning_plugins.resume import read_rng, restore_rng, save_rng
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -253,24 +254,24 @@ class ParallelismStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Under pipeline parallelism: this rank's optimizer state, flattened to one entry per parameter name.
+        """For sharded checkpoints: this rank's optimizer state, flattened to one entry per parameter name.
 
         Pipeline ranks hold different parameters, so their ``param_groups`` differ; DCP keeps one copy of
         a non-tensor entry per key, which would hand every rank the first rank's groups. Flattened,
-        every hyper-parameter is stored under its parameter's name and each rank reads back its own.
+        every hyper-parameter is stored under its parameter's name and each rank reads back its own. Every
+        layout writes this one format, so a checkpoint resumes under any other layout (pipeline or not).
         """
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        if self.layout.pp_size == 1:
+        if not self._save_distributed_checkpoint:
             return super().optimizer_state(optimizer)
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         return get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
 
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Under pipeline parallelism: load a sharded (DCP) checkpoint, each rank reading its stages.
+    def _load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded (DCP) checkpoint, each rank reading its slices (or its stages) whatever layout wrote it.
 
         Lightning's loader only recognises models with DTensor parameters (with pipeline parallelism
         alone each rank holds plain tensors of its own stages) and reads optimizer groups unflattened.
@@ -281,12 +282,14 @@ class ParallelismStrategy(ModelParallelStrategy):
             _is_sharded_checkpoint,
         )
         from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
+            set_model_state_dict,
             set_optimizer_state_dict,
         )
 
-        if self.layout.pp_size == 1:
+        if self.layout.pp_size == 1 and not _is_sharded_checkpoint(Path(self.broadcast(checkpoint_path))):
             return super().load_checkpoint(checkpoint_path, weights_only)
         assert self.model is not None
         assert self.lightning_module is not None
@@ -298,7 +301,8 @@ class ParallelismStrategy(ModelParallelStrategy):
             )
         module_state = {"state_dict": get_model_state_dict(self.model)}
         _distributed_checkpoint_load(module_state, path)
-        self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
+        strict = StateDictOptions(strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, module_state["state_dict"], options=strict)
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
             optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer, options=_FLAT)}
@@ -308,23 +312,48 @@ class ParallelismStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Write the checkpoint next to its destination, then move it into place: never half-written."""
+        """Write the checkpoint (and every rank's random states) next to its destination, then move it into place.
+
+        A save killed at any point leaves only ``<name>.partial`` (never loaded; removed by the next save) and
+        the previous checkpoints untouched.
+        """
         path = Path(self.broadcast(filepath))
         partial = path.with_name(path.name + ".partial")
         if self.global_rank == 0 and partial.exists():
             shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
         self.barrier()
         super().save_checkpoint(checkpoint, partial, storage_options)
+        if partial.is_dir():
+            save_rng(partial, self.global_rank)
         self.barrier()
         if self.global_rank == 0:
             if partial.is_dir():  # what `lightning-plugins export` needs besides the weights
                 save_export_info(partial, self.lightning_module, "state_dict", self.load_from)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            previous = path.with_name(path.name + ".previous")
+            if path.exists():
+                path.rename(previous)
             partial.rename(path)
+            if previous.is_dir():
+                shutil.rmtree(previous)
+            elif previous.exists():
+                previous.unlink()
         self.barrier()
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load model and optimizer (see :meth:`_load_checkpoint`); keep this rank's random states for the training
+        start (restoring them now would let setup draw from them: the run would no longer draw what it would have)."""
+        checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        self._rng_to_restore = read_rng(path, self.global_rank) if path.is_dir() else None
+        return checkpoint
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
+        if states is not None:
+            restore_rng(states)
 
 
 def find_hf_model(module: nn.Module, owner: str) -> nn.Module:

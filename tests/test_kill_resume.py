@@ -1,0 +1,120 @@
+"""A run SIGKILLed anywhere resumes from its last complete checkpoint on the exact per-step trajectory of an
+uninterrupted run, through both doors, under TP, PP and LoRA on FSDP2 (with dropout: the random states count).
+
+Kill points are chosen by ``tests/scripts/kill_run.py`` hooks (``LIGHTNING_PLUGINS_TEST_KILL``), not by sleeping:
+one rank mid-step inside an accumulation window, the whole job mid-save (DCP data written, no ``.metadata``; or
+everything written, before the rename) and between saves. The resume is the normal command. One uninterrupted
+Lightning run per layout is the reference for both doors (the doors agree to 1e-5: test_accelerate_launch), except
+with dropout, where each door draws its own masks and has its own reference.
+"""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from _world import free_port, script_env
+
+ROOT = Path(__file__).parents[1]
+TINY = ROOT / "recipes" / "tiny"
+KILL = ROOT / "tests" / "scripts" / "kill_run.py"
+CONFIG = ROOT / "accelerate_configs" / "cpu_2proc.yaml"
+STEPS = 6
+# Checkpoints at steps 2 and 4 (mid-epoch), 2 micro-batches per optimizer step.
+SHORT = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_every=100", "--train.checkpoint_every=2",
+         "--optim.warmup_steps=2"]  # fmt: skip
+LAYOUTS = {
+    "tp": ("full_tp2.yaml", ["--train.micro_batch_size=8"]),
+    "pp": ("full_pp2.yaml", ["--train.micro_batch_size=8", "--parallel.pp_microbatches=2"]),
+    "lora_fsdp2": ("lora_fsdp2_chat.yaml", ["--train.micro_batch_size=2", "--lora.dropout=0.1"]),
+}
+# (layout, door, kill point, the checkpoint the resume must start from, the partial save the kill leaves)
+CASES = [
+    ("tp", "finetune", "batch:7:1", 2, None),  # rank 1 dies in step 3's second micro-batch
+    ("tp", "accelerate", "save:4:mid_dcp", 2, 4),
+    ("pp", "finetune", "save:4:before_rename", 2, 4),
+    ("pp", "accelerate", "batch:10", 4, None),  # between saves: step 5's first micro-batch
+    ("lora_fsdp2", "finetune", "save:4:mid_dcp", 2, 4),
+    ("lora_fsdp2", "accelerate", "batch:5:0", 2, None),  # rank 0 dies in step 2's second micro-batch
+]
+
+
+def _command(door: str, recipe: Path, out: Path, extra: list[str], *, kill: bool) -> list[str]:
+    args = [str(recipe), f"--train.output_dir={out}", *SHORT, *extra]
+    if door == "finetune":
+        return [sys.executable, str(KILL), "finetune", *args] if kill else [
+            sys.executable, "-m", "lightning_plugins", "finetune", *args]  # fmt: skip
+    launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(CONFIG),
+              "--main_process_port", str(free_port())]  # fmt: skip
+    return [*launch, str(KILL), "accelerate", *args] if kill else [*launch, "-m", "lightning_plugins.accelerate", *args]
+
+
+def _run(command: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=ROOT, env=script_env(**env), capture_output=True, text=True, timeout=300)
+
+
+def _losses(out: Path) -> list[tuple[int, float]]:
+    with open(out / "metrics.csv", newline="") as handle:
+        return [(int(row["step"]), float(row["train/loss"])) for row in csv.DictReader(handle) if row.get("train/loss")]
+
+
+#: Layouts whose doors draw different random numbers (dropout): one reference per door.
+PER_DOOR = {"lora_fsdp2"}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], list[tuple[int, float]]]:
+    """``reference(layout, door)``: the per-step losses of one uninterrupted run (made once, when first asked)."""
+    found: dict[tuple[str, str], list[tuple[int, float]]] = {}
+
+    def reference(layout: str, door: str) -> list[tuple[int, float]]:
+        key = (layout, door if layout in PER_DOOR else "finetune")
+        if key not in found:
+            recipe, extra = LAYOUTS[layout]
+            out = tmp_path_factory.mktemp("reference") / f"{key[0]}_{key[1]}"
+            proc = _run(_command(key[1], TINY / recipe, out, extra, kill=False))
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+            found[key] = _losses(out)
+            assert [step for step, _ in found[key]] == list(range(STEPS)), found[key]
+        return found[key]
+
+    return reference
+
+
+@pytest.mark.parametrize(("layout", "door", "kill", "resumed", "partial"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_killed_run_resumes_on_the_same_trajectory(
+    references: Callable[[str, str], list[tuple[int, float]]],
+    tmp_path: Path,
+    layout: str,
+    door: str,
+    kill: str,
+    resumed: int,
+    partial: int | None,
+) -> None:
+    recipe, extra = LAYOUTS[layout]
+    out = tmp_path / "run"
+    killed = _run(_command(door, TINY / recipe, out, extra, kill=True), LIGHTNING_PLUGINS_TEST_KILL=kill)
+    assert killed.returncode != 0 and "kill_run: SIGKILL" in killed.stderr, killed.stderr[-6000:]
+    checkpoints = out / "checkpoints"
+    complete = sorted(p.name for p in checkpoints.glob("step=*.ckpt"))
+    assert complete == [f"step={s}.ckpt" for s in range(2, resumed + 1, 2)], complete
+    if partial is not None:  # the interrupted save is left aside, never under the final name
+        assert (checkpoints / f"step={partial}.ckpt.partial").is_dir()
+        if kill.endswith("mid_dcp"):
+            assert not (checkpoints / f"step={partial}.ckpt.partial" / ".metadata").exists()
+
+    proc = _run(_command(door, TINY / recipe, out, extra, kill=False))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
+    assert f"resumed_from: {checkpoints / f'step={resumed}.ckpt'}" in proc.stdout, proc.stdout[-3000:]
+    assert not list(checkpoints.glob("*.partial")) and not list(checkpoints.glob("*.previous"))
+    got, want = _losses(out), references(layout, door)
+    assert [s for s, _ in got] == [s for s, _ in want], (got, want)
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), rtol=1e-5, atol=1e-5, msg=str(got)
+    )

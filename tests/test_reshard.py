@@ -1,0 +1,89 @@
+"""A checkpoint saved under one layout resumes under another on the same per-step trajectory (Lightning door, fp32):
+TP=2 x PP=2 (4 ranks) -> FSDP2=4 -> TP=2 (2 ranks: another world size), FSDP2=4 -> CP=2 -> TP=2; and every
+checkpoint names its parameters with the HF model's own names, whatever the layout.
+
+One chain of runs: each resumes a copy of a checkpoint the previous layout wrote and must continue the
+uninterrupted TP x PP run's losses (layouts agree to 1e-5: the parity tests). The data position is kept in
+samples, so a different micro-batch size x data-parallel size finds the same place.
+"""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from _world import script_env
+from torch.distributed.checkpoint import FileSystemReader
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).parents[1]
+TINY = ROOT / "recipes" / "tiny"
+STEPS = 8
+COMMON = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_every=100", "--train.checkpoint_every=2",
+          "--optim.warmup_steps=2", "--parallel.pp_microbatches=2"]  # fmt: skip
+# Global batch 16 = 2 micro-batches of 8 samples over all data-parallel ranks in every layout.
+LAYOUTS = {
+    "tp2xpp2": ["--layout.tp_size=2", "--layout.pp_size=2", "--hardware.devices=4", "--train.micro_batch_size=8"],
+    "fsdp4": ["--layout.pp_size=1", "--layout.dp_shard_size=4", "--hardware.devices=4", "--train.micro_batch_size=2"],
+    "tp2": ["--layout.pp_size=1", "--layout.tp_size=2", "--hardware.devices=2", "--train.micro_batch_size=8"],
+    "cp2": ["--layout.pp_size=1", "--layout.cp_size=2", "--hardware.devices=2", "--train.micro_batch_size=8"],
+}
+# (layout, resumes (layout it was saved under, step))
+CHAIN = [
+    ("tp2xpp2", None),
+    ("fsdp4", ("tp2xpp2", 2)),
+    ("tp2", ("fsdp4", 4)),
+    ("cp2", ("fsdp4", 4)),
+    ("tp2", ("cp2", 6)),
+]
+
+
+def _finetune(out: Path, layout: str) -> str:
+    command = [sys.executable, "-m", "lightning_plugins", "finetune", str(TINY / "full_pp2.yaml"),
+               f"--train.output_dir={out}", *COMMON, *LAYOUTS[layout]]  # fmt: skip
+    proc = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout
+
+
+def _losses(out: Path) -> dict[int, float]:
+    with open(out / "metrics.csv", newline="") as handle:
+        return {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(handle) if row.get("train/loss")}
+
+
+def _hf_names(checkpoint: Path) -> set[str]:
+    """The model's parameter names in a Lightning-door DCP checkpoint, without the LightningModule's prefix."""
+    keys = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    prefix = "state_dict.model."  # the checkpoint's `state_dict` entry; RecipeModule.model is the HF model
+    return {key[len(prefix) :] for key in keys if key.startswith(prefix)}
+
+
+def test_checkpoints_reshard_across_layouts(tmp_path: Path) -> None:
+    reference = set(AutoModelForCausalLM.from_pretrained(TINY / "model").state_dict())
+    runs: dict[str, Path] = {}
+    want: dict[int, float] = {}
+    for index, (layout, source) in enumerate(CHAIN):
+        out = tmp_path / f"{index}_{layout}"
+        if source is not None:
+            saved = runs[source[0]] / "checkpoints" / f"step={source[1]}.ckpt"
+            shutil.copytree(saved, out / "checkpoints" / saved.name)
+        stdout = _finetune(out, layout)
+        runs[layout] = out
+        got = _losses(out)
+        if source is None:
+            want = got
+            assert sorted(want) == list(range(STEPS)), want
+        else:
+            assert f"resumed_from: {out / 'checkpoints' / f'step={source[1]}.ckpt'}" in stdout, stdout[-2000:]
+            steps = list(range(source[1], STEPS))
+            assert sorted(got) == steps, (layout, source, got)
+            torch.testing.assert_close(
+                torch.tensor([got[s] for s in steps]), torch.tensor([want[s] for s in steps]), rtol=1e-5, atol=1e-5,
+                msg=f"{source[0]} -> {layout}: {got} vs {want}",
+            )  # fmt: skip
+        names = _hf_names(out / "checkpoints" / f"step={STEPS}.ckpt")
+        assert names == reference, (layout, sorted(names ^ reference))
