@@ -6,6 +6,7 @@ the same trajectory."""
 from __future__ import annotations
 
 import csv
+import re
 import shutil
 import subprocess
 import sys
@@ -35,7 +36,9 @@ def accelerate_launch(
 
 
 def _ok(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    # Every exception line first: the rank that failed first is often not the one whose traceback ends the log.
+    causes = "\n".join(dict.fromkeys(re.findall(r"^.*\w+(?:Error|Exception|Killed)\b.*$", proc.stderr, re.M)))
+    assert proc.returncode == 0, causes[-4000:] + "\n---\n" + proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "warning" not in proc.stderr.lower(), proc.stderr[-3000:]  # a clean console
     return proc.stdout
 
