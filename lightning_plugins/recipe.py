@@ -90,6 +90,10 @@ class TrainSection(_Section):
         output_dir: Checkpoints, metrics, the loss curve and the exported model (relative to the
             current directory).
         merge_lora: With LoRA: also export the adapters merged into full weights.
+        collective_timeout_s: How long any collective waits for its peers before it fails (the process group's
+            timeout, in seconds). A rank that dies ends the job at once; one that hangs ends it after this long,
+            with a message naming the rank. Raise it if a step, a checkpoint save or the first load may
+            legitimately keep one rank away from the others longer.
     """
 
     global_batch_size: int | None = Field(None, ge=1)
@@ -103,6 +107,7 @@ class TrainSection(_Section):
     seed: int = 0
     output_dir: str = "outputs/finetune"
     merge_lora: bool = False
+    collective_timeout_s: float = Field(1800.0, gt=0)
 
     @model_validator(mode="after")
     def _one_of_each(self) -> TrainSection:
