@@ -42,6 +42,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.print_config:
         print(recipe.to_yaml(), end="")
         return
+    from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
+
+    try:
+        if args.resume is not None:
+            check_resume_path(args.resume)
+    except CheckpointError as err:
+        _fail(str(err))
     from lightning_plugins.accelerate.runner import run_recipe
 
     from datetime import timedelta

@@ -31,9 +31,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from lightning_plugins.checkpoint_checks import reads_checkpoint
+
 #: Non-tensor state written once (identical on every rank).
 STATE_FILE = "accelerator_state.pt"
 _RNG_FILE = "rng_state_{rank}.pt"
+_MULTIARRAY = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # numpy 2 / numpy 1
+#: What numpy's random state needs beyond ``weights_only``'s tensors and containers.
+_NUMPY_RNG = [np.dtype, np.ndarray, type(np.dtype(np.uint32)), _MULTIARRAY._reconstruct]
 # One entry per parameter name: pipeline ranks hold different parameter groups (see the Lightning door).
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -82,6 +87,7 @@ def save_training_state(accelerator: Any, path: str | Path) -> Path:
     return path
 
 
+@reads_checkpoint  # a corrupted checkpoint, or one of another model, gets an error naming it and the fix
 def load_training_state(accelerator: Any, path: str | Path) -> None:
     """Restore ``accelerator``'s prepared objects from a directory written by :func:`save_training_state`.
 
@@ -98,7 +104,7 @@ def load_training_state(accelerator: Any, path: str | Path) -> None:
             f"{path} is not a complete checkpoint written by ParallelAccelerator.save_state (no .metadata or"
             f" {STATE_FILE}); an interrupted save leaves only `{path.name}.partial`."
         )
-    saved = torch.load(path / STATE_FILE, weights_only=False)  # our own file: Python objects (RNG tuples)
+    saved = torch.load(path / STATE_FILE, weights_only=True)  # plain containers, numbers, strings and tensors
     if len(saved["grads"]) != len(accelerator._models):
         raise ValueError(f"{path} holds {len(saved['grads'])} models but {len(accelerator._models)} are prepared now.")
     # This rank's part of the saved accumulated gradients (under pipeline parallelism: its stages' names).
@@ -136,7 +142,8 @@ def load_training_state(accelerator: Any, path: str | Path) -> None:
     accelerator.step = saved["step"]
     rng = path / _RNG_FILE.format(rank=dist.get_rank())
     if rng.is_file():
-        _restore_rng(torch.load(rng, weights_only=False))
+        with torch.serialization.safe_globals(_NUMPY_RNG):  # numpy's RNG state is an array: allow just that
+            _restore_rng(torch.load(rng, weights_only=True))
 
 
 def _tensor_state(accelerator: Any, grads: list[list[str]]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_plugins.checkpoint_checks import reads_checkpoint
 from lightning_plugins.faults import join_timeout, set_collective_timeout
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
@@ -290,6 +291,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         return get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
 
     @override
+    @reads_checkpoint  # a corrupted checkpoint, or one of another model, gets an error naming it and the fix
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Under pipeline parallelism: load a sharded (DCP) checkpoint, each rank reading its stages.
 
