@@ -78,11 +78,13 @@ class SupervisedLauncher(_SubprocessScriptLauncher):
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if not self.cluster_environment.creates_processes_externally:
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-            os.environ.setdefault(FAILURES_ENV, tempfile.mkdtemp(prefix="lightning_plugins_failures_"))
+            if self.num_processes > 1:  # where the ranks started here leave their cause of failure
+                os.environ.setdefault(FAILURES_ENV, tempfile.mkdtemp(prefix="lightning_plugins_failures_"))
             self._call_children_scripts()
             first = self.cluster_environment.node_rank() * self.num_processes
-            self._watcher = _RankWatcher({first + i + 1: p for i, p in enumerate(self.procs)}, first, self.grace_s)
-            self._watcher.start()
+            if self.procs:
+                self._watcher = _RankWatcher({first + i + 1: p for i, p in enumerate(self.procs)}, first, self.grace_s)
+                self._watcher.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
@@ -91,10 +93,14 @@ class SupervisedLauncher(_SubprocessScriptLauncher):
         except BaseException as error:
             rank = self.cluster_environment.global_rank()
             record_failure(rank, error)
-            if self._watcher is not None:
-                raise RankFailure(self._watcher.diagnose(error, self.timeout)) from error
-            if is_collective_timeout(error):
-                raise RankFailure(explain_timeout(rank, error, self.timeout)) from error
+            message, stopped = self._watcher.diagnose(error) if self._watcher is not None else (None, "")
+            if message is None and is_collective_timeout(error):
+                message = explain_timeout(rank, error, self.timeout) + stopped
+            if message is not None:
+                raise RankFailure(message) from error
+            # This rank's own error is the cause: it keeps its type; the note says who else was stopped.
+            if stopped:
+                error.add_note(f"rank {rank} failed first.{stopped}")
             raise
 
 
@@ -132,8 +138,10 @@ class _RankWatcher(threading.Thread):
             print(f"{RankFailure.__name__}: {message}", file=sys.stderr, flush=True)
             os._exit(1)
 
-    def diagnose(self, error: BaseException, timeout: timedelta | None) -> str:
-        """Why the job failed, given this rank's ``error``; stops the ranks still running."""
+    def diagnose(self, error: BaseException) -> tuple[str | None, str]:
+        """Why the job failed, given this rank's ``error``: a message naming another rank that failed first
+        (``None`` when this rank's error is the cause, or when every failure is a collective timeout), and which
+        ranks still running were stopped."""
         with self._lock:
             self._handled = True
         deadline = time.monotonic() + self.grace_s
@@ -141,13 +149,12 @@ class _RankWatcher(threading.Thread):
             time.sleep(0.05)
         causes = [recorded_failure(rank) or "" for rank in self._failed]
         stopped = self._stop_running()
-        if is_collective_timeout(error) and all(mentions_timeout(cause) for cause in causes):
-            return explain_timeout(self.own_rank, error, timeout) + stopped
-        if self._failed:
-            return (
-                f"{self._failure_of(self._failed[0])}; rank {self.own_rank} then stopped: {summarize(error)}." + stopped
-            )
-        return f"rank {self.own_rank} (pid {os.getpid()}) failed: {summarize(error)}." + stopped
+        if not self._failed or (is_collective_timeout(error) and all(mentions_timeout(c) for c in causes)):
+            return None, stopped
+        return (
+            f"{self._failure_of(self._failed[0])}; rank {self.own_rank} then stopped: {summarize(error)}." + stopped,
+            stopped,
+        )
 
     def _poll(self) -> bool:
         """Record newly failed ranks; whether any has failed."""
