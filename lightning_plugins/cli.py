@@ -100,9 +100,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "finetune":
         from lightning_plugins.recipe import RecipeError, load_recipe
 
+        from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
+
         try:
             recipe = load_recipe(args.recipe, _overrides(extra, finetune))
-        except RecipeError as err:
+            if args.resume is not None:
+                check_resume_path(args.resume)
+        except (RecipeError, CheckpointError) as err:
             sys.exit(f"error: {err}")
         if args.print_config:
             print(recipe.to_yaml(), end="")

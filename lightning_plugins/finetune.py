@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,7 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         options=recipe.parallel,
         memory=recipe.memory,
         load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
+        timeout=timedelta(seconds=train.collective_timeout_s),
     )
     callbacks: list[Any] = [_ProgressBar()]
     if train.checkpoint_every is not None:

@@ -145,10 +145,14 @@ class ParallelLayout:
         different tokens, over which the loss is normalised).
         """
         self._require_resolved()
-        mesh = init_device_mesh(device_type, self.sizes, mesh_dim_names=MESH_DIM_NAMES)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        # Every group of the mesh waits as long as the world's process group: torch would give the groups it
+        # creates for a dimension smaller than the world its own default (30 min), whatever the door's timeout.
+        options = _world_group_options()
+        override = None if options is None else dict.fromkeys(MESH_DIM_NAMES, options)
+        mesh = init_device_mesh(device_type, self.sizes, mesh_dim_names=MESH_DIM_NAMES, backend_override=override)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=options)
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=options)
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=options)
         return mesh
 
     @classmethod
@@ -176,3 +180,24 @@ class ParallelLayout:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _world_group_options() -> Any:
+    """Options carrying the default process group's timeout, for the groups of a mesh (``None``: torch's default).
+
+    Only for a single-backend world (``gloo`` or ``nccl``); the options' backend must match the group's.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    backend = dist.get_backend()
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    options._timeout = dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
+    return options

@@ -33,7 +33,19 @@ def checkpoint_index(checkpoint_dir: str | Path) -> dict[str, Path]:
     root = Path(checkpoint_dir)
     index_file = root / "model.safetensors.index.json"
     if index_file.is_file():
-        weight_map = json.loads(index_file.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"{index_file} is not a valid safetensors index (a JSON object with a weight_map): {err}. Copy or"
+                " download the checkpoint again."
+            ) from None
+        absent = sorted({file for file in weight_map.values() if not (root / file).is_file()})
+        if absent:
+            raise FileNotFoundError(
+                f"{index_file} names {len(absent)} shard(s) that are not in {root}: {', '.join(absent[:5])}. The"
+                " download or copy is incomplete: fetch the missing files (every file the index names)."
+            )
         return {name: root / file for name, file in weight_map.items()}
     files = sorted(root.glob("*.safetensors"))
     if not files:
@@ -84,6 +96,7 @@ def load_sharded_safetensors(
         raise KeyError(
             f"The checkpoint in {checkpoint_dir} lacks {len(missing)} tensors of the model, e.g. {missing[:5]}."
         )
+    _check_shapes(state, index)  # before any storage is touched: nothing is half-loaded
     # `to_empty` gives every module its own new tensor, which would untie shared weights (tied
     # embeddings): remember who shares what and tie them again.
     shared = _shared_parameters(model)
@@ -106,6 +119,33 @@ def load_sharded_safetensors(
     finally:
         handles.clear()
     _reinit_nonpersistent_buffers(model, device)
+
+
+def _check_shapes(state: dict[str, torch.Tensor], index: dict[str, Path]) -> None:
+    """Every tensor the model needs is readable in its file with the model's (global) shape."""
+    by_file: dict[Path, list[str]] = {}
+    for name in state:
+        by_file.setdefault(index[name], []).append(name)
+    wrong = []
+    for file, names in by_file.items():
+        try:
+            with safe_open(file, framework="pt") as handle:
+                wrong += [
+                    (name, shape)
+                    for name in names
+                    if (shape := handle.get_slice(name).get_shape()) != list(state[name].shape)
+                ]
+        except Exception as err:  # safetensors' own error type is not exported
+            raise ValueError(
+                f"{file} cannot be read as safetensors ({type(err).__name__}: {err}); it is truncated or corrupted."
+                " Copy or download it again."
+            ) from None
+    if wrong:
+        shown = ", ".join(f"{name} {shape} (model: {list(state[name].shape)})" for name, shape in wrong[:3])
+        raise ValueError(
+            f"The checkpoint in {index[wrong[0][0]].parent} holds {len(wrong)} tensor(s) of another shape than the model"
+            f" built from its config: {shown}. It belongs to a different model: check model.path and its config.json."
+        )
 
 
 def _shared_parameters(model: nn.Module) -> dict[str, list[str]]:

@@ -41,11 +41,14 @@ class ModelSection(_Section):
         path: A local HF checkpoint directory (relative to the recipe file) or a hub id.
         dtype: Parameter dtype (``fp32`` on CPU; ``bf16`` on GPUs, with ``memory.param_dtype`` for FSDP2).
         attn_implementation: transformers' attention (``sdpa``, ``eager``, ``flash_attention_2``, ...).
+        trust_remote_code: Run the Python code a hub model ships for its config, tokenizer and model. Off by
+            default: only turn it on for a model whose code you have read.
     """
 
     path: str
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
 
 
 class OptimSection(_Section):
@@ -90,6 +93,10 @@ class TrainSection(_Section):
         output_dir: Checkpoints, metrics, the loss curve and the exported model (relative to the
             current directory).
         merge_lora: With LoRA: also export the adapters merged into full weights.
+        collective_timeout_s: How long any collective waits for its peers before it fails (the process group's
+            timeout, in seconds). A rank that dies ends the job at once; one that hangs ends it after this long,
+            with a message naming the rank. Raise it if a step, a checkpoint save or the first load may
+            legitimately keep one rank away from the others longer.
     """
 
     global_batch_size: int | None = Field(None, ge=1)
@@ -103,6 +110,7 @@ class TrainSection(_Section):
     seed: int = 0
     output_dir: str = "outputs/finetune"
     merge_lora: bool = False
+    collective_timeout_s: float = Field(1800.0, gt=0)
 
     @model_validator(mode="after")
     def _one_of_each(self) -> TrainSection:
@@ -263,7 +271,15 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
         raise RecipeError(
             f"{path}: layout does not fit hardware.devices x hardware.nodes = {world} processes: {err}"
         ) from None
-    config = _model_config(recipe.model.path)
+    try:
+        config = _model_config(recipe.model.path, recipe.model.trust_remote_code)
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise RecipeError(
+            f"{path}: model.path={recipe.model.path!r} ships its own Python code (config.json's auto_map), which"
+            " runs only with model.trust_remote_code: true. Set it if you have read that code and trust it."
+        ) from None
     if config is not None:
         from lightning_plugins.parallel.context import check_context_parallel
         from lightning_plugins.parallel.pipeline import check_pipeline_layout
@@ -326,14 +342,14 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
     return recipe
 
 
-def _model_config(model_path: str) -> Any:
+def _model_config(model_path: str, trust_remote_code: bool = False) -> Any:
     """The transformers config of a local checkpoint, or of a hub id whose config is shipped under
     ``recipes/configs`` (``meta-llama/Llama-3.1-70B``) or cached locally; ``None`` for another hub id (checked
     when it is loaded)."""
     if Path(model_path).is_dir():
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(model_path)
+        return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     from lightning_plugins.planner.model_stats import PlannerError, load_model_config
 
     try:

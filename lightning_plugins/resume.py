@@ -24,6 +24,9 @@ from torch.utils.data import DataLoader
 
 #: Each rank's random states, inside the checkpoint directory.
 RNG_FILE = "rng_state_{rank}.pt"
+_MULTIARRAY = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # numpy 2 / numpy 1
+#: What NumPy's random state needs beyond ``weights_only``'s tensors and containers.
+_NUMPY_RNG = [np.dtype, np.ndarray, type(np.dtype(np.uint32)), _MULTIARRAY._reconstruct]
 
 
 def capture_rng() -> dict[str, Any]:
@@ -60,8 +63,8 @@ def read_rng(directory: str | Path, rank: int) -> dict[str, Any] | None:
     for candidate in (rank, 0):
         path = Path(directory) / RNG_FILE.format(rank=candidate)
         if path.is_file():
-            # Our own file of Python objects (tuples of ints, NumPy's state): not loadable with weights_only.
-            return torch.load(path, weights_only=False)
+            with torch.serialization.safe_globals(_NUMPY_RNG):  # NumPy's state is an array: allow just that
+                return torch.load(path, weights_only=True)
     return None
 
 

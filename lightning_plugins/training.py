@@ -65,15 +65,16 @@ def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Modul
     from lightning_plugins.data import prepare_model_for_packing
 
     spec = recipe.model
-    tokenizer = AutoTokenizer.from_pretrained(spec.path)
+    remote = {"trust_remote_code": spec.trust_remote_code}  # off unless the recipe says so
+    tokenizer = AutoTokenizer.from_pretrained(spec.path, **remote)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     kwargs = {"dtype": _DTYPES[spec.dtype], "attn_implementation": spec.attn_implementation}
     if on_meta and recipe.lora is None and Path(spec.path).is_dir():
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path), **kwargs)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path, **remote), **kwargs, **remote)
     else:
-        model = AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(spec.path, **kwargs, **remote)
     model.train()  # from_pretrained returns eval mode: dropout (LoRA's too) would be off
     model.config.use_cache = False  # training: no KV cache (it would also grow under recomputation)
     if recipe.data.packing:

@@ -13,7 +13,10 @@ import os
 import sys
 from collections.abc import Sequence
 
+from torch.distributed.elastic.multiprocessing.errors import record
 
+
+@record  # under torchrun (`accelerate launch`): the launcher's failure summary quotes this rank's exception
 def main(argv: Sequence[str] | None = None) -> None:
     from lightning_plugins.cli import _overrides
 
@@ -39,12 +42,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.print_config:
         print(recipe.to_yaml(), end="")
         return
+    from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
+
+    try:
+        if args.resume is not None:
+            check_resume_path(args.resume)
+    except CheckpointError as err:
+        _fail(str(err))
     from lightning_plugins.accelerate.runner import run_recipe
+
+    from datetime import timedelta
+
+    from lightning_plugins.faults import RankFailure, explain_timeout, is_collective_timeout
 
     try:
         result = run_recipe(recipe, resume=args.resume)
     except LayoutError as err:
         _fail(f"{args.recipe}: {err}")
+    except Exception as err:
+        if not is_collective_timeout(err):
+            raise
+        timeout = timedelta(seconds=recipe.train.collective_timeout_s)
+        raise RankFailure(explain_timeout(int(os.environ.get("RANK", "0")), err, timeout)) from err
     if result:
         print("\n".join(f"{key}: {value}" for key, value in result.items()))
 

@@ -36,6 +36,7 @@ from lightning_plugins.accelerate.settings import (
     merge_sizes,
 )
 from lightning_plugins.accelerate.state import load_training_state, save_training_state
+from lightning_plugins.faults import join_timeout, set_collective_timeout
 from lightning_plugins.layout import LayoutError
 from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
@@ -77,6 +78,8 @@ class ParallelAccelerator(Accelerator):
         load_from: HF checkpoint directory for a model built on the meta device (default: its ``name_or_path``).
         **kwargs: Fields of ``ParallelOptions``/``MemoryOptions`` by name (``sequence_parallel``, ``cp_backend``,
             ``pp_schedule``, ``activation_checkpointing``, ...), and every ``accelerate.Accelerator`` argument.
+            ``kwargs_handlers=[InitProcessGroupKwargs(timeout=...)]`` bounds every collective (a stuck rank then
+            fails its peers after that long); joining the process group still waits at least 30 min.
             Sizes left at ``None`` are read from the launch config's ``parallelism_config_*`` keys, if set.
 
     Raises:
@@ -130,8 +133,10 @@ class ParallelAccelerator(Accelerator):
                     " engine's FSDP2 (dp_shard_size, memory.cpu_offload)."
                 )
             return
+        timeout = _join_slowly(kwargs)
         with _accelerate_parallelism_config_off():  # it refuses MULTI_CPU and would build a second mesh
             super().__init__(**kwargs)
+        set_collective_timeout(timeout)  # joined: from now on every collective is bounded by it
         if not dist.is_initialized():  # one process: a world of one, so the engine's path is the same
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -445,3 +450,20 @@ def _accelerate_parallelism_config_off() -> Iterator[None]:
     finally:
         if value is not None:
             os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = value
+
+
+def _join_slowly(kwargs: dict[str, Any]) -> Any:
+    """The collective timeout of an ``InitProcessGroupKwargs`` in ``kwargs["kwargs_handlers"]`` (``None`` without
+    one); the handler is replaced by a copy that lets ranks take at least torch's default to join (the timeout
+    bounds the collectives once they have)."""
+    from dataclasses import replace
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    handlers = list(kwargs.get("kwargs_handlers") or ())
+    for index, handler in enumerate(handlers):
+        if isinstance(handler, InitProcessGroupKwargs) and handler.timeout is not None:
+            handlers[index] = replace(handler, timeout=join_timeout(handler.timeout))
+            kwargs["kwargs_handlers"] = handlers
+            return handler.timeout
+    return None

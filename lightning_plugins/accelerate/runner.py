@@ -12,11 +12,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import InitProcessGroupKwargs
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_plugins.accelerate.accelerator import ParallelAccelerator
@@ -55,6 +57,7 @@ def make_accelerator(recipe: Recipe) -> ParallelAccelerator:
         load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
         cpu=recipe.hardware.accelerator == "cpu" or not torch.cuda.is_available(),
         gradient_accumulation_steps=recipe.accumulation, step_scheduler_with_optimizer=False,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.train.collective_timeout_s))],
     )  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from lightning_plugins.checkpoint_checks import reads_checkpoint
 from lightning_plugins.export import save_export_info
 from lightning_plugins.resume import load_rng, save_rng
 
@@ -84,6 +85,7 @@ def save_training_state(accelerator: Any, path: str | Path) -> Path:
     return path
 
 
+@reads_checkpoint  # a corrupted checkpoint, or one of another model, gets an error naming it and the fix
 def load_training_state(accelerator: Any, path: str | Path) -> None:
     """Restore ``accelerator``'s prepared objects from a directory written by :func:`save_training_state`.
 
@@ -100,7 +102,7 @@ def load_training_state(accelerator: Any, path: str | Path) -> None:
             f"{path} is not a complete checkpoint written by ParallelAccelerator.save_state (no .metadata or"
             f" {STATE_FILE}); an interrupted save leaves only `{path.name}.partial`."
         )
-    saved = torch.load(path / STATE_FILE, weights_only=False)  # our own file: Python objects (RNG tuples)
+    saved = torch.load(path / STATE_FILE, weights_only=True)  # plain containers, numbers, strings and tensors
     if len(saved["grads"]) != len(accelerator._models):
         raise ValueError(f"{path} holds {len(saved['grads'])} models but {len(accelerator._models)} are prepared now.")
     # This rank's part of the saved accumulated gradients (under pipeline parallelism: its stages' names).

@@ -21,7 +21,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_plugins.checkpoint_checks import reads_checkpoint
 from lightning_plugins.export import save_export_info
+from lightning_plugins.faults import join_timeout, set_collective_timeout
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
 from lightning_plugins import models
@@ -58,7 +60,8 @@ class ParallelismStrategy(ModelParallelStrategy):
             built on the meta device; defaults to the model config's ``name_or_path``.
         save_distributed_checkpoint: DCP sharded checkpoints (``True``) or one full file on rank 0.
         process_group_backend: ``"nccl"`` / ``"gloo"``; chosen from the device when ``None``.
-        timeout: Collective timeout.
+        timeout: Collective timeout: a collective that waits longer fails, naming this setting, and the job ends
+            (recipe key ``train.collective_timeout_s``).
         **settings: Any field of ``ParallelOptions`` or ``MemoryOptions`` by name (``sequence_parallel``,
             ``loss_parallel``, ``cp_backend``, ``activation_checkpointing``, ``every_n_layers``,
             ``param_dtype``, ``reduce_dtype``, ``cpu_offload``, ``reshard_after_forward``, ...), overriding
@@ -101,6 +104,25 @@ class ParallelismStrategy(ModelParallelStrategy):
         self.grad_norm: torch.Tensor | None = None
 
     @override
+    def _configure_launcher(self) -> None:
+        # Lightning's launcher, but a failed or stuck rank ends the job with a message naming it.
+        from lightning_plugins.strategies.launcher import SupervisedLauncher
+
+        # Also where another launcher started the ranks (torchrun, SLURM, Lightning's re-run children): each
+        # rank then records its failure and explains a collective timeout.
+        assert self.cluster_environment is not None
+        self._launcher = SupervisedLauncher(self.cluster_environment, self.num_processes, self.num_nodes, self._timeout)
+
+    @override
+    def _setup_distributed(self) -> None:
+        # Joining may take long (ranks import and start at their own pace): wait at least torch's default for it.
+        timeout, self._timeout = self._timeout, join_timeout(self._timeout)
+        try:
+            super()._setup_distributed()
+        finally:
+            self._timeout = timeout
+
+    @override
     def setup_environment(self) -> None:
         assert self.lightning_module is not None
         # Validate against the world size and the model before any process group exists.
@@ -119,6 +141,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         # A model parallelized by an earlier entry point (fit, then test; a second Trainer) keeps its mesh.
         existing = self._existing_mesh()
         self._setup_distributed()
+        set_collective_timeout(self._timeout)  # joined: from now on every collective is bounded by `timeout`
         self._device_mesh = existing or self.layout.build_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -270,6 +293,7 @@ class ParallelismStrategy(ModelParallelStrategy):
             optimizer = optimizer._optimizer
         return get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
 
+    @reads_checkpoint  # a corrupted checkpoint, or one of another model, gets an error naming it and the fix
     def _load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded (DCP) checkpoint, each rank reading its slices (or its stages) whatever layout wrote it.
 
