@@ -14,6 +14,7 @@ then exactly the one the next training batch would have seen.
 from __future__ import annotations
 
 import random
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -170,3 +171,18 @@ class ResumableDataLoader(ResumableLoader, DataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.resume_from(state)
+
+
+def publish(partial: str | Path, path: str | Path) -> None:
+    """Move a complete checkpoint written under ``partial`` to ``path`` (rank 0 only). One already at ``path`` is moved
+    aside first and deleted last, so a crash at any moment leaves a complete checkpoint under a final name, or the
+    previous ones (``latest_checkpoint`` never reads ``.partial`` or ``.previous``)."""
+    partial, path = Path(partial), Path(path)
+    previous = path.with_name(path.name + ".previous")
+    if path.exists():
+        path.rename(previous)
+    partial.rename(path)
+    if previous.is_dir():
+        shutil.rmtree(previous)
+    elif previous.exists():
+        previous.unlink()

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_plugins.checkpoint_checks import reads_checkpoint
 from lightning_plugins.export import save_export_info
-from lightning_plugins.resume import load_rng, save_rng
+from lightning_plugins.resume import load_rng, publish, save_rng
 
 #: Non-tensor state written once (identical on every rank).
 STATE_FILE = "accelerator_state.pt"
@@ -76,11 +76,7 @@ def save_training_state(accelerator: Any, path: str | Path) -> Path:
             save_export_info(partial, accelerator._models[0], _key("model", 0), accelerator.load_from)
     dist.barrier()
     if rank == 0:
-        previous = path.with_name(path.name + ".previous")
-        if path.exists():
-            path.rename(previous)
-        partial.rename(path)
-        shutil.rmtree(previous, ignore_errors=True)
+        publish(partial, path)
     dist.barrier()
     return path
 

@@ -31,7 +31,7 @@ from lightning_plugins.models import check_supported
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import check_same_settings, clip_grad_norm_, mesh_of, parallelize, pipeline_of
 from lightning_plugins.parallel.context import check_context_parallel, context_parallel_batch
-from lightning_plugins.resume import read_rng, restore_rng, save_rng
+from lightning_plugins.resume import publish, read_rng, restore_rng, save_rng
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -353,14 +353,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         if self.global_rank == 0:
             if partial.is_dir():  # what `lightning-plugins export` needs besides the weights
                 save_export_info(partial, self.lightning_module, "state_dict", self.load_from)
-            previous = path.with_name(path.name + ".previous")
-            if path.exists():
-                path.rename(previous)
-            partial.rename(path)
-            if previous.is_dir():
-                shutil.rmtree(previous)
-            elif previous.exists():
-                previous.unlink()
+            publish(partial, path)
         self.barrier()
 
     @override
