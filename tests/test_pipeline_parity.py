@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_plugins.options import with_settings
 from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, parallelize
-from lightning_plugins.parallel import mesh_of, pipeline_of
+from lightning_plugins.parallel import context_parallel_batch, mesh_of, pipeline_of
 from lightning_plugins.parallel.pipeline import PipelineOptions, layer_ranges, stages_of_rank
 
 STEPS, ACCUM, BATCH, SEQ, MAX_NORM, LR = 5, 2, 8, 16, 0.5, 1.0
@@ -49,7 +49,15 @@ def _reference(model: torch.nn.Module) -> tuple[list[float], list[float], dict, 
 
 
 def _train(model: torch.nn.Module, rows: slice) -> tuple[list[float], list[float], list[float]]:
-    """The same loop through the pipeline: ``model(**batch)`` runs forward and backward of the batch."""
+    """The same loop through the pipeline: ``model(**batch)`` runs forward and backward of the batch.
+
+    Each rank takes its data rank's rows, sharded along the sequence under context parallelism.
+    """
+    mesh = mesh_of(model)
+
+    def local(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return context_parallel_batch({k: v[rows] for k, v in batch.items()}, mesh)
+
     pipeline = pipeline_of(model)
     pipeline.loss_scale = 1.0 / ACCUM
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
@@ -59,7 +67,7 @@ def _train(model: torch.nn.Module, rows: slice) -> tuple[list[float], list[float
         step_loss = 0.0
         for micro in range(ACCUM):
             batch = make_batch(BATCH, SEQ, model.config.vocab_size, seed=100 * step + micro)
-            loss = model(**{k: v[rows] for k, v in batch.items()}).loss
+            loss = model(**local(batch)).loss
             assert not loss.requires_grad  # the schedule already ran backward
             step_loss += loss.item() / ACCUM
         norms.append(pipeline.clip_grad_norm_(model.parameters(), MAX_NORM).item())
@@ -69,7 +77,7 @@ def _train(model: torch.nn.Module, rows: slice) -> tuple[list[float], list[float
     model.eval()
     with torch.no_grad():
         batch = make_batch(BATCH, SEQ, model.config.vocab_size, seed=7000)
-        evals = [model(**{k: v[rows] for k, v in batch.items()}).loss.item()]
+        evals = [model(**local(batch)).loss.item()]
     return losses, norms, evals
 
 
@@ -137,6 +145,14 @@ TWO_RANKS = [
     ("llama_tied_4l", {"pp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 4}),  # tie across ranks
     ("llama_tied_4l", {"pp_size": 2}, {"pp_schedule": "zbv_zero_bubble", "pp_microbatches": 4}),  # tie on rank 0
 ]
+PP2_CP2 = [
+    ("llama_4l", {"pp_size": 2, "cp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 4, "cp_backend": "ulysses"}),
+    ("llama_4l", {"pp_size": 2, "cp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2, "cp_backend": "ring"}),
+    ("llama_8l", {"pp_size": 2, "cp_size": 2},
+     {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2, "cp_backend": "ulysses"}),
+    ("llama_4l", {"pp_size": 2, "cp_size": 2},
+     {"pp_schedule": "zbv_zero_bubble", "pp_microbatches": 4, "cp_backend": "ring"}),
+]
 FOUR_RANKS = [
     ("llama_4l", {"pp_size": 4}, {"pp_schedule": "gpipe", "pp_microbatches": 4}),
     ("llama_4l", {"pp_size": 4}, {"pp_schedule": "1f1b", "pp_microbatches": 8}),
@@ -149,6 +165,8 @@ FOUR_RANKS = [
     ("llama_4l", {"pp_size": 2, "dp_shard_size": 2}, {"pp_schedule": "zbv_zero_bubble", "pp_microbatches": 2}),
     ("llama_tied_4l", {"pp_size": 2, "tp_size": 2}, {"pp_schedule": "gpipe", "pp_microbatches": 2}),
     ("llama_tied_4l", {"pp_size": 2, "dp_shard_size": 2}, {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}),
+    # Context-parallel stages: every micro-batch is the cp shard of its rows (FSDP2 over the cp ranks).
+    *PP2_CP2,
 ]
 
 

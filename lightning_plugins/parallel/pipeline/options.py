@@ -143,11 +143,6 @@ def layer_ranges(num_layers: int, num_stages: int) -> list[range]:
 
 def check_pipeline_layout(layout: ParallelLayout, config: Any, options: PipelineOptions) -> PipelineOptions:
     """Validate ``options`` against a resolved layout and a model config before any collective."""
-    if layout.cp_size > 1:
-        raise LayoutError(
-            f"pp_size={layout.pp_size} with cp_size={layout.cp_size}: pipeline and context parallelism do not compose"
-            " in this version. Use cp_size=1 with pipeline parallelism, or pp_size=1 with context parallelism."
-        )
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         raise LayoutError(
