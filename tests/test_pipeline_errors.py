@@ -74,10 +74,12 @@ def test_pipeline_with_context_parallel_checks_the_attention(fake_world: int) ->
         parallelize(model, ParallelLayout(pp_size=2, cp_size=2), ParallelOptions(cp_backend="ring"))
 
 
-def test_tied_embedding_on_one_rank_with_fsdp(fake_world: int) -> None:
+@pytest.mark.parametrize("layout", [ParallelLayout(pp_size=2), ParallelLayout(pp_size=2, cp_size=2)], ids=["dp", "cp"])
+def test_tied_embedding_on_one_rank_with_fsdp(fake_world: int, layout: ParallelLayout) -> None:
+    # FSDP2 shards each stage over the data ranks, and over the context-parallel ranks too.
     with pytest.raises(LayoutError, match="tied embedding.*two FSDP2 stage modules.*interleaved_1f1b"):
         parallelize(
-            tiny_model("llama_tied_4l"), ParallelLayout(pp_size=2), ParallelOptions(pp_schedule="zbv_zero_bubble", pp_microbatches=2)
+            tiny_model("llama_tied_4l"), layout, ParallelOptions(pp_schedule="zbv_zero_bubble", pp_microbatches=2)
         )
 
 

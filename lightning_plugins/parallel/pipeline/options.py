@@ -156,6 +156,7 @@ def check_pipeline_layout(layout: ParallelLayout, config: Any, options: Pipeline
         raise LayoutError(
             f"pp_schedule={resolved.schedule!r} puts the first and the last stage on one rank, where a tied embedding"
             " would be one parameter in two FSDP2 stage modules. Use pp_schedule='interleaved_1f1b' (or another"
-            " looped schedule) for this tied-embedding model with data parallelism."
+            " looped schedule) for this tied-embedding model with data or context parallelism (FSDP2 shards each"
+            " stage over dp_shard_size x cp_size ranks)."
         )
     return resolved
