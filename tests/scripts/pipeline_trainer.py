@@ -52,6 +52,7 @@ def reference(model: torch.nn.Module, data: list[dict], dp: int, val: list[dict]
     return losses, full_weights(model), val_losses
 
 
+RING = {"cp_backend": "ring"}
 CASES = {
     2: [
         ("llama 1f1b", "llama_4l", {"schedule": "1f1b"}),
@@ -64,7 +65,7 @@ CASES = {
         ("llama pp2 x tp2 1f1b", "llama_4l", {"schedule": "1f1b", "tp_size": 2}),
         ("llama pp2 x fsdp2 interleaved_1f1b", "llama_4l", {"schedule": "interleaved_1f1b", "microbatches": 2}),
         # Context-parallel stages through the general door (the batches are sharded along the sequence).
-        ("ParallelismStrategy pp2 x cp2 ring 1f1b", "llama_4l", {"schedule": "1f1b", "cp_size": 2, "cp_backend": "ring"}),
+        ("ParallelismStrategy pp2 x cp2 ring 1f1b", "llama_4l", {"schedule": "1f1b", "cp_size": 2, **RING}),
     ],
 }
 
@@ -76,7 +77,8 @@ def make_strategy(options: dict) -> ParallelismStrategy:
     if "cp_size" not in options:
         return PipelineParallelStrategy(pp_size=2, **options)
     pipeline = {f"pp_{k}": v for k, v in options.items() if k in _PIPELINE_OPTIONS}
-    return ParallelismStrategy(pp_size=2, **pipeline, **{k: v for k, v in options.items() if k not in _PIPELINE_OPTIONS})
+    rest = {k: v for k, v in options.items() if k not in _PIPELINE_OPTIONS}
+    return ParallelismStrategy(pp_size=2, **pipeline, **rest)
 
 
 #: Cases that also stop at an epoch's end with a DCP checkpoint and resume (a tied embedding saves one
