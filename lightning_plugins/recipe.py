@@ -288,9 +288,7 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             layout.validate(config)
             if layout.pp_size > 1:
                 check_pipeline_layout(layout, config, recipe.parallel.pipeline)
-            check_context_parallel(
-                config, layout.cp_size, layout.tp_size, recipe.parallel.cp_backend, pp_size=layout.pp_size
-            )
+            check_context_parallel(config, layout.cp_size, layout.tp_size, recipe.parallel.cp_backend)
         except LayoutError as err:
             raise RecipeError(f"{path}: layout/parallel do not fit model {recipe.model.path}: {err}") from None
         if recipe.lora is not None:

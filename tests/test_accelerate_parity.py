@@ -189,6 +189,7 @@ TWO_RANKS = {
 FOUR_RANKS = {
     "tp2_fsdp2": {"tp_size": 2, "dp_shard_size": 2, "split": True},
     "pp2_tp2": {"pp_size": 2, "tp_size": 2, "settings": {"pp_microbatches": 2}},
+    "pp2_cp2_ulysses": {"pp_size": 2, "cp_size": 2, "settings": {"pp_microbatches": 2, "cp_backend": "ulysses"}},
 }
 
 

@@ -18,7 +18,6 @@ from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, para
 from lightning_plugins.parallel.context import (
     ATTENTION_IMPLEMENTATION,
     apply_context_parallel,
-    check_context_parallel,
     context_parallel_attention,
     load_balanced_indices,
     shard_batch_for_context_parallel,
@@ -148,11 +147,6 @@ def test_ring_refuses_attention_dropout(fake_world: int) -> None:
     config.attention_dropout = 0.1
     with pytest.raises(LayoutError, match="Ring attention has no attention dropout.*backend='ulysses'"):
         parallelize(AutoModelForCausalLM.from_config(config), ParallelLayout(cp_size=2), ParallelOptions(cp_backend="ring"))
-
-
-def test_pipeline_composition_is_refused() -> None:
-    with pytest.raises(LayoutError, match="cp_size=2 with pp_size=2: .* not composed with pipeline parallelism yet"):
-        check_context_parallel(CONFIGS["llama"](), 2, 1, "ring", pp_size=2)
 
 
 def test_strategy_arguments() -> None:

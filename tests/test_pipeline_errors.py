@@ -66,15 +66,20 @@ def test_stages_per_rank_must_fit_the_schedule() -> None:
         PipelineOptions("interleaved_1f1b", stages_per_rank=1).resolve(2)
 
 
-def test_pipeline_with_context_parallel(fake_world: int) -> None:
-    with pytest.raises(LayoutError, match="pp_size=2 with cp_size=2: pipeline and context parallelism do not compose"):
-        parallelize(tiny_model("llama_4l"), ParallelLayout(pp_size=2, cp_size=2))
+def test_pipeline_with_context_parallel_checks_the_attention(fake_world: int) -> None:
+    """PP x CP composes (parity in test_pipeline_parity.py); the context-parallel checks still apply to it."""
+    model = tiny_model("llama_4l")
+    model.config.attention_dropout = 0.1
+    with pytest.raises(LayoutError, match="Ring attention has no attention dropout.*backend='ulysses'"):
+        parallelize(model, ParallelLayout(pp_size=2, cp_size=2), ParallelOptions(cp_backend="ring"))
 
 
-def test_tied_embedding_on_one_rank_with_fsdp(fake_world: int) -> None:
+@pytest.mark.parametrize("layout", [ParallelLayout(pp_size=2), ParallelLayout(pp_size=2, cp_size=2)], ids=["dp", "cp"])
+def test_tied_embedding_on_one_rank_with_fsdp(fake_world: int, layout: ParallelLayout) -> None:
+    # FSDP2 shards each stage over the data ranks, and over the context-parallel ranks too.
     with pytest.raises(LayoutError, match="tied embedding.*two FSDP2 stage modules.*interleaved_1f1b"):
         parallelize(
-            tiny_model("llama_tied_4l"), ParallelLayout(pp_size=2), ParallelOptions(pp_schedule="zbv_zero_bubble", pp_microbatches=2)
+            tiny_model("llama_tied_4l"), layout, ParallelOptions(pp_schedule="zbv_zero_bubble", pp_microbatches=2)
         )
 
 

@@ -84,9 +84,7 @@ def parallelize(
     pipeline_options = None
     if resolved.pp_size > 1:
         pipeline_options = check_pipeline_layout(resolved, getattr(model, "config", None), options.pipeline)
-    check_context_parallel(
-        getattr(model, "config", None), resolved.cp_size, resolved.tp_size, options.cp_backend, pp_size=resolved.pp_size
-    )
+    check_context_parallel(getattr(model, "config", None), resolved.cp_size, resolved.tp_size, options.cp_backend)
     if memory.uses_fsdp_policy and resolved.fsdp_size == 1:
         raise LayoutError(
             "cpu_offload, param_dtype and reduce_dtype are FSDP2 options and need at least 2 data-parallel ranks"
@@ -139,7 +137,7 @@ def _parallelize_pipeline(
     options: ParallelOptions,
     memory: MemoryOptions,
 ) -> None:
-    """The same order per stage: split -> TP/SP -> AC -> FSDP2 (each stage module is its own root)."""
+    """The same order per stage: split -> TP/SP -> CP -> AC -> FSDP2 (each stage module is its own root)."""
     tp = mesh["tp"]
     tensor_parallel = sequence_mesh = fully_shard_stage = None
     if tp.size() > 1:
@@ -161,6 +159,11 @@ def _parallelize_pipeline(
         pipeline_options,
         tensor_parallel=tensor_parallel,
         sequence_mesh=sequence_mesh,
+        context_parallel=(
+            partial(apply_context_parallel, cp_mesh=mesh["cp"], backend=options.cp_backend)
+            if mesh["cp"].size() > 1
+            else None
+        ),
         activation_checkpointing=partial(
             apply_activation_checkpointing,
             mode=memory.activation_checkpointing,

@@ -131,13 +131,7 @@ class ParallelismStrategy(ModelParallelStrategy):
             model = find_hf_model(self.lightning_module, type(self).__name__)
             check_supported(model)
             self.layout.validate(model.config)
-            check_context_parallel(
-                model.config,
-                self.layout.cp_size,
-                self.layout.tp_size,
-                self.options.cp_backend,
-                pp_size=self.layout.pp_size,
-            )
+            check_context_parallel(model.config, self.layout.cp_size, self.layout.tp_size, self.options.cp_backend)
         # A model parallelized by an earlier entry point (fit, then test; a second Trainer) keeps its mesh.
         existing = self._existing_mesh()
         self._setup_distributed()

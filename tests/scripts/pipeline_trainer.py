@@ -32,7 +32,7 @@ from _common import (  # noqa: E402
 )
 from tiny_models import tiny_model  # noqa: E402
 
-from lightning_plugins.strategies import PipelineParallelStrategy  # noqa: E402
+from lightning_plugins.strategies import ParallelismStrategy, PipelineParallelStrategy  # noqa: E402
 
 STEPS, LOCAL_BATCH = 5, 4
 
@@ -52,6 +52,7 @@ def reference(model: torch.nn.Module, data: list[dict], dp: int, val: list[dict]
     return losses, full_weights(model), val_losses
 
 
+RING = {"cp_backend": "ring"}
 CASES = {
     2: [
         ("llama 1f1b", "llama_4l", {"schedule": "1f1b"}),
@@ -63,8 +64,21 @@ CASES = {
     4: [
         ("llama pp2 x tp2 1f1b", "llama_4l", {"schedule": "1f1b", "tp_size": 2}),
         ("llama pp2 x fsdp2 interleaved_1f1b", "llama_4l", {"schedule": "interleaved_1f1b", "microbatches": 2}),
+        # Context-parallel stages through the general door (the batches are sharded along the sequence).
+        ("ParallelismStrategy pp2 x cp2 ring 1f1b", "llama_4l", {"schedule": "1f1b", "cp_size": 2, **RING}),
     ],
 }
+
+_PIPELINE_OPTIONS = ("schedule", "microbatches", "stages_per_rank")
+
+
+def make_strategy(options: dict) -> ParallelismStrategy:
+    """``PipelineParallelStrategy(pp_size=2, ...)``; with ``cp_size``, ``ParallelismStrategy`` and ``pp_*`` names."""
+    if "cp_size" not in options:
+        return PipelineParallelStrategy(pp_size=2, **options)
+    pipeline = {f"pp_{k}": v for k, v in options.items() if k in _PIPELINE_OPTIONS}
+    rest = {k: v for k, v in options.items() if k not in _PIPELINE_OPTIONS}
+    return ParallelismStrategy(pp_size=2, **pipeline, **rest)
 
 
 #: Cases that also stop at an epoch's end with a DCP checkpoint and resume (a tied embedding saves one
@@ -77,12 +91,12 @@ def main() -> None:
     results = {}
     for name, family, options in CASES[args.devices]:
         reference_model = tiny_model(family)
-        dp = args.devices // (2 * options.get("tp_size", 1))
+        dp = args.devices // (2 * options.get("tp_size", 1) * options.get("cp_size", 1))
         data = dataset(LOCAL_BATCH * dp, reference_model.config.vocab_size)
         val = dataset(LOCAL_BATCH * dp, reference_model.config.vocab_size, batches=3, seed=1000)
         ref_losses, ref_weights, ref_val = reference(copy.deepcopy(reference_model), data, dp, val)
         module = FineTune(copy.deepcopy(reference_model))
-        strategy = PipelineParallelStrategy(pp_size=2, **options)
+        strategy = make_strategy(options)
         trainer = make_trainer(strategy, args.devices, STEPS, enable_checkpointing=False)
         first = name == CASES[args.devices][0][0]
         val_loader = DataLoader(val, batch_size=LOCAL_BATCH, shuffle=False) if first else None
@@ -95,7 +109,7 @@ def main() -> None:
         if name in RESUME_CASES:
             tmp = args.out.parent / name.replace(" ", "_")
             results[f"resume {name}"] = check_resume(
-                lambda options=options: PipelineParallelStrategy(pp_size=2, **options),
+                lambda options=options: make_strategy(options),
                 reference_model,
                 args.devices,
                 data,

@@ -42,9 +42,7 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, cp_size: int) -> None
         )
 
 
-def check_context_parallel(
-    config: Any, cp_size: int, tp_size: int = 1, backend: str = "ulysses", *, pp_size: int = 1
-) -> None:
+def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, backend: str = "ulysses") -> None:
     """Fail before any collective when context parallelism cannot run this model config.
 
     Args:
@@ -52,7 +50,6 @@ def check_context_parallel(
         cp_size: Context-parallel ranks.
         tp_size: Tensor-parallel ranks (they already split the heads; Ulysses splits the local ones).
         backend: ``"ulysses"`` or ``"ring"``.
-        pp_size: Pipeline stages (not composed with context parallelism yet).
 
     Raises:
         LayoutError: naming the violated constraint and a setting that works.
@@ -63,11 +60,6 @@ def check_context_parallel(
         raise LayoutError(f"Unknown context-parallel backend {backend!r}; use one of {BACKENDS}.")
     if cp_size == 1:
         return
-    if pp_size > 1:
-        raise LayoutError(
-            f"cp_size={cp_size} with pp_size={pp_size}: context parallelism is not composed with pipeline"
-            " parallelism yet. Use cp_size=1 with pipelines, or pp_size=1 (CP composes with TP and FSDP2)."
-        )
     if config is None:
         return
     heads = getattr(config, "num_attention_heads", None)

@@ -27,7 +27,9 @@ How a causal LM becomes a pipeline:
 
 Composition: tensor parallelism is applied to the rank's part of the model, FSDP2 to each stage module
 (the stage is the FSDP root, which is what ``PipelineStage`` expects), activation checkpointing to the
-kept layers. Context parallelism does not compose with the pipeline yet.
+kept layers. Context parallelism routes the kept layers' attention through Ulysses or ring attention: each
+rank's batch is already the load-balanced cp shard of its rows (``context_parallel_batch``), so stages run on
+the local sequence length with global ``position_ids``, and the loss counts valid tokens over ``dp_cp``.
 """
 
 from lightning_plugins.parallel.pipeline.apply import apply_pipeline_parallel, pipeline_of

@@ -2,7 +2,8 @@
 
 Composition: tensor parallelism is applied to the rank's part of the model, FSDP2 to each stage module
 (the stage is the FSDP root, which is what ``PipelineStage`` expects), activation checkpointing to the
-kept layers. Context parallelism does not compose with the pipeline yet.
+kept layers, context parallelism to the kept layers' attention (every micro-batch is then the cp shard of its
+rows: see :class:`~lightning_plugins.parallel.pipeline.runtime.Pipeline`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def apply_pipeline_parallel(
     *,
     tensor_parallel: Callable[[nn.Module], None] | None = None,
     sequence_mesh: DeviceMesh | None = None,
+    context_parallel: Callable[[nn.Module, nn.ModuleList], None] | None = None,
     activation_checkpointing: Callable[[nn.ModuleList], None] | None = None,
     fully_shard_stage: Callable[..., None] | None = None,
     reshard_after_forward: bool = True,
@@ -42,7 +44,7 @@ def apply_pipeline_parallel(
 ) -> Pipeline:
     """Split ``model`` into this rank's stages, compose the other dimensions per stage, attach the pipeline.
 
-    Order: split (with tensor parallelism applied in between, see :func:`split_into_stages`) ->
+    Order: split (with tensor then context parallelism applied in between, see :func:`split_into_stages`) ->
     activation checkpointing of the kept layers -> FSDP2 per stage module (each stage is its own root),
     called as ``fully_shard_stage(stage, layers, reshard_after_forward=...)``.
     Afterwards ``model(**batch)`` runs the whole batch through the pipeline (see :class:`Pipeline`).
@@ -55,7 +57,13 @@ def apply_pipeline_parallel(
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = lm_head is not None and lm_head.weight is embed.weight
     stages = split_into_stages(
-        model, family, mesh, options, tensor_parallel=tensor_parallel, sequence_mesh=sequence_mesh
+        model,
+        family,
+        mesh,
+        options,
+        tensor_parallel=tensor_parallel,
+        sequence_mesh=sequence_mesh,
+        context_parallel=context_parallel,
     )
     if activation_checkpointing is not None:
         activation_checkpointing(decoder_layers(model, family))
@@ -115,10 +123,11 @@ class _PipelinedCausalLM:
             )
         pipeline = pipeline_of(self)  # type: ignore[arg-type]
         assert pipeline is not None
+        shift_labels = kwargs.get("shift_labels")  # next-token targets of a context-parallel shard
         if self.training and torch.is_grad_enabled():  # type: ignore[attr-defined]
-            loss = pipeline.step(input_ids, attention_mask, position_ids, labels)
+            loss = pipeline.step(input_ids, attention_mask, position_ids, labels, shift_labels=shift_labels)
         else:
-            loss = pipeline.evaluate(input_ids, attention_mask, position_ids, labels)
+            loss = pipeline.evaluate(input_ids, attention_mask, position_ids, labels, shift_labels=shift_labels)
         return CausalLMOutputWithPast(loss=loss)
 
 

@@ -143,11 +143,6 @@ def layer_ranges(num_layers: int, num_stages: int) -> list[range]:
 
 def check_pipeline_layout(layout: ParallelLayout, config: Any, options: PipelineOptions) -> PipelineOptions:
     """Validate ``options`` against a resolved layout and a model config before any collective."""
-    if layout.cp_size > 1:
-        raise LayoutError(
-            f"pp_size={layout.pp_size} with cp_size={layout.cp_size}: pipeline and context parallelism do not compose"
-            " in this version. Use cp_size=1 with pipeline parallelism, or pp_size=1 with context parallelism."
-        )
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         raise LayoutError(
@@ -161,6 +156,7 @@ def check_pipeline_layout(layout: ParallelLayout, config: Any, options: Pipeline
         raise LayoutError(
             f"pp_schedule={resolved.schedule!r} puts the first and the last stage on one rank, where a tied embedding"
             " would be one parameter in two FSDP2 stage modules. Use pp_schedule='interleaved_1f1b' (or another"
-            " looped schedule) for this tied-embedding model with data parallelism."
+            " looped schedule) for this tied-embedding model with data or context parallelism (FSDP2 shards each"
+            " stage over dp_shard_size x cp_size ranks)."
         )
     return resolved

@@ -83,6 +83,7 @@ class Pipeline:
         position_ids: Tensor | None = None,
         labels: Tensor | None = None,
         *,
+        shift_labels: Tensor | None = None,
         loss_scale: float | None = None,
     ) -> Tensor:
         """Forward and backward of this rank's part of the whole batch; gradients accumulate.
@@ -92,13 +93,15 @@ class Pipeline:
             attention_mask: Optional ``[batch, seq]`` padding mask.
             position_ids: Optional ``[batch, seq]`` or ``[1, seq]`` positions.
             labels: ``[batch, seq]`` labels (``-100`` is ignored), as for the transformers model.
+            shift_labels: ``[batch, seq]`` next-token targets, used instead of shifting ``labels`` (a
+                context-parallel shard holds them: its sequence is not contiguous).
             loss_scale: Multiplies the differentiated loss (e.g. ``1 / accumulation_steps``);
                 defaults to :attr:`loss_scale`.
 
         Returns:
             The batch's mean token loss over all data ranks (unscaled, detached), on every rank.
         """
-        return self._run(True, input_ids, attention_mask, position_ids, labels, loss_scale)
+        return self._run(True, input_ids, attention_mask, position_ids, labels, shift_labels, loss_scale)
 
     @torch.no_grad()
     def evaluate(
@@ -107,9 +110,11 @@ class Pipeline:
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         labels: Tensor | None = None,
+        *,
+        shift_labels: Tensor | None = None,
     ) -> Tensor:
         """The batch's mean token loss over all data ranks, forward only, on every rank."""
-        return self._run(False, input_ids, attention_mask, position_ids, labels, 1.0)
+        return self._run(False, input_ids, attention_mask, position_ids, labels, shift_labels, 1.0)
 
     def clip_grad_norm_(self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the global gradient norm over all stages, counting a tied embedding once."""
@@ -131,9 +136,10 @@ class Pipeline:
         attention_mask: Tensor | None,
         position_ids: Tensor | None,
         labels: Tensor | None,
+        shift_labels: Tensor | None,
         loss_scale: float | None,
     ) -> Tensor:
-        if labels is None:
+        if labels is None and shift_labels is None:
             raise ValueError(
                 "Under pipeline parallelism the model returns the loss only (the logits stay on the last stage, one"
                 " micro-batch at a time): pass `labels`."
@@ -152,7 +158,9 @@ class Pipeline:
                 f"Sequence length {seq} is not divisible by tp_size={self._sequence_shards}, which sequence"
                 f" parallelism needs at the stage boundaries. Pad batches to a multiple of {self._sequence_shards}."
             )
-        count = (next_token_targets(labels) != IGNORE_INDEX).sum()
+        # Shift on whole rows before the schedule splits them into micro-batches (rows, never positions).
+        targets = next_token_targets(labels) if shift_labels is None else shift_labels
+        count = (targets != IGNORE_INDEX).sum()
         if self._data_mesh is not None:
             dist.all_reduce(count, group=self._data_mesh.get_group())
         ranks = 1 if self._data_mesh is None else self._data_mesh.size()
@@ -162,7 +170,7 @@ class Pipeline:
             stage.loss_factor = factor
             stage.loss_sums.clear()
 
-        kwargs: dict[str, Tensor] = {"labels": labels}
+        kwargs: dict[str, Tensor] = {"targets": targets}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask
         if position_ids is not None:
@@ -171,10 +179,10 @@ class Pipeline:
         if train:
             before = self._tied_grad()
             before = None if before is None else before.clone()  # the step accumulates into the same storage
-            schedule.step(input_ids, target=labels, return_outputs=False, **kwargs)
+            schedule.step(input_ids, target=targets, return_outputs=False, **kwargs)
             self._sum_tied_grads(before)
         else:
-            schedule.eval(input_ids, target=labels, return_outputs=False, **kwargs)
+            schedule.eval(input_ids, target=targets, return_outputs=False, **kwargs)
 
         loss_sum = torch.zeros((), dtype=torch.float32, device=input_ids.device)
         for stage in self.stages.values():

@@ -35,6 +35,7 @@ def split_into_stages(
     *,
     tensor_parallel: Callable[[nn.Module], None] | None = None,
     sequence_mesh: DeviceMesh | None = None,
+    context_parallel: Callable[[nn.Module, nn.ModuleList], None] | None = None,
 ) -> dict[int, StageModule]:
     """Prune ``model`` in place to this rank's stages and return their :class:`StageModule` s by index.
 
@@ -47,6 +48,9 @@ def split_into_stages(
             embedding, final norm and head are dropped (tensor parallelism expects to find all three).
         sequence_mesh: The tensor-parallel mesh when sequence parallelism is on: stage boundaries then
             carry each rank's sequence shard.
+        context_parallel: Called as ``context_parallel(model, kept_layers)`` after tensor parallelism: routes
+            the kept layers' attention through context-parallel attention (stages then run on the cp shard
+            of every micro-batch, with global ``position_ids``).
 
     Returns:
         This rank's stages, keyed by stage index.
@@ -65,6 +69,8 @@ def split_into_stages(
             del layers._modules[key]
     if tensor_parallel is not None:
         tensor_parallel(model)
+    if context_parallel is not None:
+        context_parallel(model, layers)
 
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     norm = model.get_submodule(family.final_norm)

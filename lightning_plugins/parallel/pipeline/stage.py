@@ -1,7 +1,7 @@
 """One pipeline stage of a transformers decoder (:class:`StageModule`) and the loss it returns.
 
 * **Stages.** A :class:`StageModule` runs one stage. It recomputes the causal mask and the rotary
-  embeddings from the sequence length, attention mask and position ids. Those, and the labels, are
+  embeddings from the sequence length, attention mask and position ids. Those, and the targets, are
   chunked by the schedule and handed to every stage locally: all ranks of one pipeline read the same
   batch, so only hidden states (and their gradients) travel between ranks.
 * **Loss.** The last stage turns each micro-batch's token-loss *sum* into its share of the global
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_plugins.parallel.loss import next_token_targets, token_losses
+from lightning_plugins.parallel.loss import token_losses
 
 
 def _attention_kind(config: Any, layer_index: int) -> str:
@@ -38,8 +38,8 @@ class StageModule(nn.Module):
     buffers only and may be shared by two stages on one rank.
 
     Forward: ``input_ids`` (first stage) or the previous stage's hidden states, plus ``attention_mask``,
-    ``position_ids`` and ``labels`` of the same micro-batch; returns hidden states, or on the last stage
-    the micro-batch's share of the global mean token loss.
+    ``position_ids`` and next-token ``targets`` (labels shifted on the whole row) of the same micro-batch;
+    returns hidden states, or on the last stage the micro-batch's share of the global mean token loss.
     """
 
     def __init__(
@@ -79,7 +79,7 @@ class StageModule(nn.Module):
         inputs: Tensor,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
-        labels: Tensor | None = None,
+        targets: Tensor | None = None,
     ) -> Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -115,13 +115,13 @@ class StageModule(nn.Module):
             out = hidden.to_local().clone() if isinstance(hidden, DTensor) else hidden
             return out if self.boundary_dtype in (None, out.dtype) else out.to(self.boundary_dtype)
         logits = self.lm_head(self.norm(hidden))
-        if labels is None:
-            raise ValueError("The last pipeline stage needs `labels` to compute the loss.")
-        loss_sum = token_losses(logits, next_token_targets(labels)).sum()
+        if targets is None:
+            raise ValueError("The last pipeline stage needs the next-token `targets` to compute the loss.")
+        loss_sum = token_losses(logits, targets).sum()
         self.loss_sums.append(loss_sum.detach())
         return loss_sum * self.loss_factor
 
 
 def _identity_loss(output: Tensor, target: Tensor) -> Tensor:
-    # The last stage already returns the scaled loss (it needs the labels and the global token count).
+    # The last stage already returns the scaled loss (it needs the targets and the global token count).
     return output
