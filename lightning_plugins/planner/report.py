@@ -156,6 +156,22 @@ class Plan:
         return "\n".join(lines)
 
 
+def step_time(workload: Workload, cluster: Cluster) -> StepTime:
+    """The step-time model's estimate for ``workload`` on ``cluster``."""
+    return estimate_step_time(
+        workload.config,
+        workload.layout,
+        workload.options,
+        workload.memory,
+        cluster,
+        seq_len=workload.seq_len,
+        micro_batch_size=workload.micro_batch_size,
+        global_batch_size=workload.global_batch_size,
+        method=workload.method,
+        lora=workload.lora,
+    )
+
+
 def plan(workload: Workload, cluster: Cluster, *, margin: float = DEFAULT_MARGIN) -> Plan:
     """Dry-run ``workload`` and estimate its step time on ``cluster``."""
     return plans([(workload, cluster)], margin=margin)[0]
@@ -163,21 +179,7 @@ def plan(workload: Workload, cluster: Cluster, *, margin: float = DEFAULT_MARGIN
 
 def plans(jobs: list[tuple[Workload, Cluster]], *, margin: float = DEFAULT_MARGIN) -> list[Plan]:
     """:func:`plan` of each ``(workload, cluster)``, their dry runs in one pool of processes."""
-    steps = [
-        estimate_step_time(
-            workload.config,
-            workload.layout,
-            workload.options,
-            workload.memory,
-            cluster,
-            seq_len=workload.seq_len,
-            micro_batch_size=workload.micro_batch_size,
-            global_batch_size=workload.global_batch_size,
-            method=workload.method,
-            lora=workload.lora,
-        )
-        for workload, cluster in jobs
-    ]
+    steps = [step_time(workload, cluster) for workload, cluster in jobs]
     ranks = dry_runs([workload for workload, _ in jobs])
     return [Plan(workload, cluster, r, step, margin) for (workload, cluster), r, step in zip(jobs, ranks, steps)]
 

@@ -32,8 +32,8 @@ from lightning_plugins.planner.dryrun import (
 )
 from lightning_plugins.planner.hardware import Cluster
 from lightning_plugins.planner.model_stats import PlannerError, model_stats
-from lightning_plugins.planner.report import DEFAULT_MARGIN, Plan
-from lightning_plugins.planner.timing import StepTime, estimate_step_time
+from lightning_plugins.planner.report import DEFAULT_MARGIN, Plan, step_time
+from lightning_plugins.planner.timing import StepTime
 from lightning_plugins.planner.workload import Workload
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -94,7 +94,7 @@ def search(
         peak = estimate_peak(workload)
         smallest = peak if smallest is None else min(smallest, peak)
         if peak <= budget:
-            screened.append(Candidate(workload, peak, _step_time(workload, cluster)))
+            screened.append(Candidate(workload, peak, step_time(workload, cluster)))
     screened.sort(key=lambda c: c.step.step_s)
     chosen: list[Candidate] = []
     measured: dict[tuple, list[RankMemory]] = {}
@@ -229,21 +229,6 @@ def estimate_peak(workload: Workload) -> int:
     if memory.cpu_offload:
         state = 0
     return int(state + activations + temporaries)
-
-
-def _step_time(workload: Workload, cluster: Cluster) -> StepTime:
-    return estimate_step_time(
-        workload.config,
-        workload.layout,
-        workload.options,
-        workload.memory,
-        cluster,
-        seq_len=workload.seq_len,
-        micro_batch_size=workload.micro_batch_size,
-        global_batch_size=workload.global_batch_size,
-        method=workload.method,
-        lora=workload.lora,
-    )
 
 
 def _powers_of_two(limit: int) -> list[int]:
