@@ -101,7 +101,8 @@ def shard_batch_for_context_parallel(
         input_ids, labels, shift_labels = (
             None if x is None else x.gather(1, order) for x in (input_ids, labels, shift_labels)
         )
-    _check_documents(positions)
+    if batch.get("position_ids") is not None:
+        _check_documents(positions)
 
     num_pad = -seq_len % multiple
     out = {k: v for k, v in batch.items() if k not in _SEQUENCE_KEYS}
