@@ -315,18 +315,13 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
                 f" parallel.pp_microbatches={micro} pipeline micro-batches. Use train.micro_batch_size="
                 f"{micro * max(1, recipe.train.micro_batch_size // micro)}."
             )
-    if recipe.data.packing:
+    if recipe.data.packing and layout.cp_size == 1:  # context-parallel attention keeps the documents apart itself
         from lightning_plugins.data import check_packing_attention
 
         try:
             check_packing_attention(recipe.model.attn_implementation)
         except ValueError as err:
             raise RecipeError(f"{path}: model.attn_implementation with data.packing: {err}") from None
-    if recipe.data.packing and layout.cp_size > 1:
-        raise RecipeError(
-            f"{path}: data.packing with layout.cp_size={layout.cp_size}: context parallelism does not take packed"
-            " sequences yet. Set data.packing: false, or layout.cp_size: 1."
-        )
     if recipe.lora is None and recipe.train.merge_lora:
         raise RecipeError(
             f"{path}: train.merge_lora is set but the recipe has no lora section. Remove it or add lora:."

@@ -77,8 +77,8 @@ def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Modul
         model = AutoModelForCausalLM.from_pretrained(spec.path, **kwargs, **remote)
     model.train()  # from_pretrained returns eval mode: dropout (LoRA's too) would be off
     model.config.use_cache = False  # training: no KV cache (it would also grow under recomputation)
-    if recipe.data.packing:
-        prepare_model_for_packing(model)
+    if recipe.data.packing and recipe.layout.cp_size == 1:
+        prepare_model_for_packing(model)  # under CP, context-parallel attention keeps the documents apart itself
     if recipe.lora is not None:
         from lightning_plugins.lora import apply_lora
 

@@ -67,6 +67,35 @@ def test_given_shift_labels_and_plain_positions_are_kept() -> None:
     assert out["meta"] == 1  # non-sequence entries pass through
 
 
+def test_left_padding_becomes_right_padding_keeping_positions() -> None:
+    ids = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8]])
+    mask = (ids > 0).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, 3] = 11  # the first real token has a target: the last left pad must not predict it
+    shards = [
+        shard_batch_for_context_parallel({"input_ids": ids, "attention_mask": mask, "labels": labels}, r, 2)
+        for r in (0, 1)
+    ]
+    whole = {k: unshard_sequence_load_balanced(torch.cat([s[k] for s in shards], -1), -1, 2) for k in shards[0]}
+    assert whole["input_ids"][0].tolist() == [5, 6, 7, 8, 9, 0, 0, 0]
+    assert whole["position_ids"][0].tolist() == [3, 4, 5, 6, 7, 8, 9, 10]  # one process counts from the first pad
+    assert whole["shift_labels"][0].tolist() == [6, 7, 8, 9, -100, -100, -100, -100]
+    assert whole["input_ids"][1].tolist() == ids[1].tolist() and whole["position_ids"][1].tolist() == list(range(8))
+    assert whole["shift_labels"][1].tolist() == [2, 3, 11, 5, 6, 7, 8, -100]
+
+
+def test_packed_positions_are_kept() -> None:
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])  # three documents; padded to 12
+    shards = [
+        shard_batch_for_context_parallel(
+            {"input_ids": torch.ones(1, 10, dtype=torch.long), "position_ids": positions}, r, 2
+        )
+        for r in (0, 1)
+    ]
+    whole = unshard_sequence_load_balanced(torch.cat([s["position_ids"] for s in shards], -1), -1, 2)
+    assert whole.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 5, 6]]
+
+
 def _bad(**changes) -> dict:
     batch = make_batch(2, 8, 64, seed=0)
     batch.update(changes)
@@ -76,18 +105,32 @@ def _bad(**changes) -> dict:
 @pytest.mark.parametrize(
     "batch,message",
     [
-        (_bad(attention_mask=torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]] * 2)), "right padding only.*left padding"),
-        (_bad(attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]] * 2)), "right padding only.*holes"),
+        (_bad(attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]] * 2)), "left or right padding.*holes"),
         (_bad(labels=torch.zeros(2, 8, dtype=torch.long)), "`labels` hold targets at padded positions.*-100"),
         (_bad(attention_mask=torch.ones(2, 1, 8, 8)), "2-D `attention_mask`.*4-D masks are not supported"),
-        (_bad(position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2)), "packed sequences .* data.packing: false"),
+        (_bad(position_ids=torch.tensor([[0, 1, 2, 3, 5, 6, 7, 8]] * 2)), "row 0 jumps from 3 to 5 at index 4.*from 0"),
+        (
+            _bad(position_ids=torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]])[:, :6]),
+            r"\[batch, seq\] or \[1, seq\] = \[2, 8\]",
+        ),
+        (_bad(position_ids=torch.tensor([[-1, 0, 1, 2, 3, 4, 5, 6]] * 2)), "must not be negative"),
         (_bad(inputs_embeds=torch.zeros(2, 8, 4)), "pass token ids, not `inputs_embeds`"),
         (_bad(token_type_ids=torch.zeros(2, 8, dtype=torch.long)), "'token_type_ids'.*does not know how to shard"),
         (_bad(input_ids=torch.zeros(8, dtype=torch.long)), r"`input_ids` of shape \[batch, seq\]"),
         ([torch.zeros(2, 8)], "dict-like batches"),
     ],
-    ids=["left-padding", "mask-hole", "labels-on-pads", "4d-mask", "packed-positions", "inputs-embeds",
-         "unknown-per-token-key", "1d-input-ids", "not-a-dict"],
+    ids=[
+        "mask-hole",
+        "labels-on-pads",
+        "4d-mask",
+        "document-not-from-0",
+        "positions-shape",
+        "negative-positions",
+        "inputs-embeds",
+        "unknown-per-token-key",
+        "1d-input-ids",
+        "not-a-dict",
+    ],
 )
 def test_batch_sharding_refuses(batch, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -107,8 +150,8 @@ def test_strategy_shards_batches_and_names_itself_in_errors(fake_world: int) -> 
     batch = make_batch(2, 13, 64, seed=0)
     out = strategy.batch_to_device(batch, torch.device("cpu"))
     assert out["input_ids"].shape == (2, 8) and out["position_ids"][0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
-    batch["attention_mask"] = batch["attention_mask"].flip(-1)
-    with pytest.raises(ValueError, match=r"ContextParallelStrategy \(cp_size=2\): .*right padding only"):
+    batch["attention_mask"][:, 1] = 0
+    with pytest.raises(ValueError, match=r"ContextParallelStrategy \(cp_size=2\): .*holes"):
         strategy.batch_to_device(batch, torch.device("cpu"))
 
 
@@ -119,7 +162,9 @@ def test_strategy_shards_batches_and_names_itself_in_errors(fake_world: int) -> 
 
 def test_ulysses_heads_checked_before_any_collective(fake_world: int) -> None:
     model = tiny_model("llama")  # 4 heads, 2 kv heads
-    with pytest.raises(LayoutError, match=r"4 attention heads over cp_size=8 .* cp_size in \[1, 2, 4\].*backend='ring'"):
+    with pytest.raises(
+        LayoutError, match=r"4 attention heads over cp_size=8 .* cp_size in \[1, 2, 4\].*backend='ring'"
+    ):
         parallelize(model, ParallelLayout(cp_size=8))
     # Tensor parallelism splits the heads first: 4 heads / tp 2 = 2 per rank cannot split over cp 4.
     with pytest.raises(LayoutError, match=r"2 attention heads \(4 heads / tp_size=2\) over cp_size=4"):
@@ -146,7 +191,9 @@ def test_ring_refuses_attention_dropout(fake_world: int) -> None:
     config = CONFIGS["llama"]()
     config.attention_dropout = 0.1
     with pytest.raises(LayoutError, match="Ring attention has no attention dropout.*backend='ulysses'"):
-        parallelize(AutoModelForCausalLM.from_config(config), ParallelLayout(cp_size=2), ParallelOptions(cp_backend="ring"))
+        parallelize(
+            AutoModelForCausalLM.from_config(config), ParallelLayout(cp_size=2), ParallelOptions(cp_backend="ring")
+        )
 
 
 def test_strategy_arguments() -> None:

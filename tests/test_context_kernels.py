@@ -1,7 +1,8 @@
 """Context-parallel kernels against single-process SDPA on the whole sequence.
 
 Ring attention and Ulysses, forward and gradients (dq, dk, dv), causal and not, MHA/GQA/MQA, the
-load-balanced and the contiguous layout, padded sequences, in fp64 (exact up to rounding) and fp32.
+load-balanced and the contiguous layout, padded sequences, packed rows (attention within each document,
+against SDPA with a block-diagonal causal mask), in fp64 (exact up to rounding) and fp32.
 Starting ranks is the slow part (seconds each), so a single gloo world of 4 ranks runs every case at
 every cp size: cp=4 on the world, cp=2 on the two sub-groups {0, 1} and {2, 3} (whose group ranks differ
 from their global ranks, as in a real cp sub-mesh), cp=1 on one-rank groups. Each rank writes its
@@ -57,6 +58,7 @@ class Case:
     real_len: int = SEQ  # shorter than SEQ: padded with pad_for_context_parallel
     pass_valid_len: bool = False
     query_tile: int | None = None  # ring only: query rows per tile (uneven last tile, masks sliced)
+    packed: bool = False  # rows of several documents (DOCUMENTS), passed as document_starts
 
 
 def _cases() -> list[Case]:
@@ -80,7 +82,19 @@ def _cases() -> list[Case]:
     return cases
 
 
-CASES = _cases()
+def _packed_cases() -> list[Case]:
+    cases = []
+    for kernel in ("ring", "ulysses"):
+        cases.append(Case(f"{kernel}-packed", kernel, True, 2, packed=True))
+        cases.append(Case(f"{kernel}-packed-contiguous", kernel, True, 2, load_balanced=False, packed=True))
+        cases.append(Case(f"{kernel}-packed-fp32", kernel, True, 2, dtype="float32", packed=True))
+    cases.append(Case("ring-packed-tiled", "ring", True, 2, query_tile=2, packed=True))
+    return cases
+
+
+# Document lengths of each row: rows packed differently, a one-token document, documents crossing shards.
+DOCUMENTS = ((5, 7, 12), (1, 10, 3, 10))
+CASES = _cases() + _packed_cases()
 BF16_CASES = [Case(f"{kernel}-causal-gqa-bf16", kernel, True, 2, dtype="bfloat16") for kernel in ("ring", "ulysses")]
 
 
@@ -93,19 +107,37 @@ def _max_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual.double() - expected.double()).abs().max().item()
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask=None) -> torch.Tensor:
     """One-process attention, kv heads repeated explicitly (independent of the kernels' GQA handling)."""
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
+def _document_starts() -> torch.Tensor:
+    """``[BATCH, SEQ]``: the index where each token's document (:data:`DOCUMENTS`) begins."""
+    rows = []
+    for lengths in DOCUMENTS:
+        assert sum(lengths) == SEQ
+        begins = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+        rows.append(torch.repeat_interleave(begins, torch.tensor(lengths)))
+    return torch.stack(rows)
+
+
+def _document_mask(starts: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal ``[batch, 1, seq, seq]``: query i attends keys from its document's start to i."""
+    index = torch.arange(starts.shape[-1])
+    return ((index[None, None, :] >= starts[:, :, None]) & (index[None, None, :] <= index[None, :, None]))[:, None]
+
+
 def _reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, causal: bool, valid: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, causal: bool, valid: int, mask=None
 ) -> tuple[torch.Tensor, ...]:
     """SDPA on the whole unpadded sequence: out, dq, dk, dv, zero-padded back to the padded length."""
     length = q.shape[2]
     q, k, v = (t[:, :, :valid].detach().requires_grad_() for t in (q, k, v))
-    out = _sdpa(q, k, v, causal)
+    out = _sdpa(q, k, v, causal, mask)
     out.backward(grad[:, :, :valid])
     return tuple(F.pad(t, (0, 0, 0, length - valid)) for t in (out.detach(), q.grad, k.grad, v.grad))
 
@@ -129,7 +161,9 @@ def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
     q, k, v, grad = (t.to(dtype) for t in (q, k, v, grad))
     # bf16 is judged against the exact answer (fp64 reference); the others against SDPA in their dtype.
     ref_dtype = torch.float64 if dtype == torch.bfloat16 else dtype
-    ref = _reference(*(t.to(ref_dtype) for t in (q, k, v, grad)), case.causal, valid)
+    starts = _document_starts() if case.packed else None
+    mask = None if starts is None else _document_mask(starts)
+    ref = _reference(*(t.to(ref_dtype) for t in (q, k, v, grad)), case.causal, valid, mask)
 
     if case.load_balanced:
         positions = load_balanced_indices(seq, cp_rank, cp)
@@ -143,6 +177,8 @@ def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
     else:
         kernel = ulysses_attention
     valid_len = valid if case.pass_valid_len else None
+    if starts is not None:
+        kernel = functools.partial(kernel, document_starts=shard(starts[:, None])[:, 0])
     out = kernel(*local, group, causal=case.causal, load_balanced=case.load_balanced, valid_len=valid_len)
     out.backward(shard(grad))
 
@@ -293,7 +329,7 @@ def test_load_balancing_evens_causal_work(cp: int) -> None:
             for source in range(cp):
                 block = _active_block(q_pos, _sequence_positions(seq, source, cp, load_balanced), True, None)
                 if block is not None:
-                    box = (block.row_end - block.row_start) * block.col_end
+                    box = (block.row_end - block.row_start) * (block.col_end - block.col_start)
                     area += box
                     attended += box if block.mask is None else int(block.mask.sum())
             areas.append(area)

@@ -3,8 +3,9 @@
 fp32, gloo, SGD with momentum (a wrong loss scale shows in the weights), gradient clipping exercised,
 gradient accumulation over micro-batches with different numbers of valid tokens, right padding with
 ``-100`` labels, prompt tokens ignored, sequence lengths divisible and not divisible by ``2 * cp``.
-Both backends at cp=2 (2 ranks) and cp=4, CP x TP and CP x FSDP2 (4 ranks). One world per rank count
-checks every case (starting ranks is the slow part); the reference runs on each rank.
+Both backends at cp=2 (2 ranks) and cp=4, CP x TP and CP x FSDP2 (4 ranks). Packed rows under CP train
+exactly what one process trains on the unpacked samples; left-padded rows what it trains on them as given.
+One world per rank count checks every case (starting ranks is the slow part); the reference runs on each rank.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from tiny_models import CONFIGS, make_batch, tiny_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from lightning_plugins.options import with_settings
 from lightning_plugins import ParallelLayout, parallelize
+from lightning_plugins.data.packing import collate_packed, pack_examples
+from lightning_plugins.options import with_settings
 from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of
 
 STEPS, ACCUM, BATCH, MAX_NORM, LR = 3, 2, 4, 0.5, 1.0
@@ -41,6 +43,11 @@ CASES = {
         "llama cp2 ulysses-eager seq13": ("llama", CP2, 13, {**U, "inner": "eager"}),
         "qwen3 cp2 ring seq15": ("qwen3", CP2, 15, R),
         "mistral cp2 ulysses seq15": ("mistral", CP2, 15, U),
+        # The same samples packed two or three to a row (data.packing's first fit and collation).
+        "llama cp2 ulysses seq16 packed": ("llama", CP2, 16, {**U, "data": "packed"}),
+        "llama cp2 ring seq13 packed": ("llama", CP2, 13, {**R, "data": "packed"}),
+        "llama cp2 ring seq16 left-padded": ("llama", CP2, 16, {**R, "data": "left"}),
+        "llama cp2 ulysses seq13 left-padded": ("llama", CP2, 13, {**U, "data": "left"}),
     },
     4: {
         "llama cp4 ulysses seq16": ("llama", CP4, 16, U),
@@ -60,14 +67,34 @@ def _batch(seq: int, vocab: int, step: int, micro: int) -> dict[str, torch.Tenso
     return make_batch(BATCH, seq, vocab, seed=1000 * seq + 10 * step + micro)
 
 
-def _train(model: torch.nn.Module, seq: int, prepare, clip) -> list[float]:
+def _left_padded(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each row's pads moved to its front (a generation-style batch); transformers counts positions from 0."""
+    pads = (batch["attention_mask"] == 0).sum(-1)
+    return {k: torch.stack([row.roll(int(n)) for row, n in zip(v, pads)]) for k, v in batch.items()}
+
+
+def _packed(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rows' samples packed into rows of twice the length, as ``data.packing`` packs them."""
+    samples = [
+        {"input_ids": ids[mask.bool()].tolist(), "labels": labels[mask.bool()].tolist()}
+        for ids, labels, mask in zip(batch["input_ids"], batch["labels"], batch["attention_mask"])
+    ]
+    rows = pack_examples(samples, 2 * batch["input_ids"].shape[1])
+    assert len(rows) < len(samples) and len(rows) % 2 == 0, "the test must pack several samples into a row"
+    return collate_packed(rows, pad_token_id=0, max_seq_len=2 * batch["input_ids"].shape[1])
+
+
+DATA = {"plain": lambda batch: batch, "left": _left_padded, "packed": _packed}
+
+
+def _train(model: torch.nn.Module, seq: int, prepare, clip, data: str = "plain") -> list[float]:
     """STEPS optimizer steps of ACCUM micro-batches; returns per-step losses then pre-clip grad norms."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses, norms = [], []
     for step in range(STEPS):
         step_loss = 0.0
         for micro in range(ACCUM):
-            loss = model(**prepare(_batch(seq, model.config.vocab_size, step, micro))).loss / ACCUM
+            loss = model(**prepare(DATA[data](_batch(seq, model.config.vocab_size, step, micro)))).loss / ACCUM
             loss.backward()
             step_loss += loss.item()
         norm = clip(model.parameters(), MAX_NORM)
@@ -80,19 +107,19 @@ def _train(model: torch.nn.Module, seq: int, prepare, clip) -> list[float]:
 
 
 @functools.cache
-def _reference(family: str, seq: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(family: str, seq: int, data: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = tiny_model(family)
-    history = _train(model, seq, lambda batch: batch, torch.nn.utils.clip_grad_norm_)
+    history = _train(model, seq, lambda batch: batch, torch.nn.utils.clip_grad_norm_, data)
     return history, {name: param.detach().clone() for name, param in model.named_parameters()}
 
 
 def _cp_prepare(model: torch.nn.Module):
     mesh = mesh_of(model)
     dp = mesh["dp"]
-    rows = BATCH // dp.size()
-    local = slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows)
 
     def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows = len(batch["input_ids"]) // dp.size()
+        local = slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows)
         return context_parallel_batch({k: v[local] for k, v in batch.items()}, mesh)
 
     return prepare
@@ -101,12 +128,14 @@ def _cp_prepare(model: torch.nn.Module):
 def _run_case(world_size: int, family: str, sizes: dict, seq: int, options: dict) -> dict[str, float]:
     options = dict(options)
     inner = options.pop("inner", None)
-    ref_history, ref_weights = _reference(family, seq)
+    data = options.pop("data", "plain")
+    # Packed rows are checked against the unpacked samples, left-padded rows against themselves.
+    ref_history, ref_weights = _reference(family, seq, "left" if data == "left" else "plain")
     model = tiny_model(family)
     if inner is not None:
         model.set_attn_implementation(inner)
     model = parallelize(model, ParallelLayout(**sizes).resolve(world_size), *with_settings("test", **options))
-    history = _train(model, seq, _cp_prepare(model), clip_grad_norm_)
+    history = _train(model, seq, _cp_prepare(model), clip_grad_norm_, data)
     weight_diff = 0.0
     for name, param in model.named_parameters():
         full = param.full_tensor() if isinstance(param, DTensor) else param

@@ -58,7 +58,6 @@ def _recipe(tmp_path: Path, **changes: dict) -> Path:
         ({"train": {"global_batch_tokens": 1024}}, r"give exactly one of global_batch_size .* and global_batch_tokens"),
         ({"train": {"epochs": 2}}, r"give exactly one of max_steps and epochs"),
         ({"layout": {"tp_size": 1, "pp_size": 2}, "parallel": {"pp_microbatches": 3}}, r"micro_batch_size=16 must divide into parallel\.pp_microbatches=3"),
-        ({"layout": {"tp_size": 1, "cp_size": 2}, "data": {"packing": True}}, r"data\.packing with layout\.cp_size=2"),
         ({"train": {"merge_lora": True}}, r"train\.merge_lora is set but the recipe has no lora section"),
         ({"data": {"packing": True}, "model": {"attn_implementation": "flash_attention_2"}}, r"model\.attn_implementation with data\.packing"),
         ({"lora": {"r": 0}}, r"lora: lora r=0 must be a positive integer"),

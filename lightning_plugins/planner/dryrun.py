@@ -593,16 +593,19 @@ def _unpacked_rows() -> Iterator[None]:
 
     transformers looks for packed sequences in the position ids by reading their values, which fake
     tensors do not have; undecided, it would build a dense ``[batch, 1, seq, seq]`` mask that a real run
-    of unpadded rows never makes.
+    of unpadded rows never makes. Context-parallel attention reads them too, for document boundaries.
     """
     from transformers import masking_utils
 
-    original = masking_utils.find_packed_sequence_indices
+    from lightning_plugins.parallel.context import wiring
+
+    originals = masking_utils.find_packed_sequence_indices, wiring._document_starts
     masking_utils.find_packed_sequence_indices = lambda *args, **kwargs: None
+    wiring._document_starts = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        masking_utils.find_packed_sequence_indices = original
+        masking_utils.find_packed_sequence_indices, wiring._document_starts = originals
 
 
 @contextlib.contextmanager

@@ -2,8 +2,11 @@
 
 :func:`shard_batch_for_context_parallel` / :func:`context_parallel_batch`: labels become next-token
 ``shift_labels`` on the full sequence *before* sharding, the sequence is padded to a multiple of ``2 * cp``
-with ignored targets, and a right-padding ``attention_mask`` is checked and dropped. The loss
-(``ParallelCausalLMLoss`` over ``dp_cp``) then equals the one-process loss exactly.
+with ignored targets, and an ``attention_mask`` is checked and dropped: left-padded rows are turned into
+right-padded ones (their tokens keep their position ids), and in causal attention real tokens never attend
+trailing pads. Packed rows (``position_ids`` restarting at 0 for each document) keep their position ids,
+from which the attention masks by document. The loss (``ParallelCausalLMLoss`` over ``dp_cp``) then equals
+the one-process loss exactly.
 """
 
 from __future__ import annotations
@@ -35,10 +38,17 @@ def shard_batch_for_context_parallel(
     Labels are turned into next-token targets on the *full* sequence first (a shift after sharding
     would cross shard boundaries) and returned as ``shift_labels``, which transformers forwards to the
     loss; the sequence is padded at the end to a multiple of ``2 * cp_size`` with ignored targets, and
-    ``input_ids``, ``labels``, ``shift_labels`` and the global ``position_ids`` are sharded alike.
+    ``input_ids``, ``labels``, ``shift_labels`` and ``position_ids`` are sharded alike.
 
-    A right-padding ``attention_mask`` (ones, then zeros) is checked and dropped: in causal attention
-    real tokens never attend trailing pads, so only the pads' own targets must be ignored.
+    Padding: an ``attention_mask`` (ones for real tokens, zeros for pads on either side) is checked and
+    dropped. Left-padded rows are rolled so that their real tokens come first, each keeping its position
+    id (so RoPE sees what one process sees), and a pad predicts nothing; in causal attention real tokens
+    never attend trailing pads. The shards then hold a row's tokens in that rolled order: the loss, a mean
+    over tokens, is unchanged, per-position outputs are not in the input's order.
+
+    Packing: ``position_ids`` that restart at 0 in a row (one document after another, as
+    ``data.packing`` and transformers' ``DataCollatorWithFlattening`` make them) are kept, and attention
+    stays within each document. Without ``position_ids`` every row is one sequence at ``0 .. seq-1``.
 
     Args:
         batch: ``input_ids [B, S]`` and optionally ``labels``, ``shift_labels``, ``attention_mask``,
@@ -55,9 +65,8 @@ def shard_batch_for_context_parallel(
         ``labels`` and ``shift_labels``.
 
     Raises:
-        ValueError: for left padding or other non-trailing masks, labels on padded positions, custom
-            ``position_ids`` (packed sequences), ``inputs_embeds``, or a sequence-shaped key it
-            cannot shard.
+        ValueError: for masks with holes, labels on padded positions, ``position_ids`` whose documents do
+            not count up from 0, ``inputs_embeds``, or a sequence-shaped key it cannot shard.
     """
     multiple = pad_to_multiple_of or 2 * cp_size
     if multiple % (2 * cp_size):
@@ -78,22 +87,22 @@ def shard_batch_for_context_parallel(
                 f"Batch key {name!r} has shape {tuple(value.shape)}, one entry per token, and context parallelism"
                 f" does not know how to shard it. Supported per-token keys: {_SEQUENCE_KEYS}."
             )
-    device = input_ids.device
     labels, shift_labels = batch.get("labels"), batch.get("shift_labels")
-    positions = torch.arange(seq_len, device=device).expand(rows, seq_len)
-    given_positions = batch.get("position_ids")
-    if given_positions is not None and not torch.equal(given_positions.expand(rows, seq_len), positions):
-        raise ValueError(
-            "Context parallelism assigns global positions itself and supports only `position_ids` = 0 .. seq-1 in"
-            " every row; packed sequences (positions restarting inside a row) are not supported yet. Train unpacked"
-            " rows (recipes: data.packing: false); dropping `position_ids` from a packed batch would let attention"
-            " cross its samples."
-        )
-    if shift_labels is None and labels is not None:
+    positions = _positions(batch.get("position_ids"), rows, seq_len, input_ids.device)
+    derived = shift_labels is None and labels is not None
+    if derived:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     mask = batch.get("attention_mask")
     if mask is not None:
-        _check_right_padding(mask, labels, shift_labels, rows, seq_len, ignore_index)
+        keep = _check_padding(mask, labels, None if derived else shift_labels, rows, seq_len, ignore_index)
+        if derived:  # a pad predicts nothing (the last left pad would predict the first real token)
+            shift_labels = shift_labels.masked_fill(~keep, ignore_index)
+        order, positions = _real_tokens_first(keep, positions)
+        input_ids, labels, shift_labels = (
+            None if x is None else x.gather(1, order) for x in (input_ids, labels, shift_labels)
+        )
+    if batch.get("position_ids") is not None:
+        _check_documents(positions)
 
     num_pad = -seq_len % multiple
     out = {k: v for k, v in batch.items() if k not in _SEQUENCE_KEYS}
@@ -102,37 +111,92 @@ def shard_batch_for_context_parallel(
         return shard_sequence_load_balanced(F.pad(x, (0, num_pad), value=fill), -1, cp_rank, cp_size)
 
     out["input_ids"] = shard(input_ids, pad_token_id)
-    padded_positions = torch.arange(seq_len + num_pad, device=device).expand(rows, seq_len + num_pad)
-    out["position_ids"] = shard_sequence_load_balanced(padded_positions, -1, cp_rank, cp_size)
+    steps = torch.arange(1, num_pad + 1, device=positions.device, dtype=positions.dtype)
+    out["position_ids"] = shard_sequence_load_balanced(
+        torch.cat([positions, positions[:, -1:] + steps], dim=-1), -1, cp_rank, cp_size
+    )
     if shift_labels is not None:
         out["shift_labels"] = shard(shift_labels, ignore_index)
         out["labels"] = shard(labels if labels is not None else shift_labels, ignore_index)
     return out
 
 
-def _check_right_padding(
-    mask: Tensor, labels: Optional[Tensor], shift_labels: Optional[Tensor], rows: int, seq_len: int, ignore_index: int
-) -> None:
+def _positions(given: Optional[Tensor], rows: int, seq_len: int, device: torch.device) -> Tensor:
+    if given is None:
+        return torch.arange(seq_len, device=device).expand(rows, seq_len)
+    if (
+        not isinstance(given, Tensor)
+        or given.ndim != 2
+        or given.shape[-1] != seq_len
+        or given.shape[0] not in (1, rows)
+    ):
+        shape = tuple(given.shape) if isinstance(given, Tensor) else type(given).__name__
+        raise ValueError(f"`position_ids` must be [batch, seq] or [1, seq] = [{rows}, {seq_len}], got {shape}.")
+    return given.expand(rows, seq_len)
+
+
+def _check_documents(positions: Tensor) -> None:
+    """Packed rows: a document begins where the ids do not count on by one, and must begin at id 0."""
+    if bool((positions < 0).any()):
+        raise ValueError("`position_ids` must not be negative.")
+    begins = positions[:, 1:] != positions[:, :-1] + 1
+    bad = (begins & (positions[:, 1:] != 0)).nonzero()
+    if len(bad):
+        row, index = (int(x) for x in bad[0])
+        raise ValueError(
+            f"`position_ids` row {row} jumps from {int(positions[row, index])} to {int(positions[row, index + 1])} at"
+            f" index {index + 1}. Context parallelism takes packed rows whose documents count up from 0"
+            " (as data.packing and transformers' DataCollatorWithFlattening make them); only a row's first"
+            " document may start elsewhere."
+        )
+
+
+def _check_padding(
+    mask: Tensor,
+    labels: Optional[Tensor],
+    shift_labels: Optional[Tensor],
+    rows: int,
+    seq_len: int,
+    ignore_index: int,
+) -> Tensor:
+    """The mask as booleans, after checking that each row is pads, real tokens, pads (either side may be empty)."""
     if mask.shape != (rows, seq_len):
         raise ValueError(
             f"Context parallelism takes a 2-D `attention_mask` [batch, seq] = {(rows, seq_len)}, got"
             f" {tuple(mask.shape)}; custom 4-D masks are not supported."
         )
     keep = mask.bool()
-    if not bool((keep[:, 1:] <= keep[:, :-1]).all()):
+    index = torch.arange(seq_len, device=keep.device)
+    lead = (keep.cumsum(1) == 0).sum(1, keepdim=True)
+    if not torch.equal(keep, (index >= lead) & (index < lead + keep.sum(1, keepdim=True))):
         raise ValueError(
-            "Context parallelism supports right padding only (each row's `attention_mask` is ones, then zeros):"
-            " this mask has zeros before ones (left padding, or holes). Pad on the right (tokenizer.padding_side ="
-            " 'right') and set the padded labels to -100."
+            "Context parallelism takes left or right padding (each row's `attention_mask` is zeros, ones, zeros):"
+            " this mask has holes (zeros between ones). Put each row's real tokens together, or pack documents"
+            " with `position_ids` that restart at 0 for each."
         )
-    # A padded position neither predicts (its own target) nor is predicted (the previous position's target).
-    for name, targets, pad in (("labels", labels, ~keep), ("shift_labels", shift_labels, ~keep)):
-        if targets is not None and bool((targets[pad] != ignore_index).any()):
+    for name, targets in (("labels", labels), ("shift_labels", shift_labels)):
+        if targets is not None and bool((targets[~keep] != ignore_index).any()):
             raise ValueError(
                 f"`{name}` hold targets at padded positions (attention_mask == 0). One process would mask those"
                 f" positions out of attention; context parallelism drops the mask, so their targets must be"
                 f" {ignore_index} (e.g. `labels[attention_mask == 0] = {ignore_index}`)."
             )
+    return keep
+
+
+def _real_tokens_first(keep: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """The gather order that rolls each row's leading pads to its end, and the positions in that order.
+
+    Real tokens keep their position ids; the pads after them count on from the last real one.
+    """
+    rows, seq_len = keep.shape
+    index = torch.arange(seq_len, device=keep.device)
+    lead = (keep.cumsum(1) == 0).sum(1, keepdim=True)
+    real = keep.sum(1, keepdim=True)
+    order = (index + lead) % seq_len
+    positions = positions.gather(1, order)
+    last = torch.where(real > 0, positions.gather(1, (real - 1).clamp(min=0)), -1)
+    return order, torch.where(index >= real, last + 1 + index - real, positions)
 
 
 def context_parallel_batch(batch: Mapping[str, Any], mesh: Any, *, pad_token_id: int = 0) -> dict[str, Any]:

@@ -28,44 +28,88 @@ _KV_TAG = 0
 _GRAD_TAG = 1
 
 
+class _Documents(NamedTuple):
+    """Packed rows: query ``i`` of row ``b`` attends only keys at or after ``starts[b, i]``, its document's start."""
+
+    q_pos: Tensor  # [rows] global positions of the queries
+    k_pos: Tensor  # [cols] global positions of the keys
+    starts: Tensor  # [batch or 1, rows] global position where each query's document begins
+
+
 class _Block(NamedTuple):
-    """Where one query block meets one key block: rows ``[row_start, row_end)``, keys ``[0, col_end)``."""
+    """Where one query block meets one key block: rows ``[row_start, row_end)``, keys ``[col_start, col_end)``."""
 
     row_start: int
     row_end: int
+    col_start: int
     col_end: int
     mask: Optional[Tensor]  # [rows, cols] bool, True = attend; None when every pair in the box attends
+    documents: Optional[_Documents] = None  # packed rows: each tile is boxed and masked by document
 
 
-def _active_block(q_pos: Tensor, k_pos: Tensor, causal: bool, valid_len: Optional[int]) -> Optional[_Block]:
+def _active_block(
+    q_pos: Tensor, k_pos: Tensor, causal: bool, valid_len: Optional[int], starts: Optional[Tensor] = None
+) -> Optional[_Block]:
     """The box of query rows x key columns that can attend, or ``None`` when the block is fully masked.
 
     Positions are sorted within a shard in both layouts, so the rows that attend anything form a
     contiguous range and the keys that are attended form a prefix: slicing to that box skips the
     masked work (this is where load balancing pays: off-diagonal causal blocks shrink to a half).
+    With packed rows (``starts``) a query attends only its own document, so the box narrows further,
+    tile by tile (:func:`_row_tiles`), and a block that holds none of a query's document is skipped.
 
     The positions are real tensors (:func:`_sequence_positions`), read outside any ``FakeTensorMode``.
     """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        return _block_of(q_pos, k_pos, causal, valid_len)
+        return _block_of(q_pos, k_pos, causal, valid_len, starts)
 
 
-def _block_of(q_pos: Tensor, k_pos: Tensor, causal: bool, valid_len: Optional[int]) -> Optional[_Block]:
+def _block_of(
+    q_pos: Tensor, k_pos: Tensor, causal: bool, valid_len: Optional[int], starts: Optional[Tensor]
+) -> Optional[_Block]:
     row_end = len(q_pos) if valid_len is None else int((q_pos < valid_len).sum())
     col_end = len(k_pos) if valid_len is None else int((k_pos < valid_len).sum())
     if row_end == 0 or col_end == 0:
         return None
+    if starts is not None:
+        documents = _Documents(q_pos[:row_end], k_pos[:col_end], starts[:, :row_end])
+        box = _document_box(documents, 0, row_end)
+        return None if box is None else _Block(*box, None, documents)
     if not causal:
-        return _Block(0, row_end, col_end, None)
+        return _Block(0, row_end, 0, col_end, None)
     # Keys after the last attending query are never attended; queries before the first key attend none.
     col_end = min(col_end, int(torch.searchsorted(k_pos, q_pos[row_end - 1], right=True)))
     row_start = int(torch.searchsorted(q_pos, k_pos[0]))
     if col_end == 0 or row_start >= row_end:
         return None
     mask = q_pos[row_start:row_end, None] >= k_pos[None, :col_end]
-    return _Block(row_start, row_end, col_end, None if bool(mask.all()) else mask)
+    return _Block(row_start, row_end, 0, col_end, None if bool(mask.all()) else mask)
+
+
+def _document_box(documents: _Documents, row_start: int, row_end: int) -> Optional[tuple[int, int, int, int]]:
+    """The smallest box of rows ``[row_start, row_end)`` x keys in which queries attend their documents' keys.
+
+    Query ``i`` of row ``b`` attends the keys from ``starts[b, i]`` to its own position; returns
+    ``(first row, last row + 1, first key, last key + 1)``, or ``None`` when no query attends any key.
+    """
+    q_pos, starts = documents.q_pos[row_start:row_end], documents.starts[:, row_start:row_end]
+    first = torch.searchsorted(documents.k_pos, starts.contiguous())
+    last = torch.searchsorted(documents.k_pos, q_pos, right=True).expand_as(first)
+    attends = last > first
+    rows = attends.any(0).nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    cols = int(first[attends].min()), int(last[attends].max())
+    return row_start + int(rows[0]), row_start + int(rows[-1]) + 1, *cols
+
+
+def _document_mask(documents: _Documents, rows: slice, cols: slice) -> Optional[Tensor]:
+    """``[batch, 1, 1, rows, cols]`` (broadcast over heads): key at or after the query's document start, and causal."""
+    keys = documents.k_pos[None, None, cols]
+    mask = (keys >= documents.starts[:, rows, None]) & (keys <= documents.q_pos[rows, None])
+    return None if bool(mask.all()) else mask[:, None, None]
 
 
 def _block_scores(q: Tensor, k: Tensor, scale: float, mask: Optional[Tensor]) -> Tensor:
@@ -107,13 +151,16 @@ def _attend_block(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Optional[
     """Softmax attention of grouped queries to one key block: (normalised output, log-sum-exp per row)."""
     scores = _block_scores(q, k, scale, mask)
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.unsqueeze(2)), lse
+    # In packed rows a query can attend none of this block's keys: its lse is -inf and its output 0.
+    finite = lse if mask is None else lse.masked_fill(lse == float("-inf"), 0.0)
+    return torch.matmul(torch.exp(scores - finite.unsqueeze(-1)), v.unsqueeze(2)), lse
 
 
 def _merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
     """Online softmax: both outputs are normalised by their own lse, so reweight each to the joint one."""
     new_lse = torch.logaddexp(lse, block_lse)
-    out.copy_(out * torch.exp(lse - new_lse).unsqueeze(-1) + block_out * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    finite = new_lse.masked_fill(new_lse == float("-inf"), 0.0)  # nothing attended yet: both weights 0
+    out.copy_(out * torch.exp(lse - finite).unsqueeze(-1) + block_out * torch.exp(block_lse - finite).unsqueeze(-1))
     lse.copy_(new_lse)
 
 
@@ -138,17 +185,28 @@ def _attend_block_backward(
 _SCORE_ELEMENTS = 1 << 22
 
 
-def _row_tiles(block: _Block, query_tile: Optional[int], batch_heads: int) -> Iterator[tuple[slice, Optional[Tensor]]]:
-    """Query-row tiles of an active block, with their slice of its mask.
+def _row_tiles(
+    block: _Block, query_tile: Optional[int], batch_heads: int
+) -> Iterator[tuple[slice, slice, Optional[Tensor]]]:
+    """Query-row tiles of an active block: (rows, keys, mask), the keys relative to the block's first key.
 
     Rows are independent in attention, so a block is computed a tile at a time: the probabilities of
-    one tile against the block's keys are the largest temporaries, whatever the local length.
+    one tile against the block's keys are the largest temporaries, whatever the local length. Packed
+    rows box each tile to the keys its queries' documents hold, and skip tiles that attend nothing.
     """
-    tile = query_tile or max(1, _SCORE_ELEMENTS // (batch_heads * block.col_end))
+    width = block.col_end - block.col_start
+    tile = query_tile or max(1, _SCORE_ELEMENTS // (batch_heads * width))
     for start in range(block.row_start, block.row_end, tile):
         stop = min(start + tile, block.row_end)
-        mask = None if block.mask is None else block.mask[start - block.row_start : stop - block.row_start]
-        yield slice(start, stop), mask
+        if block.documents is None:
+            mask = None if block.mask is None else block.mask[start - block.row_start : stop - block.row_start]
+            yield slice(start, stop), slice(0, width), mask
+            continue
+        box = _document_box(block.documents, start, stop)
+        if box is not None:
+            rows, cols = slice(box[0], box[1]), slice(box[2], box[3])
+            mask = _document_mask(block.documents, rows, cols)
+            yield rows, slice(cols.start - block.col_start, cols.stop - block.col_start), mask
 
 
 class _RingAttention(torch.autograd.Function):
@@ -166,6 +224,7 @@ class _RingAttention(torch.autograd.Function):
         load_balanced: bool,
         valid_len: Optional[int],
         query_tile: Optional[int],
+        document_starts: Optional[Tensor],
     ) -> Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         b, hq, s, d = q.shape
@@ -181,12 +240,13 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             # Start moving the next block before computing on this one, so communication overlaps compute.
             works, kv_next = _ring_shift(kv, group, _KV_TAG) if step < size - 1 else ([], kv)
-            block = _active_block(q_pos, positions((rank - step) % size), causal, valid_len)
+            block = _active_block(q_pos, positions((rank - step) % size), causal, valid_len, document_starts)
             if block is not None:
-                cols = slice(0, block.col_end)
-                k_blk, v_blk = kv[0, :, :, cols].to(acc), kv[1, :, :, cols].to(acc)
-                for rows, mask in _row_tiles(block, query_tile, b * hq):
-                    block_out, block_lse = _attend_block(q5[..., rows, :], k_blk, v_blk, scale, mask)
+                k_blk, v_blk = (kv[i, :, :, block.col_start : block.col_end].to(acc) for i in (0, 1))
+                for rows, cols, mask in _row_tiles(block, query_tile, b * hq):
+                    block_out, block_lse = _attend_block(
+                        q5[..., rows, :], k_blk[..., cols, :], v_blk[..., cols, :], scale, mask
+                    )
                     _merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
             _wait(works)
             kv = kv_next
@@ -195,6 +255,7 @@ class _RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale = group, causal, scale
         ctx.load_balanced, ctx.valid_len, ctx.query_tile = load_balanced, valid_len, query_tile
+        ctx.document_starts = document_starts
         return out
 
     @staticmethod
@@ -219,15 +280,16 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             works, kv_next = _ring_shift(kv, group, _KV_TAG) if step < size - 1 else ([], kv)
             grad_kv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-            block = _active_block(q_pos, positions((rank - step) % size), ctx.causal, ctx.valid_len)
+            k_pos = positions((rank - step) % size)
+            block = _active_block(q_pos, k_pos, ctx.causal, ctx.valid_len, ctx.document_starts)
             if block is not None:
-                cols = slice(0, block.col_end)
-                k_blk, v_blk = kv[0, :, :, cols].to(acc), kv[1, :, :, cols].to(acc)
-                for rows, mask in _row_tiles(block, ctx.query_tile, b * hq):
+                k_blk, v_blk = (kv[i, :, :, block.col_start : block.col_end].to(acc) for i in (0, 1))
+                grad_blk = grad_kv[:, :, :, block.col_start : block.col_end]
+                for rows, cols, mask in _row_tiles(block, ctx.query_tile, b * hq):
                     grad_q_blk, grad_k_blk, grad_v_blk = _attend_block_backward(
                         q5[..., rows, :],
-                        k_blk,
-                        v_blk,
+                        k_blk[..., cols, :],
+                        v_blk[..., cols, :],
                         grad_out5[..., rows, :],
                         lse[..., rows],
                         delta[..., rows],
@@ -235,8 +297,8 @@ class _RingAttention(torch.autograd.Function):
                         mask,
                     )
                     grad_q[..., rows, :] += grad_q_blk
-                    grad_kv[0, :, :, cols] += grad_k_blk
-                    grad_kv[1, :, :, cols] += grad_v_blk
+                    grad_blk[0, :, :, cols] += grad_k_blk
+                    grad_blk[1, :, :, cols] += grad_v_blk
             if grad_kv_in is not None:
                 # This block's dK/dV so far (its owner's and every rank's since) arrives from the previous rank.
                 _wait(grad_works)
@@ -251,7 +313,7 @@ class _RingAttention(torch.autograd.Function):
             _wait(grad_works)
             grad_kv = grad_kv_in
         grad_q = grad_q.reshape(b, hq, s, d).to(q.dtype)
-        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None, None, None
+        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), *([None] * 7)
 
 
 def ring_attention(
@@ -265,6 +327,7 @@ def ring_attention(
     load_balanced: bool = True,
     valid_len: Optional[int] = None,
     query_tile: Optional[int] = None,
+    document_starts: Optional[Tensor] = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the context-parallel group.
 
@@ -290,6 +353,10 @@ def ring_attention(
         query_tile: Query rows computed at once against a K/V block; bounds the score-sized temporaries
             to ``batch x heads x query_tile x local_seq``. Default: as many rows as keep each of them
             under 2**22 elements (16 MiB in fp32).
+        document_starts: Packed rows: ``[batch or 1, local_seq]``, the global position where each local
+            query's document begins (at most the query's own position). A query attends only keys from
+            its document's start on; blocks and tiles holding none of its document's keys are skipped, so
+            a packed row costs what its documents cost. Causal attention only. ``None``: one document a row.
 
     Returns:
         This rank's attention output, shaped like ``q``.
@@ -310,5 +377,16 @@ def ring_attention(
         )
     if valid_len is not None and valid_len < 1:
         raise ValueError(f"valid_len must be at least 1, got {valid_len}.")
+    if document_starts is not None:
+        if document_starts.ndim != 2 or document_starts.shape[-1] != q.shape[2]:
+            raise ValueError(
+                f"document_starts must be [batch or 1, local_seq] = [{q.shape[0]}, {q.shape[2]}], got"
+                f" {tuple(document_starts.shape)}."
+            )
+        document_starts = document_starts.detach().to("cpu", torch.long)
+        if not bool(document_starts.any()):
+            document_starts = None  # every query's document begins at 0: one document a row
+        elif not causal:
+            raise ValueError("ring_attention masks packed documents (document_starts) in causal attention only.")
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, group, causal, scale, load_balanced, valid_len, query_tile)
+    return _RingAttention.apply(q, k, v, group, causal, scale, load_balanced, valid_len, query_tile, document_starts)

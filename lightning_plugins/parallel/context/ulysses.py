@@ -120,6 +120,40 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[f
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=grouped)
 
 
+def _gather_document_starts(starts: Tensor, group: dist.ProcessGroup, load_balanced: bool, device: Any) -> Tensor:
+    """Every rank's ``[batch, local_seq]`` document starts, as ``[batch, seq]`` in natural order, on the host."""
+    size = dist.get_world_size(group)
+    local = starts.to(device, torch.long).contiguous()
+    shards = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(shards, local, group=group)
+    whole = torch.cat(shards, dim=-1)  # rank order
+    return (unshard_sequence_load_balanced(whole, -1, size) if load_balanced and size > 1 else whole).cpu()
+
+
+def _attend_documents(
+    attn_fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor, starts: Tensor, *, is_causal: bool, scale: Optional[float]
+) -> Tensor:
+    """``attn_fn`` on each document of each row (natural order): no query attends another document's keys.
+
+    ``starts[b, i]`` is where token ``i``'s document begins; rows of one document each take one call.
+    """
+    seq_len = q.shape[2]
+    bounds = [torch.unique_consecutive(row).tolist() + [seq_len] for row in starts[:, :seq_len]]
+    if all(row == [0, seq_len] for row in bounds):
+        return attn_fn(q, k, v, is_causal=is_causal, scale=scale)
+    rows = []
+    for b in range(q.shape[0]):
+        row_bounds = bounds[min(b, len(bounds) - 1)]
+        pieces = [
+            attn_fn(
+                q[b : b + 1, :, lo:hi], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi], is_causal=is_causal, scale=scale
+            )
+            for lo, hi in zip(row_bounds[:-1], row_bounds[1:])
+        ]
+        rows.append(torch.cat(pieces, dim=2))
+    return torch.cat(rows, dim=0)
+
+
 def ulysses_attention(
     q: Tensor,
     k: Tensor,
@@ -131,6 +165,7 @@ def ulysses_attention(
     load_balanced: bool = True,
     valid_len: Optional[int] = None,
     attn_fn: Optional[AttentionFn] = None,
+    document_starts: Optional[Tensor] = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the context-parallel group, by all-to-all over heads.
 
@@ -153,6 +188,9 @@ def ulysses_attention(
             (their output is zero).
         attn_fn: ``attn_fn(q, k, v, *, is_causal, scale)`` on natural-order ``[b, h, S, d]`` tensors;
             default :func:`torch.nn.functional.scaled_dot_product_attention`.
+        document_starts: Packed rows: ``[batch or 1, local_seq]``, the global position where each local
+            token's document begins. Gathered over the group (every rank must pass them, or none), then
+            ``attn_fn`` runs on each document separately: the boundaries pass to the attention it wraps.
 
     Returns:
         This rank's attention output, shaped like ``q``.
@@ -161,17 +199,23 @@ def ulysses_attention(
     size = dist.get_world_size(group)
     check_ulysses_heads(q.shape[1], k.shape[1], size)
     attn_fn = attn_fn if attn_fn is not None else _sdpa
+    starts = None
+    if document_starts is not None:
+        starts = _gather_document_starts(document_starts, group, load_balanced, q.device)
     q, k, v = (seq_to_head(x, group) for x in (q, _repeat_kv_for_cp(k, size), _repeat_kv_for_cp(v, size)))
 
     seq_len = q.shape[2]
     # Rank order is the natural order for contiguous shards. Non-causal attention over unpadded data needs
     # no reordering either: permuting queries and keys together just permutes the output rows.
-    reorder = load_balanced and size > 1 and (causal or valid_len is not None)
+    reorder = load_balanced and size > 1 and (causal or valid_len is not None or starts is not None)
     if reorder:
         q, k, v = (unshard_sequence_load_balanced(x, 2, size) for x in (q, k, v))
     if valid_len is not None and valid_len < seq_len:
         q, k, v = (x[:, :, :valid_len] for x in (q, k, v))  # natural order here: the pads are trailing
-    out = attn_fn(q, k, v, is_causal=causal, scale=scale)
+    if starts is None:
+        out = attn_fn(q, k, v, is_causal=causal, scale=scale)
+    else:
+        out = _attend_documents(attn_fn, q, k, v, starts, is_causal=causal, scale=scale)
     if out.shape[2] < seq_len:
         out = F.pad(out, (0, 0, 0, seq_len - out.shape[2]))
     if reorder:

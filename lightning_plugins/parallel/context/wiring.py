@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_plugins.parallel.context.checks import BACKENDS
+from lightning_plugins.parallel.context.sharding import _sequence_positions
 from lightning_plugins.parallel.context.ring import ring_attention
 from lightning_plugins.parallel.context.ulysses import ulysses_attention
 
@@ -101,7 +102,8 @@ def context_parallel_attention(
         dropout: Attention dropout probability (Ulysses only).
         scaling: Score scale.
         is_causal: Overrides ``module.is_causal``.
-        **kwargs: transformers' extra attention arguments (``sliding_window`` is checked).
+        **kwargs: transformers' extra attention arguments: ``position_ids`` (packed rows: attention stays within
+            each document), ``sliding_window`` (checked).
 
     Returns:
         The attention output ``[batch, local_seq, heads, head_dim]`` and ``None`` (no weights).
@@ -130,14 +132,33 @@ def context_parallel_attention(
         if kwargs.get(name) is not None:
             raise ValueError(f"Attention `{name}` is not supported with context parallelism; use cp_size=1.")
     dropout = dropout if module.training else 0.0
+    starts = _document_starts(kwargs.get("position_ids"), state.group, query.shape[2])
     if state.backend == "ring":
         if dropout > 0:
             raise ValueError("Ring attention has no attention dropout; set config.attention_dropout=0 or use Ulysses.")
-        out = ring_attention(query, key, value, state.group, causal=causal, scale=scaling)
+        out = ring_attention(query, key, value, state.group, causal=causal, scale=scaling, document_starts=starts)
     else:
         inner = functools.partial(_inner_attention, module, state, dropout)
-        out = ulysses_attention(query, key, value, state.group, causal=causal, scale=scaling, attn_fn=inner)
+        out = ulysses_attention(
+            query, key, value, state.group, causal=causal, scale=scaling, attn_fn=inner, document_starts=starts
+        )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _document_starts(position_ids: Optional[Tensor], group: dist.ProcessGroup, local_len: int) -> Optional[Tensor]:
+    """Where each local token's document begins (global position, ``[batch, local_seq]``, on the host).
+
+    The model's ``position_ids`` count up from 0 in each document of a packed row, so the token at global
+    position ``i`` with position id ``p`` belongs to the document that begins at ``i - p``; a row's first
+    document begins at 0 whatever its ids (rows turned from left padding keep their original ids). Rows
+    of one document give zeros. ``None`` without position ids (the planner's dry run plans unpacked rows).
+    """
+    if position_ids is None:
+        return None
+    size = dist.get_world_size(group)
+    index = _sequence_positions(local_len * size, dist.get_rank(group), cp_size=size, load_balanced=True)
+    positions = position_ids.detach().to("cpu", torch.long)
+    return torch.minimum((index - positions).clamp(min=0), index)
 
 
 class _InnerModule:
