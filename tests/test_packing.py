@@ -2,7 +2,8 @@
 
 Reference: one process, the samples right-padded with an ``attention_mask``. Candidates: the same samples
 packed (first fit into 64-token rows, positions restarting, no ``attention_mask``) in one process, under
-TP=2 (with and without sequence/loss parallelism) and under PP=2, all in one launched world of 2 ranks.
+TP=2 (with and without sequence/loss parallelism), under PP=2 and under CP=2 (Ulysses and ring), all in one
+launched world of 2 ranks.
 fp32, SGD with momentum, clipping that triggers, real chat data (only assistant tokens trained) plus
 samples whose first token is a target (so the first-token masking of packed samples matters).
 """
@@ -35,8 +36,7 @@ from lightning_plugins.data import (
     read_jsonl,
     tiny_assets,
 )
-from lightning_plugins.parallel import clip_grad_norm_, pipeline_of
-from lightning_plugins.parallel.context import shard_batch_for_context_parallel
+from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of, pipeline_of
 
 STEPS, PER_STEP, MAX_LEN, MAX_NORM, LR = 3, 8, 64, 0.5, 0.5
 # Packed and padded batches differ only in how each sample's tokens are laid out and in reduction orders:
@@ -90,7 +90,7 @@ def _train(model: torch.nn.Module, batches: list[dict], *, parallel: bool = Fals
     model.train()
     losses, norms, grads = [], [], {}
     for step, batch in enumerate(batches):
-        loss = model(**batch).loss
+        loss = model(**(context_parallel_batch(batch, mesh_of(model)) if parallel else batch)).loss
         if pipeline is None:
             loss.backward()
         if pipeline is not None:
@@ -169,12 +169,6 @@ def test_prepare_model_for_packing() -> None:
         prepare_model_for_packing(model)
 
 
-def test_context_parallel_refuses_packed_batches() -> None:
-    _, packed = _batches()
-    with pytest.raises(ValueError, match="packed sequences"):
-        shard_batch_for_context_parallel(packed[0], 0, 2)
-
-
 def _check_parallel(rank: int, world_size: int) -> None:
     padded, packed = _batches(rows_multiple=2)  # PP splits each batch into 2 micro-batches
     pp = ParallelOptions(pp_schedule="1f1b", pp_microbatches=2)
@@ -183,6 +177,8 @@ def _check_parallel(rank: int, world_size: int) -> None:
         ("tiny", "TP=2", ParallelLayout(tp_size=2), ParallelOptions(sequence_parallel=False, loss_parallel=False)),
         ("tiny", "PP=2", ParallelLayout(pp_size=2), pp),
         ("mistral", "PP=2 (sliding-window masks)", ParallelLayout(pp_size=2), pp),
+        ("tiny", "CP=2 ulysses", ParallelLayout(cp_size=2), ParallelOptions(cp_backend="ulysses")),
+        ("tiny", "CP=2 ring", ParallelLayout(cp_size=2), ParallelOptions(cp_backend="ring")),
     ]
     references: dict[str, tuple] = {}
     for name, where, layout, options in cases:
@@ -194,5 +190,5 @@ def _check_parallel(rank: int, world_size: int) -> None:
         _assert_same(_train(model, packed, parallel=True), reference, f"{name} {where}")
 
 
-def test_packed_equals_padded_under_tp_and_pp() -> None:
+def test_packed_equals_padded_under_tp_pp_and_cp() -> None:
     run_world(_check_parallel, 2)
