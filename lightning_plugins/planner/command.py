@@ -77,7 +77,9 @@ def _check_recipe(args: argparse.Namespace, overrides: list[str]) -> int:
     from lightning_plugins.planner.report import plan_recipe
     from lightning_plugins.recipe import load_recipe
 
-    result = plan_recipe(load_recipe(args.recipe, overrides), margin=args.margin, gpu=args.gpu, gpu_memory=args.gpu_memory)
+    result = plan_recipe(
+        load_recipe(args.recipe, overrides), margin=args.margin, gpu=args.gpu, gpu_memory=args.gpu_memory
+    )
     print(json.dumps(result.as_dict(), indent=1) if args.json else result.describe())
     if args.plot:
         plot_plans([result], args.plot)

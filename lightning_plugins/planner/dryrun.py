@@ -28,14 +28,7 @@ measured step serves a workload with and without them (the layout search relies 
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import math
-import multiprocessing
-import multiprocessing.connection
-import os
-import sys
-import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -47,6 +40,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_plugins.planner.fake_step import (
+    default_dtype,
+    fake_world,
+    first_row_tile_only,
+    static_pipeline_shapes,
+    unpacked_rows,
+)
+from lightning_plugins.planner.forked import forked
 from lightning_plugins.planner.measure import StepMemTracker
 from lightning_plugins.planner.workload import Workload
 
@@ -123,7 +124,7 @@ def dry_runs(workloads: list[Workload]) -> list[list[RankMemory]]:
     for workload in workloads:
         kinds = rank_kinds(workload)
         plans.append((workload, kinds, [_calls_of(workload, rank) for _, rank in kinds]))
-    results = iter(_forked([call for _, _, calls in plans for rank_calls in calls for call in rank_calls]))
+    results = iter(forked([call for _, _, calls in plans for rank_calls in calls for call in rank_calls]))
     return [_assembled(workload, kinds, calls, results) for workload, kinds, calls in plans]
 
 
@@ -157,7 +158,7 @@ def _calls_of(workload: Workload, rank: int) -> list[tuple[Callable[..., Any], t
 def resident_state(workload: Workload) -> list[tuple[str, int, dict[str, int]]]:
     """``(kind, rank, state)`` of every kind of rank: the counted part of :func:`dry_run` alone (fast at any size)."""
     kinds = rank_kinds(workload)
-    states = _forked([(count_state, (workload, rank)) for _, rank in kinds])
+    states = forked([(count_state, (workload, rank)) for _, rank in kinds])
     return [(kind, rank, state) for (kind, rank), state in zip(kinds, states)]
 
 
@@ -189,72 +190,6 @@ def _rank_memory(
     return report
 
 
-#: Imported once by the fork server, so that each dry-run process starts without importing them again.
-_PRELOAD = ["lightning_plugins.planner.dryrun", "lightning_plugins.parallel", "transformers", "peft"]
-
-
-def _forked(calls: list[tuple[Callable[..., Any], tuple]]) -> list[Any]:
-    """``fn(*args)`` of each call, each in its own process, as many at once as there are cores.
-
-    Each fake world starts clean: DTensor and pipelining keep process-wide caches that refer to the process
-    groups of the previous world. The processes are forked from a fork server (single-threaded, modules
-    preloaded), never from the caller: forking a process that runs threads (a test runner after gloo worlds,
-    a notebook) can leave a child waiting forever on a lock another thread held.
-    """
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
-    results: list[Any] = [None] * len(calls)
-    width = max(1, min(len(calls), os.cpu_count() or 1))
-    pending, running = list(range(len(calls)))[::-1], {}
-    while pending or running:
-        while pending and len(running) < width:  # a new process as soon as one ends
-            index = pending.pop()
-            receive, send = context.Pipe(duplex=False)
-            child = context.Process(target=_child_main, args=(send, *calls[index]))
-            with _main_not_reimported():
-                child.start()
-            send.close()
-            running[receive] = (index, child)
-        for receive in multiprocessing.connection.wait(list(running)):
-            index, child = running.pop(receive)
-            try:
-                ok, value = receive.recv()
-            except EOFError:
-                ok, value = False, None
-            child.join()
-            if not ok:
-                for _, other in running.values():
-                    other.kill()
-                    other.join()
-                value = value or f"the dry-run process died (exit code {child.exitcode})"
-                raise RuntimeError(f"dry run of rank {calls[index][1][-1]} failed:\n{value}")
-            results[index] = value
-    return results
-
-
-@contextlib.contextmanager
-def _main_not_reimported() -> Iterator[None]:
-    """Start a process without it importing the caller's ``__main__`` (what it runs lives in this module): a
-    script that calls :func:`dry_run` needs no ``if __name__ == "__main__":`` guard."""
-    main = sys.modules["__main__"]
-    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.update(saved)
-
-
-def _child_main(send: Any, fn: Callable[..., Any], args: tuple) -> None:
-    try:
-        send.send((True, fn(*args)))
-    except BaseException:  # report everything to the parent, which raises it with the rank named
-        send.send((False, traceback.format_exc()))
-    finally:
-        send.close()
-
-
 def rank_kinds(workload: Workload) -> list[tuple[str, int]]:
     """``(kind, global rank)`` of each distinct kind of rank: pipeline rank r holds global ranks r * W/pp + ..."""
     pp = workload.layout.pp_size
@@ -266,30 +201,6 @@ def rank_kinds(workload: Workload) -> list[tuple[str, int]]:
         kinds.append(("middle stages", per_stage))
     kinds.append(("last stage", (pp - 1) * per_stage))
     return kinds
-
-
-_FAKE_WORLDS = 0
-
-
-@contextlib.contextmanager
-def fake_world(rank: int, world_size: int) -> Iterator[None]:
-    """A fake process group: every collective returns at once, nothing is sent. Once per process.
-
-    DTensor and pipelining keep process-wide caches that hold meshes of the process groups they met; a
-    second fake world in the same process picks up the first one's entries and measures *wrong* numbers
-    without failing. :func:`dry_run` therefore forks a process per world; this refuses a second one.
-    """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    global _FAKE_WORLDS
-    if _FAKE_WORLDS:
-        raise RuntimeError("fake_world: one fake world per process (caches of the first would corrupt the second).")
-    _FAKE_WORLDS += 1
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def build_parallel_model(workload: Workload) -> nn.Module:
@@ -380,10 +291,10 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
 
     with (
         fake_world(rank, workload.world_size),
-        _static_pipeline_shapes(),
-        _first_row_tile_only(),
-        _unpacked_rows(),
-        _default_dtype(workload.dtype),
+        static_pipeline_shapes(),
+        first_row_tile_only(),
+        unpacked_rows(),
+        default_dtype(_DTYPES[workload.dtype]),
         host_device("meta"),  # offloaded activations: tracked on the meta device, apart from the GPU's
     ):
         model = build_parallel_model(workload)
@@ -575,74 +486,6 @@ def with_offload(report: RankMemory) -> None:
         report.peak[key] -= nbytes
     report.peak["total"] -= sum(moved.values())
     report.notes.append("CPU offload modelled: sharded parameters, gradients and AdamW state counted on the host")
-
-
-@contextlib.contextmanager
-def _default_dtype(name: str) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(_DTYPES[name])
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-@contextlib.contextmanager
-def _unpacked_rows() -> Iterator[None]:
-    """Rows of one sequence each: transformers skips the mask then (SDPA runs causal), as a real run does.
-
-    transformers looks for packed sequences in the position ids by reading their values, which fake
-    tensors do not have; undecided, it would build a dense ``[batch, 1, seq, seq]`` mask that a real run
-    of unpadded rows never makes. Context-parallel attention reads them too, for document boundaries.
-    """
-    from transformers import masking_utils
-
-    from lightning_plugins.parallel.context import wiring
-
-    originals = masking_utils.find_packed_sequence_indices, wiring._document_starts
-    masking_utils.find_packed_sequence_indices = lambda *args, **kwargs: None
-    wiring._document_starts = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices, wiring._document_starts = originals
-
-
-@contextlib.contextmanager
-def _first_row_tile_only() -> Iterator[None]:
-    """Ring attention computes each K/V block a tile of query rows at a time, every tile's temporaries the size of
-    the first and freed before the next: under fake tensors the first tile alone has the same peak. At 64K tokens
-    over cp=4 a block has thousands of tiles, and running them all made a 70B dry run take over half an hour."""
-    from lightning_plugins.parallel.context import ring
-
-    original = ring._row_tiles
-    ring._row_tiles = lambda *args, **kwargs: itertools.islice(original(*args, **kwargs), 1)
-    try:
-        yield
-    finally:
-        ring._row_tiles = original
-
-
-@contextlib.contextmanager
-def _static_pipeline_shapes() -> Iterator[None]:
-    """Skip the pipeline's peer-to-peer warm-up vote: it reads a received value, which a fake group never sends.
-
-    Our stages always have static shapes (``lightning_plugins.parallel.pipeline`` builds them with the
-    batch's shapes), which is what the vote would decide.
-    """
-    from torch.distributed.pipelining import schedules
-
-    original = schedules._PipelineSchedule._warmup_p2p
-
-    def static(self: object, stages: list, has_backward: bool, p2p_done: bool) -> None:
-        for stage in stages:
-            stage._inference_mode = schedules.InferenceMode.STATIC
-
-    schedules._PipelineSchedule._warmup_p2p = static
-    try:
-        yield
-    finally:
-        schedules._PipelineSchedule._warmup_p2p = original
 
 
 def korthikanti_activations(workload: Workload, layers: int, *, flash: bool = True) -> int:
