@@ -52,12 +52,21 @@ def script_env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **extra}
 
 
+#: Imported once by the fork server that every world's ranks are forked from: a spawned rank spent seconds
+#: importing them again. The server is single-threaded (forking the test runner itself, which has run gloo
+#: worlds and torch's thread pools, could leave a child waiting on a lock another thread held).
+_PRELOAD = ["torch.distributed", "transformers", "peft", "lightning_plugins.parallel", "tiny_models"]
+
+
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise the first failure."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
     errors = ctx.SimpleQueue()
     try:
-        mp.start_processes(_entry, args=(world_size, free_port(), fn, args, errors), nprocs=world_size, start_method="spawn")
+        mp.start_processes(
+            _entry, args=(world_size, free_port(), fn, args, errors), nprocs=world_size, start_method="forkserver"
+        )
     except Exception as exc:  # the child's own traceback is more useful than the spawn wrapper's
         raise AssertionError(errors.get() if not errors.empty() else str(exc)) from None
 
