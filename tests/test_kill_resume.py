@@ -13,6 +13,7 @@ with dropout, where each door draws its own masks and has its own reference.
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -67,6 +68,24 @@ def _run(command: list[str], **env: str) -> subprocess.CompletedProcess:
 def _losses(out: Path) -> list[tuple[int, float]]:
     with open(out / "metrics.csv", newline="") as handle:
         return [(int(row["step"]), float(row["train/loss"])) for row in csv.DictReader(handle) if row.get("train/loss")]
+
+
+def _exports_the_door_adapter(checkpoint: Path, adapter: Path, out: Path) -> None:
+    """``lightning-plugins export`` of the Accelerate door's last LoRA checkpoint (one process, streaming) is the peft
+    adapter the door exported from the trained model in memory: the same config and the same tensors."""
+    from safetensors.torch import load_file
+
+    from lightning_plugins.cli import main
+
+    main(["export", str(checkpoint), str(out)])
+    configs = [json.loads((d / "adapter_config.json").read_text()) for d in (out, adapter)]
+    for config in configs:  # peft keeps them as a set: written in each process's own order
+        config["target_modules"] = sorted(config["target_modules"])
+    assert configs[0] == configs[1], configs
+    got, want = (load_file(d / "adapter_model.safetensors") for d in (out, adapter))
+    assert sorted(got) == sorted(want) and any("lora_B" in k for k in want), sorted(got)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
 
 
 #: Layouts whose doors draw different random numbers (dropout): one reference per door.
@@ -127,6 +146,8 @@ def test_killed_run_resumes_on_the_same_trajectory(
     assert f"resumed_from: {checkpoints / f'step={resumed}.ckpt'}" in proc.stdout, proc.stdout[-3000:]
     assert not list(checkpoints.glob("*.partial")) and not list(checkpoints.glob("*.previous"))
     assert (checkpoints / f"step={STEPS}.ckpt" / ".metadata").is_file()  # the last save was complete before the exit
+    if layout == "lora_fsdp2" and door == "accelerate":
+        _exports_the_door_adapter(checkpoints / f"step={STEPS}.ckpt", out / "adapter", tmp_path / "export")
     got, want = _losses(out), references(layout, door)
     assert [s for s, _ in got] == [s for s, _ in want], (got, want)
     torch.testing.assert_close(
