@@ -12,8 +12,10 @@ more copies of the trainable weights), whose save and load cost the same per byt
    from the page cache: it measures DCP's own cost, not the disk's.
 2. **Sync vs async save** (one process, the middle size): a loop of fixed "training steps" (matmuls, ~0.1 s
    each) saving every ``--save-every`` steps with ``dcp.save`` or ``dcp.async_save`` (thread executor; the
-   previous save is awaited before the next, as a trainer must). Time lost per save = (loop time - loop
-   time without saves) / saves; for async also the time the call itself blocks (staging the copy).
+   previous save is awaited before the next, as a trainer must), and with the doors' own path
+   (``train.async_checkpoint``: ``AsyncCheckpointer`` writing into ``<name>.partial`` with this step's random
+   states, renamed into place once complete). Time lost per save = (loop time - loop time without saves) /
+   saves; for async also the time the call itself blocks (staging the copy).
 3. **Export peak memory**: ``lightning-plugins export`` of each one-process checkpoint in a fresh process;
    the growth of its peak resident set (``VmHWM``) over the export, after imports.
 
@@ -36,11 +38,15 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+
+from lightning_plugins.async_checkpoint import AsyncCheckpointer
+from lightning_plugins.resume import publish, save_rng
 
 HIDDEN, INTERMEDIATE, VOCAB = 1024, 2816, 8192
 
@@ -149,8 +155,19 @@ def _train_step(a: torch.Tensor, b: torch.Tensor, repeat: int) -> None:
         torch.mm(a, b)
 
 
+def _door_save(saver: AsyncCheckpointer, state: dict[str, Any], target: Path) -> None:
+    """What the doors do with ``train.async_checkpoint``: wait for the previous save, write this step's random states
+    into ``<target>.partial``, start the DCP save, publish (rename) the directory once it is complete."""
+    saver.wait()
+    partial = target.with_name(target.name + ".partial")
+    partial.mkdir(parents=True)
+    save_rng(partial, 0)
+    saver.save(state, partial, lambda: publish(partial, target))
+
+
 def sync_vs_async(layers: int, root: Path, steps: int, save_every: int) -> dict[str, dict[str, float]]:
-    """Loop time with no saves, with ``dcp.save`` and with ``dcp.async_save`` every ``save_every`` steps."""
+    """Loop time with no saves, with ``dcp.save``, with ``dcp.async_save`` and with the doors' asynchronous save
+    (:class:`~lightning_plugins.async_checkpoint.AsyncCheckpointer`) every ``save_every`` steps."""
     state = {"model": make_state(layers)}
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     repeat = 1
@@ -158,8 +175,8 @@ def sync_vs_async(layers: int, root: Path, steps: int, save_every: int) -> dict[
     _train_step(a, b, 50)
     repeat = max(1, int(50 * 0.1 / (time.perf_counter() - start)))  # ~0.1 s per step
     results: dict[str, dict[str, float]] = {}
-    for mode in ("none", "sync", "async"):
-        pending, blocked, saves = None, 0.0, 0
+    for mode in ("none", "sync", "async", "door"):
+        pending, blocked, saves, saver = None, 0.0, 0, AsyncCheckpointer()
         start = time.perf_counter()
         for step in range(1, steps + 1):
             _train_step(a, b, repeat)
@@ -168,6 +185,8 @@ def sync_vs_async(layers: int, root: Path, steps: int, save_every: int) -> dict[
                 call = time.perf_counter()
                 if mode == "sync":
                     dcp.save(state, checkpoint_id=target, no_dist=True)
+                elif mode == "door":
+                    _door_save(saver, state, target)
                 else:
                     if pending is not None:
                         pending.result()
@@ -176,11 +195,12 @@ def sync_vs_async(layers: int, root: Path, steps: int, save_every: int) -> dict[
                 saves += 1
         if pending is not None:
             pending.result()
+        saver.wait()
         results[mode] = {"loop_s": time.perf_counter() - start, "blocked_s": blocked, "saves": saves}
         for target in root.glob(f"{mode}_*"):
             shutil.rmtree(target)
     base = results["none"]["loop_s"]
-    for mode in ("sync", "async"):
+    for mode in ("sync", "async", "door"):
         results[mode]["lost_per_save_s"] = (results[mode]["loop_s"] - base) / results[mode]["saves"]
     return results
 

@@ -119,6 +119,7 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         memory=recipe.memory,
         load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
         timeout=timedelta(seconds=train.collective_timeout_s),
+        async_checkpoint=train.async_checkpoint,
     )
     callbacks: list[Any] = [_ProgressBar()]
     if train.checkpoint_every is not None:

@@ -88,6 +88,8 @@ class TrainSection(_Section):
         epochs: Passes over the training data (when ``max_steps`` is not given).
         eval_every: Evaluate on the held-out split every N optimizer steps (``null``: at each epoch end).
         checkpoint_every: Write a distributed checkpoint every N optimizer steps (``null``: none).
+        async_checkpoint: Write checkpoints in the background while training goes on (DCP's async save); each is
+            moved into place only once complete, and the last one is waited for before the run ends.
         log_every: Log loss, learning rate, gradient norm and tokens/s every N optimizer steps.
         seed: Seed of weights that are created (LoRA), data order and dropout.
         output_dir: Checkpoints, metrics, the loss curve and the exported model (relative to the
@@ -106,6 +108,7 @@ class TrainSection(_Section):
     epochs: int | None = Field(None, ge=1)
     eval_every: int | None = Field(None, ge=1)
     checkpoint_every: int | None = Field(None, ge=1)
+    async_checkpoint: bool = False
     log_every: int = Field(10, ge=1)
     seed: int = 0
     output_dir: str = "outputs/finetune"

@@ -1,7 +1,7 @@
 """The real ``accelerate launch`` with the shipped CPU config runs the tiny recipes through the Accelerate door,
 and every step equals the Lightning door's on the same recipe and seed (loss, learning rate, gradient norm,
 held-out loss): same data order, same schedule, same engine. A run stopped after a checkpoint resumes on
-the same trajectory."""
+the same trajectory, under another layout (PP=2 -> TP=2)."""
 
 from __future__ import annotations
 
@@ -54,9 +54,9 @@ def _metrics(out: Path) -> dict[str, list[tuple[int, float]]]:
     return {key: [(int(r["step"]), float(r[key])) for r in rows if r.get(key)] for key in COLUMNS}
 
 
-def _same(accelerate: Path, lightning: Path) -> None:
+def _same(accelerate: Path, lightning: Path, columns: tuple[str, ...] = COLUMNS) -> None:
     got, want = _metrics(accelerate), _metrics(lightning)
-    for key in COLUMNS:
+    for key in columns:
         assert [s for s, _ in got[key]] == [s for s, _ in want[key]] and want[key], (key, got[key], want[key])
         values = torch.tensor([v for _, v in got[key]]), torch.tensor([v for _, v in want[key]])
         torch.testing.assert_close(*values, rtol=1e-5, atol=1e-5, msg=key)
@@ -85,9 +85,13 @@ def test_accelerate_launch_matches_the_lightning_door(tmp_path: Path, recipe: st
     _exports_like(out / "checkpoints" / "step=6.ckpt", out / "hf", tmp_path / "export")
     _lightning(TINY / recipe, tmp_path / "lightning", *SHORT)
     _same(out, tmp_path / "lightning")
-    if recipe == "full_pp2.yaml":  # interrupted after step 4: the same command resumes from its checkpoint
+    if recipe == "full_pp2.yaml":  # interrupted after step 4: the same command resumes from its checkpoint, resharded
+        # from PP=2 (each rank its stage) to TP=2 (DTensor shards of every weight and its optimizer state).
         shutil.rmtree(out / "checkpoints" / "step=6.ckpt")
-        stdout = _ok(accelerate_launch(TINY / recipe, out, *SHORT))
+        tp2 = ["--layout.pp_size=1", "--layout.tp_size=2"]
+        stdout = _ok(accelerate_launch(TINY / recipe, out, *SHORT, *tp2))
         assert f"resumed_from: {out / 'checkpoints' / 'step=4.ckpt'}" in stdout, stdout
         assert (out / "logs" / "version_1" / "metrics.csv").is_file()
-        _same(out, tmp_path / "lightning")
+        # The training trajectory is the PP=2 run's. The held-out loss is not compared: on the same weights the
+        # Lightning door alone evaluates it ~1e-3 apart under TP=2 and PP=2 (a layout matter, not a checkpoint one).
+        _same(out, tmp_path / "lightning", COLUMNS[:3])

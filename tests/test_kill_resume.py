@@ -4,7 +4,8 @@ the Lightning door.
 
 Kill points are chosen by ``tests/scripts/kill_run.py`` hooks (``LIGHTNING_PLUGINS_TEST_KILL``), not by sleeping:
 one rank mid-step inside an accumulation window, the whole job mid-save (DCP data written, no ``.metadata``; or
-everything written, before the rename) and between saves. The resume is the normal command. One uninterrupted
+everything written, before the rename) and between saves; with asynchronous saves (``train.async_checkpoint``) the
+background writer dies while training goes on. The resume is the normal command. One uninterrupted
 Lightning run per layout is the reference for both doors (the doors agree to 1e-5: test_accelerate_launch), except
 with dropout, where each door draws its own masks and has its own reference.
 """
@@ -12,6 +13,7 @@ with dropout, where each door draws its own masks and has its own reference.
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -34,13 +36,18 @@ LAYOUTS = {
     "pp": ("full_pp2.yaml", ["--train.micro_batch_size=8", "--parallel.pp_microbatches=2"]),
     "lora_fsdp2": ("lora_fsdp2_chat.yaml", ["--train.micro_batch_size=2", "--lora.dropout=0.1"]),
 }
-# (layout, door, kill point, the checkpoint the resume must start from, the partial save the kill leaves)
+ASYNC = ["--train.async_checkpoint=true"]
+# (layout, door, kill point, the checkpoint the resume must start from, the partial save the kill leaves, extra args)
 CASES = [
-    ("tp", "finetune", "batch:7:1", 2, None),  # rank 1 dies in step 3's second micro-batch
-    ("pp", "finetune", "save:4:before_rename", 2, 4),  # both doors publish through resume.publish
-    ("pp", "accelerate", "batch:10", 4, None),  # between saves: step 5's first micro-batch
-    ("lora_fsdp2", "finetune", "save:4:mid_dcp", 2, 4),
-    ("lora_fsdp2", "accelerate", "batch:5:0", 2, None),  # rank 0 dies in step 2's second micro-batch
+    ("tp", "finetune", "batch:7:1", 2, None, []),  # rank 1 dies in step 3's second micro-batch
+    ("pp", "finetune", "save:4:before_rename", 2, 4, []),  # both doors publish through resume.publish
+    ("pp", "accelerate", "batch:10", 4, None, []),  # between saves: step 5's first micro-batch
+    ("lora_fsdp2", "finetune", "save:4:mid_dcp", 2, 4, []),
+    ("lora_fsdp2", "accelerate", "batch:5:0", 2, None, []),  # rank 0 dies in step 2's second micro-batch
+    # Asynchronous saves (killed and resumed runs alike): rank 0's background writer dies before DCP's .metadata
+    # while training goes on.
+    ("tp", "finetune", "save:4:mid_dcp", 2, 4, ASYNC),
+    ("pp", "accelerate", "save:4:mid_dcp", 2, 4, ASYNC),
 ]
 
 
@@ -61,6 +68,24 @@ def _run(command: list[str], **env: str) -> subprocess.CompletedProcess:
 def _losses(out: Path) -> list[tuple[int, float]]:
     with open(out / "metrics.csv", newline="") as handle:
         return [(int(row["step"]), float(row["train/loss"])) for row in csv.DictReader(handle) if row.get("train/loss")]
+
+
+def _exports_the_door_adapter(checkpoint: Path, adapter: Path, out: Path) -> None:
+    """``lightning-plugins export`` of the Accelerate door's last LoRA checkpoint (one process, streaming) is the peft
+    adapter the door exported from the trained model in memory: the same config and the same tensors."""
+    from safetensors.torch import load_file
+
+    from lightning_plugins.cli import main
+
+    main(["export", str(checkpoint), str(out)])
+    configs = [json.loads((d / "adapter_config.json").read_text()) for d in (out, adapter)]
+    for config in configs:  # peft keeps them as a set: written in each process's own order
+        config["target_modules"] = sorted(config["target_modules"])
+    assert configs[0] == configs[1], configs
+    got, want = (load_file(d / "adapter_model.safetensors") for d in (out, adapter))
+    assert sorted(got) == sorted(want) and any("lora_B" in k for k in want), sorted(got)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=key)
 
 
 #: Layouts whose doors draw different random numbers (dropout): one reference per door.
@@ -86,7 +111,10 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str],
     return reference
 
 
-@pytest.mark.parametrize(("layout", "door", "kill", "resumed", "partial"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+IDS = [f"{c[0]}-{c[1]}" + ("-async" if c[5] else "") for c in CASES]
+
+
+@pytest.mark.parametrize(("layout", "door", "kill", "resumed", "partial", "options"), CASES, ids=IDS)
 def test_killed_run_resumes_on_the_same_trajectory(
     references: Callable[[str, str], list[tuple[int, float]]],
     tmp_path: Path,
@@ -95,11 +123,15 @@ def test_killed_run_resumes_on_the_same_trajectory(
     kill: str,
     resumed: int,
     partial: int | None,
+    options: list[str],
 ) -> None:
     recipe, extra = LAYOUTS[layout]
+    extra = [*extra, *options]
     out = tmp_path / "run"
     killed = _run(_command(door, TINY / recipe, out, extra, kill=True), LIGHTNING_PLUGINS_TEST_KILL=kill)
     assert killed.returncode != 0 and "kill_run: SIGKILL" in killed.stderr, killed.stderr[-6000:]
+    if options == ASYNC:  # the save was written in the background, not by the training thread
+        assert "(thread AsyncCheckpointExecutor" in killed.stderr, killed.stderr[-3000:]
     checkpoints = out / "checkpoints"
     complete = sorted(p.name for p in checkpoints.glob("step=*.ckpt"))
     assert complete == [f"step={s}.ckpt" for s in range(2, resumed + 1, 2)], complete
@@ -113,6 +145,9 @@ def test_killed_run_resumes_on_the_same_trajectory(
     assert "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
     assert f"resumed_from: {checkpoints / f'step={resumed}.ckpt'}" in proc.stdout, proc.stdout[-3000:]
     assert not list(checkpoints.glob("*.partial")) and not list(checkpoints.glob("*.previous"))
+    assert (checkpoints / f"step={STEPS}.ckpt" / ".metadata").is_file()  # the last save was complete before the exit
+    if layout == "lora_fsdp2" and door == "accelerate":
+        _exports_the_door_adapter(checkpoints / f"step={STEPS}.ckpt", out / "adapter", tmp_path / "export")
     got, want = _losses(out), references(layout, door)
     assert [s for s, _ in got] == [s for s, _ in want], (got, want)
     torch.testing.assert_close(

@@ -1,6 +1,8 @@
 """A checkpoint saved under one layout resumes under another on the same per-step trajectory (Lightning door, fp32):
-TP=2 x PP=2 (4 ranks) -> FSDP2=4 -> TP=2 (2 ranks: another world size), FSDP2=4 -> CP=2 -> TP=2; and every
-checkpoint names its parameters with the HF model's own names, whatever the layout.
+TP=2 x PP=2 (4 ranks) -> FSDP2=4 -> TP=2 (2 ranks: another world size), FSDP2=4 -> CP=2 -> TP=2, and TP=2 x PP=2 ->
+PP=2 interleaved (2 virtual stages per rank: each rank now holds layers 0 and 2, or 1 and 3, where the saving
+pipeline split them 0-1 / 2-3); and every checkpoint names its parameters with the HF model's own names, whatever
+the layout. The model is the shipped tiny Llama's config with 4 layers (random weights), so 4 stages exist.
 
 One chain of runs: each resumes a copy of a checkpoint the previous layout wrote and must continue the
 uninterrupted TP x PP run's losses (layouts agree to 1e-5: the parity tests). The data position is kept in
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 from _world import script_env
 from torch.distributed.checkpoint import FileSystemReader
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 ROOT = Path(__file__).parents[1]
 TINY = ROOT / "recipes" / "tiny"
@@ -31,6 +33,12 @@ LAYOUTS = {
     "fsdp4": ["--layout.pp_size=1", "--layout.dp_shard_size=4", "--hardware.devices=4", "--train.micro_batch_size=2"],
     "tp2": ["--layout.pp_size=1", "--layout.tp_size=2", "--hardware.devices=2", "--train.micro_batch_size=8"],
     "cp2": ["--layout.pp_size=1", "--layout.cp_size=2", "--hardware.devices=2", "--train.micro_batch_size=8"],
+    "pp2_interleaved": [
+        "--layout.pp_size=2",
+        "--parallel.pp_schedule=interleaved_1f1b",
+        "--hardware.devices=2",
+        "--train.micro_batch_size=8",
+    ],
 }
 # (layout, resumes (layout it was saved under, step))
 CHAIN = [
@@ -39,12 +47,25 @@ CHAIN = [
     ("tp2", ("fsdp4", 4)),
     ("cp2", ("fsdp4", 4)),
     ("tp2", ("cp2", 6)),
+    ("pp2_interleaved", ("tp2xpp2", 6)),
 ]
+LAYERS = 4
 
 
-def _finetune(out: Path, layout: str) -> str:
+def _four_layer_model(directory: Path) -> Path:
+    """The tiny model's config, tokenizer and files with ``LAYERS`` decoder layers (fixed random weights)."""
+    shutil.copytree(TINY / "model", directory)
+    (directory / "model.safetensors").unlink()
+    config = AutoConfig.from_pretrained(directory)
+    config.num_hidden_layers = LAYERS
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def _finetune(out: Path, layout: str, model: Path) -> str:
     command = [sys.executable, "-m", "lightning_plugins", "finetune", str(TINY / "full_pp2.yaml"),
-               f"--train.output_dir={out}", *COMMON, *LAYOUTS[layout]]  # fmt: skip
+               f"--model.path={model}", f"--train.output_dir={out}", *COMMON, *LAYOUTS[layout]]  # fmt: skip
     proc = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout
@@ -63,7 +84,8 @@ def _hf_names(checkpoint: Path) -> set[str]:
 
 
 def test_checkpoints_reshard_across_layouts(tmp_path: Path) -> None:
-    reference = set(AutoModelForCausalLM.from_pretrained(TINY / "model").state_dict())
+    model = _four_layer_model(tmp_path / "model")
+    reference = set(AutoModelForCausalLM.from_pretrained(model).state_dict())
     runs: dict[str, Path] = {}
     want: dict[int, float] = {}
     for index, (layout, source) in enumerate(CHAIN):
@@ -71,7 +93,7 @@ def test_checkpoints_reshard_across_layouts(tmp_path: Path) -> None:
         if source is not None:
             saved = runs[source[0]] / "checkpoints" / f"step={source[1]}.ckpt"
             shutil.copytree(saved, out / "checkpoints" / saved.name)
-        stdout = _finetune(out, layout)
+        stdout = _finetune(out, layout, model)
         runs[layout] = out
         got = _losses(out)
         if source is None:

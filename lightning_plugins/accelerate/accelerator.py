@@ -36,6 +36,7 @@ from lightning_plugins.accelerate.settings import (
     merge_sizes,
 )
 from lightning_plugins.accelerate.state import load_training_state, save_training_state
+from lightning_plugins.async_checkpoint import AsyncCheckpointer
 from lightning_plugins.faults import join_timeout, set_collective_timeout
 from lightning_plugins.layout import LayoutError
 from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
@@ -76,6 +77,10 @@ class ParallelAccelerator(Accelerator):
         memory: Activation checkpointing, FSDP2 mixed precision, CPU offload
             (:class:`~lightning_plugins.MemoryOptions`).
         load_from: HF checkpoint directory for a model built on the meta device (default: its ``name_or_path``).
+        async_checkpoint: ``save_state`` writes the sharded tensors in the background (``dcp.async_save``) and
+            returns once they are copied; the checkpoint is moved into place when complete. Call
+            :meth:`wait_for_checkpoint` (or ``end_training``) before the script ends (recipe key
+            ``train.async_checkpoint``).
         **kwargs: Fields of ``ParallelOptions``/``MemoryOptions`` by name (``sequence_parallel``, ``cp_backend``,
             ``pp_schedule``, ``activation_checkpointing``, ...), and every ``accelerate.Accelerator`` argument.
             ``kwargs_handlers=[InitProcessGroupKwargs(timeout=...)]`` bounds every collective (a stuck rank then
@@ -98,6 +103,7 @@ class ParallelAccelerator(Accelerator):
         options: ParallelOptions | None = None,
         memory: MemoryOptions | None = None,
         load_from: str | Path | None = None,
+        async_checkpoint: bool = False,
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
@@ -118,6 +124,8 @@ class ParallelAccelerator(Accelerator):
         if self.builtin:
             check_builtin(owner, self.layout, self.builtin)
         self.load_from = load_from
+        self.async_checkpoint = async_checkpoint
+        self._saver = AsyncCheckpointer()
         self.device_mesh = None
         self._pipeline_grads: list[tuple[Tensor, Tensor | None]] | None = None
         self._held_grads: list[Tensor | None] | None = None
@@ -390,9 +398,20 @@ class ParallelAccelerator(Accelerator):
         path = self._next_state_dir() if self.project_configuration.automatic_checkpoint_naming else output_dir
         if path is None:
             raise ValueError(f"{type(self).__name__}.save_state needs output_dir (or automatic_checkpoint_naming).")
-        saved = save_training_state(self, path)
+        saved = save_training_state(self, path, self._saver if self.async_checkpoint else None)
         self.project_configuration.iteration += 1
         return saved
+
+    def wait_for_checkpoint(self, *, failed: bool = False) -> None:
+        """Wait until the checkpoint an asynchronous :meth:`save_state` is writing is complete and in place (nothing
+        to do after a synchronous one). With ``failed`` (the run is ending on an error) a save that cannot complete
+        is left unpublished, and its own error is not raised."""
+        self._saver.close(failed=failed)
+
+    @override
+    def end_training(self) -> None:
+        self.wait_for_checkpoint()
+        super().end_training()
 
     @override
     def load_state(

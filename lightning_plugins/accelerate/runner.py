@@ -55,6 +55,7 @@ def make_accelerator(recipe: Recipe) -> ParallelAccelerator:
         layout.tp_size, layout.pp_size, layout.cp_size, layout.dp_shard_size, layout.dp_replicate_size,
         options=recipe.parallel, memory=recipe.memory,
         load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
+        async_checkpoint=recipe.train.async_checkpoint,
         cpu=recipe.hardware.accelerator == "cpu" or not torch.cuda.is_available(),
         gradient_accumulation_steps=recipe.accumulation, step_scheduler_with_optimizer=False,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.train.collective_timeout_s))],
@@ -112,51 +113,56 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
     last: dict[str, float] = {}
     tokens, clock, norm = 0, time.perf_counter(), None
     model.train()
-    while progress.step < total:
-        epoch = train_loader.iteration
-        for batch in train_loader:
-            tokens += input_tokens(batch)
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and recipe.optim.max_grad_norm is not None:
-                    norm = accelerator.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm)
-                optimizer.step()
-                if accelerator.sync_gradients:
-                    schedule.step()
-                optimizer.zero_grad()
-            if not accelerator.sync_gradients:
-                continue
-            progress.step += 1
-            last["train/loss"] = loss.item()
-            bar.update(1)
-            bar.set_postfix({k.split("/")[0] + " loss": f"{v:.3f}" for k, v in last.items() if k.endswith("loss")})
-            if progress.step % train.log_every == 0:
-                rates = torch.tensor(float(tokens), device=accelerator.device)
-                dist.all_reduce(rates)  # every rank counts what it runs; TP and PP peers run the same tokens
-                now = time.perf_counter()
-                rate = rates.item() / (layout.tp_size * layout.pp_size) / (now - clock)
-                clock, tokens = now, 0
-                row = {"train/loss": last["train/loss"], "train/lr": optimizer.param_groups[0]["lr"]}
-                row["train/tokens_per_s"] = rate
-                if norm is not None:
-                    row["train/grad_norm"] = float(norm)
-                mfu = model_flops_utilization(rate, num_params, dist.get_world_size())
-                if mfu is not None:
-                    row["train/mfu"] = mfu
-                if metrics is not None:
-                    metrics.log(row, step=progress.step - 1, epoch=epoch)
-            end_of_epoch = accelerator.gradient_state.end_of_dataloader
-            if eval_loader is not None and (
-                progress.step % train.eval_every == 0 if train.eval_every else end_of_epoch
-            ):
-                last["val/loss"] = _evaluate(accelerator, model, eval_loader)
-                if metrics is not None:
-                    metrics.log({"val/loss": last["val/loss"]}, step=progress.step - 1, epoch=epoch)
-            if train.checkpoint_every and progress.step % train.checkpoint_every == 0:
-                accelerator.save_state(out / "checkpoints" / f"{CHECKPOINT_NAME.format(step=progress.step)}.ckpt")
-            if progress.step >= total:
-                break
+    try:  # an asynchronous save still in flight is finished before the run goes on or ends
+        while progress.step < total:
+            epoch = train_loader.iteration
+            for batch in train_loader:
+                tokens += input_tokens(batch)
+                with accelerator.accumulate(model):
+                    loss = model(**batch).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients and recipe.optim.max_grad_norm is not None:
+                        norm = accelerator.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm)
+                    optimizer.step()
+                    if accelerator.sync_gradients:
+                        schedule.step()
+                    optimizer.zero_grad()
+                if not accelerator.sync_gradients:
+                    continue
+                progress.step += 1
+                last["train/loss"] = loss.item()
+                bar.update(1)
+                bar.set_postfix({k.split("/")[0] + " loss": f"{v:.3f}" for k, v in last.items() if k.endswith("loss")})
+                if progress.step % train.log_every == 0:
+                    rates = torch.tensor(float(tokens), device=accelerator.device)
+                    dist.all_reduce(rates)  # every rank counts what it runs; TP and PP peers run the same tokens
+                    now = time.perf_counter()
+                    rate = rates.item() / (layout.tp_size * layout.pp_size) / (now - clock)
+                    clock, tokens = now, 0
+                    row = {"train/loss": last["train/loss"], "train/lr": optimizer.param_groups[0]["lr"]}
+                    row["train/tokens_per_s"] = rate
+                    if norm is not None:
+                        row["train/grad_norm"] = float(norm)
+                    mfu = model_flops_utilization(rate, num_params, dist.get_world_size())
+                    if mfu is not None:
+                        row["train/mfu"] = mfu
+                    if metrics is not None:
+                        metrics.log(row, step=progress.step - 1, epoch=epoch)
+                end_of_epoch = accelerator.gradient_state.end_of_dataloader
+                if eval_loader is not None and (
+                    progress.step % train.eval_every == 0 if train.eval_every else end_of_epoch
+                ):
+                    last["val/loss"] = _evaluate(accelerator, model, eval_loader)
+                    if metrics is not None:
+                        metrics.log({"val/loss": last["val/loss"]}, step=progress.step - 1, epoch=epoch)
+                if train.checkpoint_every and progress.step % train.checkpoint_every == 0:
+                    accelerator.save_state(out / "checkpoints" / f"{CHECKPOINT_NAME.format(step=progress.step)}.ckpt")
+                if progress.step >= total:
+                    break
+    except BaseException:
+        accelerator.wait_for_checkpoint(failed=True)  # unpublished if it cannot complete
+        raise
+    accelerator.wait_for_checkpoint()
     bar.close()
     return _finish(accelerator, model, tokenizer, recipe, ckpt, last)
 

@@ -7,7 +7,9 @@ window, schedulers, the gradient-accumulation step, each data loader's position,
 objects, the gradient scaler, and every rank's random states.
 
 The directory is written under ``<name>.partial`` and renamed into place once complete, so a crash never
-leaves a half-written checkpoint under the final name (see GROUND.md: DCP over an existing directory is unsafe).
+leaves a half-written checkpoint under the final name (see GROUND.md: DCP over an existing directory is unsafe);
+with an :class:`~lightning_plugins.async_checkpoint.AsyncCheckpointer` the tensors are written in the background and
+the rename waits for them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from lightning_plugins.async_checkpoint import AsyncCheckpointer
 from lightning_plugins.checkpoint_checks import reads_checkpoint
 from lightning_plugins.export import save_export_info
 from lightning_plugins.resume import load_rng, publish, save_rng
@@ -39,12 +42,14 @@ STATE_FILE = "accelerator_state.pt"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def save_training_state(accelerator: Any, path: str | Path) -> Path:
+def save_training_state(accelerator: Any, path: str | Path, saver: AsyncCheckpointer | None = None) -> Path:
     """Write ``accelerator``'s prepared objects to the checkpoint directory ``path`` (collective).
 
     Args:
         accelerator: A :class:`~lightning_plugins.accelerate.ParallelAccelerator` after ``prepare``.
         path: The checkpoint directory; replaced if it exists.
+        saver: Write the sharded tensors in the background with it (the rest, this step's state, is written
+            now) and move the checkpoint into place once they are complete; ``None``: write everything now.
 
     Returns:
         ``path`` as a ``Path``.
@@ -52,11 +57,17 @@ def save_training_state(accelerator: Any, path: str | Path) -> Path:
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     rank = dist.get_rank()
+    if saver is not None:
+        saver.wait()  # never two saves in flight (and the previous one's .partial is not removed under it)
     if rank == 0 and partial.exists():
         shutil.rmtree(partial)
     dist.barrier()
     grads = [[name for name, p in model.named_parameters() if p.grad is not None] for model in accelerator._models]
-    dcp.save(_tensor_state(accelerator, grads), checkpoint_id=partial)
+    tensors = _tensor_state(accelerator, grads)
+    if saver is None:
+        dcp.save(tensors, checkpoint_id=partial)
+    else:
+        partial.mkdir(parents=True, exist_ok=True)
     every = [None] * dist.get_world_size()  # pipeline ranks hold different parameters: name them all
     dist.all_gather_object(every, grads)
     save_rng(partial, rank)
@@ -74,6 +85,9 @@ def save_training_state(accelerator: Any, path: str | Path) -> Path:
         )
         if accelerator._models:  # what `lightning-plugins export` needs besides the weights
             save_export_info(partial, accelerator._models[0], _key("model", 0), accelerator.load_from)
+    if saver is not None:  # everything but the tensors is on disk: publishing waits for them alone
+        saver.save(tensors, partial, (lambda: publish(partial, path)) if rank == 0 else None)
+        return path
     dist.barrier()
     if rank == 0:
         publish(partial, path)

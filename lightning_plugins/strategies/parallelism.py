@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_plugins.async_checkpoint import AsyncCheckpointer
 from lightning_plugins.checkpoint_checks import reads_checkpoint
 from lightning_plugins.export import save_export_info
 from lightning_plugins.faults import join_timeout, set_collective_timeout
@@ -62,6 +63,9 @@ class ParallelismStrategy(ModelParallelStrategy):
         process_group_backend: ``"nccl"`` / ``"gloo"``; chosen from the device when ``None``.
         timeout: Collective timeout: a collective that waits longer fails, naming this setting, and the job ends
             (recipe key ``train.collective_timeout_s``).
+        async_checkpoint: Write sharded checkpoints in the background (``dcp.async_save``) while training goes on;
+            each is moved into place only once complete, and the last is waited for before ``fit`` returns
+            (recipe key ``train.async_checkpoint``).
         **settings: Any field of ``ParallelOptions`` or ``MemoryOptions`` by name (``sequence_parallel``,
             ``loss_parallel``, ``cp_backend``, ``activation_checkpointing``, ``every_n_layers``,
             ``param_dtype``, ``reduce_dtype``, ``cpu_offload``, ``reshard_after_forward``, ...), overriding
@@ -84,6 +88,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        async_checkpoint: bool = False,
         **settings: Any,
     ) -> None:
         super().__init__(
@@ -100,6 +105,8 @@ class ParallelismStrategy(ModelParallelStrategy):
             )
         self.options, self.memory = with_settings(type(self).__name__, options, memory, **settings)
         self.load_from = load_from
+        self.async_checkpoint = async_checkpoint
+        self._saver = AsyncCheckpointer()
         #: The global gradient norm before the last clipping (``None`` until Lightning clips).
         self.grad_norm: torch.Tensor | None = None
 
@@ -333,13 +340,19 @@ class ParallelismStrategy(ModelParallelStrategy):
         """Write the checkpoint (and every rank's random states) next to its destination, then move it into place.
 
         A save killed at any point leaves only ``<name>.partial`` (never loaded; removed by the next save) and
-        the previous checkpoints untouched.
+        the previous checkpoints untouched. With ``async_checkpoint`` the sharded tensors are written in the
+        background (see :class:`~lightning_plugins.async_checkpoint.AsyncCheckpointer`) and the checkpoint is moved
+        into place when they are complete.
         """
         path = Path(self.broadcast(filepath))
         partial = path.with_name(path.name + ".partial")
+        self._saver.wait()  # never two saves in flight (and the previous one's .partial is not removed under it)
         if self.global_rank == 0 and partial.exists():
             shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
         self.barrier()
+        if self.async_checkpoint and self._save_distributed_checkpoint:
+            self._save_async(checkpoint, path, partial, storage_options)
+            return
         super().save_checkpoint(checkpoint, partial, storage_options)
         if partial.is_dir():
             save_rng(partial, self.global_rank)
@@ -349,6 +362,37 @@ class ParallelismStrategy(ModelParallelStrategy):
                 save_export_info(partial, self.lightning_module, "state_dict", self.load_from)
             publish(partial, path)
         self.barrier()
+
+    def _save_async(self, checkpoint: dict[str, Any], path: Path, partial: Path, storage_options: Any) -> None:
+        """Lightning's sharded save with the DCP part in the background: everything else (``meta.pt`` with the loop
+        and data positions, random states, export info) is the state at this step, written before it starts."""
+        from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME
+
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported.")
+        partial.mkdir(parents=True, exist_ok=True)
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        save_rng(partial, self.global_rank)
+        if self.global_rank == 0:
+            torch.save(checkpoint, partial / _METADATA_FILENAME)
+            save_export_info(partial, self.lightning_module, "state_dict", self.load_from)
+        self._saver.save(tensors, partial, (lambda: publish(partial, path)) if self.global_rank == 0 else None)
+
+    @override
+    def on_train_end(self) -> None:
+        self._saver.wait()  # the last checkpoint is complete and published before fit returns
+        super().on_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._saver.close(failed=True)  # finish (or abandon, unpublished) a save in flight before the job ends
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        self._saver.close()
+        super().teardown()
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,8 @@ def _rank() -> int:
 
 
 def _die(where: str) -> None:
-    print(f"kill_run: SIGKILL rank {_rank()} at {where}", file=sys.stderr, flush=True)
+    thread = threading.current_thread().name  # an asynchronous save dies in DCP's background writer
+    print(f"kill_run: SIGKILL rank {_rank()} at {where} (thread {thread})", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
