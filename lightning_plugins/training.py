@@ -98,7 +98,8 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, 
     fixed = recipe.data.max_seq_len if recipe.layout.pp_size > 1 else None
     collate = make_collator(recipe.data, tokenizer.pad_token_id, pad_to_multiple_of=fixed)
     size = recipe.train.micro_batch_size
-    # A pipeline splits every batch into its micro-batches: a short last batch would not split, so it is dropped.
+    # A pipeline splits every batch into its micro-batches: a short last training batch would not split, so it is
+    # dropped; evaluation takes every sample (the pipeline tops a short batch up with rows that hold no target).
     drop = recipe.layout.pp_size > 1
     seed = recipe.train.seed
     train = ResumableDataLoader(
@@ -109,7 +110,7 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, 
         return train, None
     return train, DataLoader(
         build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate,
-        drop_last=drop, generator=loader_generator(seed),
+        generator=loader_generator(seed),
     )  # fmt: skip
 
 

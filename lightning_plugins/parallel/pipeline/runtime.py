@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
@@ -146,6 +147,17 @@ class Pipeline:
             )
         batch, seq = input_ids.shape
         m = self.options.microbatches or 1
+        if batch % m and not train:
+            # Evaluation takes every row (a short last batch too): whole micro-batches of copies of the last row
+            # whose targets are all ignored, so the loss, a mean over the real targets, is unchanged.
+            extra = -batch % m
+            targets = next_token_targets(labels) if shift_labels is None else shift_labels
+            input_ids, attention_mask, position_ids = (
+                None if x is None else _with_copies_of_last_row(x.expand(batch, -1), extra)
+                for x in (input_ids, attention_mask, position_ids)
+            )
+            labels, shift_labels = None, F.pad(targets, (0, 0, 0, extra), value=IGNORE_INDEX)
+            batch += extra
         if batch % m:
             good = [d for d in range(1, batch + 1) if batch % d == 0]
             raise LayoutError(
@@ -297,3 +309,7 @@ class _ForwardOnlyMulti(_PipelineScheduleRuntime):
             stage_to_rank=lambda s: stage_to_rank[s],
             num_stages=self._num_stages,
         )
+
+
+def _with_copies_of_last_row(x: Tensor, copies: int) -> Tensor:
+    return torch.cat([x, x[-1:].expand(copies, *x.shape[1:])])
