@@ -35,7 +35,7 @@ from lightning_plugins.parallel.context import (
     ulysses_attention,
     unshard_sequence_load_balanced,
 )
-from lightning_plugins.parallel.context.ring import _active_block
+from lightning_plugins.parallel.context.ring import _active_block, _row_tiles
 from lightning_plugins.parallel.context.sharding import _sequence_positions
 
 CP_SIZES = (1, 2, 4)
@@ -319,25 +319,27 @@ def test_load_balanced_shards_reject_indivisible_length() -> None:
 
 @pytest.mark.parametrize("cp", (2, 4, 8))
 def test_load_balancing_evens_causal_work(cp: int) -> None:
-    """Every rank computes the same score area, and skipped blocks cover exactly the masked pairs."""
+    """Every rank computes the same score area, and skipped blocks and tiles cover exactly the masked pairs."""
     seq = 2 * cp * 4
 
-    def work(load_balanced: bool) -> tuple[list[int], int]:
+    def work(load_balanced: bool, query_tile: int | None = None) -> tuple[list[int], int]:
         areas, attended = [], 0
         for rank in range(cp):
             q_pos, area = _sequence_positions(seq, rank, cp, load_balanced), 0
             for source in range(cp):
                 block = _active_block(q_pos, _sequence_positions(seq, source, cp, load_balanced), True, None)
                 if block is not None:
-                    box = (block.row_end - block.row_start) * (block.col_end - block.col_start)
-                    area += box
-                    attended += box if block.mask is None else int(block.mask.sum())
+                    area += (block.row_end - block.row_start) * (block.col_end - block.col_start)
+                    for rows, cols, mask in _row_tiles(block, query_tile, 1):
+                        box = (rows.stop - rows.start) * (cols.stop - cols.start)
+                        attended += box if mask is None else int(mask.sum())
             areas.append(area)
         return areas, attended
 
     balanced, attended = work(load_balanced=True)
     assert len(set(balanced)) == 1
     assert attended == seq * (seq + 1) // 2
+    assert work(load_balanced=True, query_tile=3)[1] == seq * (seq + 1) // 2  # tiles boxed to their keys
     contiguous, _ = work(load_balanced=False)
     assert contiguous[-1] > contiguous[0]
     # The computed area stays near the causal half of the full S x S square (diagonal blocks included).

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from lightning_plugins.planner.fake_step import (
     default_dtype,
     fake_world,
-    first_row_tile_only,
+    one_row_tile_only,
     static_pipeline_shapes,
     unpacked_rows,
 )
@@ -292,7 +292,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
     with (
         fake_world(rank, workload.world_size),
         static_pipeline_shapes(),
-        first_row_tile_only(),
+        one_row_tile_only(),
         unpacked_rows(),
         default_dtype(_DTYPES[workload.dtype]),
         host_device("meta"),  # offloaded activations: tracked on the meta device, apart from the GPU's

@@ -8,7 +8,6 @@ tensors do not have (packed-row detection, the pipeline's shape vote) or what wo
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterator
 
 import torch
@@ -71,18 +70,20 @@ def unpacked_rows() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def first_row_tile_only() -> Iterator[None]:
-    """Ring attention computes each K/V block a tile of query rows at a time, every tile's temporaries the size of
-    the first and freed before the next: under fake tensors the first tile alone has the same peak. At 64K tokens
-    over cp=4 a block has thousands of tiles, and running them all made a 70B dry run take over half an hour."""
+def one_row_tile_only() -> Iterator[None]:
+    """Ring attention computes each K/V block a tile of query rows at a time, each tile's temporaries freed before
+    the next: under fake tensors the widest tile alone has the same peak. At 64K tokens over cp=4 a block has
+    thousands of tiles, and running them all made a 70B dry run take over half an hour. The widest is the last full
+    tile: causal tiles stop at the last key their last query attends, which grows with the rows (the dry run plans
+    unpacked rows, :func:`unpacked_rows`: no document boxes)."""
     from lightning_plugins.parallel.context import ring
 
-    original = ring._row_tiles
-    ring._row_tiles = lambda *args, **kwargs: itertools.islice(original(*args, **kwargs), 1)
+    original = ring._tile_starts
+    ring._tile_starts = lambda row_start, row_end, tile: [max(row_start, row_end - tile)]
     try:
         yield
     finally:
-        ring._row_tiles = original
+        ring._tile_starts = original
 
 
 @contextlib.contextmanager

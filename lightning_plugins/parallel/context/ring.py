@@ -43,7 +43,10 @@ class _Block(NamedTuple):
     row_end: int
     col_start: int
     col_end: int
-    mask: Optional[Tensor]  # [rows, cols] bool, True = attend; None when every pair in the box attends
+    # Causal and partly masked: the (query, key) positions each tile is boxed and masked by; None when every
+    # pair in the box attends. A [rows, cols] mask of the whole block is never built (at 128K tokens over cp=2
+    # it would be 4 GiB).
+    causal: Optional[tuple[Tensor, Tensor]]
     documents: Optional[_Documents] = None  # packed rows: each tile is boxed and masked by document
 
 
@@ -84,8 +87,9 @@ def _block_of(
     row_start = int(torch.searchsorted(q_pos, k_pos[0]))
     if col_end == 0 or row_start >= row_end:
         return None
-    mask = q_pos[row_start:row_end, None] >= k_pos[None, :col_end]
-    return _Block(row_start, row_end, 0, col_end, None if bool(mask.all()) else mask)
+    # Both sorted: every pair attends when the first attending query comes at or after the last key.
+    every_pair = bool(q_pos[row_start] >= k_pos[col_end - 1])
+    return _Block(row_start, row_end, 0, col_end, None if every_pair else (q_pos, k_pos))
 
 
 def _document_box(documents: _Documents, row_start: int, row_end: int) -> Optional[tuple[int, int, int, int]]:
@@ -185,28 +189,51 @@ def _attend_block_backward(
 _SCORE_ELEMENTS = 1 << 22
 
 
+def _tile_starts(row_start: int, row_end: int, tile: int) -> range:
+    """The first row of each query-row tile of ``[row_start, row_end)`` (the planner's dry run keeps only the
+    last full tile, the widest: :func:`lightning_plugins.planner.fake_step.one_row_tile_only`)."""
+    return range(row_start, row_end, tile)
+
+
 def _row_tiles(
     block: _Block, query_tile: Optional[int], batch_heads: int
 ) -> Iterator[tuple[slice, slice, Optional[Tensor]]]:
     """Query-row tiles of an active block: (rows, keys, mask), the keys relative to the block's first key.
 
     Rows are independent in attention, so a block is computed a tile at a time: the probabilities of
-    one tile against the block's keys are the largest temporaries, whatever the local length. Packed
-    rows box each tile to the keys its queries' documents hold, and skip tiles that attend nothing.
+    one tile against the block's keys are the largest temporaries, whatever the local length. A causal
+    tile stops at the last key its last query attends (the masked triangle of a diagonal block is skipped
+    a tile at a time); packed rows box each tile to the keys its queries' documents hold, and skip tiles
+    that attend nothing. Masks are built per tile.
     """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     width = block.col_end - block.col_start
     tile = query_tile or max(1, _SCORE_ELEMENTS // (batch_heads * width))
-    for start in range(block.row_start, block.row_end, tile):
+    for start in _tile_starts(block.row_start, block.row_end, tile):
         stop = min(start + tile, block.row_end)
-        if block.documents is None:
-            mask = None if block.mask is None else block.mask[start - block.row_start : stop - block.row_start]
-            yield slice(start, stop), slice(0, width), mask
+        if block.documents is None and block.causal is None:
+            yield slice(start, stop), slice(0, width), None
             continue
-        box = _document_box(block.documents, start, stop)
-        if box is not None:
-            rows, cols = slice(box[0], box[1]), slice(box[2], box[3])
-            mask = _document_mask(block.documents, rows, cols)
-            yield rows, slice(cols.start - block.col_start, cols.stop - block.col_start), mask
+        with unset_fake_temporarily():  # positions are real tensors, also in the planner's dry run
+            boxed = _tile_box(block, start, stop, width)
+        if boxed is not None:
+            yield boxed
+
+
+def _tile_box(block: _Block, start: int, stop: int, width: int) -> Optional[tuple[slice, slice, Optional[Tensor]]]:
+    """Rows ``[start, stop)`` of a masked block boxed to the keys they attend, with their mask; ``None``: none."""
+    if block.documents is None:  # causal
+        q_pos, k_pos = block.causal
+        cols = min(width, int(torch.searchsorted(k_pos, q_pos[stop - 1], right=True)))
+        every_pair = bool(q_pos[start] >= k_pos[cols - 1])
+        return slice(start, stop), slice(0, cols), None if every_pair else q_pos[start:stop, None] >= k_pos[None, :cols]
+    box = _document_box(block.documents, start, stop)
+    if box is None:
+        return None
+    rows, cols = slice(box[0], box[1]), slice(box[2], box[3])
+    mask = _document_mask(block.documents, rows, cols)
+    return rows, slice(cols.start - block.col_start, cols.stop - block.col_start), mask
 
 
 class _RingAttention(torch.autograd.Function):

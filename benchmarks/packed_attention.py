@@ -1,0 +1,246 @@
+"""Packed vs unpacked rows under context parallelism: attention time against the query-key pairs attended.
+
+A gloo world of ``cp`` CPU processes times forward + backward of :func:`ring_attention` and
+:func:`ulysses_attention` (SDPA inside, run per document) on one row of ``S`` tokens, sharded in the
+load-balanced layout, in two ways:
+
+* **unpacked**: the row is one sequence, causal;
+* **packed**: the row holds documents whose lengths are drawn from a length mix (below) until they fill
+  ``S`` (the last one cut to fit), passed as ``document_starts`` (what :mod:`lightning_plugins.parallel.context.wiring`
+  derives from restarting ``position_ids``): no query attends another document.
+
+Per (mix, S, cp) it reports, measured in the same world with the variants interleaved round by round (the
+machine is shared, so ratios are taken within a round and the median ratio is kept):
+
+* ``pairs``: attended query-key pairs of the packed row over those of the unpacked row,
+  ``sum L_i (L_i + 1) / 2`` over ``S (S + 1) / 2``: what the packed row should cost if cost follows the pairs;
+* ``ring computed``: the score entries ring attention really computes (its blocks and query-row tiles, counted
+  with the kernel's own ``_active_block`` / ``_row_tiles``), packed over unpacked, and their excess over the
+  attended pairs (tile granularity);
+* ``time ratio``: median over rounds of time(packed) / time(unpacked), per kernel;
+* per-rank attended pairs of the packed row (max / min over ranks): the load balance under packing.
+
+Length mixes (lognormal, fitted by moments to a published mean and standard deviation):
+
+* ``alpaca``: single-turn instruction data. ShareChat (Yan et al. 2025, arXiv:2512.17843, Table 1) gives Alpaca
+  19.67 +- 15.19 user and 64.51 +- 64.85 chatbot tokens per turn, one turn per sample: a sample of 84.2 +- 66.6
+  tokens (sum of means, root-sum-square of the deviations: the two taken as independent);
+* ``ultrachat``: multi-turn chat. UltraChat 200k's dataset card (HuggingFaceH4/ultrachat_200k) gives 207,865
+  ``train_sft`` examples in 1,397,058,554 bytes: 6,721 bytes per example, about 1,500 tokens at 4.5 bytes per
+  token; no spread is published, so a lognormal sigma of 1.0 is *assumed* (a standard deviation 1.3x the mean).
+
+    python benchmarks/packed_attention.py                         # 8K and 16K, cp 2, both mixes
+    python benchmarks/packed_attention.py --seqs 8192 --cps 2 4 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+#: name -> (mean tokens, lognormal sigma, where the numbers come from); mu follows from the mean and sigma.
+MIXES: dict[str, tuple[float, float, str]] = {
+    "alpaca": (84.2, math.sqrt(math.log(1 + (66.6 / 84.2) ** 2)), "ShareChat Table 1, Alpaca: 84.2 +- 66.6 tokens"),
+    "ultrachat": (1500.0, 1.0, "UltraChat 200k card: ~1,500 tokens mean; sigma 1.0 assumed"),
+}
+
+
+def document_lengths(mix: str, seq: int, seed: int) -> list[int]:
+    """Lengths drawn from ``mix`` (lognormal, at least 1 token) until they fill ``seq``; the last is cut to fit."""
+    mean, sigma, _ = MIXES[mix]
+    mu = math.log(mean) - sigma**2 / 2
+    generator = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < seq:
+        draw = math.exp(mu + sigma * float(torch.randn((), generator=generator)))
+        lengths.append(max(1, min(round(draw), seq - sum(lengths))))
+    return lengths
+
+
+def global_starts(lengths: list[int]) -> torch.Tensor:
+    """``[S]``: the position where each token's document begins."""
+    begins = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    return torch.repeat_interleave(begins, torch.tensor(lengths))
+
+
+def attended_pairs(q_pos: torch.Tensor, starts: torch.Tensor | None) -> int:
+    """Query-key pairs these queries attend: each attends its document's keys up to itself."""
+    first = torch.zeros_like(q_pos) if starts is None else starts[q_pos]
+    return int((q_pos - first + 1).sum())
+
+
+def ring_computed(seq: int, cp: int, rank: int, starts: torch.Tensor | None, batch_heads: int) -> int:
+    """Score entries (per head) that ring attention computes on ``rank``: its blocks' query-row tiles."""
+    from lightning_plugins.parallel.context.ring import _active_block, _row_tiles
+    from lightning_plugins.parallel.context.sharding import _sequence_positions
+
+    q_pos = _sequence_positions(seq, rank, cp, load_balanced=True)
+    local_starts = None if starts is None else starts[q_pos][None]
+    total = 0
+    for source in range(cp):
+        k_pos = _sequence_positions(seq, source, cp, load_balanced=True)
+        block = _active_block(q_pos, k_pos, True, None, local_starts)
+        if block is not None:
+            total += sum((r.stop - r.start) * (c.stop - c.start) for r, c, _ in _row_tiles(block, None, batch_heads))
+    return total
+
+
+def _timed(fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> float:
+    """Seconds of one forward + backward, between barriers (the slowest rank's time, seen by all)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    dist.barrier()
+    start = time.perf_counter()
+    fn(q, k, v).backward(grad)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _measure(args: argparse.Namespace, mix: str, seq: int) -> dict[str, Any]:
+    from lightning_plugins.parallel.context import ring_attention, shard_sequence_load_balanced, ulysses_attention
+    from lightning_plugins.parallel.context.sharding import _sequence_positions
+
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    lengths = document_lengths(mix, seq, args.seed)
+    starts = global_starts(lengths)
+    q_pos = _sequence_positions(seq, rank, cp, load_balanced=True)
+    torch.manual_seed(seq)
+    head_dim = args.head_dim
+    shapes = ((1, args.heads, seq, head_dim), (1, args.kv_heads, seq, head_dim), (1, args.kv_heads, seq, head_dim))
+    q, k, v = (shard_sequence_load_balanced(torch.randn(shape), 2, rank, cp) for shape in shapes)
+    grad = shard_sequence_load_balanced(torch.randn(shapes[0]), 2, rank, cp)
+    local_starts = starts[q_pos][None]
+    variants = {
+        ("ring", "unpacked"): lambda q, k, v: ring_attention(q, k, v),
+        ("ring", "packed"): lambda q, k, v: ring_attention(q, k, v, document_starts=local_starts),
+        ("ulysses", "unpacked"): lambda q, k, v: ulysses_attention(q, k, v),
+        ("ulysses", "packed"): lambda q, k, v: ulysses_attention(q, k, v, document_starts=local_starts),
+    }
+    for fn in variants.values():  # warm-up
+        _timed(fn, q, k, v, grad)
+    rounds: list[dict[tuple[str, str], float]] = []
+    for index in range(args.rounds):
+        order = list(variants) if index % 2 == 0 else list(reversed(variants))
+        rounds.append({key: _timed(variants[key], q, k, v, grad) for key in order})
+
+    unpacked_pairs, packed_pairs = seq * (seq + 1) // 2, sum(n * (n + 1) // 2 for n in lengths)
+    per_rank = torch.tensor([attended_pairs(q_pos, starts), attended_pairs(q_pos, None)])
+    gathered = [torch.zeros_like(per_rank) for _ in range(cp)]
+    dist.all_gather(gathered, per_rank)
+    computed = [ring_computed(seq, cp, r, s, args.heads) for r in range(cp) for s in (starts, None)]
+    row: dict[str, Any] = {
+        "mix": mix,
+        "seq": seq,
+        "cp": cp,
+        "documents": len(lengths),
+        "mean_len": seq / len(lengths),
+        "max_len": max(lengths),
+        "pairs_ratio": packed_pairs / unpacked_pairs,
+        "ring_computed_ratio": sum(computed[0::2]) / sum(computed[1::2]),
+        "ring_excess_packed": sum(computed[0::2]) / packed_pairs,
+        "ring_excess_unpacked": sum(computed[1::2]) / unpacked_pairs,
+        "rank_pairs_packed": [int(g[0]) for g in gathered],
+        "rank_pairs_unpacked": [int(g[1]) for g in gathered],
+        "rank_computed_packed": computed[0::2],
+    }
+    for kernel in ("ring", "ulysses"):
+        ratios = [r[(kernel, "packed")] / r[(kernel, "unpacked")] for r in rounds]
+        row[f"{kernel}_ratio"] = statistics.median(ratios)
+        row[f"{kernel}_ratios"] = ratios
+        row[f"{kernel}_unpacked_s"] = statistics.median(r[(kernel, "unpacked")] for r in rounds)
+        row[f"{kernel}_packed_s"] = statistics.median(r[(kernel, "packed")] for r in rounds)
+    return row
+
+
+def _rank(rank: int, cp: int, port: int, args: argparse.Namespace, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cp))
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=cp)
+    try:
+        rows = []
+        for seq in args.seqs:
+            for mix in args.mixes:
+                rows.append(_measure(args, mix, seq))
+                if rank == 0:
+                    print(json.dumps(rows[-1]), flush=True)
+        if rank == 0:
+            Path(out).write_text(json.dumps(rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| mix | S | cp | docs (mean / max len) | pairs packed/unpacked | ring computed packed/unpacked"
+        " (computed/attended: packed, unpacked) | ring time packed/unpacked (s) | ring ratio"
+        " | Ulysses time packed/unpacked (s) | Ulysses ratio | attended pairs per rank, packed (max/min) |",
+        "|---|---:|---:|---|---:|---|---|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        balance = max(r["rank_pairs_packed"]) / min(r["rank_pairs_packed"])
+        lines.append(
+            f"| {r['mix']} | {r['seq']} | {r['cp']} | {r['documents']} ({r['mean_len']:.0f} / {r['max_len']})"
+            f" | {r['pairs_ratio']:.4f} | {r['ring_computed_ratio']:.4f} ({r['ring_excess_packed']:.2f},"
+            f" {r['ring_excess_unpacked']:.2f}) | {r['ring_packed_s']:.3f} / {r['ring_unpacked_s']:.3f}"
+            f" | **{r['ring_ratio']:.3f}** | {r['ulysses_packed_s']:.3f} / {r['ulysses_unpacked_s']:.3f}"
+            f" | **{r['ulysses_ratio']:.3f}** | {balance:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--cps", type=int, nargs="+", default=[2])
+    parser.add_argument("--mixes", nargs="+", default=list(MIXES), choices=list(MIXES))
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (median ratio) after one warm-up")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the document lengths")
+    parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    args = parser.parse_args()
+
+    rows: list[dict[str, Any]] = []
+    start, load = time.perf_counter(), os.getloadavg()
+    for cp in args.cps:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp, "rows.json"))
+            mp.start_processes(_rank, args=(cp, _free_port(), args, out), nprocs=cp, start_method="spawn")
+            rows += json.loads(Path(out).read_text())
+    elapsed, load_end = time.perf_counter() - start, os.getloadavg()
+    cpu = platform.processor() or platform.machine()
+    machine = (
+        f"{cpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo; load average {load[0]:.1f} at the"
+        f" start, {load_end[0]:.1f} at the end"
+    )
+    print(f"\n{' '.join(sys.argv)}  ({elapsed:.0f} s; {machine})\n")
+    print(table(rows))
+    if args.out is not None:
+        record = {"args": vars(args) | {"out": str(args.out)}, "machine": machine, "rows": rows}
+        args.out.write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
