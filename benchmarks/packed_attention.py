@@ -16,7 +16,7 @@ machine is shared, so ratios are taken within a round and the median ratio is ke
   ``sum L_i (L_i + 1) / 2`` over ``S (S + 1) / 2``: what the packed row should cost if cost follows the pairs;
 * ``ring computed``: the score entries ring attention really computes (its blocks and query-row tiles, counted
   with the kernel's own ``_active_block`` / ``_row_tiles``), packed over unpacked, and their excess over the
-  attended pairs (tile granularity);
+  attended pairs (tile granularity); also for the slowest rank alone (packed over unpacked), which a step waits for;
 * ``time ratio``: median over rounds of time(packed) / time(unpacked), per kernel;
 * per-rank attended pairs of the packed row (max / min over ranks): the load balance under packing.
 
@@ -154,6 +154,7 @@ def _measure(args: argparse.Namespace, mix: str, seq: int) -> dict[str, Any]:
         "rank_pairs_packed": [int(g[0]) for g in gathered],
         "rank_pairs_unpacked": [int(g[1]) for g in gathered],
         "rank_computed_packed": computed[0::2],
+        "rank_computed_unpacked": computed[1::2],
     }
     for kernel in ("ring", "ulysses"):
         ratios = [r[(kernel, "packed")] / r[(kernel, "unpacked")] for r in rounds]
@@ -192,18 +193,19 @@ def _free_port() -> int:
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| mix | S | cp | docs (mean / max len) | pairs packed/unpacked | ring computed packed/unpacked"
-        " (computed/attended: packed, unpacked) | ring time packed/unpacked (s) | ring ratio"
-        " | Ulysses time packed/unpacked (s) | Ulysses ratio | attended pairs per rank, packed (max/min) |",
-        "|---|---:|---:|---|---:|---|---|---:|---|---:|---:|",
+        " (computed/attended: packed, unpacked) | slowest rank's computed | ring time packed/unpacked (s)"
+        " | ring ratio | Ulysses time packed/unpacked (s) | Ulysses ratio | attended pairs per rank, packed (max/min) |",
+        "|---|---:|---:|---|---:|---|---:|---|---:|---|---:|---:|",
     ]
     for r in rows:
         balance = max(r["rank_pairs_packed"]) / min(r["rank_pairs_packed"])
+        slowest = max(r["rank_computed_packed"]) / max(r["rank_computed_unpacked"])
         lines.append(
             f"| {r['mix']} | {r['seq']} | {r['cp']} | {r['documents']} ({r['mean_len']:.0f} / {r['max_len']})"
             f" | {r['pairs_ratio']:.4f} | {r['ring_computed_ratio']:.4f} ({r['ring_excess_packed']:.2f},"
-            f" {r['ring_excess_unpacked']:.2f}) | {r['ring_packed_s']:.3f} / {r['ring_unpacked_s']:.3f}"
+            f" {r['ring_excess_unpacked']:.2f}) | {slowest:.4f} | {r['ring_packed_s']:.3f} / {r['ring_unpacked_s']:.3f}"
             f" | **{r['ring_ratio']:.3f}** | {r['ulysses_packed_s']:.3f} / {r['ulysses_unpacked_s']:.3f}"
-            f" | **{r['ulysses_ratio']:.3f}** | {balance:.3f} |"
+            f" | **{r['ulysses_ratio']:.3f}** | {balance:.2f} |"
         )
     return "\n".join(lines)
 
