@@ -51,6 +51,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from context_parallel import _free_port  # noqa: E402  (the CP benchmark this one extends)
+
 #: name -> (mean tokens, lognormal sigma, where the numbers come from); mu follows from the mean and sigma.
 MIXES: dict[str, tuple[float, float, str]] = {
     "alpaca": (84.2, math.sqrt(math.log(1 + (66.6 / 84.2) ** 2)), "ShareChat Table 1, Alpaca: 84.2 +- 66.6 tokens"),
@@ -180,14 +183,6 @@ def _rank(rank: int, cp: int, port: int, args: argparse.Namespace, out: str) -> 
             Path(out).write_text(json.dumps(rows))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def table(rows: list[dict[str, Any]]) -> str:
