@@ -87,7 +87,7 @@ def attended_pairs(q_pos: torch.Tensor, starts: torch.Tensor | None) -> int:
 
 def ring_computed(seq: int, cp: int, rank: int, starts: torch.Tensor | None, batch_heads: int) -> int:
     """Score entries (per head) that ring attention computes on ``rank``: its blocks' query-row tiles."""
-    from lightning_plugins.parallel.context.ring import _active_block, _row_tiles
+    from lightning_plugins.parallel.context.tiles import _active_block, _row_tiles
     from lightning_plugins.parallel.context.sharding import _sequence_positions
 
     q_pos = _sequence_positions(seq, rank, cp, load_balanced=True)

@@ -35,8 +35,8 @@ from lightning_plugins.parallel.context import (
     ulysses_attention,
     unshard_sequence_load_balanced,
 )
-from lightning_plugins.parallel.context.ring import _active_block, _row_tiles
-from lightning_plugins.parallel.context.sharding import _sequence_positions
+from lightning_plugins.parallel.context.sharding import BALANCE_CHUNK, _sequence_positions
+from lightning_plugins.parallel.context.tiles import _active_block, _row_tiles
 
 CP_SIZES = (1, 2, 4)
 WORLD_SIZE = 4
@@ -55,10 +55,11 @@ class Case:
     kv_heads: int
     dtype: str = "float64"
     load_balanced: bool = True
-    real_len: int = SEQ  # shorter than SEQ: padded with pad_for_context_parallel
+    real_len: int | None = None  # shorter than seq: padded with pad_for_context_parallel
     pass_valid_len: bool = False
     query_tile: int | None = None  # ring only: query rows per tile (uneven last tile, masks sliced)
     packed: bool = False  # rows of several documents (DOCUMENTS), passed as document_starts
+    seq: int = SEQ  # LONG_SEQ: several segments of the load-balanced layout (LONG_DOCUMENTS when packed)
 
 
 def _cases() -> list[Case]:
@@ -89,11 +90,20 @@ def _packed_cases() -> list[Case]:
         cases.append(Case(f"{kernel}-packed-contiguous", kernel, True, 2, load_balanced=False, packed=True))
         cases.append(Case(f"{kernel}-packed-fp32", kernel, True, 2, dtype="float32", packed=True))
     cases.append(Case("ring-packed-tiled", "ring", True, 2, query_tile=2, packed=True))
+    for kernel in ("ring", "ulysses"):
+        cases.append(Case(f"{kernel}-causal-long", kernel, True, 2, seq=LONG_SEQ))
+        cases.append(Case(f"{kernel}-packed-long", kernel, True, 2, packed=True, seq=LONG_SEQ))
+    cases.append(Case("ring-packed-long-tiled", "ring", True, 2, query_tile=16, packed=True, seq=LONG_SEQ))
+    cases.append(Case("ring-causal-long-padded", "ring", True, 2, seq=LONG_SEQ, real_len=LONG_SEQ - 3))
     return cases
 
 
 # Document lengths of each row: rows packed differently, a one-token document, documents crossing shards.
 DOCUMENTS = ((5, 7, 12), (1, 10, 3, 10))
+# Longer than 2 * cp * BALANCE_CHUNK: the load-balanced layout cuts it into several segments (and a shorter last
+# one); documents longer and shorter than a chunk, crossing segments.
+LONG_SEQ = 1000
+LONG_DOCUMENTS = ((700, 1, 299), (64, 64, 128, 3, 741))
 CASES = _cases() + _packed_cases()
 BF16_CASES = [Case(f"{kernel}-causal-gqa-bf16", kernel, True, 2, dtype="bfloat16") for kernel in ("ring", "ulysses")]
 
@@ -115,11 +125,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask=
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
-def _document_starts() -> torch.Tensor:
-    """``[BATCH, SEQ]``: the index where each token's document (:data:`DOCUMENTS`) begins."""
+def _document_starts(documents: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """``[BATCH, seq]``: the index where each token's document begins."""
     rows = []
-    for lengths in DOCUMENTS:
-        assert sum(lengths) == SEQ
+    for lengths in documents:
+        assert sum(lengths) == sum(documents[0])
         begins = torch.tensor([0, *lengths[:-1]]).cumsum(0)
         rows.append(torch.repeat_interleave(begins, torch.tensor(lengths)))
     return torch.stack(rows)
@@ -146,12 +156,12 @@ def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
     cp = dist.get_world_size(group)
     cp_rank = dist.get_rank(group)
     dtype = DTYPES[case.dtype]
-    seq = SEQ
-    if case.real_len != SEQ:
-        ids = torch.zeros(1, case.real_len, dtype=torch.long)
+    seq = case.seq
+    valid = case.real_len or case.seq
+    if valid != case.seq:
+        ids = torch.zeros(1, valid, dtype=torch.long)
         padded = pad_for_context_parallel(ids, None, None, cp, pad_id=0, load_balanced=case.load_balanced)
         seq = padded.input_ids.shape[-1]
-    valid = case.real_len
 
     torch.manual_seed(0)  # the same full tensors on every rank
     q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, dtype=torch.float64)
@@ -161,7 +171,7 @@ def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
     q, k, v, grad = (t.to(dtype) for t in (q, k, v, grad))
     # bf16 is judged against the exact answer (fp64 reference); the others against SDPA in their dtype.
     ref_dtype = torch.float64 if dtype == torch.bfloat16 else dtype
-    starts = _document_starts() if case.packed else None
+    starts = _document_starts(DOCUMENTS if case.seq == SEQ else LONG_DOCUMENTS) if case.packed else None
     mask = None if starts is None else _document_mask(starts)
     ref = _reference(*(t.to(ref_dtype) for t in (q, k, v, grad)), case.causal, valid, mask)
 
@@ -297,14 +307,28 @@ def test_ulysses_all_to_all_layout(cp: int) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
+def _segmented_layout(seq: int, rank: int, cp: int) -> list[int]:
+    """The load-balanced positions of ``rank``, written out: chunks r and 2cp-1-r of each segment of 2cp chunks."""
+    expected, start = [], 0
+    while start < seq:
+        span = min(2 * cp * BALANCE_CHUNK, seq - start)
+        chunk = span // (2 * cp)
+        for index in (rank, 2 * cp - 1 - rank):
+            expected += range(start + index * chunk, start + (index + 1) * chunk)
+        start += span
+    return expected
+
+
+@pytest.mark.parametrize("segments", (1, 3))
 @pytest.mark.parametrize("cp", (1, 2, 3, 4))
-def test_load_balanced_shards_partition_and_invert(cp: int) -> None:
-    seq = 2 * cp * 3
+def test_load_balanced_shards_partition_and_invert(cp: int, segments: int) -> None:
+    seq = 2 * cp * 3 if segments == 1 else 2 * 2 * cp * BALANCE_CHUNK + 2 * cp * 5  # two full, one shorter
     x = torch.arange(seq) * 10
     shards = [shard_sequence_load_balanced(x, 0, r, cp) for r in range(cp)]
     for r, shard in enumerate(shards):
-        chunk = 3
-        expected = [*range(r * chunk, (r + 1) * chunk), *range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)]
+        expected = _segmented_layout(seq, r, cp)
+        if segments == 1:  # the classic head-tail split
+            assert expected == [*range(r * 3, (r + 1) * 3), *range((2 * cp - 1 - r) * 3, (2 * cp - r) * 3)]
         assert load_balanced_indices(seq, r, cp).tolist() == expected
         assert torch.equal(shard, x[expected])
     gathered = torch.cat(shards)
@@ -317,33 +341,63 @@ def test_load_balanced_shards_reject_indivisible_length() -> None:
         shard_sequence_load_balanced(torch.zeros(10), 0, 0, 2)
 
 
+def _ring_work(
+    seq: int, cp: int, load_balanced: bool, query_tile: int | None = None, starts: torch.Tensor | None = None
+) -> tuple[list[int], list[int]]:
+    """Per rank: the pairs its queries attend and the score entries ring attention computes (blocks' tiles)."""
+    attended, computed = [], []
+    for rank in range(cp):
+        q_pos, pairs, area = _sequence_positions(seq, rank, cp, load_balanced), 0, 0
+        local_starts = None if starts is None else starts[q_pos][None]
+        for source in range(cp):
+            block = _active_block(q_pos, _sequence_positions(seq, source, cp, load_balanced), True, None, local_starts)
+            for rows, cols, mask in [] if block is None else _row_tiles(block, query_tile, 1):
+                box = (rows.stop - rows.start) * (cols.stop - cols.start)
+                area += box
+                pairs += box if mask is None else int(mask.sum())
+        attended.append(pairs)
+        computed.append(area)
+    return attended, computed
+
+
+@pytest.mark.parametrize("segments", (1, 4))
 @pytest.mark.parametrize("cp", (2, 4, 8))
-def test_load_balancing_evens_causal_work(cp: int) -> None:
-    """Every rank computes the same score area, and skipped blocks and tiles cover exactly the masked pairs."""
-    seq = 2 * cp * 4
-
-    def work(load_balanced: bool, query_tile: int | None = None) -> tuple[list[int], int]:
-        areas, attended = [], 0
-        for rank in range(cp):
-            q_pos, area = _sequence_positions(seq, rank, cp, load_balanced), 0
-            for source in range(cp):
-                block = _active_block(q_pos, _sequence_positions(seq, source, cp, load_balanced), True, None)
-                if block is not None:
-                    area += (block.row_end - block.row_start) * (block.col_end - block.col_start)
-                    for rows, cols, mask in _row_tiles(block, query_tile, 1):
-                        box = (rows.stop - rows.start) * (cols.stop - cols.start)
-                        attended += box if mask is None else int(mask.sum())
-            areas.append(area)
-        return areas, attended
-
-    balanced, attended = work(load_balanced=True)
-    assert len(set(balanced)) == 1
-    assert attended == seq * (seq + 1) // 2
-    assert work(load_balanced=True, query_tile=3)[1] == seq * (seq + 1) // 2  # tiles boxed to their keys
-    contiguous, _ = work(load_balanced=False)
+def test_load_balancing_evens_causal_work(cp: int, segments: int) -> None:
+    """Every rank attends the same pairs, and skipped blocks and tiles cover exactly the masked pairs."""
+    seq = 2 * cp * (4 if segments == 1 else BALANCE_CHUNK * segments)
+    attended, _ = _ring_work(seq, cp, load_balanced=True)
+    assert len(set(attended)) == 1
+    assert sum(attended) == seq * (seq + 1) // 2
+    contiguous, _ = _ring_work(seq, cp, load_balanced=False)
     assert contiguous[-1] > contiguous[0]
-    # The computed area stays near the causal half of the full S x S square (diagonal blocks included).
-    assert sum(balanced) <= seq * seq // 2 + cp * (seq // cp) ** 2
+    # Causal tiles stop at the last key their last query attends: with tiles of 1/8 of the local rows the
+    # computed area stays within 1 + 1/8 (and rounding) of the attended pairs.
+    tiled, computed = _ring_work(seq, cp, load_balanced=True, query_tile=seq // cp // 8)
+    assert tiled == attended
+    assert sum(computed) <= 1.2 * sum(attended), (computed, attended)
+
+
+def test_load_balancing_evens_packed_rows() -> None:
+    """Packed rows (a long document, then short ones): the busiest rank attends within 10% of the mean, where one
+    head-tail split of the whole row (a single segment) gives it 2x; ring computes each rank's tiles within 2x of
+    what it attends (short documents are tiled whole, not in a tile's square)."""
+    seq, cp = 8192, 4
+    generator = torch.Generator().manual_seed(0)
+    lengths = [3000]
+    while sum(lengths) < seq:
+        lengths.append(min(int(torch.randint(20, 300, (), generator=generator)), seq - sum(lengths)))
+    starts = torch.repeat_interleave(torch.tensor([0, *lengths[:-1]]).cumsum(0), torch.tensor(lengths))
+    attended, computed = _ring_work(seq, cp, load_balanced=True, starts=starts)
+    assert sum(attended) == sum(n * (n + 1) // 2 for n in lengths)
+    mean = sum(attended) / cp
+    assert max(attended) <= 1.1 * mean, attended
+    assert max(c / a for c, a in zip(computed, attended)) <= 2.0, (computed, attended)
+    chunk = seq // (2 * cp)
+    head_tail = []
+    for rank in range(cp):
+        held = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * cp - 1 - rank)])
+        head_tail.append(int((held - starts[held] + 1).sum()))
+    assert sum(head_tail) == sum(attended) and max(head_tail) >= 1.5 * mean, head_tail
 
 
 def test_pad_for_context_parallel() -> None:

@@ -76,14 +76,14 @@ def one_row_tile_only() -> Iterator[None]:
     thousands of tiles, and running them all made a 70B dry run take over half an hour. The widest is the last full
     tile: causal tiles stop at the last key their last query attends, which grows with the rows (the dry run plans
     unpacked rows, :func:`unpacked_rows`: no document boxes)."""
-    from lightning_plugins.parallel.context import ring
+    from lightning_plugins.parallel.context import tiles
 
-    original = ring._tile_starts
-    ring._tile_starts = lambda row_start, row_end, tile: [max(row_start, row_end - tile)]
+    original = tiles._tile_starts
+    tiles._tile_starts = lambda row_start, row_end, tile: [max(row_start, row_end - tile)]
     try:
         yield
     finally:
-        ring._tile_starts = original
+        tiles._tile_starts = original
 
 
 @contextlib.contextmanager

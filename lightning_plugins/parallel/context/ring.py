@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,99 +20,12 @@ from torch import Tensor
 
 from lightning_plugins.parallel.context.checks import _check_gqa
 from lightning_plugins.parallel.context.sharding import _sequence_positions
+from lightning_plugins.parallel.context.tiles import _active_block, _row_tiles
 
 # p2p tags keep the K/V ring and the dK/dV ring apart where a backend matches messages by tag (gloo);
 # NCCL ignores tags and matches by posting order, which is the same on every rank.
 _KV_TAG = 0
 _GRAD_TAG = 1
-
-
-class _Documents(NamedTuple):
-    """Packed rows: query ``i`` of row ``b`` attends only keys at or after ``starts[b, i]``, its document's start."""
-
-    q_pos: Tensor  # [rows] global positions of the queries
-    k_pos: Tensor  # [cols] global positions of the keys
-    starts: Tensor  # [batch or 1, rows] global position where each query's document begins
-
-
-class _Block(NamedTuple):
-    """Where one query block meets one key block: rows ``[row_start, row_end)``, keys ``[col_start, col_end)``."""
-
-    row_start: int
-    row_end: int
-    col_start: int
-    col_end: int
-    # Causal and partly masked: the (query, key) positions each tile is boxed and masked by; None when every
-    # pair in the box attends. A [rows, cols] mask of the whole block is never built (at 128K tokens over cp=2
-    # it would be 4 GiB).
-    causal: Optional[tuple[Tensor, Tensor]]
-    documents: Optional[_Documents] = None  # packed rows: each tile is boxed and masked by document
-
-
-def _active_block(
-    q_pos: Tensor, k_pos: Tensor, causal: bool, valid_len: Optional[int], starts: Optional[Tensor] = None
-) -> Optional[_Block]:
-    """The box of query rows x key columns that can attend, or ``None`` when the block is fully masked.
-
-    Positions are sorted within a shard in both layouts, so the rows that attend anything form a
-    contiguous range and the keys that are attended form a prefix: slicing to that box skips the
-    masked work (this is where load balancing pays: off-diagonal causal blocks shrink to a half).
-    With packed rows (``starts``) a query attends only its own document, so the box narrows further,
-    tile by tile (:func:`_row_tiles`), and a block that holds none of a query's document is skipped.
-
-    The positions are real tensors (:func:`_sequence_positions`), read outside any ``FakeTensorMode``.
-    """
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        return _block_of(q_pos, k_pos, causal, valid_len, starts)
-
-
-def _block_of(
-    q_pos: Tensor, k_pos: Tensor, causal: bool, valid_len: Optional[int], starts: Optional[Tensor]
-) -> Optional[_Block]:
-    row_end = len(q_pos) if valid_len is None else int((q_pos < valid_len).sum())
-    col_end = len(k_pos) if valid_len is None else int((k_pos < valid_len).sum())
-    if row_end == 0 or col_end == 0:
-        return None
-    if starts is not None:
-        documents = _Documents(q_pos[:row_end], k_pos[:col_end], starts[:, :row_end])
-        box = _document_box(documents, 0, row_end)
-        return None if box is None else _Block(*box, None, documents)
-    if not causal:
-        return _Block(0, row_end, 0, col_end, None)
-    # Keys after the last attending query are never attended; queries before the first key attend none.
-    col_end = min(col_end, int(torch.searchsorted(k_pos, q_pos[row_end - 1], right=True)))
-    row_start = int(torch.searchsorted(q_pos, k_pos[0]))
-    if col_end == 0 or row_start >= row_end:
-        return None
-    # Both sorted: every pair attends when the first attending query comes at or after the last key.
-    every_pair = bool(q_pos[row_start] >= k_pos[col_end - 1])
-    return _Block(row_start, row_end, 0, col_end, None if every_pair else (q_pos, k_pos))
-
-
-def _document_box(documents: _Documents, row_start: int, row_end: int) -> Optional[tuple[int, int, int, int]]:
-    """The smallest box of rows ``[row_start, row_end)`` x keys in which queries attend their documents' keys.
-
-    Query ``i`` of row ``b`` attends the keys from ``starts[b, i]`` to its own position; returns
-    ``(first row, last row + 1, first key, last key + 1)``, or ``None`` when no query attends any key.
-    """
-    q_pos, starts = documents.q_pos[row_start:row_end], documents.starts[:, row_start:row_end]
-    first = torch.searchsorted(documents.k_pos, starts.contiguous())
-    last = torch.searchsorted(documents.k_pos, q_pos, right=True).expand_as(first)
-    attends = last > first
-    rows = attends.any(0).nonzero().flatten()
-    if rows.numel() == 0:
-        return None
-    cols = int(first[attends].min()), int(last[attends].max())
-    return row_start + int(rows[0]), row_start + int(rows[-1]) + 1, *cols
-
-
-def _document_mask(documents: _Documents, rows: slice, cols: slice) -> Optional[Tensor]:
-    """``[batch, 1, 1, rows, cols]`` (broadcast over heads): key at or after the query's document start, and causal."""
-    keys = documents.k_pos[None, None, cols]
-    mask = (keys >= documents.starts[:, rows, None]) & (keys <= documents.q_pos[rows, None])
-    return None if bool(mask.all()) else mask[:, None, None]
 
 
 def _block_scores(q: Tensor, k: Tensor, scale: float, mask: Optional[Tensor]) -> Tensor:
@@ -183,57 +95,6 @@ def _attend_block_backward(
     probs_t = probs.reshape(b, hkv, group * rows, -1).transpose(-1, -2)
     grad_v = torch.matmul(probs_t, grad_out.reshape(b, hkv, group * rows, d))
     return grad_q, grad_k, grad_v
-
-
-#: Elements of one score-sized temporary (``batch x heads x rows x keys``) that ring attention aims at.
-_SCORE_ELEMENTS = 1 << 22
-
-
-def _tile_starts(row_start: int, row_end: int, tile: int) -> range:
-    """The first row of each query-row tile of ``[row_start, row_end)`` (the planner's dry run keeps only the
-    last full tile, the widest: :func:`lightning_plugins.planner.fake_step.one_row_tile_only`)."""
-    return range(row_start, row_end, tile)
-
-
-def _row_tiles(
-    block: _Block, query_tile: Optional[int], batch_heads: int
-) -> Iterator[tuple[slice, slice, Optional[Tensor]]]:
-    """Query-row tiles of an active block: (rows, keys, mask), the keys relative to the block's first key.
-
-    Rows are independent in attention, so a block is computed a tile at a time: the probabilities of
-    one tile against the block's keys are the largest temporaries, whatever the local length. A causal
-    tile stops at the last key its last query attends (the masked triangle of a diagonal block is skipped
-    a tile at a time); packed rows box each tile to the keys its queries' documents hold, and skip tiles
-    that attend nothing. Masks are built per tile.
-    """
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    width = block.col_end - block.col_start
-    tile = query_tile or max(1, _SCORE_ELEMENTS // (batch_heads * width))
-    for start in _tile_starts(block.row_start, block.row_end, tile):
-        stop = min(start + tile, block.row_end)
-        if block.documents is None and block.causal is None:
-            yield slice(start, stop), slice(0, width), None
-            continue
-        with unset_fake_temporarily():  # positions are real tensors, also in the planner's dry run
-            boxed = _tile_box(block, start, stop, width)
-        if boxed is not None:
-            yield boxed
-
-
-def _tile_box(block: _Block, start: int, stop: int, width: int) -> Optional[tuple[slice, slice, Optional[Tensor]]]:
-    """Rows ``[start, stop)`` of a masked block boxed to the keys they attend, with their mask; ``None``: none."""
-    if block.documents is None:  # causal
-        q_pos, k_pos = block.causal
-        cols = min(width, int(torch.searchsorted(k_pos, q_pos[stop - 1], right=True)))
-        every_pair = bool(q_pos[start] >= k_pos[cols - 1])
-        return slice(start, stop), slice(0, cols), None if every_pair else q_pos[start:stop, None] >= k_pos[None, :cols]
-    box = _document_box(block.documents, start, stop)
-    if box is None:
-        return None
-    rows, cols = slice(box[0], box[1]), slice(box[2], box[3])
-    mask = _document_mask(block.documents, rows, cols)
-    return rows, slice(cols.start - block.col_start, cols.stop - block.col_start), mask
 
 
 class _RingAttention(torch.autograd.Function):

@@ -1,14 +1,17 @@
 """The sequence split of context parallelism: the load-balanced layout and padding, on plain tensors.
 
-**Load-balanced layout.** With causal attention, a plain contiguous split gives the last rank ``cp``
-times the work of the first. Instead the global sequence of length ``S`` is cut into ``2 * cp`` equal
-chunks and rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``, concatenated: every rank then sees the
-same number of unmasked query/key pairs. :func:`shard_sequence_load_balanced` and
-:func:`load_balanced_indices` shard ``input_ids``, ``labels`` and ``position_ids`` consistently (the model
-must get the *global* ``position_ids`` of its shard for RoPE). Concatenating the rank shards in rank
-order, as an all-gather or the Ulysses all-to-all does, gives the *rank order* of the sequence;
-:func:`unshard_sequence_load_balanced` turns it into natural order and
-:func:`reorder_sequence_load_balanced` turns natural order back into rank order.
+**Load-balanced layout.** With causal attention, a plain contiguous split gives the last rank ``cp`` times the work
+of the first. Instead the global sequence of length ``S`` is cut into segments of ``2 * cp`` equal chunks of
+:data:`BALANCE_CHUNK` tokens (the last segment takes what is left, in ``2 * cp`` equal chunks), and rank ``r`` holds
+chunks ``r`` and ``2 * cp - 1 - r`` of every segment, in sequence order. In a causal row the work of a position
+grows linearly with it, so each segment gives every rank the same number of attended query/key pairs. Small
+segments keep that true for packed rows, where the work restarts at every document: a long document is spread
+over all ranks a segment at a time, and short documents fall on the ranks evenly (one segment of ``2 * cp`` chunks
+per row, ``S <= 2 * cp * BALANCE_CHUNK``, is the classic head-tail split). :func:`shard_sequence_load_balanced` and
+:func:`load_balanced_indices` shard ``input_ids``, ``labels`` and ``position_ids`` consistently (the model must get
+the *global* ``position_ids`` of its shard for RoPE). Concatenating the rank shards in rank order, as an all-gather
+or the Ulysses all-to-all does, gives the *rank order* of the sequence; :func:`unshard_sequence_load_balanced` turns
+it into natural order and :func:`reorder_sequence_load_balanced` turns natural order back into rank order.
 
 **Padding.** Both kernels need ``S`` divisible by ``2 * cp`` (``cp`` without load balancing);
 :func:`pad_for_context_parallel` pads at the end, with ``-100`` labels. In causal attention trailing pads
@@ -19,11 +22,17 @@ non-causal attention must be told ``valid_len`` so that pad keys are masked out.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+#: Tokens in one chunk of the load-balanced layout (see the module docstring). Smaller chunks balance packed rows
+#: of shorter documents; larger ones keep more of each short document on one rank. Measured in
+#: ``benchmarks/packed_attention.py`` (RESULTS.md, "Packed rows under context parallelism").
+BALANCE_CHUNK = 64
 
 
 def _check_divisible(seq_len: int, cp_size: int, num_chunks: int) -> None:
@@ -35,9 +44,30 @@ def _check_divisible(seq_len: int, cp_size: int, num_chunks: int) -> None:
         )
 
 
-def _rank_chunk_ids(cp_size: int) -> list[int]:
-    """The ``2 * cp`` chunk ids in rank order: rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``."""
-    return [chunk for rank in range(cp_size) for chunk in (rank, 2 * cp_size - 1 - rank)]
+@functools.lru_cache(maxsize=256)
+def _balanced_positions(seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
+    """:func:`load_balanced_indices`, cached (ring attention asks for every block of every layer); never modified."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    span = 2 * cp_size * BALANCE_CHUNK
+    full, rest = divmod(seq_len, span)
+    with unset_fake_temporarily():  # real also under the planner's FakeTensorMode: the cache outlives it
+        chunks = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank])
+        pieces = []
+        for count, chunk, offset in ((full, BALANCE_CHUNK, 0), (int(rest > 0), rest // (2 * cp_size), full * span)):
+            starts = offset + torch.arange(count)[:, None] * 2 * cp_size * chunk + chunks[None, :] * chunk
+            pieces.append((starts[..., None] + torch.arange(chunk)).flatten())
+        return torch.cat(pieces)
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_order(seq_len: int, cp_size: int) -> tuple[Tensor, Tensor]:
+    """The global positions of the rank-order concatenation of all shards, and its inverse permutation."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        order = torch.cat([_balanced_positions(seq_len, rank, cp_size) for rank in range(cp_size)])
+        return order, torch.argsort(order)
 
 
 def load_balanced_indices(seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
@@ -49,18 +79,11 @@ def load_balanced_indices(seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
         cp_size: Size of the context-parallel group.
 
     Returns:
-        A sorted ``LongTensor`` of ``S / cp_size`` positions: chunks ``cp_rank`` and
-        ``2 * cp_size - 1 - cp_rank`` of the ``2 * cp_size`` equal chunks.
+        A sorted ``LongTensor`` of ``S / cp_size`` positions: chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank``
+        of every segment of ``2 * cp_size`` chunks (see the module docstring).
     """
     _check_divisible(seq_len, cp_size, 2 * cp_size)
-    chunk = seq_len // (2 * cp_size)
-    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
-    return torch.cat(
-        [
-            torch.arange(first * chunk, (first + 1) * chunk),
-            torch.arange(second * chunk, (second + 1) * chunk),
-        ]
-    )
+    return _balanced_positions(seq_len, cp_rank, cp_size).clone()
 
 
 def _sequence_positions(seq_len: int, cp_rank: int, cp_size: int, load_balanced: bool) -> Tensor:
@@ -71,11 +94,12 @@ def _sequence_positions(seq_len: int, cp_rank: int, cp_size: int, load_balanced:
     """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    if load_balanced:
+        _check_divisible(seq_len, cp_size, 2 * cp_size)
+        return _balanced_positions(seq_len, cp_rank, cp_size)
+    _check_divisible(seq_len, cp_size, cp_size)
+    local = seq_len // cp_size
     with unset_fake_temporarily():
-        if load_balanced:
-            return load_balanced_indices(seq_len, cp_rank, cp_size)
-        _check_divisible(seq_len, cp_size, cp_size)
-        local = seq_len // cp_size
         return torch.arange(cp_rank * local, (cp_rank + 1) * local)
 
 
@@ -92,11 +116,10 @@ def shard_sequence_load_balanced(x: Tensor, dim: int, cp_rank: int, cp_size: int
         cp_size: Size of the context-parallel group.
 
     Returns:
-        Chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of ``x`` along ``dim``, concatenated.
+        The positions :func:`load_balanced_indices` names, in order, along ``dim``.
     """
     _check_divisible(x.shape[dim], cp_size, 2 * cp_size)
-    chunks = x.chunk(2 * cp_size, dim=dim)
-    return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=dim)
+    return x.index_select(dim, _balanced_positions(x.shape[dim], cp_rank, cp_size).to(x.device))
 
 
 def unshard_sequence_load_balanced(x: Tensor, dim: int, cp_size: int) -> Tensor:
@@ -114,9 +137,7 @@ def unshard_sequence_load_balanced(x: Tensor, dim: int, cp_size: int) -> Tensor:
         ``x`` with its sequence in natural order.
     """
     _check_divisible(x.shape[dim], cp_size, 2 * cp_size)
-    pieces = x.chunk(2 * cp_size, dim=dim)  # piece i holds chunk _rank_chunk_ids(cp_size)[i]
-    position_of_chunk = {chunk: i for i, chunk in enumerate(_rank_chunk_ids(cp_size))}
-    return torch.cat([pieces[position_of_chunk[chunk]] for chunk in range(2 * cp_size)], dim=dim)
+    return x.index_select(dim, _rank_order(x.shape[dim], cp_size)[1].to(x.device))
 
 
 def reorder_sequence_load_balanced(x: Tensor, dim: int, cp_size: int) -> Tensor:
@@ -131,8 +152,7 @@ def reorder_sequence_load_balanced(x: Tensor, dim: int, cp_size: int) -> Tensor:
         The ``cp_size`` load-balanced shards of ``x`` concatenated in rank order along ``dim``.
     """
     _check_divisible(x.shape[dim], cp_size, 2 * cp_size)
-    chunks = x.chunk(2 * cp_size, dim=dim)
-    return torch.cat([chunks[chunk] for chunk in _rank_chunk_ids(cp_size)], dim=dim)
+    return x.index_select(dim, _rank_order(x.shape[dim], cp_size)[0].to(x.device))
 
 
 class ContextParallelBatch(NamedTuple):
