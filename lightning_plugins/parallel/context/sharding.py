@@ -55,8 +55,9 @@ def _balanced_positions(seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
         chunks = torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank])
         pieces = []
         for count, chunk, offset in ((full, BALANCE_CHUNK, 0), (int(rest > 0), rest // (2 * cp_size), full * span)):
-            starts = offset + torch.arange(count)[:, None] * 2 * cp_size * chunk + chunks[None, :] * chunk
-            pieces.append((starts[..., None] + torch.arange(chunk)).flatten())
+            if count:
+                starts = offset + torch.arange(count)[:, None] * 2 * cp_size * chunk + chunks[None, :] * chunk
+                pieces.append((starts[..., None] + torch.arange(chunk)).flatten())
         return torch.cat(pieces)
 
 
