@@ -2,7 +2,9 @@
 
 A gloo world of ``cp`` CPU processes times forward + backward of :func:`ring_attention` and
 :func:`ulysses_attention` (SDPA inside, run per document) on one row of ``S`` tokens, sharded in the
-load-balanced layout, in two ways:
+load-balanced layout as shipped (``segmented``: every segment of ``2 * cp`` chunks of ``BALANCE_CHUNK`` tokens
+split head-tail) and, for ring attention, as it was before (``head-tail``: one segment, the whole row split
+head-tail; Ulysses does the same work in any layout), in two ways:
 
 * **unpacked**: the row is one sequence, causal;
 * **packed**: the row holds documents whose lengths are drawn from a length mix (below) until they fill
@@ -17,8 +19,9 @@ machine is shared, so ratios are taken within a round and the median ratio is ke
 * ``ring computed``: the score entries ring attention really computes (its blocks and query-row tiles, counted
   with the kernel's own ``_active_block`` / ``_row_tiles``), packed over unpacked, and their excess over the
   attended pairs (tile granularity); also for the slowest rank alone (packed over unpacked), which a step waits for;
-* ``time ratio``: median over rounds of time(packed) / time(unpacked), per kernel;
-* per-rank attended pairs of the packed row (max / min over ranks): the load balance under packing.
+* ``time ratio``: median over rounds of time(packed) / time(unpacked), per kernel and layout;
+* the busiest rank's attended pairs of the packed row over the mean: the load balance under packing;
+* ring time of the segmented layout over the head-tail one, packed and unpacked.
 
 Length mixes (lognormal, fitted by moments to a published mean and standard deviation):
 
@@ -36,6 +39,7 @@ Length mixes (lognormal, fitted by moments to a published mean and standard devi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -44,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +116,27 @@ def _timed(fn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: tor
     return time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def layout(name: str) -> Iterator[None]:
+    """The load-balanced layout as shipped (``segmented``: chunks of ``BALANCE_CHUNK`` tokens) or as it was before
+    (``head-tail``: one segment, rank r holds chunks r and 2cp-1-r of the whole row)."""
+    from lightning_plugins.parallel.context import sharding
+
+    shipped = sharding.BALANCE_CHUNK
+    sharding.BALANCE_CHUNK = shipped if name == "segmented" else 1 << 40
+    sharding._balanced_positions.cache_clear()
+    sharding._rank_order.cache_clear()
+    try:
+        yield
+    finally:
+        sharding.BALANCE_CHUNK = shipped
+        sharding._balanced_positions.cache_clear()
+        sharding._rank_order.cache_clear()
+
+
+LAYOUTS = ("head-tail", "segmented")
+
+
 def _measure(args: argparse.Namespace, mix: str, seq: int) -> dict[str, Any]:
     from lightning_plugins.parallel.context import ring_attention, shard_sequence_load_balanced, ulysses_attention
     from lightning_plugins.parallel.context.sharding import _sequence_positions
@@ -118,31 +144,40 @@ def _measure(args: argparse.Namespace, mix: str, seq: int) -> dict[str, Any]:
     rank, cp = dist.get_rank(), dist.get_world_size()
     lengths = document_lengths(mix, seq, args.seed)
     starts = global_starts(lengths)
-    q_pos = _sequence_positions(seq, rank, cp, load_balanced=True)
     torch.manual_seed(seq)
-    head_dim = args.head_dim
-    shapes = ((1, args.heads, seq, head_dim), (1, args.kv_heads, seq, head_dim), (1, args.kv_heads, seq, head_dim))
-    q, k, v = (shard_sequence_load_balanced(torch.randn(shape), 2, rank, cp) for shape in shapes)
-    grad = shard_sequence_load_balanced(torch.randn(shapes[0]), 2, rank, cp)
-    local_starts = starts[q_pos][None]
-    variants = {
-        ("ring", "unpacked"): lambda q, k, v: ring_attention(q, k, v),
-        ("ring", "packed"): lambda q, k, v: ring_attention(q, k, v, document_starts=local_starts),
-        ("ulysses", "unpacked"): lambda q, k, v: ulysses_attention(q, k, v),
-        ("ulysses", "packed"): lambda q, k, v: ulysses_attention(q, k, v, document_starts=local_starts),
-    }
-    for fn in variants.values():  # warm-up
-        _timed(fn, q, k, v, grad)
-    rounds: list[dict[tuple[str, str], float]] = []
+    shapes = ((1, args.heads, seq, args.head_dim), *[(1, args.kv_heads, seq, args.head_dim)] * 2)
+    full = [torch.randn(shape) for shape in (*shapes, shapes[0])]  # q, k, v and the output's gradient
+
+    def sharded() -> tuple[list[torch.Tensor], torch.Tensor]:
+        q_pos = _sequence_positions(seq, rank, cp, load_balanced=True)
+        return [shard_sequence_load_balanced(t, 2, rank, cp) for t in full], starts[q_pos][None]
+
+    def variant(name: str, kernel: str, packed: bool) -> Any:
+        with layout(name):
+            local_starts = sharded()[1] if packed else None
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            with layout(name):
+                if kernel == "ring":
+                    return ring_attention(q, k, v, document_starts=local_starts)
+                return ulysses_attention(q, k, v, document_starts=local_starts)
+
+        return run
+
+    variants = {(name, "ring", packed): variant(name, "ring", packed) for name in LAYOUTS for packed in (False, True)}
+    variants |= {("segmented", "ulysses", packed): variant("segmented", "ulysses", packed) for packed in (False, True)}
+    inputs = {}
+    for name in LAYOUTS:
+        with layout(name):
+            inputs[name] = sharded()[0]
+    for key, fn in variants.items():  # warm-up
+        _timed(fn, *inputs[key[0]])
+    rounds: list[dict[tuple[str, str, bool], float]] = []
     for index in range(args.rounds):
         order = list(variants) if index % 2 == 0 else list(reversed(variants))
-        rounds.append({key: _timed(variants[key], q, k, v, grad) for key in order})
+        rounds.append({key: _timed(variants[key], *inputs[key[0]]) for key in order})
 
     unpacked_pairs, packed_pairs = seq * (seq + 1) // 2, sum(n * (n + 1) // 2 for n in lengths)
-    per_rank = torch.tensor([attended_pairs(q_pos, starts), attended_pairs(q_pos, None)])
-    gathered = [torch.zeros_like(per_rank) for _ in range(cp)]
-    dist.all_gather(gathered, per_rank)
-    computed = [ring_computed(seq, cp, r, s, args.heads) for r in range(cp) for s in (starts, None)]
     row: dict[str, Any] = {
         "mix": mix,
         "seq": seq,
@@ -151,20 +186,37 @@ def _measure(args: argparse.Namespace, mix: str, seq: int) -> dict[str, Any]:
         "mean_len": seq / len(lengths),
         "max_len": max(lengths),
         "pairs_ratio": packed_pairs / unpacked_pairs,
-        "ring_computed_ratio": sum(computed[0::2]) / sum(computed[1::2]),
-        "ring_excess_packed": sum(computed[0::2]) / packed_pairs,
-        "ring_excess_unpacked": sum(computed[1::2]) / unpacked_pairs,
-        "rank_pairs_packed": [int(g[0]) for g in gathered],
-        "rank_pairs_unpacked": [int(g[1]) for g in gathered],
-        "rank_computed_packed": computed[0::2],
-        "rank_computed_unpacked": computed[1::2],
     }
-    for kernel in ("ring", "ulysses"):
-        ratios = [r[(kernel, "packed")] / r[(kernel, "unpacked")] for r in rounds]
-        row[f"{kernel}_ratio"] = statistics.median(ratios)
-        row[f"{kernel}_ratios"] = ratios
-        row[f"{kernel}_unpacked_s"] = statistics.median(r[(kernel, "unpacked")] for r in rounds)
-        row[f"{kernel}_packed_s"] = statistics.median(r[(kernel, "packed")] for r in rounds)
+    for name in LAYOUTS:
+        with layout(name):
+            q_pos = _sequence_positions(seq, rank, cp, load_balanced=True)
+            per_rank = torch.tensor([attended_pairs(q_pos, starts), attended_pairs(q_pos, None)])
+            gathered = [torch.zeros_like(per_rank) for _ in range(cp)]
+            dist.all_gather(gathered, per_rank)
+            computed = [ring_computed(seq, cp, r, s, args.heads) for r in range(cp) for s in (starts, None)]
+        row[name] = {
+            "ring_computed_ratio": sum(computed[0::2]) / sum(computed[1::2]),
+            "ring_excess_packed": sum(computed[0::2]) / packed_pairs,
+            "ring_excess_unpacked": sum(computed[1::2]) / unpacked_pairs,
+            "rank_pairs_packed": [int(g[0]) for g in gathered],
+            "rank_pairs_unpacked": [int(g[1]) for g in gathered],
+            "rank_computed_packed": computed[0::2],
+            "rank_computed_unpacked": computed[1::2],
+        }
+        for packed in (False, True):
+            kind = "packed" if packed else "unpacked"
+            row[name][f"ring_{kind}_s"] = statistics.median(r[(name, "ring", packed)] for r in rounds)
+        ratios = [r[(name, "ring", True)] / r[(name, "ring", False)] for r in rounds]
+        row[name]["ring_ratio"], row[name]["ring_ratios"] = statistics.median(ratios), ratios
+    ratios = [r[("segmented", "ring", True)] / r[("head-tail", "ring", True)] for r in rounds]
+    row["ring_packed_segmented_over_head_tail"] = statistics.median(ratios)
+    ratios = [r[("segmented", "ring", False)] / r[("head-tail", "ring", False)] for r in rounds]
+    row["ring_unpacked_segmented_over_head_tail"] = statistics.median(ratios)
+    ratios = [r[("segmented", "ulysses", True)] / r[("segmented", "ulysses", False)] for r in rounds]
+    row["ulysses_ratio"] = statistics.median(ratios)
+    for packed in (False, True):
+        kind = "packed" if packed else "unpacked"
+        row[f"ulysses_{kind}_s"] = statistics.median(r[("segmented", "ulysses", packed)] for r in rounds)
     return row
 
 
@@ -187,20 +239,37 @@ def _rank(rank: int, cp: int, port: int, args: argparse.Namespace, out: str) -> 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| mix | S | cp | docs (mean / max len) | pairs packed/unpacked | ring computed packed/unpacked"
-        " (computed/attended: packed, unpacked) | slowest rank's computed | ring time packed/unpacked (s)"
-        " | ring ratio | Ulysses time packed/unpacked (s) | Ulysses ratio | attended pairs per rank, packed (max/min) |",
-        "|---|---:|---:|---|---:|---|---:|---|---:|---|---:|---:|",
+        "| mix | S | cp | docs (mean / max len) | pairs packed/unpacked | layout | busiest rank's attended pairs / mean,"
+        " packed | ring computed packed/unpacked (computed/attended: packed, unpacked) | slowest rank's computed"
+        " | ring time packed/unpacked (s) | ring ratio | Ulysses time packed/unpacked (s) | Ulysses ratio |",
+        "|---|---:|---:|---|---:|---|---:|---|---:|---|---:|---|---:|",
     ]
     for r in rows:
-        balance = max(r["rank_pairs_packed"]) / min(r["rank_pairs_packed"])
-        slowest = max(r["rank_computed_packed"]) / max(r["rank_computed_unpacked"])
+        for name in LAYOUTS:
+            m = r[name]
+            pairs = m["rank_pairs_packed"]
+            balance = max(pairs) / (sum(pairs) / len(pairs))
+            slowest = max(m["rank_computed_packed"]) / max(m["rank_computed_unpacked"])
+            ulysses = (
+                f"{r['ulysses_packed_s']:.3f} / {r['ulysses_unpacked_s']:.3f} | **{r['ulysses_ratio']:.3f}**"
+                if name == "segmented"
+                else "| "
+            )
+            lines.append(
+                f"| {r['mix']} | {r['seq']} | {r['cp']} | {r['documents']} ({r['mean_len']:.0f} / {r['max_len']})"
+                f" | {r['pairs_ratio']:.4f} | {name} | {balance:.2f} | {m['ring_computed_ratio']:.4f}"
+                f" ({m['ring_excess_packed']:.2f}, {m['ring_excess_unpacked']:.2f}) | {slowest:.4f}"
+                f" | {m['ring_packed_s']:.3f} / {m['ring_unpacked_s']:.3f} | **{m['ring_ratio']:.3f}** | {ulysses} |"
+            )
+    lines += [
+        "",
+        "| mix | S | cp | ring time segmented / head-tail, packed | unpacked |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
         lines.append(
-            f"| {r['mix']} | {r['seq']} | {r['cp']} | {r['documents']} ({r['mean_len']:.0f} / {r['max_len']})"
-            f" | {r['pairs_ratio']:.4f} | {r['ring_computed_ratio']:.4f} ({r['ring_excess_packed']:.2f},"
-            f" {r['ring_excess_unpacked']:.2f}) | {slowest:.4f} | {r['ring_packed_s']:.3f} / {r['ring_unpacked_s']:.3f}"
-            f" | **{r['ring_ratio']:.3f}** | {r['ulysses_packed_s']:.3f} / {r['ulysses_unpacked_s']:.3f}"
-            f" | **{r['ulysses_ratio']:.3f}** | {balance:.2f} |"
+            f"| {r['mix']} | {r['seq']} | {r['cp']} | **{r['ring_packed_segmented_over_head_tail']:.3f}**"
+            f" | {r['ring_unpacked_segmented_over_head_tail']:.3f} |"
         )
     return "\n".join(lines)
 

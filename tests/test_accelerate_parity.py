@@ -41,9 +41,12 @@ def build(case: dict[str, Any]) -> torch.nn.Module:
 
         torch.manual_seed(1)
         model = apply_lora(model, LoraOptions(r=4, alpha=16))
-        for name, param in model.named_parameters():  # lora_B starts at zero: give the adapter an effect at once
+        # lora_B starts at zero: give the adapter an effect at once. With std 0.3 the 7th micro-batch's grad norm was
+        # ill-conditioned (on an AMD EPYC, one fp32 process 1.1e-5 and TP=2 5.1e-5 away from an fp64 process, 6e-5
+        # apart); with 0.1 TP=2 is within 2e-7 of one process.
+        for name, param in model.named_parameters():
             if "lora_B" in name:
-                torch.nn.init.normal_(param, std=0.3, generator=torch.Generator().manual_seed(len(name)))
+                torch.nn.init.normal_(param, std=0.1, generator=torch.Generator().manual_seed(len(name)))
     return model
 
 
@@ -127,7 +130,9 @@ def _check(name: str, got: dict[str, Any], want: dict[str, Any]) -> list[str]:
     assert max(want["norm"]) > MAX_NORM, f"{name}: the test must exercise clipping ({max(want['norm'])})"
     for key in ("loss", "norm", "lr"):
         values = torch.tensor(got[key]), torch.tensor(want[key])
-        torch.testing.assert_close(*values, rtol=TOL, atol=TOL, msg=f"{name} {key}")
+        torch.testing.assert_close(
+            *values, rtol=TOL, atol=TOL, msg=lambda m: f"{name} {key}: {m} got {got[key]} want {want[key]}"
+        )
     assert got["index"] == list(range(ROWS)), f"{name}: gather_for_metrics saw {got['index']}"
     for param_name, weight in got["weights"].items():
         torch.testing.assert_close(weight, want["weights"][param_name], rtol=TOL, atol=TOL, msg=f"{name} {param_name}")

@@ -20,7 +20,10 @@ from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, para
 from lightning_plugins.parallel import context_parallel_batch, mesh_of, pipeline_of
 from lightning_plugins.parallel.pipeline import PipelineOptions, layer_ranges, stages_of_rank
 
-STEPS, ACCUM, BATCH, SEQ, MAX_NORM, LR = 5, 2, 8, 16, 0.5, 1.0
+# LR 0.5, not 1: at 1 (with momentum 0.9) llama_8l's step-5 grad norm was ill-conditioned, one fp32 process 1e-5
+# away from an fp64 one and PP x 4 (zbv) 3e-5 away from the fp32 process on an AMD EPYC; at 0.5 every layout here
+# stays within 2e-6 of one process on that machine (the test still clips every step).
+STEPS, ACCUM, BATCH, SEQ, MAX_NORM, LR = 5, 2, 8, 16, 0.5, 0.5
 TOL = 1e-5
 
 
@@ -104,9 +107,8 @@ def _check_cases(rank: int, world_size: int, cases: list[tuple[str, dict, dict]]
     references: dict[str, tuple] = {}
     for family, sizes, options in cases:
         if family not in references:
-            exact_norms = _reference(tiny_model(family).double(), steps)[1]
-            references[family] = (tiny_model(family), *_reference(tiny_model(family), steps), exact_norms)
-        model0, ref_losses, ref_norms, ref_weights, ref_evals, exact_norms = references[family]
+            references[family] = (tiny_model(family), *_reference(tiny_model(family), steps))
+        model0, ref_losses, ref_norms, ref_weights, ref_evals = references[family]
         layout = ParallelLayout(**sizes).resolve(world_size)
         model = parallelize(copy.deepcopy(model0), layout, *with_settings("test", **options))
         mesh = mesh_of(model)
@@ -128,18 +130,11 @@ def _check_cases(rank: int, world_size: int, cases: list[tuple[str, dict, dict]]
 
         losses, norms, evals = _train(model, rows, steps)
         ref_evals_here = [*ref_evals, _short_eval_reference(family, ref_weights, dp)]
-        checks = (("losses", losses, ref_losses), ("eval", evals, ref_evals_here))
+        checks = (("losses", losses, ref_losses), ("grad norms", norms, ref_norms), ("eval", evals, ref_evals_here))
         for what, got, expected in checks:
             torch.testing.assert_close(
                 torch.tensor(got), torch.tensor(expected), atol=TOL, rtol=0, msg=lambda m: f"{where}: {what}: {m}"
             )
-        # A late step's grad norm is the most rounding-sensitive number here (lr 1 with momentum): on an AMD EPYC
-        # the fp32 one-process norm of llama_8l at step 5 is 9.8e-6 off the exact (fp64) one, and PP x 4 (zbv, 8
-        # micro-batches of one row, summed in another order) 2.0e-5 off it, on the other side. So each norm must be
-        # within TOL of the exact norm plus twice what one fp32 process is off at that step (~1e-7 at most steps).
-        for step, (got, expected, exact) in enumerate(zip(norms, ref_norms, exact_norms)):
-            bound = TOL + 2 * abs(expected - exact)
-            assert abs(got - exact) <= bound, f"{where}: grad norm at step {step}: {got} vs exact {exact} ({bound:.2g})"
         for name, param in model.named_parameters():
             torch.testing.assert_close(
                 _full(param.detach()), ref_weights[name], atol=TOL, rtol=0, msg=lambda m: f"{where} {name}: {m}"

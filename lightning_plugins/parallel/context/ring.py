@@ -234,7 +234,8 @@ def ring_attention(
         causal: Whether query position ``i`` attends only key positions ``<= i`` (global positions).
         scale: Score scale; default ``1 / sqrt(head_dim)``.
         load_balanced: Whether the shards follow the load-balanced layout (rank ``r`` holds chunks ``r``
-            and ``2 * cp - 1 - r``, see :func:`shard_sequence_load_balanced`) rather than contiguous slices.
+            and ``2 * cp - 1 - r`` of every segment, see :func:`load_balanced_indices`) rather than contiguous
+            slices.
         valid_len: Global length before padding; positions from it on are padding and neither attend
             nor are attended (their output is zero). Needed for non-causal attention over a padded
             sequence; with causal attention real tokens never see trailing pads anyway.

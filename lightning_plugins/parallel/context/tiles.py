@@ -46,8 +46,8 @@ def _active_block(
 
     Positions are sorted within a shard in both layouts, so the rows that attend anything form a
     contiguous range and the keys that are attended form a prefix: slicing to that box skips the
-    masked work (this is where load balancing pays: off-diagonal causal blocks shrink to a half).
-    With packed rows (``starts``) a query attends only its own document, so the box narrows further,
+    masked work (with a single segment of the load-balanced layout, off-diagonal causal blocks shrink to a
+    half; with several, the causal tiles of :func:`_row_tiles` skip it). With packed rows (``starts``) a query attends only its own document, so the box narrows further,
     tile by tile (:func:`_row_tiles`), and a block that holds none of a query's document is skipped.
 
     The positions are real tensors (:func:`_sequence_positions`), read outside any ``FakeTensorMode``.
@@ -144,7 +144,9 @@ def _row_tiles(
             yield _causal_tile(block.causal, start, stop, width)
 
 
-def _causal_tile(causal: tuple[Tensor, Tensor], start: int, stop: int, width: int) -> tuple[slice, slice, Optional[Tensor]]:
+def _causal_tile(
+    causal: tuple[Tensor, Tensor], start: int, stop: int, width: int
+) -> tuple[slice, slice, Optional[Tensor]]:
     """Causal rows ``[start, stop)`` boxed to the keys up to the last one their last query attends, with their mask."""
     q_pos, k_pos = causal
     cols = min(width, int(torch.searchsorted(k_pos, q_pos[stop - 1], right=True)))
@@ -152,9 +154,8 @@ def _causal_tile(causal: tuple[Tensor, Tensor], start: int, stop: int, width: in
     return slice(start, stop), slice(0, cols), None if every_pair else q_pos[start:stop, None] >= k_pos[None, :cols]
 
 
-#: A packed tile takes the next document in while its box computes at most this many times the pairs its queries
-#: attend (measured in ``benchmarks/packed_attention.py``: one tile per short document costs more per tile than
-#: it saves in area).
+#: A packed tile takes the next document in while its box stays within this many times the pairs its queries attend:
+#: fewer, larger tiles for short documents (each tile has a fixed cost), at most twice their area.
 _DOCUMENT_WASTE = 2.0
 
 
