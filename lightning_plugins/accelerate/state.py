@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_plugins.async_checkpoint import AsyncCheckpointer
 from lightning_plugins.checkpoint_checks import reads_checkpoint
-from lightning_plugins.export import save_export_info
+from lightning_plugins.export_info import save_export_info
 from lightning_plugins.resume import load_rng, publish, save_rng
 
 #: Non-tensor state written once (identical on every rank).

@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lightning_plugins.async_checkpoint import AsyncCheckpointer
 from lightning_plugins.checkpoint_checks import reads_checkpoint
-from lightning_plugins.export import save_export_info
+from lightning_plugins.export_info import save_export_info
 from lightning_plugins.faults import join_timeout, set_collective_timeout
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
