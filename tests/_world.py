@@ -46,10 +46,13 @@ def script_env(**extra: str) -> dict[str, str]:
     """The environment for a script that starts its own world (e.g. a Lightning Trainer on N devices).
 
     Inherited launch variables would make Lightning think the ranks already exist; a fresh port keeps
-    concurrent worlds apart.
+    concurrent worlds apart. A rank that dies of a signal (a segfault in native code) prints every thread's Python
+    stack (``PYTHONFAULTHANDLER``), so the failure says where it happened.
     """
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
-    return {**env, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **extra}
+    port = str(free_port())
+    fixed = {"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    return {**env, **fixed, **extra}
 
 
 #: Imported once by the fork server that every world's ranks are forked from: a spawned rank spent seconds
