@@ -33,6 +33,7 @@ from lightning_plugins.options import MemoryOptions, ParallelOptions, with_setti
 from lightning_plugins.parallel import check_same_settings, clip_grad_norm_, mesh_of, parallelize, pipeline_of
 from lightning_plugins.parallel.context import check_context_parallel, context_parallel_batch
 from lightning_plugins.resume import publish, read_rng, restore_rng, save_rng
+from lightning_plugins.teardown import release_at_exit
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -128,6 +129,8 @@ class ParallelismStrategy(ModelParallelStrategy):
             super()._setup_distributed()
         finally:
             self._timeout = timeout
+        # The script may still run collectives after `fit`: the groups are released when the interpreter exits.
+        release_at_exit()
 
     @override
     def setup_environment(self) -> None:
