@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import sys
 import weakref
 from typing import Any
 
@@ -60,9 +61,22 @@ def release_process_groups() -> int:
         registry = getattr(mesh, "_pg_registry", None)  # torch's cache of the mesh's groups (by name)
         if isinstance(registry, dict):
             registry.clear()
+    _forget_deepspeed_defaults()
     if any(ref() is not None for ref in groups):
         gc.collect()  # groups held only by garbage in reference cycles (a finished run's model, trainer) go now
     return sum(ref() is not None for ref in groups)
+
+
+def _forget_deepspeed_defaults() -> None:
+    """DeepSpeed's comm backend, when imported after the process group exists, keeps the default group in default
+    arguments (deepspeed 0.19: ``TorchBackend.barrier(group=GroupMember.WORLD)``, ``monitored_barrier``), which read
+    ``None`` as that group anyway. transformers' ``save_pretrained`` imports it (through Accelerate) whenever it is
+    installed, so an export would keep the default group, and its threads, alive."""
+    backend = getattr(sys.modules.get("deepspeed.comm.torch"), "TorchBackend", None)
+    for function in vars(backend).values() if backend is not None else ():
+        defaults = getattr(function, "__defaults__", None)
+        if defaults and any(isinstance(value, dist.ProcessGroup) for value in defaults):
+            function.__defaults__ = tuple(None if isinstance(value, dist.ProcessGroup) else value for value in defaults)
 
 
 def release_at_exit() -> None:
