@@ -156,8 +156,10 @@ def _collect_stages(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------------- writing
 
 
-def _save_model(model: nn.Module, state: dict[str, Tensor], directory: Path) -> None:
-    model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+def _save_model(model: nn.Module, state: dict[str, Tensor], directory: str | Path, **options: Any) -> None:
+    """transformers' own ``save_pretrained`` of ``model`` with the full ``state`` (and the caller's ``options``)."""
+    # The class's method: `parallelize` replaced the instance's by the collective one (lightning_plugins.saving).
+    type(model).save_pretrained(model, directory, state_dict=state, **options)
     # transformers records the class it saves from; a pipelined model's class is our subclass of it.
     hf_class = next(cls for cls in type(model).__mro__ if cls.__module__.startswith("transformers."))
     if model.config.architectures != [hf_class.__name__]:
