@@ -105,7 +105,8 @@ def hf_model_of(model: nn.Module) -> nn.Module:
 
 def peft_model_around(module: nn.Module, model: nn.Module) -> nn.Module:
     """The peft ``PeftModel`` inside ``module`` (or ``module`` itself) that wraps the transformers ``model``, else
-    ``model``: what a door hands to ``parallelize``, so that the ``PeftModel``'s ``save_pretrained`` is collective too."""
+    ``model``: what a door hands to ``parallelize``, so that the ``PeftModel``'s ``save_pretrained`` is collective
+    too."""
     peft = sys.modules.get("peft")
     if peft is None:
         return model

@@ -4,25 +4,32 @@ After :func:`lightning_plugins.parallelize` each rank holds shards (DTensors und
 pipeline stages, so the library's own ``model.save_pretrained(out_dir)`` fails on the DTensors, or under
 pipeline parallelism writes one stage's weights. ``parallelize`` therefore installs :func:`save_pretrained` on
 the model it parallelized (the transformers model and the peft ``PeftModel`` around it): every rank calls it, as
-the HF and Accelerate habit is, the trained tensors are gathered with the export machinery of
+the HF and Accelerate habit is, and the trained tensors are gathered with the export machinery of
 :mod:`lightning_plugins.checkpoint` (each DTensor by the ranks that share it, pipeline stages collected on rank
-0), and the writing rank hands them to the library's own ``save_pretrained`` with all of the caller's options, so
-the directory is the one a single process writes. :func:`full_state_dict` is the whole state dict under
-one-process names on rank 0, which ``ParallelAccelerator.get_state_dict`` returns.
+0). The writing rank then hands them to transformers' own ``save_pretrained`` with all of the caller's options;
+for a ``PeftModel`` it writes the adapter directory with ``export_hf``'s writer, the adapters picked and named by
+peft on each stage (peft picks by visiting the layers, which a pipeline stage has only some of), plus peft's
+model card. So the directory is the one a single process writes, and its tensors are those ``export_hf`` writes.
+:func:`full_state_dict` is the whole state dict under one-process names on rank 0, which
+``ParallelAccelerator.get_state_dict`` returns.
 
 Who writes: the ranks that pass ``is_main_process=True``; when every rank passes it (the default), rank 0
 alone. A ``state_dict=`` that is already full (plain tensors of the model's shapes, every entry) is written as
-given; the model's own sharded ``state_dict()`` passed on every rank is gathered first; anything else (one
-pipeline stage's part, local shards) is refused on every rank, before anything is written.
+given; the model's own sharded ``state_dict()`` passed alike on every rank is gathered first; anything else (one
+pipeline stage's part, local shards) is refused on every rank, before anything is written. The files are
+written into ``save_directory`` as the libraries write them (next to what is there, e.g. a tokenizer), not
+swapped in atomically as ``export_hf`` does.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import types
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
@@ -30,7 +37,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from lightning_plugins.checkpoint import _collect_stages, _full_on_leader, _save_model
+from lightning_plugins.checkpoint import _collect_stages, _full_on_leader, _save_adapters, _save_model, _stage_leader
 from lightning_plugins.faults import summarize
 from lightning_plugins.lora import hf_model_of
 
@@ -70,40 +77,48 @@ class _View(NamedTuple):
     writes: bool
     own: dict[str, tuple[tuple[int, ...] | None, bool, str | None]]  # the entries it saves: shape, DTensor, alias of
     given: dict[str, tuple[tuple[int, ...] | None, bool, str | None]] | None  # the same of its state_dict argument
+    files: dict[str, dict[str, str]] | None  # PeftModel: per adapter, the adapter file's key -> the state_dict name
 
 
 def save_pretrained(model: nn.Module, *args: Any, **kwargs: Any) -> None:
     """``model.save_pretrained(save_directory, ...)`` for a parallelized model; the library's own arguments.
 
     Collective: every rank calls it. The ranks passing ``is_main_process=True`` write (rank 0 alone when every
-    rank passes it); they write what the library's own ``save_pretrained`` writes for the trained weights in one
-    process: an HF directory for a transformers model, a peft adapter directory for a ``PeftModel``.
+    rank passes it). A transformers model is written by transformers' own ``save_pretrained`` with the full
+    trained tensors; a ``PeftModel`` writes its adapter directory (``adapter_config.json``, the adapters' weights
+    as peft picks and names them on each pipeline stage, the model card), as ``PeftModel.save_pretrained`` does.
 
     Raises:
         ValueError: on every rank, before anything is written, for a ``state_dict`` that is not the full one
             (one pipeline stage's part, local shards) and cannot be gathered.
-        RuntimeError: when the process group is gone, and on every rank when a writing rank failed.
+        RuntimeError: when the process group is gone or a rank did not call it, and on every rank when a
+            writing rank failed.
     """
     call = inspect.signature(type(model).save_pretrained).bind(model, *args, **kwargs)
     options = _arguments(call)
     given = options.pop("state_dict", None)
+    owner = type(model).__name__
     if not dist.is_initialized():
         raise RuntimeError(
-            f"save_pretrained of this parallelized {type(model).__name__} gathers its weights from every rank, but"
-            " torch.distributed is not initialized (the process group was destroyed). Call it before"
-            " `destroy_process_group()` on every rank, or export a saved checkpoint with `lightning-plugins export`."
+            f"save_pretrained of this parallelized {owner} gathers its weights from every rank, but torch.distributed"
+            " is not initialized (the process group was destroyed). Call it before `destroy_process_group()` on every"
+            " rank, or export a saved checkpoint with `lightning-plugins export`."
         )
-    own = _entries_to_save(model, options)
+    own, files = _entries_to_save(model, options)
+    # The ranks of a pipeline stage hold the same entries (shards of the same global shapes): its leader tells them.
+    leader = dist.get_rank() == _stage_leader(hf_model_of(model))
+    view = _View(bool(options.get("is_main_process", True)), _describe(own) if leader else {}, _describe(given),
+                 files if leader else None)  # fmt: skip
     views: list[Any] = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(views, _View(bool(options.get("is_main_process", True)), _describe(own), _describe(given)))
+        dist.all_gather_object(views, view)
     except RuntimeError as error:  # gloo/NCCL errors and timeouts; the usual cause is a rank that did not call it
         raise RuntimeError(
-            f"{type(model).__name__}.save_pretrained on a parallelized model is collective: every rank must call it"
-            f" (it gathers each rank's shards), but a peer did not answer ({summarize(error)}). Call it on every rank"
-            " and choose the writing rank with is_main_process=..., rather than calling it under `if rank == 0:`."
+            f"{owner}.save_pretrained on a parallelized model is collective: every rank must call it (it gathers each"
+            f" rank's shards), but a peer did not answer ({summarize(error)}). Call it on every rank and choose the"
+            " writing rank with is_main_process=..., rather than calling it under `if rank == 0:`."
         ) from error
-    writers, source = _plan(type(model).__name__, views)
+    writers, source = _plan(owner, views)
     rank = dist.get_rank()
     if source != "given" and writers:
         state = _deliver(_gather(model, own if source == "model" else given), writers)
@@ -112,17 +127,17 @@ def save_pretrained(model: nn.Module, *args: Any, **kwargs: Any) -> None:
     failure = None
     if rank in writers:
         try:
-            _write(model, options, state)
+            _write(model, options, state, views)
         except Exception as error:  # every rank learns of it below, then this rank raises it as it is
             failure = error
     failures: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, None if failure is None else f"{type(failure).__name__}: {failure}")
+    dist.all_gather_object(failures, None if failure is None else summarize(failure))
     if failure is not None:
         raise failure
-    failed = [(r, f) for r, f in enumerate(failures) if f is not None]
+    failed = [(r, what) for r, what in enumerate(failures) if what is not None]
     if failed:
-        r, what = failed[0]
-        raise RuntimeError(f"save_pretrained: rank {r} could not write {options['save_directory']}: {what}")
+        rank, what = failed[0]
+        raise RuntimeError(f"{owner}.save_pretrained: rank {rank} could not write its directory: {what}")
 
 
 # ---------------------------------------------------------------------------------------------------- the call
@@ -140,26 +155,36 @@ def _arguments(call: inspect.BoundArguments) -> dict[str, Any]:
     return arguments
 
 
-def _entries_to_save(model: nn.Module, options: dict[str, Any]) -> dict[str, Any]:
-    """This rank's (sharded) entries that the library's ``save_pretrained`` writes: all, or a ``PeftModel``'s
-    adapter entries (as peft picks them) under their ``state_dict()`` names."""
+def _entries_to_save(model: nn.Module, options: dict[str, Any]) -> tuple[dict[str, Any], dict | None]:
+    """This rank's (sharded) entries that are written, under their ``state_dict()`` names: every entry of a
+    transformers model; of a ``PeftModel``, those peft picks for each adapter on this rank's stages, with the key
+    each has in the adapter file (peft picks by visiting the layers, so each pipeline stage names its own)."""
     sharded = get_model_state_dict(model)  # no communication: this rank's own shards, under one-process names
     if hf_model_of(model) is model:
-        return sharded
+        return sharded, None
     from peft.utils import get_peft_model_state_dict
 
-    picked: set[int] = set()
-    with warnings.catch_warnings():  # peft's notes come once, from the writing rank's own save_pretrained
+    if options.get("path_initial_model_for_weight_conversion") is not None:
+        raise ValueError(
+            f"{type(model).__name__}.save_pretrained(path_initial_model_for_weight_conversion=...) is not available on"
+            " a parallelized model. Save the adapter as it is, then convert it in one process:"
+            " PeftModel.from_pretrained(base, adapter_dir).save_pretrained(out,"
+            " path_initial_model_for_weight_conversion=...)."
+        )
+    name_of: dict[int, str] = {}
+    for key, value in sharded.items():
+        name_of.setdefault(id(value), key)
+    files: dict[str, dict[str, str]] = {}
+    with warnings.catch_warnings():  # peft's notes come from the one-process habit once; not from every rank
         warnings.simplefilter("ignore")
-        for name in options.get("selected_adapters") or list(model.peft_config):
+        for adapter in options.get("selected_adapters") or list(model.peft_config):
             entries = get_peft_model_state_dict(
-                model, state_dict=sharded, adapter_name=name,
+                model, state_dict=sharded, adapter_name=adapter,
                 save_embedding_layers=options.get("save_embedding_layers", "auto"),
             )  # fmt: skip
-            picked |= {id(value) for value in entries.values()}
-    own = {key: value for key, value in sharded.items() if id(value) in picked}
-    # peft hands back the entries it picks; should it ever build new ones, gather everything rather than miss some.
-    return own if len({id(value) for value in own.values()}) == len(picked) else sharded
+            files[adapter] = {key: name_of.get(id(value), "") for key, value in entries.items()}
+    wanted = {name for names in files.values() for name in names.values()}
+    return {key: value for key, value in sharded.items() if key in wanted}, files
 
 
 def _describe(state: dict[str, Any] | None) -> dict[str, tuple[tuple[int, ...] | None, bool, str | None]] | None:
@@ -172,7 +197,9 @@ def _describe(state: dict[str, Any] | None) -> dict[str, tuple[tuple[int, ...] |
         tensor = isinstance(value, Tensor)
         shape = tuple(value.shape) if tensor else None
         described[key] = (shape, isinstance(value, DTensor), first.setdefault(id(value), key) if tensor else None)
-    return {key: (shape, dtensor, None if alias == key else alias) for key, (shape, dtensor, alias) in described.items()}
+    return {
+        key: (shape, dtensor, None if alias == key else alias) for key, (shape, dtensor, alias) in described.items()
+    }
 
 
 def _plan(owner: str, views: list[_View]) -> tuple[list[int], str]:
@@ -181,6 +208,13 @@ def _plan(owner: str, views: list[_View]) -> tuple[list[int], str]:
     the same from the all-gathered views, so a refusal is raised everywhere at once."""
     flags = [view.writes for view in views]
     writers = [0] if all(flags) else [rank for rank, flag in enumerate(flags) if flag]
+    for view in views:
+        if view.files is not None and any("" in names.values() for names in view.files.values()):
+            raise ValueError(  # peft built new tensors instead of picking the model's: nothing to gather them from
+                f"{owner}.save_pretrained: peft's adapter state dict holds tensors that are not the model's own, which"
+                " cannot be gathered from a parallelized model. Export it with"
+                " `lightning_plugins.checkpoint.export_hf(model, out_dir)`."
+            )
     given = [view.given for view in views]
     if all(state is None for state in given):
         return writers, "model"
@@ -211,7 +245,8 @@ def _not_full(state: dict | None, expected: dict, *, sharded: bool = False) -> s
         return f"lacks {len(missing)} of the model's {len(expected)} entries{stage}, e.g. {missing[:3]}"
     for key, (shape, _, _) in expected.items():
         if key in state and state[key][0] != shape:
-            return f"holds {key!r} of shape {list(state[key][0] or ())} where the model's is {list(shape or ())} (a shard)"
+            got, want = list(state[key][0] or ()), list(shape or ())
+            return f"holds {key!r} of shape {got} where the model's is {want} (a shard)"
     return None
 
 
@@ -239,15 +274,21 @@ def _deliver(state: dict[str, Any], writers: list[int]) -> dict[str, Any]:
     return state if rank in writers else {}
 
 
-def _write(model: nn.Module, options: dict[str, Any], state: dict[str, Any]) -> None:
-    """The library's own ``save_pretrained`` of ``model`` with the caller's options and the full ``state``."""
+def _write(model: nn.Module, options: dict[str, Any], state: dict[str, Any], views: list[_View]) -> None:
+    """What the library's own ``save_pretrained`` writes for ``model`` with the full ``state``."""
     options = {**options, "is_main_process": True}
     directory = options.pop("save_directory")
-    if hf_model_of(model) is model:
+    if hf_model_of(model) is model:  # transformers' own, with the caller's options
         with _writes_on_this_rank(model):
             _save_model(model, state, directory, **options)
-    else:
-        type(model).save_pretrained(model, directory, state_dict=state, **options)
+        return
+    weights: dict[str, dict[str, Tensor]] = {}
+    for view in views:  # every stage's adapter entries, named as peft names them
+        for adapter, names in (view.files or {}).items():
+            weights.setdefault(adapter, {}).update({key: state[name] for key, name in names.items()})
+    os.makedirs(directory, exist_ok=True)
+    model.create_or_update_model_card(directory)
+    _save_adapters(model, weights, Path(directory), safe_serialization=options.get("safe_serialization", True))
 
 
 @contextmanager
