@@ -131,6 +131,48 @@ def test_refusals_and_other_writers(tmp_path: Path) -> None:
     run_world(_refusals, 2, str(tmp_path))
 
 
+def _compositions(rank: int, world_size: int, root: str) -> None:
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    from lightning_plugins import ParallelLayout, ParallelOptions, parallelize
+    from lightning_plugins.checkpoint import export_hf
+    from lightning_plugins.saving import full_state_dict
+
+    options = ParallelOptions(pp_microbatches=2)
+    cases = {  # name: (model, layout, who writes)
+        "tp2 x fsdp2": ("llama", ParallelLayout(tp_size=2, dp_shard_size=2), 3),
+        "pp2 x fsdp2 tied": ("llama_tied", ParallelLayout(pp_size=2, dp_shard_size=2), None),
+        "lora pp2 x tp2": ("llama", ParallelLayout(pp_size=2, tp_size=2), 0),
+    }
+    for name, (family, layout, writer) in cases.items():
+        model = tiny_model(family)
+        if "lora" in name:
+            torch.manual_seed(1)
+            targets = ["q_proj", "o_proj", "up_proj"]  # column- and row-parallel bases
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+        one_process = {k: v.clone() for k, v in model.state_dict().items()}
+        parallelize(model, layout, options)
+        full = full_state_dict(model)
+        if rank == 0:  # every entry, bit for bit, in one process's order
+            assert list(full) == list(one_process), name
+            assert all(torch.equal(full[k], v) for k, v in one_process.items()), name
+        saved, exported = Path(root) / f"{name} saved", Path(root) / f"{name} exported"
+        model.save_pretrained(saved, **({} if writer is None else {"is_main_process": rank == writer}))
+        export_hf(model, exported)
+        if rank == (writer or 0):
+            assert differing(saved, exported) == [], name
+            tensors = {k: v for p in saved.glob("*.safetensors") for k, v in load_file(str(p)).items()}
+            named = {k.replace(".default", ""): v for k, v in one_process.items()}
+            assert tensors and all(torch.equal(v, named[k]) for k, v in tensors.items()), name
+
+
+def test_compositions_on_four_ranks(tmp_path: Path) -> None:
+    """TP x FSDP2 (rank 3 writes), PP x FSDP2 with tied embeddings, LoRA under PP x TP: what is written and
+    ``full_state_dict`` are the model's weights bit for bit (here untrained: the one-process copy is exact)."""
+    run_world(_compositions, 4, str(tmp_path))
+
+
 def test_refusals_in_one_process(tmp_path: Path) -> None:
     """A world of one: an empty state dict, peft's weight conversion, a process group that is gone."""
     from lightning_plugins import ParallelLayout, parallelize
