@@ -149,8 +149,8 @@ def _compositions(rank: int, world_size: int, root: str) -> None:
         model = tiny_model(family)
         if "lora" in name:
             torch.manual_seed(1)
-            targets = ["q_proj", "o_proj", "up_proj"]  # column- and row-parallel bases
-            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+            targets = ["q_proj", "o_proj", "up_proj"]  # column- and row-parallel bases; random non-zero lora_B
+            model = get_peft_model(model, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
         one_process = {k: v.clone() for k, v in model.state_dict().items()}
         parallelize(model, layout, options)
         full = full_state_dict(model)
