@@ -63,7 +63,9 @@ class ParallelAccelerator(Accelerator):
     backward of the whole batch through the schedule and returns the loss; ``backward(loss)`` then adds
     the gradients it computed. ``clip_grad_norm_`` clips by the true global norm, ``save_state`` /
     ``load_state`` write and read one atomic distributed checkpoint (model, optimizer, schedulers, random
-    states, data position), ``save_model`` exports an HF directory (or a peft adapter).
+    states, data position), ``save_model`` exports an HF directory (or a peft adapter), and so does the model's own
+    ``save_pretrained`` called on every rank (with ``state_dict=get_state_dict(model)`` too: the full state dict on
+    the main process).
 
     Under a launch config that selects Accelerate's own DeepSpeed or FSDP, those stay in charge (only
     data-parallel layouts are then valid) and every method is Accelerate's.
