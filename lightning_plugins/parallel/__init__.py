@@ -16,6 +16,7 @@ from lightning_plugins.layout import MESH_DIM_NAMES, LayoutError, ParallelLayout
 from lightning_plugins.lora import hf_model_of
 from lightning_plugins.options import MemoryOptions, ParallelOptions
 from lightning_plugins.quantize import check_quantized
+from lightning_plugins.saving import install_save_pretrained
 from lightning_plugins.models import ModelFamily, check_supported, decoder_layers, family_for
 from lightning_plugins.parallel.activation import apply_activation_checkpointing
 from lightning_plugins.parallel.context import apply_context_parallel, check_context_parallel, context_parallel_batch
@@ -64,13 +65,16 @@ def parallelize(
         The same model, now holding DTensor parameters; its ``loss_function`` averages over valid tokens
         across all data ranks exactly as one process would. With ``pp_size > 1`` the model keeps only this
         rank's stages and ``model(**batch)`` runs forward and backward of the whole batch through the
-        pipeline (see :func:`pipeline_of` and :mod:`lightning_plugins.parallel.pipeline`).
+        pipeline (see :func:`pipeline_of` and :mod:`lightning_plugins.parallel.pipeline`). Its ``save_pretrained``
+        (and that of the ``PeftModel`` given) is collective: called on every rank, it writes the trained weights
+        whole (see :mod:`lightning_plugins.saving`).
 
     Raises:
         LayoutError: for any invalid combination, before any collective runs.
     """
     if (inner := hf_model_of(model)) is not model:  # a PeftModel: the transformers model inside holds the layers
         parallelize(inner, layout, options, memory)
+        install_save_pretrained(model)
         return model
     options, memory = options or ParallelOptions(), memory or MemoryOptions()
     resolved = _resolve(layout)
@@ -96,6 +100,7 @@ def parallelize(
     if pipeline_options is not None:
         _parallelize_pipeline(model, family, mesh, pipeline_options, options, memory)
         _refuse_generate(model, "pipeline parallelism (each rank holds only some decoder layers)")
+        install_save_pretrained(model)
         setattr(model, _MESH_ATTR, mesh)
         setattr(model, _SETTINGS_ATTR, (options, memory))
         return model
@@ -124,6 +129,7 @@ def parallelize(
             reshard_after_forward=memory.reshard_after_forward,
         )
     model.loss_function = ParallelCausalLMLoss(data_mesh(mesh))
+    install_save_pretrained(model)
     setattr(model, _MESH_ATTR, mesh)
     setattr(model, _SETTINGS_ATTR, (options, memory))
     return model

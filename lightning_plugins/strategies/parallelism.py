@@ -26,6 +26,7 @@ from lightning_plugins.checkpoint_checks import reads_checkpoint
 from lightning_plugins.export_info import save_export_info
 from lightning_plugins.faults import join_timeout, set_collective_timeout
 from lightning_plugins.layout import LayoutError, ParallelLayout
+from lightning_plugins.lora import peft_model_around
 from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
 from lightning_plugins import models
 from lightning_plugins.models import check_supported
@@ -177,7 +178,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         if not is_overridden("configure_model", self.lightning_module):
             model = find_hf_model(self.lightning_module, type(self).__name__)
-            parallelize(model, self.device_mesh, self.options, self.memory)
+            parallelize(peft_model_around(self.lightning_module, model), self.device_mesh, self.options, self.memory)
             if is_on_meta(model):
                 load_sharded_safetensors(
                     model, checkpoint_dir_of(model, self.load_from, type(self).__name__), self.root_device
