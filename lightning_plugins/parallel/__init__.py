@@ -194,14 +194,23 @@ def mesh_of(model: nn.Module) -> DeviceMesh | None:
     return getattr(model, _MESH_ATTR, None)
 
 
-def check_same_settings(model: nn.Module, layout: ParallelLayout, options: ParallelOptions, memory: MemoryOptions) -> None:
+def check_same_settings(
+    model: nn.Module, layout: ParallelLayout, options: ParallelOptions | None = None, memory: MemoryOptions | None = None
+) -> None:
     """A model is parallelized once: asking again is fine with the same layout and settings.
+
+    Args:
+        model: A model :func:`parallelize` applied a layout to.
+        layout: The layout asked for now.
+        options: The options asked for now; ``None`` accepts those applied (only the layout is compared).
+        memory: The memory options asked for now; ``None`` accepts those applied.
 
     Raises:
         LayoutError: naming both layouts and settings when they differ.
     """
     applied = ParallelLayout.from_mesh(mesh_of(model))
     applied_options, applied_memory = getattr(model, _SETTINGS_ATTR)
+    options, memory = options or applied_options, memory or applied_memory
     if (applied, applied_options, applied_memory) != (layout, options, memory):
         raise LayoutError(
             f"This model was already parallelized with {applied}, {applied_options}, {applied_memory}; now"
