@@ -170,7 +170,7 @@ def check_supported(model: Any) -> None:
 
 
 def hf_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost ``transformers.PreTrainedModel``\ s inside ``module`` (itself included), with their names."""
+    """The outermost ``transformers.PreTrainedModel`` instances in ``module`` (itself included), with their names."""
     from transformers import PreTrainedModel
 
     found: list[tuple[str, nn.Module]] = []

@@ -30,9 +30,15 @@ from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharde
 from lightning_plugins import models
 from lightning_plugins.models import check_supported
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
-from lightning_plugins.parallel import check_same_settings, clip_grad_norm_, mesh_of, parallelize, pipeline_of
-from lightning_plugins.parallel.context import check_context_parallel, context_parallel_batch
-from lightning_plugins.parallel.pipeline import check_pipeline_layout
+from lightning_plugins.parallel import (
+    check_parallelizable,
+    check_same_settings,
+    clip_grad_norm_,
+    mesh_of,
+    parallelize,
+    pipeline_of,
+)
+from lightning_plugins.parallel.context import context_parallel_batch
 from lightning_plugins.resume import publish, read_rng, restore_rng, save_rng
 
 if TYPE_CHECKING:
@@ -207,9 +213,9 @@ class ParallelismStrategy(ModelParallelStrategy):
     def _check_model(self, model: nn.Module) -> None:
         """Check the layout against ``model`` before any collective touches it (no collective runs here).
 
-        A model that is not parallelized yet is validated as :func:`~lightning_plugins.parallelize` would; one that
-        is (by an earlier entry point, or by the module's own ``configure_model``) must have this strategy's layout,
-        and, when this strategy parallelized it, its settings.
+        A model that is not parallelized yet gets the checks :func:`~lightning_plugins.parallelize` starts with; one
+        that is (by an earlier entry point, or by the module's own ``configure_model``) must have this strategy's
+        layout, and, when this strategy parallelized it, its settings.
         """
         if mesh_of(model) is not None:
             if model in _PARALLELIZED:
@@ -217,11 +223,7 @@ class ParallelismStrategy(ModelParallelStrategy):
             else:  # the module's `configure_model` called `parallelize` itself, with settings of its own
                 check_same_settings(model, self.layout)
             return
-        check_supported(model)
-        self.layout.validate(model.config)
-        check_context_parallel(model.config, self.layout.cp_size, self.layout.tp_size, self.options.cp_backend)
-        if self.layout.pp_size > 1:
-            check_pipeline_layout(self.layout, model.config, self.options.pipeline)
+        check_parallelizable(model, self.layout, self.options, self.memory)
 
     def _parallelize_model(self) -> None:
         """Apply the layout to the HF model once the LightningModule's ``configure_model`` has run.
@@ -237,7 +239,8 @@ class ParallelismStrategy(ModelParallelStrategy):
             parallelize(model, self.device_mesh, self.options, self.memory)
             _PARALLELIZED.add(model)
         if is_on_meta(model):
-            load_sharded_safetensors(model, checkpoint_dir_of(model, self.load_from, type(self).__name__), self.root_device)
+            checkpoint = checkpoint_dir_of(model, self.load_from, type(self).__name__)
+            load_sharded_safetensors(model, checkpoint, self.root_device)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         parameters = self.precision_plugin.main_params(optimizer)
@@ -260,8 +263,8 @@ class ParallelismStrategy(ModelParallelStrategy):
                 self._found_pipeline = (self.lightning_module, pipeline)
                 return pipeline
         raise LayoutError(
-            f"{type(self).__name__}: pp_size={self.layout.pp_size} but the LightningModule holds no pipeline: the HF model"
-            " it parallelized was replaced after setup. Build the model in `__init__` or `configure_model` only."
+            f"{type(self).__name__}: pp_size={self.layout.pp_size} but the LightningModule holds no pipeline: the HF"
+            " model it parallelized was replaced after setup. Build the model in `__init__` or `configure_model` only."
         )
 
     @override

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,6 @@ from _common import (  # noqa: E402
     global_batches,
     make_trainer,
     max_diff,
-    max_over_ranks,
     max_weight_diff,
     script_args,
     sgd_steps,
@@ -47,7 +47,8 @@ from lora_trainer import LoraFineTune, lora_model  # noqa: E402
 from tiny_models import CONFIGS, tiny_model  # noqa: E402
 
 import lightning_plugins.strategies as strategies  # noqa: E402
-from lightning_plugins import LayoutError, MemoryOptions, parallelize  # noqa: E402
+from lightning_plugins import LayoutError, MemoryOptions, ParallelLayout, parallelize  # noqa: E402
+from lightning_plugins.models import find_hf_model  # noqa: E402
 from lightning_plugins.parallel import mesh_of  # noqa: E402
 
 FAMILY, STEPS, LOCAL_BATCH = "llama_4l", 3, 2
@@ -111,12 +112,20 @@ def fit(module: FineTune, strategy: Any, data: list, **kwargs: Any) -> Any:
     return trainer
 
 
+def applied_layout(module: FineTune) -> dict[str, int]:
+    """The sizes above 1 of the layout applied to the module's HF model (``{}`` when it was not parallelized: on
+    identical batches, an unparallelized model matches one process too)."""
+    mesh = mesh_of(find_hf_model(module, "test"))
+    return {} if mesh is None else {k: v for k, v in asdict(ParallelLayout.from_mesh(mesh)).items() if v != 1}
+
+
 def against(module: FineTune, baseline: FineTune, steps: int) -> dict:
     """Step losses and final weights of ``module`` against the ``baseline`` module's (largest over ranks)."""
     return {
         "loss_diff": max_diff(step_losses(module.micro_losses), step_losses(baseline.micro_losses)),
         "weight_diff": max_weight_diff(module.model, full_weights(baseline.model)),
         "steps": steps,
+        "layout": applied_layout(module),
     }
 
 
@@ -173,6 +182,7 @@ def run_strategy(case: str, checkpoint: Path) -> dict[str, Any]:
         "loss_diff": max_diff(step_losses(baseline.micro_losses), one_process),
         "weight_diff": max_weight_diff(baseline.model, full_weights(trained)),
         "moved": max_weight_diff(baseline.model, full_weights(reference)),
+        "layout": applied_layout(baseline),
     }
 
     cases = {
@@ -211,6 +221,7 @@ def run_strategy(case: str, checkpoint: Path) -> dict[str, Any]:
             "finite": bool(torch.isfinite(torch.tensor(module.micro_losses)).all()),
             "param_dtypes": sorted({str(p.dtype) for p in module.model.parameters()}),
             "weight_diff": max_weight_diff(module.model, full_weights(baseline.model)),
+            "layout": applied_layout(module),
         }
 
     cli = LightningCLI(CliFineTune, args=cli_args(class_name, init_args, dp), save_config_kwargs={"overwrite": True})
