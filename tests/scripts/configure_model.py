@@ -82,7 +82,7 @@ class Configured(LoraFineTune):
             setattr(config, key, value)
         with torch.device("meta" if self.how == "meta" else "cpu"):
             torch.manual_seed(0)  # what tiny_model draws
-            self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            self.model = AutoModelForCausalLM.from_config(config)  # bf16 under "bf16-true": Lightning's default dtype
 
 
 class ParallelizesItself(FineTune):
@@ -149,7 +149,7 @@ def cli_args(class_name: str, init_args: dict[str, Any], dp: int) -> list[str]:
     return [
         "fit",
         f"--trainer.strategy=lightning_plugins.strategies.{class_name}",
-        *(f"--trainer.strategy.init_args.{key}={value}" for key, value in init_args.items()),
+        *(f"--trainer.strategy.init_args.{key}={value}" for key, value in {**init_args, "timeout": TIMEOUT}.items()),
         "--trainer.accelerator=cpu",
         "--trainer.devices=2",
         f"--trainer.max_steps={STEPS}",
