@@ -235,11 +235,11 @@ class ParallelismStrategy(ModelParallelStrategy):
         model = self._hf_model(built=True)
         assert model is not None
         self._check_model(model)
+        checkpoint = checkpoint_dir_of(model, self.load_from, type(self).__name__) if is_on_meta(model) else None
         if mesh_of(model) is None:
             parallelize(model, self.device_mesh, self.options, self.memory)
             _PARALLELIZED.add(model)
-        if is_on_meta(model):
-            checkpoint = checkpoint_dir_of(model, self.load_from, type(self).__name__)
+        if checkpoint is not None:
             load_sharded_safetensors(model, checkpoint, self.root_device)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
