@@ -86,8 +86,8 @@ class Configured(LoraFineTune):
 
 
 class ParallelizesItself(FineTune):
-    """What the README documented so far: ``configure_model`` parallelizes the model itself, with its own settings
-    (full activation checkpointing: the same math, other settings than the strategy's)."""
+    """The pattern documented before the strategies parallelized after ``configure_model``: it parallelizes the model
+    itself, with its own settings (full activation checkpointing: the same math, other settings than the strategy's)."""
 
     def configure_model(self) -> None:
         parallelize(self.model, self.device_mesh, memory=MemoryOptions(activation_checkpointing="full"))
