@@ -35,6 +35,7 @@ __all__ = [
     "clip_grad_norm_",
     "total_grad_norm",
     "check_same_settings",
+    "check_parallelizable",
     "context_parallel_batch",
 ]
 
@@ -81,19 +82,8 @@ def parallelize(
     if mesh_of(model) is not None:  # a later entry point (fit, then test; a second Trainer) reuses it
         check_same_settings(model, resolved, options, memory)
         return model
-    check_supported(model)
-    resolved.validate(getattr(model, "config", None))
-    check_quantized(model, resolved)
+    pipeline_options = check_parallelizable(model, resolved, options, memory)
     family = family_for(model, tensor_parallel=resolved.tp_size > 1)
-    pipeline_options = None
-    if resolved.pp_size > 1:
-        pipeline_options = check_pipeline_layout(resolved, getattr(model, "config", None), options.pipeline)
-    check_context_parallel(getattr(model, "config", None), resolved.cp_size, resolved.tp_size, options.cp_backend)
-    if memory.uses_fsdp_policy and resolved.fsdp_size == 1:
-        raise LayoutError(
-            "cpu_offload, param_dtype and reduce_dtype are FSDP2 options and need at least 2 data-parallel ranks"
-            " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, use a precision plugin instead."
-        )
     # Validation is done: from here on collectives run (building the mesh creates process groups).
     mesh = layout if isinstance(layout, DeviceMesh) else resolved.build_mesh(_device_type())
 
@@ -133,6 +123,36 @@ def parallelize(
     setattr(model, _MESH_ATTR, mesh)
     setattr(model, _SETTINGS_ATTR, (options, memory))
     return model
+
+
+def check_parallelizable(
+    model: nn.Module, layout: ParallelLayout, options: ParallelOptions, memory: MemoryOptions
+) -> PipelineOptions | None:
+    """Check a resolved layout and its settings against ``model`` before anything is applied (no collective runs).
+
+    :func:`parallelize` runs these checks first; a door that knows the model before it joins the process group runs
+    them then, so a layout the model cannot run fails before any process group exists.
+
+    Returns:
+        The resolved pipeline options when ``layout.pp_size > 1``, else ``None``.
+
+    Raises:
+        LayoutError: naming the violated constraint and a setting that works.
+    """
+    config = getattr(model, "config", None)
+    check_supported(model)
+    layout.validate(config)
+    check_quantized(model, layout)
+    pipeline_options = None
+    if layout.pp_size > 1:
+        pipeline_options = check_pipeline_layout(layout, config, options.pipeline)
+    check_context_parallel(config, layout.cp_size, layout.tp_size, options.cp_backend)
+    if memory.uses_fsdp_policy and layout.fsdp_size == 1:
+        raise LayoutError(
+            "cpu_offload, param_dtype and reduce_dtype are FSDP2 options and need at least 2 data-parallel ranks"
+            " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, use a precision plugin instead."
+        )
+    return pipeline_options
 
 
 def _parallelize_pipeline(
@@ -200,14 +220,26 @@ def mesh_of(model: nn.Module) -> DeviceMesh | None:
     return getattr(model, _MESH_ATTR, None)
 
 
-def check_same_settings(model: nn.Module, layout: ParallelLayout, options: ParallelOptions, memory: MemoryOptions) -> None:
+def check_same_settings(
+    model: nn.Module,
+    layout: ParallelLayout,
+    options: ParallelOptions | None = None,
+    memory: MemoryOptions | None = None,
+) -> None:
     """A model is parallelized once: asking again is fine with the same layout and settings.
+
+    Args:
+        model: A model :func:`parallelize` applied a layout to.
+        layout: The layout asked for now.
+        options: The options asked for now; ``None`` accepts those applied (only the layout is compared).
+        memory: The memory options asked for now; ``None`` accepts those applied.
 
     Raises:
         LayoutError: naming both layouts and settings when they differ.
     """
     applied = ParallelLayout.from_mesh(mesh_of(model))
     applied_options, applied_memory = getattr(model, _SETTINGS_ATTR)
+    options, memory = options or applied_options, memory or applied_memory
     if (applied, applied_options, applied_memory) != (layout, options, memory):
         raise LayoutError(
             f"This model was already parallelized with {applied}, {applied_options}, {applied_memory}; now"
