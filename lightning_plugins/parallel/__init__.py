@@ -21,7 +21,7 @@ from lightning_plugins.models import ModelFamily, check_supported, decoder_layer
 from lightning_plugins.parallel.activation import apply_activation_checkpointing
 from lightning_plugins.parallel.context import apply_context_parallel, check_context_parallel, context_parallel_batch
 from lightning_plugins.parallel.data import apply_fsdp, mixed_precision_policy, offload_policy
-from lightning_plugins.parallel.grad import clip_grad_norm_, total_grad_norm
+from lightning_plugins.parallel.grad import clip_grad_norm_, reduce_partial_state, total_grad_norm
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
 from lightning_plugins.parallel.pipeline import PipelineOptions, apply_pipeline_parallel, check_pipeline_layout, pipeline_of
 from lightning_plugins.parallel.tensor import apply_tensor_parallel
@@ -34,6 +34,7 @@ __all__ = [
     "fsdp_mesh",
     "clip_grad_norm_",
     "total_grad_norm",
+    "reduce_partial_state",
     "check_same_settings",
     "check_parallelizable",
     "context_parallel_batch",

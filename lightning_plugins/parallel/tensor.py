@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -96,26 +96,6 @@ def apply_tensor_parallel(
     for name, param in model.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
-    _reduce_partial_grads(model)
-
-
-def _reduce_partial_grads(model: nn.Module) -> None:
-    """Lay each replicated parameter's gradient out like the parameter as soon as it is accumulated.
-
-    Under sequence parallelism a replicated norm weight's gradient comes back as a pending (``Partial``) sum over
-    the tp ranks. Optimizers then keep partial state (SGD's momentum buffer), which distributed checkpoints refuse
-    (torch 2.15) or store per rank (torch 2.13: a resharded resume would read partial sums). FSDP2 replaces the
-    parameters it shards, so these hooks only act where FSDP2 does not reduce the gradients itself.
-    """
-    for param in model.parameters():
-        if param.requires_grad and isinstance(param, DTensor) and all(p.is_replicate() for p in param.placements):
-            param.register_post_accumulate_grad_hook(_grad_like_param)
-
-
-def _grad_like_param(param: Tensor) -> None:
-    grad = param.grad
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMesh, sp: bool) -> bool:

@@ -38,6 +38,7 @@ from lightning_plugins.parallel import (
     mesh_of,
     parallelize,
     pipeline_of,
+    reduce_partial_state,
 )
 from lightning_plugins.parallel.context import context_parallel_batch
 from lightning_plugins.resume import publish, read_rng, restore_rng, save_rng
@@ -328,7 +329,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
+        return reduce_partial_state(get_optimizer_state_dict(self.model, optimizer, options=_FLAT))
 
     @reads_checkpoint  # a corrupted checkpoint, or one of another model, gets an error naming it and the fix
     def _load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -366,7 +367,8 @@ class ParallelismStrategy(ModelParallelStrategy):
         set_model_state_dict(self.model, module_state["state_dict"], options=strict)
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
-            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer, options=_FLAT)}
+            template = get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
+            optimizer_state = {key: reduce_partial_state(template)}
             _distributed_checkpoint_load(optimizer_state, path)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optimizer_state[key], options=_FLAT)
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
