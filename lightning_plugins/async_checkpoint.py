@@ -92,10 +92,13 @@ class AsyncCheckpointer:
             raise errors[0]
 
     def close(self, *, failed: bool = False) -> None:
-        """Wait for the pending save; after a failure (``failed``) its own error is dropped: the run's error is the
-        one to report, and an incomplete save stays unpublished."""
+        """Wait for the pending save and let go of the background process group (the next save creates another);
+        after a failure (``failed``) the save's own error is dropped: the run's error is the one to report, and an
+        incomplete save stays unpublished."""
         try:
             self.wait()
         except BaseException:
             if not failed:
                 raise
+        finally:
+            self._group = None  # nothing keeps it (and its threads) alive past the run: see lightning_plugins.teardown

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_plugins.teardown import track_mesh
+
 #: Mesh dimension names, outermost to innermost.
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -153,7 +155,7 @@ class ParallelLayout:
         mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=options)
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=options)
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=options)
-        return mesh
+        return track_mesh(mesh)  # its cached groups are dropped when the process groups are released
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> ParallelLayout:

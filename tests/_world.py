@@ -1,12 +1,23 @@
-"""Launch a gloo world of N CPU processes that runs one function; failures surface in the test."""
+"""Launch worlds of CPU processes for the tests, and check how every one of them ended.
+
+Every place the tests start processes goes through here: :func:`run_world` (a gloo world running one function),
+:func:`run_script` and :func:`run_command` (a script, ``lightning-plugins ...`` or ``accelerate launch ...`` that
+starts its own ranks). Each checks the exit status of every rank and that no rank crashed in native code
+(:func:`check_exit`): a rank that aborts while exiting, after the results are written, fails the test, because a
+scheduler would see that job fail. The Lightning door's launching rank and torchrun wait for the ranks they start
+and fail when one does, so a script's status covers its ranks.
+"""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +26,13 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.append(str(Path(__file__).parent / "scripts"))
+from _exit_report import EXIT_REPORTS, backend_threads, read_exit_reports  # noqa: E402
+
+#: What a process prints when it dies in native code: the C++ runtime's abort (``terminate called ...``), a
+#: fatal signal (the shell, or ``faulthandler``: every test process runs with it).
+CRASH_MARKERS = ("terminate called", "Segmentation fault", "Fatal Python error")
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -22,20 +40,51 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any) -> None:
+def check_exit(returncodes: dict[str, int | None], output: str, expected: int | None = 0) -> None:
+    """Assert that every process exited with ``expected`` (``None``: any status) and that none crashed in native code.
+
+    Args:
+        returncodes: Each process's exit status (a negative one is the signal that killed it).
+        output: What the processes printed; it must not contain any of :data:`CRASH_MARKERS`.
+        expected: The status every process must have.
+    """
+    wrong = {who: code for who, code in returncodes.items() if expected is not None and code != expected}
+    crashed = [line for line in output.splitlines() if any(marker in line for marker in CRASH_MARKERS)]
+    if wrong or crashed:
+        # Every exception line first: the rank that failed first is often not the one whose traceback ends the log.
+        causes = "\n".join(dict.fromkeys(re.findall(r"^.*\w+(?:Error|Exception|Killed|Failure)\b.*$", output, re.M)))
+        raise AssertionError(
+            f"exit status {wrong} (expected {expected}); native crash: {crashed}\n{causes[-4000:]}\n---\n{output[-8000:]}"
+        )
+
+
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any, logs: str
+) -> None:
+    # What this rank prints (a native crash's last words included) goes to its log, checked after the world ends.
+    log = os.open(Path(logs, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    faulthandler.enable()  # a rank that dies of a signal prints every thread's Python stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
+    from lightning_plugins.teardown import release_process_groups
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        fn(rank, world_size, *args)
+        try:
+            fn(rank, world_size, *args)
+        finally:
+            release_process_groups()
+        alive = backend_threads()
+        if alive:  # the groups (and their threads) must not outlive the work: see lightning_plugins.teardown
+            raise AssertionError(f"process-group threads still alive after the groups were released: {alive}")
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         raise
-    finally:
-        dist.destroy_process_group()
 
 
 #: Variables through which a launcher tells a process its place in a world.
@@ -62,24 +111,55 @@ _PRELOAD = ["torch.distributed", "transformers", "peft", "lightning_plugins.para
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise the first failure."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise the first failure.
+
+    Each rank's process groups are released when ``fn`` returns, and no process-group thread may outlive them.
+    """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(
-            _entry, args=(world_size, free_port(), fn, args, errors), nprocs=world_size, start_method="forkserver"
+    with tempfile.TemporaryDirectory() as logs:
+        context = mp.start_processes(
+            _entry,
+            args=(world_size, free_port(), fn, args, errors, logs),
+            nprocs=world_size,
+            start_method="forkserver",
+            join=False,
         )
-    except Exception as exc:  # the child's own traceback is more useful than the spawn wrapper's
-        raise AssertionError(errors.get() if not errors.empty() else str(exc)) from None
+        try:
+            while not context.join():
+                pass
+        except Exception:  # torch stopped the other ranks; every rank's status and output say what happened
+            pass
+        returncodes = {f"rank {rank}": process.exitcode for rank, process in enumerate(context.processes)}
+        output = "".join(f"--- rank {r}:\n{Path(logs, f'rank{r}.log').read_text(errors='replace')}" for r in range(world_size))
+    first = errors.get() if not errors.empty() else ""  # the child's own traceback is more useful than the wrapper's
+    check_exit(returncodes, first + output)
+
+
+def run_command(
+    command: list[str], *, cwd: Path | None = None, timeout: int = 600, expected: int | None = 0, **env: str
+) -> subprocess.CompletedProcess:
+    """Run ``command`` (a script that starts its own world, ``lightning-plugins ...``, ``accelerate launch ...``) with
+    :func:`script_env` (plus ``env``) and check how it ended (:func:`check_exit`).
+
+    The test scripts that import ``_exit_report`` also report, from the end of each process's exit handlers, the
+    process-group threads still alive: there must be none (see :mod:`lightning_plugins.teardown`).
+    """
+    with tempfile.TemporaryDirectory() as reports:
+        proc = subprocess.run(
+            command, cwd=cwd, env=script_env(**{EXIT_REPORTS: reports, **env}), capture_output=True, text=True,
+            timeout=timeout,
+        )  # fmt: skip
+        check_exit({"launcher": proc.returncode}, proc.stdout + proc.stderr, expected)
+        alive = read_exit_reports(reports)
+    if expected == 0:
+        assert not alive, f"process-group threads alive when the interpreter finalized: {alive}"
+    return proc
 
 
 def run_script(script: Path, tmp_path: Path, *args: str, timeout: int = 900) -> dict[str, Any]:
     """Run a test script that starts its own world (``--out results.json`` added); return its JSON results."""
     out = tmp_path / "results.json"
-    proc = subprocess.run(
-        [sys.executable, str(script), *args, "--out", str(out)],
-        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_command([sys.executable, str(script), *args, "--out", str(out)], cwd=tmp_path, timeout=timeout)
     return json.loads(out.read_text())

@@ -82,8 +82,7 @@ def test_layout_that_does_not_fit_the_world_fails_before_any_process_group(monke
 
 
 def test_recipe_that_does_not_fit_the_launch_names_both_files(tmp_path: Path) -> None:
-    proc = accelerate_launch(TINY / "full_pp2.yaml", tmp_path / "out", "--layout.tp_size=2")
-    assert proc.returncode != 0
+    proc = accelerate_launch(TINY / "full_pp2.yaml", tmp_path / "out", "--layout.tp_size=2", expected=1)
     message = proc.stderr
     assert "full_pp2.yaml" in message and "accelerate_configs/cpu_2proc.yaml" in message, message[-3000:]
     assert "layout does not fit" in message and "World size 2" in message, message[-3000:]
@@ -95,8 +94,7 @@ def test_accelerates_fsdp_on_cpu_processes_is_refused_not_run_as_ddp(tmp_path: P
     """Accelerate's own FSDP needs GPUs: on CPU processes it quietly runs DDP; the door says so instead."""
     config = ROOT / "accelerate_configs" / "fsdp2_cpu_offload.yaml"
     launch = ("--num_processes", "2")
-    proc = accelerate_launch(TINY / "lora_fsdp2_chat.yaml", tmp_path / "out", config=config, launch=launch)
-    assert proc.returncode != 0
+    proc = accelerate_launch(TINY / "lora_fsdp2_chat.yaml", tmp_path / "out", config=config, launch=launch, expected=1)
     expected = "selects Accelerate's FSDP, but Accelerate runs these processes as MULTI_CPU"
     assert expected in proc.stderr, proc.stderr[-3000:]
     assert "fsdp2_cpu_offload.yaml" in proc.stderr and "lightning_plugins/" not in proc.stderr, proc.stderr[-3000:]

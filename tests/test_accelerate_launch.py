@@ -6,7 +6,6 @@ the same trajectory, under another layout (PP=2 -> TP=2)."""
 from __future__ import annotations
 
 import csv
-import re
 import shutil
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _world import free_port, script_env
+from _world import free_port, run_command
 
 ROOT = Path(__file__).parents[1]
 TINY = ROOT / "recipes" / "tiny"
@@ -26,26 +25,25 @@ COLUMNS = ("train/loss", "train/lr", "train/grad_norm", "val/loss")
 
 
 def accelerate_launch(
-    recipe: Path, out: Path, *extra: str, config: Path = CONFIG, launch: tuple[str, ...] = ()
+    recipe: Path, out: Path, *extra: str, config: Path = CONFIG, launch: tuple[str, ...] = (), expected: int | None = 0
 ) -> subprocess.CompletedProcess:
-    """``accelerate launch --config_file CONFIG [options] -m lightning_plugins.accelerate RECIPE [overrides]``."""
+    """``accelerate launch --config_file CONFIG [options] -m lightning_plugins.accelerate RECIPE [overrides]``, ended with
+    status ``expected`` (``None``: any) and no rank crashed (:func:`_world.run_command`)."""
     launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config), *launch]
     command = [*launcher, "--main_process_port", str(free_port()), "-m", "lightning_plugins.accelerate", str(recipe),
                f"--train.output_dir={out}", *extra]  # fmt: skip
-    return subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600)
+    return run_command(command, cwd=ROOT, expected=expected)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> str:
-    # Every exception line first: the rank that failed first is often not the one whose traceback ends the log.
-    causes = "\n".join(dict.fromkeys(re.findall(r"^.*\w+(?:Error|Exception|Killed)\b.*$", proc.stderr, re.M)))
-    assert proc.returncode == 0, causes[-4000:] + "\n---\n" + proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "warning" not in proc.stderr.lower(), proc.stderr[-3000:]  # a clean console
+    """The run's standard output, after checking its console is clean (how it ended is checked by run_command)."""
+    assert "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
     return proc.stdout
 
 
 def _lightning(recipe: Path, out: Path, *extra: str) -> None:
     command = [sys.executable, "-m", "lightning_plugins", "finetune", str(recipe), f"--train.output_dir={out}", *extra]
-    _ok(subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=600))
+    _ok(run_command(command, cwd=ROOT))
 
 
 def _metrics(out: Path) -> dict[str, list[tuple[int, float]]]:

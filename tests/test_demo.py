@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
-from _world import script_env
+from _world import run_command
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def test_demo_runs_and_exports(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    proc = subprocess.run(
+    proc = run_command(
         [sys.executable, "-m", "lightning_plugins", "demo", "--max-steps", "8", "--eval-limit", "8", "--out", str(out)],
-        cwd=tmp_path, env=script_env(), capture_output=True, text=True, timeout=600,
+        cwd=tmp_path,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "exact match before:" in proc.stdout and "after:" in proc.stdout, proc.stdout[-2000:]
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)

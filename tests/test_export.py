@@ -10,14 +10,13 @@ hundred MB: the export's peak resident memory grows by a few of its largest tens
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _world import script_env
+from _world import run_command
 from peft import PeftModel
 from safetensors import safe_open
 from tiny_models import CONFIGS, make_batch, tiny_model
@@ -131,8 +130,7 @@ _BIG = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 24, 
 def _export_peak(ckpt: Path, out: Path, model_dir: Path, mode: str) -> int:
     """Bytes the export child's peak resident memory grew by."""
     command = [sys.executable, str(SCRIPT), str(ckpt), str(out), str(model_dir), mode]
-    proc = subprocess.run(command, env=script_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_command(command, timeout=300)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     return (result["peak_kib"] - result["before_kib"]) * 1024
 

@@ -4,13 +4,12 @@ checkpoints resume, and the exported model or adapter loads in plain transformer
 from __future__ import annotations
 
 import csv
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _world import script_env
+from _world import run_command
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -21,8 +20,7 @@ SHORT = ["--train.log_every=5", "--train.eval_every=10", "--train.checkpoint_eve
 def _finetune(recipe: str, out: Path, steps: int, *extra: str) -> str:
     command = [sys.executable, "-m", "lightning_plugins", "finetune", str(TINY / recipe), f"--train.max_steps={steps}",
                f"--train.output_dir={out}", *SHORT, *extra]
-    proc = subprocess.run(command, cwd=out.parent, env=script_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = run_command(command, cwd=out.parent)
     assert "warning" not in proc.stderr.lower(), proc.stderr[-3000:]  # a clean console
     return proc.stdout
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 import csv
 import hashlib
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _world import free_port, script_env
+from _world import free_port, run_command
 from test_accelerate_launch import ROOT, _ok
 
 from lightning_plugins.planner.report import plan_recipes
@@ -142,9 +141,9 @@ def test_every_recipe_trains_tiny_through_the_door(twins: dict[str, Path], door:
             config = ROOT / "accelerate_configs" / f"cpu_{world}proc.yaml"
             launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config),
                       "--main_process_port", str(free_port())]  # fmt: skip
-            proc = subprocess.run([*launch, str(script), door, *paths], cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=1200)  # fmt: skip
+            proc = run_command([*launch, str(script), door, *paths], cwd=ROOT, timeout=1200)
         else:
-            proc = subprocess.run([sys.executable, str(script), door, *paths], cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=1200)  # fmt: skip
+            proc = run_command([sys.executable, str(script), door, *paths], cwd=ROOT, timeout=1200)
         _ok(proc)
     problems = []
     for fingerprint, name in unique.items():

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import csv
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
-from _world import script_env
+from _world import run_command
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -66,8 +65,7 @@ def _four_layer_model(directory: Path) -> Path:
 def _finetune(out: Path, layout: str, model: Path) -> str:
     command = [sys.executable, "-m", "lightning_plugins", "finetune", str(TINY / "full_pp2.yaml"),
                f"--model.path={model}", f"--train.output_dir={out}", *COMMON, *LAYOUTS[layout]]  # fmt: skip
-    proc = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = run_command(command, cwd=ROOT, timeout=400)
     return proc.stdout
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _world import script_env
+from _world import run_command
 
 ROOT = Path(__file__).parents[1]
 SLURM = ROOT / "recipes" / "slurm"
@@ -47,8 +47,8 @@ def _print_config(command: str, module: str, **world: str) -> subprocess.Complet
     """The rendered command, run for real with ``--print-config`` (resolves and checks the recipe, then exits)."""
     argv = shlex.split(command.split(": ", 1)[1])
     rest = argv[argv.index(module) + 1 :]
-    return subprocess.run([sys.executable, "-m", module, *rest, "--print-config"], cwd=ROOT,
-                          env=script_env(**world), capture_output=True, text=True, timeout=120)  # fmt: skip
+    return run_command([sys.executable, "-m", module, *rest, "--print-config"], cwd=ROOT, timeout=120, expected=None,
+                       **world)  # fmt: skip
 
 
 def test_lightning_batch_file_renders_one_trainer_world_over_the_nodes(tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ from lightning_plugins.lora import peft_model_around
 from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import clip_grad_norm_, mesh_of, parallelize, pipeline_of
+from lightning_plugins.teardown import release_at_exit, release_process_groups
 from lightning_plugins.models import find_hf_model
 
 __all__ = ["ParallelAccelerator"]
@@ -151,6 +152,7 @@ class ParallelAccelerator(Accelerator):
         if not dist.is_initialized():  # one process: a world of one, so the engine's path is the same
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        release_at_exit()  # unless `end_training` released them first
         if self.layout.pp_size > 1 and self.scaler is not None:
             raise LayoutError(
                 f"{owner}: mixed_precision='fp16' scales the loss before backward, which the pipeline schedule runs"
@@ -423,7 +425,10 @@ class ParallelAccelerator(Accelerator):
 
     @override
     def end_training(self) -> None:
+        """Wait for an asynchronous checkpoint, release the process groups
+        (:func:`~lightning_plugins.teardown.release_process_groups`) and finish the trackers."""
         self.wait_for_checkpoint()
+        release_process_groups()  # then Accelerate's own destroy finds nothing left to do
         super().end_training()
 
     @override

@@ -12,11 +12,16 @@ This launcher keeps Lightning's way of starting ranks and ends every failure wit
   (its exception, or the signal that killed it);
 * a rank that hangs makes its peers' collectives time out after the strategy's ``timeout``; the message
   names the timeout and the setting, and the stuck rank is stopped;
-* if the launching rank itself is stuck when another rank fails, a watcher thread says so and ends the job.
+* if the launching rank itself is stuck when another rank fails, a watcher thread says so and ends the job;
+* a rank that fails after the launching rank's run returned (e.g. it crashes while exiting) fails the job too: the
+  launching rank waits for the ranks it started when it exits, and exits with 1 naming the rank that failed, as
+  torchrun does. Lightning's launcher returns the launching rank's own status only, so a scheduler (or a test)
+  would see such a job succeed.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -85,9 +90,11 @@ class SupervisedLauncher(_SubprocessScriptLauncher):
             if self.procs:
                 self._watcher = _RankWatcher({first + i + 1: p for i, p in enumerate(self.procs)}, first, self.grace_s)
                 self._watcher.start()
+                # At exit (after the process groups are released: registered earlier, run later) the job's status.
+                atexit.register(self._watcher.join_ranks, self.timeout or _EXIT_WAIT)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as error:
@@ -102,6 +109,13 @@ class SupervisedLauncher(_SubprocessScriptLauncher):
             if stopped:
                 error.add_note(f"rank {rank} failed first.{stopped}")
             raise
+        if self._watcher is not None:
+            self._watcher.finished = True
+        return result
+
+
+#: How long the launching rank waits at exit for the ranks it started when no collective timeout bounds the job.
+_EXIT_WAIT = timedelta(minutes=30)
 
 
 class _RankWatcher(threading.Thread):
@@ -110,6 +124,8 @@ class _RankWatcher(threading.Thread):
     def __init__(self, ranks: dict[int, subprocess.Popen], own_rank: int, grace_s: float) -> None:
         super().__init__(daemon=True, name="lightning-plugins-rank-watcher")
         self.ranks, self.own_rank, self.grace_s = ranks, own_rank, grace_s
+        #: Whether this process's run returned: a rank failing afterwards is reported when this process exits.
+        self.finished = False
         self._lock = threading.Lock()
         self._handled = False
         #: Ranks in the order their failure was seen.
@@ -125,6 +141,8 @@ class _RankWatcher(threading.Thread):
                     return
                 if all(p.returncode == 0 for p in self.ranks.values()):
                     return
+                if self._failed and self.finished:
+                    return  # this process is past its run (not stuck): `join_ranks` reports it when it exits
                 if self._failed and deadline is None:
                     deadline = time.monotonic() + self.grace_s
                 if deadline is None or time.monotonic() < deadline:
@@ -155,6 +173,29 @@ class _RankWatcher(threading.Thread):
             f"{self._failure_of(self._failed[0])}; rank {self.own_rank} then stopped: {summarize(error)}." + stopped,
             stopped,
         )
+
+    def join_ranks(self, timeout: timedelta) -> None:
+        """At this process's exit: wait up to ``timeout`` for the ranks it started (stopping those still running
+        then); when one failed, say which and exit with 1 (this process's own run succeeded)."""
+        with self._lock:
+            if self._handled:  # a failure during the run was already reported
+                return
+            self._handled = True
+        deadline = time.monotonic() + timeout.total_seconds()
+        for proc in self.ranks.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        stopped = self._stop_running()
+        self._poll()
+        if not self._failed and not stopped:
+            return
+        said = self._failure_of(self._failed[0]) if self._failed else f"ranks were still running {timeout} later"
+        message = f"{said}, after the Trainer run of rank {self.own_rank} (pid {os.getpid()}) had returned.{stopped}"
+        print(f"{RankFailure.__name__}: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # from an exit handler: the only way to set the status (SystemExit would be printed and ignored)
 
     def _poll(self) -> bool:
         """Record newly failed ranks; whether any has failed."""

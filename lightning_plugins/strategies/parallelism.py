@@ -42,6 +42,7 @@ from lightning_plugins.parallel import (
 )
 from lightning_plugins.parallel.context import context_parallel_batch
 from lightning_plugins.resume import publish, read_rng, restore_rng, save_rng
+from lightning_plugins.teardown import release_at_exit
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -143,6 +144,8 @@ class ParallelismStrategy(ModelParallelStrategy):
             super()._setup_distributed()
         finally:
             self._timeout = timeout
+        # The script may still run collectives after `fit`: the groups are released when the interpreter exits.
+        release_at_exit()
 
     @override
     def setup_environment(self) -> None:

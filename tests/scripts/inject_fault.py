@@ -5,13 +5,15 @@
 
 ``FAULT`` happens on global rank ``RANK`` just before its ``STEP``-th optimizer step (1-based; a global
 optimizer-step pre-hook counts them, so no sleep picks the moment): ``kill`` (SIGKILL itself), ``raise``
-(a ``RuntimeError``) or ``hang`` (block forever outside any collective, so its peers wait in theirs).
+(a ``RuntimeError``), ``hang`` (block forever outside any collective, so its peers wait in theirs) or ``exit_late``
+(train on, and exit with status 3 once the run is over, as a rank that crashes on its way out).
 Just before, the time is written to ``MARK``: the test measures how long the job takes to end from there.
 Lightning re-runs this script for its other ranks, with the same arguments.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -40,6 +42,8 @@ def main() -> None:
             raise RuntimeError(f"injected fault on rank {rank} at step {step}")
         elif fault == "hang":
             threading.Event().wait()
+        elif fault == "exit_late":
+            atexit.register(os._exit, 3)
         else:
             raise ValueError(f"unknown fault {fault!r}")
 

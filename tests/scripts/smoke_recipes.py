@@ -1,4 +1,4 @@
-"""Run by tests/test_recipe_smoke.py: tiny twins of shipped recipes (``lightning_plugins.shrink``), one after another
+"""Run by tests/test_recipes.py: tiny twins of shipped recipes (``lightning_plugins.shrink``), one after another
 in one launched world, so the world starts once for many recipes.
 
     python tests/scripts/smoke_recipes.py lightning TWIN.yaml ...     (the first Trainer starts the other ranks)
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+import _exit_report  # noqa: F401  (before any door: reports the process-group threads alive at exit)
 
 from lightning_plugins.recipe import load_recipe
 

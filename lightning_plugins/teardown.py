@@ -1,0 +1,77 @@
+"""Process groups released while the interpreter is alive, framework-free: both doors end every process this way.
+
+Why. A gloo process group runs each collective on one of its worker threads, and the worker keeps the finished
+collective (and its tensors) until it is scheduled again. When the Python side has already dropped such a tensor,
+the worker's release is the last one and takes the GIL to free the tensor's Python object. A process that ends
+without destroying its process groups leaves those threads running while the interpreter finalizes; a worker that
+asks for the GIL then is ended by Python inside C++ code that cannot unwind, and the process aborts
+(``terminate called without an active exception``, exit code 134) or dies of SIGSEGV after the run finished. A loaded
+machine makes it likely: the worker waits for a CPU while the main thread reaches the interpreter's exit.
+
+:func:`release_process_groups` destroys the process groups and frees what held them while the interpreter is still
+whole: a destructed gloo group waits for its workers (they may take the GIL then), so none is left to race the
+finalization. :func:`release_at_exit` runs it when the interpreter exits; the doors register it when they join the
+process group, because the user's script may still run collectives after ``fit`` (or after the Accelerate loop).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["release_at_exit", "release_process_groups", "track_mesh"]
+
+#: Meshes built by the engine (:meth:`~lightning_plugins.ParallelLayout.build_mesh`), by identity: meshes of the same
+#: shape compare equal, so a set would keep one of them. See :func:`track_mesh`.
+_MESHES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_registered = False
+
+
+def track_mesh(mesh: Any) -> Any:
+    """Remember ``mesh`` so that :func:`release_process_groups` drops the groups it caches; returns ``mesh``.
+
+    A ``DeviceMesh`` keeps a reference to every process group of its dimensions (and of those of its sub- and
+    flattened meshes), and every DTensor of a parallelized model keeps its mesh: a model the script still holds at
+    exit would otherwise keep its groups, and their threads, alive into the interpreter's finalization.
+    """
+    _MESHES[id(mesh)] = mesh
+    return mesh
+
+
+def release_process_groups() -> int:
+    """Destroy every process group of this process and free the groups nothing else holds.
+
+    After it no collective can run (as after ``torch.distributed.destroy_process_group``); it does nothing when no
+    process group exists. Groups still held by objects the program keeps (e.g. FSDP2's or a pipeline stage's
+    reference inside a model kept in a module-level variable) live on until those objects are freed.
+
+    Returns:
+        How many of the destroyed process groups are still alive (held elsewhere).
+    """
+    groups: list[weakref.ref] = []
+    if dist.is_available() and dist.is_initialized():
+        groups = [weakref.ref(group) for group in dist.distributed_c10d._world.pg_names]
+        dist.destroy_process_group()
+    for mesh in list(_MESHES.values()):
+        registry = getattr(mesh, "_pg_registry", None)  # torch's cache of the mesh's groups (by name)
+        if isinstance(registry, dict):
+            registry.clear()
+    if any(ref() is not None for ref in groups):
+        gc.collect()  # groups held only by garbage in reference cycles (a finished run's model, trainer) go now
+    return sum(ref() is not None for ref in groups)
+
+
+def release_at_exit() -> None:
+    """Run :func:`release_process_groups` when the interpreter exits (registered once per process).
+
+    ``atexit`` runs it before the interpreter starts finalizing, after the handlers registered later (the script's own)
+    and after ``threading`` has joined its non-daemon threads (e.g. an asynchronous checkpoint's writer).
+    """
+    global _registered
+    if not _registered:
+        atexit.register(release_process_groups)
+        _registered = True

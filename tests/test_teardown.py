@@ -1,0 +1,39 @@
+"""The process groups are released while the interpreter is whole (:mod:`lightning_plugins.teardown`).
+
+A gloo group's worker thread still running when the interpreter finalizes can take the GIL then and abort a run that
+had finished (``terminate called without an active exception``, exit code 134; issue 22). Every launched world of the
+suite checks that no process-group thread is left by then (tests/_world.py: ``run_world`` after the release,
+``run_command`` from the end of each process's exit handlers); this checks the release where a script still holds its
+parallelized model, as a module-level variable would at exit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+from _world import run_world
+from tiny_models import make_batch, tiny_model
+
+from lightning_plugins import ParallelLayout, parallelize
+from lightning_plugins.teardown import release_process_groups
+
+sys.path.append(str(Path(__file__).parent / "scripts"))
+from _exit_report import backend_threads  # noqa: E402
+
+_KEPT: list = []
+
+
+def _release_with_the_model_kept(rank: int, world_size: int) -> None:
+    model = parallelize(tiny_model("llama"), ParallelLayout(tp_size=2).resolve(world_size))
+    model(**make_batch(2, 8, model.config.vocab_size, seed=0)).loss.backward()
+    _KEPT.append(model)  # its DTensors keep their mesh, and the mesh its groups
+    assert "pt_gloo_runloop" in backend_threads()
+    assert release_process_groups() == 0  # no group survives: the mesh's cached groups were dropped
+    assert backend_threads() == [] and not dist.is_initialized()
+    _KEPT.clear()
+
+
+def test_release_frees_the_groups_of_a_model_the_script_keeps() -> None:
+    run_world(_release_with_the_model_kept, 2)
