@@ -156,8 +156,10 @@ def _collect_stages(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------------- writing
 
 
-def _save_model(model: nn.Module, state: dict[str, Tensor], directory: Path) -> None:
-    model.save_pretrained(directory, state_dict=state, safe_serialization=True)
+def _save_model(model: nn.Module, state: dict[str, Tensor], directory: str | Path, **options: Any) -> None:
+    """transformers' own ``save_pretrained`` of ``model`` with the full ``state`` (and the caller's ``options``)."""
+    # The class's method: `parallelize` replaced the instance's by the collective one (lightning_plugins.saving).
+    type(model).save_pretrained(model, directory, state_dict=state, **options)
     # transformers records the class it saves from; a pipelined model's class is our subclass of it.
     hf_class = next(cls for cls in type(model).__mro__ if cls.__module__.startswith("transformers."))
     if model.config.architectures != [hf_class.__name__]:
@@ -173,15 +175,22 @@ def _adapter_entries(model: nn.Module, state: dict[str, Tensor], adapter: str) -
     return {_PEFT_PREFIX + key: value for key, value in entries.items()}
 
 
-def _save_adapters(model: nn.Module, weights: dict[str, dict[str, Tensor]], directory: Path) -> None:
-    """peft's adapter layout: ``default`` at the top, any other adapter in a sub-directory of its name."""
+def _save_adapters(
+    model: nn.Module, weights: dict[str, dict[str, Tensor]], directory: Path, *, safe_serialization: bool = True
+) -> None:
+    """peft's adapter layout for each adapter in ``weights``: ``default`` at the top, any other adapter in a
+    sub-directory of its name (``safe_serialization=False``: ``adapter_model.bin``, as peft writes it)."""
     from safetensors.torch import save_file
 
-    for name, config in model.peft_config.items():
+    for name in weights:
+        config = model.peft_config[name]
         target = directory if name == "default" else directory / name
         target.mkdir(parents=True, exist_ok=True)
         tensors = {key: value.contiguous() for key, value in weights[name].items()}
-        save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+        if safe_serialization:
+            save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+        else:
+            torch.save(tensors, target / "adapter_model.bin")
         saved = copy.deepcopy(config)
         saved.inference_mode = True
         saved.save_pretrained(str(target))

@@ -47,7 +47,9 @@ def set_collective_timeout(timeout: timedelta | None) -> None:
     """Bound every collective of the (joined) default process group by ``timeout``; the groups a
     :class:`~lightning_plugins.ParallelLayout` mesh creates afterwards inherit it."""
     if timeout is not None and dist.is_initialized():
-        dist.distributed_c10d._set_pg_timeout(timeout)
+        # torch 2.15 made this public (and deprecated the private name 2.13 and 2.14 have).
+        set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+        set_timeout(timeout)
 
 
 def describe_exit(returncode: int) -> str:

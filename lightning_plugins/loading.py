@@ -92,6 +92,13 @@ def load_sharded_safetensors(
     state = dict(model.named_parameters())
     state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
     missing = sorted(set(state) - set(index))
+    if any(".lora_" in name or ".base_layer." in name for name in missing):
+        raise LayoutError(
+            f"The model is a peft (LoRA) model on the meta device, but {checkpoint_dir} is an HF checkpoint: it holds"
+            " no adapter weights, and its base weights are not under peft's names. Build the base model with its"
+            " weights (`AutoModelForCausalLM.from_pretrained`) and then `get_peft_model`, or build it on the meta"
+            " device without adapters."
+        )
     if missing:
         raise KeyError(
             f"The checkpoint in {checkpoint_dir} lacks {len(missing)} tensors of the model, e.g. {missing[:5]}."

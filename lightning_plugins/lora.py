@@ -33,7 +33,15 @@ from lightning_plugins.layout import LayoutError
 if TYPE_CHECKING:
     from peft import PeftModel
 
-__all__ = ["LoraOptions", "apply_lora", "check_lora_targets", "hf_model_of", "lora_layers", "trainable_parameters"]
+__all__ = [
+    "LoraOptions",
+    "apply_lora",
+    "check_lora_targets",
+    "hf_model_of",
+    "lora_layers",
+    "peft_model_around",
+    "trainable_parameters",
+]
 
 QUANTIZE = ("none", "nf4")
 
@@ -93,6 +101,16 @@ def hf_model_of(model: nn.Module) -> nn.Module:
     if peft is not None and isinstance(model, peft.PeftModel):
         return model.get_base_model()
     return model
+
+
+def peft_model_around(module: nn.Module, model: nn.Module) -> nn.Module:
+    """The peft ``PeftModel`` inside ``module`` (or ``module`` itself) that wraps the transformers ``model``, else
+    ``model``: what a door hands to ``parallelize``, so that the ``PeftModel``'s ``save_pretrained`` is collective
+    too."""
+    peft = sys.modules.get("peft")
+    if peft is None:
+        return model
+    return next((m for m in module.modules() if isinstance(m, peft.PeftModel) and hf_model_of(m) is model), model)
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -13,6 +13,7 @@ then exactly the one the next training batch would have seen.
 
 from __future__ import annotations
 
+import importlib
 import random
 import shutil
 from collections.abc import Callable, Iterator
@@ -25,7 +26,9 @@ from torch.utils.data import DataLoader
 
 #: Each rank's random states, inside the checkpoint directory.
 RNG_FILE = "rng_state_{rank}.pt"
-_MULTIARRAY = np._core.multiarray if hasattr(np, "_core") else np.core.multiarray  # numpy 2 / numpy 1
+# numpy 2 moved numpy.core to numpy._core; numpy 1.26 has a numpy._core stub without multiarray.
+_NUMPY_2 = np.lib.NumpyVersion(np.__version__) >= "2.0.0"
+_MULTIARRAY = importlib.import_module("numpy._core.multiarray" if _NUMPY_2 else "numpy.core.multiarray")
 #: What NumPy's random state needs beyond ``weights_only``'s tensors and containers.
 _NUMPY_RNG = [np.dtype, np.ndarray, type(np.dtype(np.uint32)), _MULTIARRAY._reconstruct]
 

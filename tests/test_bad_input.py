@@ -123,6 +123,16 @@ def test_hf_weights_of_another_shape_or_truncated_load_nothing(sharded: Path, tm
     assert all(p.is_meta for p in model.parameters())
 
 
+def test_a_peft_model_on_the_meta_device_is_refused_with_the_fix(sharded: Path) -> None:
+    from lightning_plugins.layout import LayoutError
+    from lightning_plugins.lora import LoraOptions, apply_lora
+
+    model = apply_lora(_on_meta(AutoConfig.from_pretrained(sharded)), LoraOptions(r=4))
+    with pytest.raises(LayoutError, match=r"peft \(LoRA\) model on the meta device.*from_pretrained.*get_peft_model"):
+        load_sharded_safetensors(model.base_model.model, sharded)
+    assert all(p.is_meta for p in model.parameters())  # nothing half-loaded
+
+
 class _Payload:
     def __reduce__(self) -> tuple:
         return (Path.write_text, (Path(_Payload.target), "ran"))

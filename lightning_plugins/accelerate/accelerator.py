@@ -39,6 +39,7 @@ from lightning_plugins.accelerate.state import load_training_state, save_trainin
 from lightning_plugins.async_checkpoint import AsyncCheckpointer
 from lightning_plugins.faults import join_timeout, set_collective_timeout
 from lightning_plugins.layout import LayoutError
+from lightning_plugins.lora import peft_model_around
 from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import clip_grad_norm_, mesh_of, parallelize, pipeline_of
@@ -63,7 +64,9 @@ class ParallelAccelerator(Accelerator):
     backward of the whole batch through the schedule and returns the loss; ``backward(loss)`` then adds
     the gradients it computed. ``clip_grad_norm_`` clips by the true global norm, ``save_state`` /
     ``load_state`` write and read one atomic distributed checkpoint (model, optimizer, schedulers, random
-    states, data position), ``save_model`` exports an HF directory (or a peft adapter).
+    states, data position), ``save_model`` exports an HF directory (or a peft adapter), and so does the model's own
+    ``save_pretrained`` called on every rank (with ``state_dict=get_state_dict(model)`` too: the full state dict on
+    the main process).
 
     Under a launch config that selects Accelerate's own DeepSpeed or FSDP, those stay in charge (only
     data-parallel layouts are then valid) and every method is Accelerate's.
@@ -188,7 +191,7 @@ class ParallelAccelerator(Accelerator):
         owner = type(self).__name__
         hf_model = find_hf_model(model, owner)
         if mesh_of(hf_model) is not None:  # prepared before (or by the user): parallelize checks the settings
-            parallelize(hf_model, self.device_mesh, self.options, self.memory)
+            parallelize(peft_model_around(model, hf_model), self.device_mesh, self.options, self.memory)
             return
         if any(opt.state for opt in optimizers):
             raise LayoutError(
@@ -199,7 +202,7 @@ class ParallelAccelerator(Accelerator):
         names = {id(p): _canonical(name) for name, p in model.named_parameters(remove_duplicate=False)}
         if not is_on_meta(hf_model) and not all(_on(p.device, self.device) for p in model.parameters()):
             model.to(self.device)  # only when needed: `.to` on torchao NF4 weights leaves views FSDP2 cannot shard
-        parallelize(hf_model, self.device_mesh, self.options, self.memory)
+        parallelize(peft_model_around(model, hf_model), self.device_mesh, self.options, self.memory)
         if is_on_meta(hf_model):
             load_sharded_safetensors(hf_model, checkpoint_dir_of(hf_model, self.load_from, type(self).__name__), self.device)
         params = {_canonical(name): p for name, p in model.named_parameters(remove_duplicate=False)}
@@ -378,6 +381,16 @@ class ParallelAccelerator(Accelerator):
         return data[: state.remainder] if state.end_of_dataloader and state.remainder > 0 else data
 
     # -------------------------------------------------------------------------------------------- saving, loading
+
+    @override
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """The full state dict under one-process names on the main process, every pipeline stage included (``{}`` on
+        the others, as Accelerate's FSDP gives); every rank calls it. For ``save_pretrained(..., state_dict=...)``."""
+        if self.builtin:
+            return super().get_state_dict(model, unwrap)
+        from lightning_plugins.saving import full_state_dict
+
+        return full_state_dict(self.unwrap_model(model) if unwrap else model)
 
     @override
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike, max_shard_size: int | str = "10GB",

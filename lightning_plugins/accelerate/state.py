@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from lightning_plugins.async_checkpoint import AsyncCheckpointer
 from lightning_plugins.checkpoint_checks import reads_checkpoint
 from lightning_plugins.export_info import save_export_info
+from lightning_plugins.parallel import reduce_partial_state
 from lightning_plugins.resume import load_rng, publish, save_rng
 
 #: Non-tensor state written once (identical on every rank).
@@ -161,7 +162,8 @@ def _tensor_state(accelerator: Any, grads: list[list[str]]) -> dict[str, Any]:
             state[_key("grads", index)] = {name: _saveable_grad(params[name]) for name in names}
     for index, optimizer in enumerate(accelerator._optimizers):
         raw = _raw(optimizer)
-        state[_key("optimizer", index)] = get_optimizer_state_dict(_owner(accelerator, raw), raw, options=_FLAT)
+        optimizer_state = get_optimizer_state_dict(_owner(accelerator, raw), raw, options=_FLAT)
+        state[_key("optimizer", index)] = reduce_partial_state(optimizer_state)
     return state
 
 

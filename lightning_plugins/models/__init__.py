@@ -169,6 +169,19 @@ def check_supported(model: Any) -> None:
             )
 
 
+def hf_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost ``transformers.PreTrainedModel`` instances in ``module`` (itself included), with their names."""
+    from transformers import PreTrainedModel
+
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel) and not any(
+            outer == "" or name.startswith(f"{outer}.") for outer, _ in found
+        ):
+            found.append((name, sub))
+    return found
+
+
 def find_hf_model(
     module: nn.Module,
     owner: str,
@@ -184,14 +197,7 @@ def find_hf_model(
     Raises:
         LayoutError: if there is none, or several unrelated ones.
     """
-    from transformers import PreTrainedModel
-
-    found: list[tuple[str, nn.Module]] = []
-    for name, sub in module.named_modules():
-        if isinstance(sub, PreTrainedModel) and not any(
-            outer == "" or name.startswith(f"{outer}.") for outer, _ in found
-        ):
-            found.append((name, sub))
+    found = hf_models(module)
     if len(found) != 1:
         what = "no transformers PreTrainedModel" if not found else f"{len(found)} models ({[n for n, _ in found]})"
         raise LayoutError(

@@ -16,11 +16,12 @@ from lightning_plugins.layout import MESH_DIM_NAMES, LayoutError, ParallelLayout
 from lightning_plugins.lora import hf_model_of
 from lightning_plugins.options import MemoryOptions, ParallelOptions
 from lightning_plugins.quantize import check_quantized
+from lightning_plugins.saving import install_save_pretrained
 from lightning_plugins.models import ModelFamily, check_supported, decoder_layers, family_for
 from lightning_plugins.parallel.activation import apply_activation_checkpointing
 from lightning_plugins.parallel.context import apply_context_parallel, check_context_parallel, context_parallel_batch
 from lightning_plugins.parallel.data import apply_fsdp, mixed_precision_policy, offload_policy
-from lightning_plugins.parallel.grad import clip_grad_norm_, total_grad_norm
+from lightning_plugins.parallel.grad import clip_grad_norm_, reduce_partial_state, total_grad_norm
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
 from lightning_plugins.parallel.pipeline import PipelineOptions, apply_pipeline_parallel, check_pipeline_layout, pipeline_of
 from lightning_plugins.parallel.tensor import apply_tensor_parallel
@@ -33,7 +34,9 @@ __all__ = [
     "fsdp_mesh",
     "clip_grad_norm_",
     "total_grad_norm",
+    "reduce_partial_state",
     "check_same_settings",
+    "check_parallelizable",
     "context_parallel_batch",
 ]
 
@@ -64,38 +67,31 @@ def parallelize(
         The same model, now holding DTensor parameters; its ``loss_function`` averages over valid tokens
         across all data ranks exactly as one process would. With ``pp_size > 1`` the model keeps only this
         rank's stages and ``model(**batch)`` runs forward and backward of the whole batch through the
-        pipeline (see :func:`pipeline_of` and :mod:`lightning_plugins.parallel.pipeline`).
+        pipeline (see :func:`pipeline_of` and :mod:`lightning_plugins.parallel.pipeline`). Its ``save_pretrained``
+        (and that of the ``PeftModel`` given) is collective: called on every rank, it writes the trained weights
+        whole (see :mod:`lightning_plugins.saving`).
 
     Raises:
         LayoutError: for any invalid combination, before any collective runs.
     """
     if (inner := hf_model_of(model)) is not model:  # a PeftModel: the transformers model inside holds the layers
         parallelize(inner, layout, options, memory)
+        install_save_pretrained(model)
         return model
     options, memory = options or ParallelOptions(), memory or MemoryOptions()
     resolved = _resolve(layout)
     if mesh_of(model) is not None:  # a later entry point (fit, then test; a second Trainer) reuses it
         check_same_settings(model, resolved, options, memory)
         return model
-    check_supported(model)
-    resolved.validate(getattr(model, "config", None))
-    check_quantized(model, resolved)
+    pipeline_options = check_parallelizable(model, resolved, options, memory)
     family = family_for(model, tensor_parallel=resolved.tp_size > 1)
-    pipeline_options = None
-    if resolved.pp_size > 1:
-        pipeline_options = check_pipeline_layout(resolved, getattr(model, "config", None), options.pipeline)
-    check_context_parallel(getattr(model, "config", None), resolved.cp_size, resolved.tp_size, options.cp_backend)
-    if memory.uses_fsdp_policy and resolved.fsdp_size == 1:
-        raise LayoutError(
-            "cpu_offload, param_dtype and reduce_dtype are FSDP2 options and need at least 2 data-parallel ranks"
-            " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, use a precision plugin instead."
-        )
     # Validation is done: from here on collectives run (building the mesh creates process groups).
     mesh = layout if isinstance(layout, DeviceMesh) else resolved.build_mesh(_device_type())
 
     if pipeline_options is not None:
         _parallelize_pipeline(model, family, mesh, pipeline_options, options, memory)
         _refuse_generate(model, "pipeline parallelism (each rank holds only some decoder layers)")
+        install_save_pretrained(model)
         setattr(model, _MESH_ATTR, mesh)
         setattr(model, _SETTINGS_ATTR, (options, memory))
         return model
@@ -124,9 +120,40 @@ def parallelize(
             reshard_after_forward=memory.reshard_after_forward,
         )
     model.loss_function = ParallelCausalLMLoss(data_mesh(mesh))
+    install_save_pretrained(model)
     setattr(model, _MESH_ATTR, mesh)
     setattr(model, _SETTINGS_ATTR, (options, memory))
     return model
+
+
+def check_parallelizable(
+    model: nn.Module, layout: ParallelLayout, options: ParallelOptions, memory: MemoryOptions
+) -> PipelineOptions | None:
+    """Check a resolved layout and its settings against ``model`` before anything is applied (no collective runs).
+
+    :func:`parallelize` runs these checks first; a door that knows the model before it joins the process group runs
+    them then, so a layout the model cannot run fails before any process group exists.
+
+    Returns:
+        The resolved pipeline options when ``layout.pp_size > 1``, else ``None``.
+
+    Raises:
+        LayoutError: naming the violated constraint and a setting that works.
+    """
+    config = getattr(model, "config", None)
+    check_supported(model)
+    layout.validate(config)
+    check_quantized(model, layout)
+    pipeline_options = None
+    if layout.pp_size > 1:
+        pipeline_options = check_pipeline_layout(layout, config, options.pipeline)
+    check_context_parallel(config, layout.cp_size, layout.tp_size, options.cp_backend)
+    if memory.uses_fsdp_policy and layout.fsdp_size == 1:
+        raise LayoutError(
+            "cpu_offload, param_dtype and reduce_dtype are FSDP2 options and need at least 2 data-parallel ranks"
+            " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, use a precision plugin instead."
+        )
+    return pipeline_options
 
 
 def _parallelize_pipeline(
@@ -194,14 +221,26 @@ def mesh_of(model: nn.Module) -> DeviceMesh | None:
     return getattr(model, _MESH_ATTR, None)
 
 
-def check_same_settings(model: nn.Module, layout: ParallelLayout, options: ParallelOptions, memory: MemoryOptions) -> None:
+def check_same_settings(
+    model: nn.Module,
+    layout: ParallelLayout,
+    options: ParallelOptions | None = None,
+    memory: MemoryOptions | None = None,
+) -> None:
     """A model is parallelized once: asking again is fine with the same layout and settings.
+
+    Args:
+        model: A model :func:`parallelize` applied a layout to.
+        layout: The layout asked for now.
+        options: The options asked for now; ``None`` accepts those applied (only the layout is compared).
+        memory: The memory options asked for now; ``None`` accepts those applied.
 
     Raises:
         LayoutError: naming both layouts and settings when they differ.
     """
     applied = ParallelLayout.from_mesh(mesh_of(model))
     applied_options, applied_memory = getattr(model, _SETTINGS_ATTR)
+    options, memory = options or applied_options, memory or applied_memory
     if (applied, applied_options, applied_memory) != (layout, options, memory):
         raise LayoutError(
             f"This model was already parallelized with {applied}, {applied_options}, {applied_memory}; now"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,3 +70,23 @@ def clip_grad_norm_(
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             grad.mul_(coef.to(grad.device))
     return total
+
+
+def reduce_partial_state(state: Any) -> Any:
+    """``state`` (e.g. an optimizer state dict, nested) with every pending-sum (``Partial``) DTensor reduced.
+
+    Under sequence parallelism a replicated norm weight's gradient is a pending sum over the tensor-parallel ranks,
+    and optimizers keep state derived from it in that form (SGD's momentum buffer): the step is right, since DTensor
+    reduces the sum where it is needed. A distributed checkpoint cannot keep it so: torch 2.15's DCP refuses partial
+    DTensors, and 2.13 stored each rank's part (a resharded resume would read parts as sums). Reduced, the saved state
+    is what one process holds.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.utils._pytree import tree_map_only
+
+    def reduce(tensor: DTensor) -> DTensor:
+        if not any(p.is_partial() for p in tensor.placements):
+            return tensor
+        return tensor.redistribute(placements=[Replicate() if p.is_partial() else p for p in tensor.placements])
+
+    return tree_map_only(DTensor, reduce, state)

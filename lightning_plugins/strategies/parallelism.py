@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,6 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -26,25 +26,40 @@ from lightning_plugins.checkpoint_checks import reads_checkpoint
 from lightning_plugins.export_info import save_export_info
 from lightning_plugins.faults import join_timeout, set_collective_timeout
 from lightning_plugins.layout import LayoutError, ParallelLayout
+from lightning_plugins.lora import peft_model_around
 from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
 from lightning_plugins import models
 from lightning_plugins.models import check_supported
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
-from lightning_plugins.parallel import check_same_settings, clip_grad_norm_, mesh_of, parallelize, pipeline_of
-from lightning_plugins.parallel.context import check_context_parallel, context_parallel_batch
+from lightning_plugins.parallel import (
+    check_parallelizable,
+    check_same_settings,
+    clip_grad_norm_,
+    mesh_of,
+    parallelize,
+    pipeline_of,
+    reduce_partial_state,
+)
+from lightning_plugins.parallel.context import context_parallel_batch
 from lightning_plugins.resume import publish, read_rng, restore_rng, save_rng
 from lightning_plugins.teardown import release_at_exit
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+#: HF models a strategy parallelized: a later entry point must ask for the same settings (a model that the module's
+#: own ``configure_model`` parallelized keeps the settings it chose).
+_PARALLELIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
 
 class ParallelismStrategy(ModelParallelStrategy):
     """Tensor (with sequence and loss parallel) and fully-sharded data parallelism for HF models.
 
-    The strategy finds the ``transformers.PreTrainedModel`` inside the LightningModule and applies the
-    layout to it; no ``configure_model`` is needed. A module that overrides ``configure_model`` is left
-    to parallelize itself (``parallelize(self.model, self.device_mesh)``).
+    The strategy finds the ``transformers.PreTrainedModel`` (or peft ``PeftModel``) inside the LightningModule and
+    applies the layout to it after the module's ``configure_model`` (if any) has run: the model may be built in
+    ``__init__`` or in ``configure_model``, also on the meta device (each rank then reads only its slices of the
+    checkpoint, see ``load_from``). A ``configure_model`` that calls ``parallelize(self.model, self.device_mesh, ...)``
+    itself keeps the settings it chose.
 
     Args:
         tp_size: Tensor-parallel ranks.
@@ -135,15 +150,14 @@ class ParallelismStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         assert self.lightning_module is not None
-        # Validate against the world size and the model before any process group exists.
+        # Validate against the world size, and against the model where the LightningModule already holds it, before
+        # any process group exists (a model that `configure_model` builds is checked in `setup`, before parallelizing).
         self.layout = self.layout.resolve(self.num_nodes * self.num_processes)
-        if not is_overridden("configure_model", self.lightning_module):
-            model = find_hf_model(self.lightning_module, type(self).__name__)
-            check_supported(model)
-            self.layout.validate(model.config)
-            check_context_parallel(model.config, self.layout.cp_size, self.layout.tp_size, self.options.cp_backend)
+        model = self._hf_model(built=False)
+        if model is not None:
+            self._check_model(model)
         # A model parallelized by an earlier entry point (fit, then test; a second Trainer) keeps its mesh.
-        existing = self._existing_mesh()
+        existing = None if model is None else mesh_of(model)
         self._setup_distributed()
         set_collective_timeout(self._timeout)  # joined: from now on every collective is bounded by `timeout`
         self._device_mesh = existing or self.layout.build_mesh(self.root_device.type)
@@ -178,13 +192,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         assert self.accelerator is not None
         assert self.lightning_module is not None
         self.accelerator.setup(trainer)
-        if not is_overridden("configure_model", self.lightning_module):
-            model = find_hf_model(self.lightning_module, type(self).__name__)
-            parallelize(model, self.device_mesh, self.options, self.memory)
-            if is_on_meta(model):
-                load_sharded_safetensors(
-                    model, checkpoint_dir_of(model, self.load_from, type(self).__name__), self.root_device
-                )
+        self._parallelize_model()
         check_supported(self.model)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -199,16 +207,45 @@ class ParallelismStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _existing_mesh(self) -> DeviceMesh | None:
-        """The mesh of an HF model in the LightningModule that ``parallelize`` already applied a layout to."""
+    def _hf_model(self, *, built: bool) -> nn.Module | None:
+        """The LightningModule's HF model; ``None`` before ``configure_model`` (``built=False``) when that builds it."""
         assert self.lightning_module is not None
-        if is_overridden("configure_model", self.lightning_module):
-            return None
-        model = find_hf_model(self.lightning_module, type(self).__name__)
-        mesh = mesh_of(model)
-        if mesh is not None:
-            check_same_settings(model, self.layout, self.options, self.memory)
-        return mesh
+        if not built and is_overridden("configure_model", self.lightning_module):
+            if not models.hf_models(self.lightning_module):
+                return None
+        return find_hf_model(self.lightning_module, type(self).__name__)
+
+    def _check_model(self, model: nn.Module) -> None:
+        """Check the layout against ``model`` before any collective touches it (no collective runs here).
+
+        A model that is not parallelized yet gets the checks :func:`~lightning_plugins.parallelize` starts with; one
+        that is (by an earlier entry point, or by the module's own ``configure_model``) must have this strategy's
+        layout, and, when this strategy parallelized it, its settings.
+        """
+        if mesh_of(model) is not None:
+            if model in _PARALLELIZED:
+                check_same_settings(model, self.layout, self.options, self.memory)
+            else:  # the module's `configure_model` called `parallelize` itself, with settings of its own
+                check_same_settings(model, self.layout)
+            return
+        check_parallelizable(model, self.layout, self.options, self.memory)
+
+    def _parallelize_model(self) -> None:
+        """Apply the layout to the HF model once the LightningModule's ``configure_model`` has run.
+
+        The model may have been built in ``__init__`` or in ``configure_model`` (on the meta device too, then each rank
+        reads its slices of the checkpoint here), or parallelized by ``configure_model`` itself: every layout takes the
+        same path.
+        """
+        model = self._hf_model(built=True)
+        assert model is not None
+        self._check_model(model)
+        checkpoint = checkpoint_dir_of(model, self.load_from, type(self).__name__) if is_on_meta(model) else None
+        if mesh_of(model) is None:
+            parallelize(peft_model_around(self.lightning_module, model), self.device_mesh, self.options, self.memory)
+            _PARALLELIZED.add(model)
+        if checkpoint is not None:
+            load_sharded_safetensors(model, checkpoint, self.root_device)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         parameters = self.precision_plugin.main_params(optimizer)
@@ -231,8 +268,8 @@ class ParallelismStrategy(ModelParallelStrategy):
                 self._found_pipeline = (self.lightning_module, pipeline)
                 return pipeline
         raise LayoutError(
-            f"{type(self).__name__}: pp_size={self.layout.pp_size} but no pipeline was built. A `configure_model` override"
-            " must call `lightning_plugins.parallelize(model, self.device_mesh, ParallelOptions(pp_schedule=...))` on the HF model."
+            f"{type(self).__name__}: pp_size={self.layout.pp_size} but the LightningModule holds no pipeline: the HF"
+            " model it parallelized was replaced after setup. Build the model in `__init__` or `configure_model` only."
         )
 
     @override
@@ -295,7 +332,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
+        return reduce_partial_state(get_optimizer_state_dict(self.model, optimizer, options=_FLAT))
 
     @reads_checkpoint  # a corrupted checkpoint, or one of another model, gets an error naming it and the fix
     def _load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -333,7 +370,8 @@ class ParallelismStrategy(ModelParallelStrategy):
         set_model_state_dict(self.model, module_state["state_dict"], options=strict)
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
-            optimizer_state = {key: get_optimizer_state_dict(self.model, optimizer, options=_FLAT)}
+            template = get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
+            optimizer_state = {key: reduce_partial_state(template)}
             _distributed_checkpoint_load(optimizer_state, path)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optimizer_state[key], options=_FLAT)
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
@@ -417,7 +455,7 @@ class ParallelismStrategy(ModelParallelStrategy):
 def find_hf_model(module: nn.Module, owner: str) -> nn.Module:
     """The LightningModule's HF model (see :func:`lightning_plugins.models.find_hf_model`)."""
     return models.find_hf_model(
-        module, owner, "or override `configure_model` and call `lightning_plugins.parallelize(model, self.device_mesh)`"
+        module, owner, "built in `__init__` or in `configure_model`"
     )
 
 

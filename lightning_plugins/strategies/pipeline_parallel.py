@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from typing_extensions import override
-
 from lightning_plugins.layout import LayoutError
-from lightning_plugins.parallel.pipeline import check_pipeline_layout
-from lightning_plugins.strategies.parallelism import ParallelismStrategy, find_hf_model
+from lightning_plugins.strategies.parallelism import ParallelismStrategy
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -61,12 +58,3 @@ class PipelineParallelStrategy(ParallelismStrategy):
         )
         # Fail on a bad schedule or micro-batch count now, before Trainer(...) launches any process.
         self.pipeline_options = self.options.pipeline.resolve(pp_size)
-
-    @override
-    def setup_environment(self) -> None:
-        assert self.lightning_module is not None
-        # The model's layer count is known now: check the stages before any process group exists.
-        layout = self.layout.resolve(self.num_nodes * self.num_processes)
-        model = find_hf_model(self.lightning_module, type(self).__name__)
-        self.pipeline_options = check_pipeline_layout(layout, model.config, self.options.pipeline)
-        super().setup_environment()

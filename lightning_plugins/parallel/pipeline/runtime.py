@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining.schedules import (
     _Action,
     _add_send_recv,
@@ -304,11 +304,15 @@ class _ForwardOnlyMulti(_PipelineScheduleRuntime):
             order[stage_to_rank[stage]] += forwards
         # Lower to a plan with communication (and FSDP unshard/reshard), as `_prepare_schedule_with_comms`
         # does, minus its validation (which expects a backward for every forward).
-        self.pipeline_order_with_comms = _add_send_recv(
+        plan = _add_send_recv(
             {rank: _add_unshard_reshard(actions) for rank, actions in order.items()},
             stage_to_rank=lambda s: stage_to_rank[s],
             num_stages=self._num_stages,
         )
+        # torch >= 2.15 retires every send through an explicit wait action (a send without one fails the step);
+        # earlier releases waited for sends themselves and have no such pass.
+        add_wait_send = getattr(schedules, "_add_wait_send", None)
+        self.pipeline_order_with_comms = plan if add_wait_send is None else add_wait_send(plan)
 
 
 def _with_copies_of_last_row(x: Tensor, copies: int) -> Tensor:

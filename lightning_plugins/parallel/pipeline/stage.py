@@ -93,13 +93,8 @@ class StageModule(nn.Module):
             position_ids = torch.arange(hidden.shape[1], device=inputs.device).unsqueeze(0)
         mask_fns = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         masks = {
-            kind: mask_fns[kind](
-                config=self.config,
-                inputs_embeds=hidden,
-                attention_mask=attention_mask,
-                past_key_values=None,
-                position_ids=position_ids,
-            )
+            # No cache: passed by position, since transformers 5.24 renamed the argument (past_key_values -> cache).
+            kind: mask_fns[kind](self.config, hidden, attention_mask, None, position_ids=position_ids)
             for kind in set(self._kinds.values())
         }
         position_embeddings = self.rotary(hidden, position_ids)
