@@ -31,6 +31,13 @@ tracker either fails or files real memory in another category than the one it be
   it enters, which raises ``cannot register a hook on a tensor that doesn't require gradient``; hooks go on
   trainable parameters only.
 
+And one leak: ``ModTracker`` hooks the inputs and outputs of every module with
+``torch.autograd.graph.register_multi_grad_hook`` and drops the handles. In its default mode that hook's closure
+keeps the ``grad_fn`` of each hooked tensor, and the ``grad_fn`` keeps the hook: a cycle through C++ that Python's
+garbage collector cannot see (torch 2.13 to 2.15), so the step's graph nodes outlive the step, and with them
+FSDP2's (which hold the model, its process groups and their threads). Here the handles are kept and removed when
+the tracker exits.
+
 Gradients are filed by ``MemTracker``'s own hooks: on the parameters a module holds when it is entered, and
 FSDP2 (torch 2.13) runs the sharded parameters' post-accumulate-grad hooks when it assigns the reduce-scattered
 gradients. So under FSDP2 ``gradients`` holds the sharded gradients plus, while a layer's backward runs, the
@@ -57,6 +64,7 @@ from torch.distributed._tools.mem_tracker import (
     _UpdateType,
     _WeakRefInfo,
 )
+from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
 
@@ -90,6 +98,25 @@ class _NestedBackwardModTracker(ModTracker):
     def __init__(self) -> None:
         super().__init__()
         self._running: Counter[str] = Counter()
+        self._grad_hooks: list[Any] = []
+
+    def __enter__(self) -> Self:
+        # ``ModTracker``'s hooks go through the module's ``register_multi_grad_hook``: keep their handles.
+        self._register_multi_grad_hook = mod_tracker.register_multi_grad_hook
+        mod_tracker.register_multi_grad_hook = self._keep_handle
+        return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        mod_tracker.register_multi_grad_hook = self._register_multi_grad_hook
+        for handle in self._grad_hooks:
+            handle.remove()  # breaks the hook <-> grad_fn cycle (see the module docstring)
+        self._grad_hooks.clear()
+
+    def _keep_handle(self, *args: Any, **kwargs: Any) -> Any:
+        handle = self._register_multi_grad_hook(*args, **kwargs)
+        self._grad_hooks.append(handle)
+        return handle
 
     def _fw_pre_hook(self, mod: nn.Module, input: Any) -> None:
         super()._fw_pre_hook(mod, input)
