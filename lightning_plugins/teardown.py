@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import gc
 import sys
+import types
 import weakref
 from typing import Any
 
@@ -44,14 +45,15 @@ def track_mesh(mesh: Any) -> Any:
 
 
 def release_process_groups() -> int:
-    """Destroy every process group of this process and free the groups nothing else holds.
+    """Destroy every process group of this process and free them, with their threads.
 
-    After it no collective can run (as after ``torch.distributed.destroy_process_group``); it does nothing when no
-    process group exists. Groups still held by objects the program keeps (e.g. FSDP2's or a pipeline stage's
-    reference inside a model kept in a module-level variable) live on until those objects are freed.
+    After it no collective can run (as after ``torch.distributed.destroy_process_group``), and the objects that still
+    referred to a destroyed group (a model the script keeps: FSDP2's mesh information, a pipeline stage, a mesh's
+    cache) refer to ``None`` instead, so that nothing keeps the group alive. It does nothing when no process group
+    exists.
 
     Returns:
-        How many of the destroyed process groups are still alive (held elsewhere).
+        How many of the destroyed process groups are still alive (held where Python cannot see it, e.g. by C++).
     """
     groups: list[weakref.ref] = []
     if dist.is_available() and dist.is_initialized():
@@ -64,7 +66,39 @@ def release_process_groups() -> int:
     _forget_deepspeed_defaults()
     if any(ref() is not None for ref in groups):
         gc.collect()  # groups held only by garbage in reference cycles (a finished run's model, trainer) go now
+    for ref in groups:
+        group = ref()
+        if group is not None:
+            _let_go(group)
+            del group
     return sum(ref() is not None for ref in groups)
+
+
+def _let_go(group: dist.ProcessGroup) -> None:
+    """Point the references the program still holds to the destroyed ``group`` at ``None`` (it can serve no
+    collective any more): attributes, dictionary values, list items, closure cells.
+
+    Plain loops only: a comprehension that named ``group`` would make it a closure cell of this function (Python
+    3.11), which the loop would then find among the holders and empty.
+    """
+    for holder in gc.get_referrers(group):
+        if isinstance(holder, types.CellType):
+            holder.cell_contents = None
+            continue
+        if isinstance(holder, list):
+            for index, value in enumerate(holder):
+                if value is group:
+                    holder[index] = None
+            continue
+        if not isinstance(holder, dict):
+            if isinstance(holder, type) or not isinstance(getattr(holder, "__dict__", None), dict):
+                continue
+            holder = vars(holder)
+        elif any(isinstance(owner, type) for owner in gc.get_referrers(holder)):
+            continue  # a class's namespace: writing it directly would bypass the type's attribute cache
+        for key, value in list(holder.items()):
+            if value is group:
+                holder[key] = None
 
 
 def _forget_deepspeed_defaults() -> None:

@@ -34,11 +34,16 @@ _STATE_ATTR = "_lightning_plugins_context_parallel"
 class _AttentionState(NamedTuple):
     """What the registered attention function needs from one prepared attention module."""
 
-    group: dist.ProcessGroup
+    mesh: Any  # the 1-D cp mesh; its group is looked up at each call (see lightning_plugins.teardown)
     size: int
     backend: str
     inner: str  # the model's own attention implementation, run on the full sequence by Ulysses
     inner_config: Any  # a copy of the model config naming ``inner``, for transformers' kernels that read it
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The context-parallel process group."""
+        return self.mesh.get_group()
 
 
 def apply_context_parallel(model: Any, layers: Any, cp_mesh: Any, backend: str = "ulysses") -> None:
@@ -67,7 +72,7 @@ def apply_context_parallel(model: Any, layers: Any, cp_mesh: Any, backend: str =
         raise LayoutError("This model is already context parallel: apply `parallelize` to a fresh model.")
     inner_config = copy.copy(model.config)
     inner_config._attn_implementation = inner
-    state = _AttentionState(cp_mesh.get_group(), cp_mesh.size(), backend, inner, inner_config)
+    state = _AttentionState(cp_mesh, cp_mesh.size(), backend, inner, inner_config)
     for index, layer in enumerate(layers):
         attention = getattr(layer, "self_attn", None)
         if attention is None:
@@ -132,15 +137,16 @@ def context_parallel_attention(
         if kwargs.get(name) is not None:
             raise ValueError(f"Attention `{name}` is not supported with context parallelism; use cp_size=1.")
     dropout = dropout if module.training else 0.0
-    starts = _document_starts(kwargs.get("position_ids"), state.group, query.shape[2])
+    group = state.group
+    starts = _document_starts(kwargs.get("position_ids"), group, query.shape[2])
     if state.backend == "ring":
         if dropout > 0:
             raise ValueError("Ring attention has no attention dropout; set config.attention_dropout=0 or use Ulysses.")
-        out = ring_attention(query, key, value, state.group, causal=causal, scale=scaling, document_starts=starts)
+        out = ring_attention(query, key, value, group, causal=causal, scale=scaling, document_starts=starts)
     else:
         inner = functools.partial(_inner_attention, module, state, dropout)
         out = ulysses_attention(
-            query, key, value, state.group, causal=causal, scale=scaling, attn_fn=inner, document_starts=starts
+            query, key, value, group, causal=causal, scale=scaling, attn_fn=inner, document_starts=starts
         )
     return out.transpose(1, 2).contiguous(), None
 
