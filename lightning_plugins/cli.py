@@ -111,9 +111,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.print_config:
             print(recipe.to_yaml(), end="")
             return
+        from lightning_plugins.data import DataError
         from lightning_plugins.finetune import is_launcher_rank, run_finetune
 
-        result = run_finetune(recipe, resume=args.resume)
+        try:  # the data is read on rank 0 before the other ranks start: a bad record stops it alone, at once
+            result = run_finetune(recipe, resume=args.resume)
+        except DataError as err:
+            sys.exit(f"error: {args.recipe}: {err}")
         if result and is_launcher_rank():
             print("\n".join(f"{key}: {value}" for key, value in result.items()))
 

@@ -102,16 +102,44 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, 
     # dropped; evaluation takes every sample (the pipeline tops a short batch up with rows that hold no target).
     drop = recipe.layout.pp_size > 1
     seed = recipe.train.seed
+    dataset = build_dataset(recipe.data, tokenizer, "train")
+    check_global_batch(recipe, dataset.num_rows)
     train = ResumableDataLoader(
-        build_dataset(recipe.data, tokenizer, "train"), batch_size=size, shuffle=True, collate_fn=collate,
-        drop_last=drop, generator=loader_generator(seed),
-    )  # fmt: skip
+        dataset, batch_size=size, shuffle=True, collate_fn=collate, drop_last=drop, generator=loader_generator(seed)
+    )
     if not recipe.data.has_eval:
         return train, None
     return train, DataLoader(
         build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate,
         generator=loader_generator(seed),
     )  # fmt: skip
+
+
+def check_global_batch(recipe: Recipe, samples: int) -> None:
+    """Refuse a training set smaller than one global batch: every step would train on fewer samples than it says.
+
+    Raises:
+        DataError: naming the numbers (samples, micro batch x accumulation x data-parallel ranks) and the fix.
+    """
+    from lightning_plugins.data import DataError
+
+    if samples >= recipe.samples_per_step:
+        return
+    per_step = recipe.train.micro_batch_size * recipe.layout.dp_size
+    rows = "packed rows" if recipe.data.packing else "samples"
+    dp = recipe.layout.dp_size
+    if samples >= per_step:
+        fix = f"Lower train.global_batch_size to {samples // per_step * per_step} (a multiple of {per_step})"
+    elif samples >= dp:
+        fix = f"Set train.micro_batch_size={samples // dp} and train.global_batch_size={samples // dp * dp}"
+    else:
+        fix = f"Use at most {samples} data-parallel ranks"
+    raise DataError(
+        f"data.train holds {samples} training {rows} after tokenization, fewer than one global batch of"
+        f" {recipe.samples_per_step} (train.micro_batch_size {recipe.train.micro_batch_size} x accumulation"
+        f" {recipe.accumulation} x data-parallel ranks {dp}): every optimizer step would train on"
+        f" fewer samples than the recipe says. {fix}, or add training data."
+    )
 
 
 def batches_per_rank(recipe: Recipe, samples: int) -> int:

@@ -55,9 +55,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from lightning_plugins.faults import RankFailure, explain_timeout, is_collective_timeout
 
+    from lightning_plugins.data import DataError
+
     try:
         result = run_recipe(recipe, resume=args.resume)
-    except LayoutError as err:
+    except (LayoutError, DataError) as err:  # every rank reads the same data: all stop here, before any collective
         _fail(f"{args.recipe}: {err}")
     except Exception as err:
         if not is_collective_timeout(err):

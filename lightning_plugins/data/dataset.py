@@ -61,12 +61,16 @@ def build_dataset(config: DataConfig, tokenizer: Any, split: Literal["train", "e
         indices = _held_out(dataset.num_rows, config)[split == "eval"]
         dataset = dataset.select(indices)
     encode = _ENCODERS[fmt]
+    seen = {"longest": 0, "tokens": 0}  # for the message when truncation leaves nothing
 
     def tokenize(batch: dict[str, list], rows: list[int]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": []}
         for j, row in enumerate(rows):
             try:
-                example = _fit(encode({k: v[j] for k, v in batch.items()}, tokenizer), config)
+                encoded = encode({k: v[j] for k, v in batch.items()}, tokenizer)
+                seen["longest"] = max(seen["longest"], len(encoded["input_ids"]))
+                seen["tokens"] += len(encoded["input_ids"])
+                example = _fit(encoded, config)
             except DataError as err:
                 raise DataError(f"{source.where(row if indices is None else indices[row])}: {err}") from None
             if example is not None:
@@ -82,6 +86,14 @@ def build_dataset(config: DataConfig, tokenizer: Any, split: Literal["train", "e
             remove_columns=dataset.column_names,
             keep_in_memory=True,
             new_fingerprint=_fingerprint(dataset._fingerprint, config, tokenizer, split),
+        )
+    if dataset.num_rows == 0:
+        raise DataError(
+            f"data.{key}: truncation at data.max_seq_len={config.max_seq_len} left nothing to train on: all"
+            f" {len(indices) if indices is not None else source.dataset.num_rows} {split} records of {source.path} were"
+            f" dropped ({seen['tokens']} tokens), none has a trained (completion or assistant) token in its first"
+            f" {config.max_seq_len}. Raise data.max_seq_len (the longest record has {seen['longest']} tokens), or"
+            " shorten the prompts."
         )
     if config.packing:
         dataset = _packed_dataset(dataset, config.max_seq_len)

@@ -35,19 +35,30 @@ def _quiet_datasets() -> Iterator[None]:
             ds_logging.enable_progress_bar()
 
 
-def _is_json_lines(path: Path) -> bool:
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text; a byte that is not UTF-8 is an error naming its line and column."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_no = raw.count(b"\n", 0, err.start) + 1
+        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
+        raise DataError(
+            f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {column}). Data files must be"
+            " UTF-8: re-encode the file (e.g. `iconv -f latin1 -t utf-8`) or fix that line."
+        ) from None
+
+
+def _is_json_lines(text: str) -> bool:
     """JSON lines start with an object; a JSON file holding an array starts with ``[``."""
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                return line.lstrip().startswith("{")
-    return True
+    first = next((line for line in text.splitlines() if line.strip()), "{")
+    return first.lstrip().startswith("{")
 
 
 def _scan_json(path: Path) -> Iterator[tuple[int, Any]]:
     """``(line number, record)`` of every record; a record that is not valid JSON is an error at its line."""
-    text = path.read_text(encoding="utf-8")
-    if not _is_json_lines(path):
+    text = _read_text(path)
+    if not _is_json_lines(text):
         try:
             records = json.loads(text)
         except json.JSONDecodeError as err:
@@ -153,6 +164,8 @@ class _Source:
                 f"data.{self.key}: {path} has suffix {path.suffix!r}; use .jsonl / .json (JSON lines or an array"
                 " of records), .parquet, or a datasets `save_to_disk` directory."
             )
+        if builder == "json":
+            _read_text(path)  # arrow takes bytes that are not UTF-8 and fails only when a record is read
         try:
             return datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as err:
