@@ -13,7 +13,11 @@ or the model, a micro-batch that does not divide the global batch.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import json
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -233,13 +237,42 @@ def _describe(err: ValidationError, path: Path) -> str:
         key = ".".join(str(part) for part in problem["loc"]) or "(top level)"
         message = problem["msg"].removeprefix("Value error, ")
         if problem["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-            message = "unknown key; remove it or check its spelling against the section's documented keys"
+            message = f"unknown key; {_closest(problem['loc'])}"
         elif problem["type"] == "missing":
             message = "required key is missing"
         shown = problem.get("input")
         got = "" if problem["type"] == "missing" or isinstance(shown, dict) else f" (got {shown!r})"
         lines.append(f"  {key}: {message}{got}")
     return "\n".join(lines)
+
+
+def _unwrap(annotation: Any) -> Any:
+    """``LoraOptions | None`` -> ``LoraOptions``."""
+    args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    return args[0] if len(args) == 1 else annotation
+
+
+def _keys_of(section: Any) -> dict[str, Any]:
+    """The keys a section (a pydantic model or a dataclass of the engine) takes, with their types."""
+    if isinstance(section, type) and issubclass(section, BaseModel):
+        return {name: _unwrap(field.annotation) for name, field in section.model_fields.items()}
+    if dataclasses.is_dataclass(section):
+        types = {field.name: _unwrap(field.type) for field in dataclasses.fields(section)}
+        return {name: types.get(name) for name in inspect.signature(section).parameters if not name.startswith("_")}
+    return {}
+
+
+def _closest(loc: tuple[str | int, ...]) -> str:
+    """How to fix an unknown key: the closest valid key of its section (difflib), else the section's keys."""
+    section: Any = Recipe
+    for part in loc[:-1]:
+        section = _keys_of(section).get(str(part))
+    valid = list(_keys_of(section))
+    close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean `{close[0]}`?"
+    where = ".".join(str(part) for part in loc[:-1]) or "the recipe"
+    return f"remove it, or use one of the keys of {where}: {', '.join(valid)}"
 
 
 #: What a model.path that names a file ends with (a hub id like ``meta-llama/Llama-3.1-8B`` may hold dots).

@@ -73,3 +73,19 @@ def test_a_dataset_smaller_than_one_global_batch_is_refused(tmp_path: Path, toke
         r" x data-parallel ranks 2\).*Set train.micro_batch_size=2 and train.global_batch_size=4",
     ):
         build_loaders(recipe, tokenizer)
+
+
+def test_a_typo_names_the_key_the_closest_valid_key_and_the_file(tmp_path: Path) -> None:
+    from lightning_plugins.cli import main
+
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text(RECIPE.read_text().replace("  lr:", "  lrr:").replace("\ntrain:", "\ntrian:\n  max_steps: 3\ntrain:"))
+    recipe.with_name("model").symlink_to(TINY / "model")
+    recipe.with_name("data").symlink_to(TINY / "data")
+    with pytest.raises(SystemExit) as stop:
+        main(["finetune", str(recipe), "--train.max_stesp=3", "--layout.tp_sise=2", "--lora.rr=4"])
+    said = str(stop.value.code)
+    assert said.startswith(f"error: {recipe}: 5 problem(s)"), said
+    for typo, meant in [("optim.lrr", "lr"), ("trian", "train"), ("train.max_stesp", "max_steps"),
+                        ("layout.tp_sise", "tp_size"), ("lora.rr", "r")]:  # fmt: skip
+        assert f"  {typo}: unknown key; did you mean `{meant}`?" in said, said
