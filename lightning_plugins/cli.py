@@ -111,6 +111,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.print_config:
             print(recipe.to_yaml(), end="")
             return
+        from lightning_plugins.preflight import check_here
+
+        try:
+            check_here(recipe, args.recipe)
+        except RecipeError as err:
+            sys.exit(f"error: {err}")
         from lightning_plugins.data import DataError
         from lightning_plugins.finetune import is_launcher_rank, run_finetune
 

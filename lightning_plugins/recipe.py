@@ -279,6 +279,14 @@ def _closest(loc: tuple[str | int, ...]) -> str:
 _FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".yaml", ".yml", ".gguf")
 
 
+def near_directories(name: str, base: Path) -> str:
+    """`` Did you mean ...?`` naming the directories next to the recipe or in the current directory whose names are
+    close to ``name`` (``modle`` -> ``model``), or ``""``."""
+    found = {p.name: p for folder in (base, Path.cwd()) if folder.is_dir() for p in folder.iterdir() if p.is_dir()}
+    near = difflib.get_close_matches(name, list(found), n=3, cutoff=0.6)
+    return f" Did you mean {' or '.join(str(found[n]) for n in near)}?" if near else ""
+
+
 def _resolve_paths(recipe: Recipe, path: Path) -> Recipe:
     base = path.resolve().parent
     try:
@@ -292,8 +300,9 @@ def _resolve_paths(recipe: Recipe, path: Path) -> Recipe:
         model_path = str(local.resolve())
     elif model_path.startswith((".", "/", "~")) or local.suffix in _FILE_SUFFIXES or model_path.count("/") > 1:
         raise RecipeError(
-            f"{path}: model.path={recipe.model.path!r} is not a directory (looked for {local}). Give a local HF"
-            " checkpoint directory (config.json + *.safetensors + tokenizer), relative to the recipe, or a hub id."
+            f"{path}: model.path={recipe.model.path!r} is not a directory (looked for {local}).{near_directories(local.name, base)}"
+            " Give a local HF checkpoint directory (config.json + *.safetensors + tokenizer), relative to the recipe,"
+            " or a hub id."
         )
     return recipe.model_copy(update={"data": data, "model": recipe.model.model_copy(update={"path": model_path})})
 
@@ -325,6 +334,8 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             if layout.pp_size > 1:
                 check_pipeline_layout(layout, config, recipe.parallel.pipeline)
             check_context_parallel(config, layout.cp_size, layout.tp_size, recipe.parallel.cp_backend)
+            if layout.tp_size > 1:
+                _check_tensor_plan(config)
         except LayoutError as err:
             raise RecipeError(f"{path}: layout/parallel do not fit model {recipe.model.path}: {err}") from None
         if recipe.lora is not None:
@@ -369,6 +380,19 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             " adapter_dir).merge_and_unload()."
         )
     return recipe
+
+
+def _check_tensor_plan(config: Any) -> None:
+    """The model's family (or its config's ``base_model_tp_plan``) says how to split it; the fallback's notice is
+    given when the model is parallelized, not here as well."""
+    import types
+    import warnings
+
+    from lightning_plugins.models import family_for
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        family_for(types.SimpleNamespace(config=config), tensor_parallel=True)
 
 
 def _model_config(model_path: str, trust_remote_code: bool = False) -> Any:

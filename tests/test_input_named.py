@@ -89,3 +89,64 @@ def test_a_typo_names_the_key_the_closest_valid_key_and_the_file(tmp_path: Path)
     for typo, meant in [("optim.lrr", "lr"), ("trian", "train"), ("train.max_stesp", "max_steps"),
                         ("layout.tp_sise", "tp_size"), ("lora.rr", "r")]:  # fmt: skip
         assert f"  {typo}: unknown key; did you mean `{meant}`?" in said, said
+
+
+def test_a_gpu_recipe_without_a_gpu_is_refused_with_the_fix(capsys: pytest.CaptureFixture) -> None:
+    from lightning_plugins.accelerate.__main__ import main
+
+    with pytest.raises(SystemExit) as stop:  # the Accelerate door, in-process (a world of one)
+        main([str(RECIPE), "--layout.tp_size=1", "--hardware.accelerator=gpu"])
+    said = capsys.readouterr().err
+    assert stop.value.code == 1 and "Traceback" not in said, said
+    assert "hardware.accelerator: gpu, but this machine has no GPU torch can use" in said, said
+    assert "Set hardware.accelerator: cpu (--hardware.accelerator=cpu)" in said, said
+
+
+def test_a_model_path_neither_a_directory_nor_cached_is_refused_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_plugins.preflight import check_here
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    recipe = load_recipe(RECIPE, ["model.path=modle"])  # a hub id to the recipe: valid anywhere with a network
+    with pytest.raises(RecipeError, match=rf"model.path='modle' is no directory.*not in the local Hugging Face cache.*"
+                       rf"offline\)\. Did you mean {TINY / 'model'}\?"):  # fmt: skip
+        check_here(recipe, RECIPE)
+    with pytest.raises(RecipeError, match=rf"model.path='./modle' is not a directory.*Did you mean {TINY / 'model'}\?"):
+        load_recipe(RECIPE, ["model.path=./modle"])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header"])
+def test_a_damaged_weight_file_names_the_file_and_the_directory(tmp_path: Path, damage: str) -> None:
+    import shutil
+
+    from lightning_plugins.preflight import check_here
+
+    model = shutil.copytree(TINY / "model", tmp_path / "model")
+    weights = model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-100] if damage == "truncated" else data[:8] + b"\0" * 64 + data[72:])
+    recipe = load_recipe(RECIPE, [f"model.path={model}", f"train.output_dir={tmp_path / 'out'}"])
+    said = r"its header says \d+ bytes, the file has \d+ \(truncated\)" if damage == "truncated" else "header is not JSON"
+    with pytest.raises(RecipeError, match=rf"model.path={model}: weight file model.safetensors is damaged.*{said}"):
+        check_here(recipe, RECIPE)
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused(tmp_path: Path) -> None:
+    from lightning_plugins.preflight import check_here
+
+    (tmp_path / "file").write_text("")
+    good = load_recipe(RECIPE, [f"train.output_dir={tmp_path / 'out'}"])
+    check_here(good, RECIPE)  # created, written to and left clean
+    assert (tmp_path / "out").is_dir() and not list((tmp_path / "out").iterdir())
+    bad = load_recipe(RECIPE, [f"train.output_dir={tmp_path / 'file' / 'out'}"])
+    with pytest.raises(RecipeError, match=r"train.output_dir='.*file/out' cannot be written \(Not a directory\).*writable"):
+        check_here(bad, RECIPE)
+
+
+def test_tensor_parallel_on_a_family_without_a_plan_is_refused_at_load(tmp_path: Path) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0).save_pretrained(tmp_path)
+    with pytest.raises(RecipeError, match=r"Model type 'gpt2' has no registered family.*cannot be tensor-parallel\. Use"
+                       r" tp_size=1"):  # fmt: skip
+        load_recipe(RECIPE, [f"model.path={tmp_path}"])
+    assert load_recipe(RECIPE, [f"model.path={tmp_path}", "layout.tp_size=1", "train.micro_batch_size=8"])

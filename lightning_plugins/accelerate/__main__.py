@@ -43,11 +43,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(recipe.to_yaml(), end="")
         return
     from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
+    from lightning_plugins.preflight import check_here
 
     try:
+        check_here(recipe, args.recipe)
         if args.resume is not None:
             check_resume_path(args.resume)
-    except CheckpointError as err:
+    except (RecipeError, CheckpointError) as err:
         _fail(str(err))
     from lightning_plugins.accelerate.runner import run_recipe
 
