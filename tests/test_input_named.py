@@ -150,3 +150,23 @@ def test_tensor_parallel_on_a_family_without_a_plan_is_refused_at_load(tmp_path:
                        r" tp_size=1"):  # fmt: skip
         load_recipe(RECIPE, [f"model.path={tmp_path}"])
     assert load_recipe(RECIPE, [f"model.path={tmp_path}", "layout.tp_size=1", "train.micro_batch_size=8"])
+
+
+def test_both_doors_stop_on_bad_data_with_one_line_before_any_collective(tmp_path: Path) -> None:
+    """The one launched world: ``accelerate launch`` starts 2 ranks, which fail alike before any collective; the
+    Lightning door's rank 0 reads the data before it starts rank 1, so no world starts at all."""
+    import sys
+
+    from _world import run_command
+    from test_accelerate_launch import ROOT, accelerate_launch
+
+    path = _lines(tmp_path / "bad.jsonl", json.dumps(GOOD), b'{"prompt": "\xe9=", "completion": "x"}')
+    bad = [f"--data.train={path}", "--data.eval=null"]
+    said = f"{path}:2: not valid UTF-8 (byte 0xe9 at column 13)"
+    lightning = run_command([sys.executable, "-m", "lightning_plugins", "finetune", str(RECIPE),
+                             f"--train.output_dir={tmp_path / 'l'}", *bad], cwd=ROOT, timeout=120, expected=1)  # fmt: skip
+    assert said in lightning.stderr and "Traceback" not in lightning.stderr, lightning.stderr[-3000:]
+    assert "Initializing distributed" not in lightning.stdout + lightning.stderr  # no rank was started
+    accelerate = accelerate_launch(RECIPE, tmp_path / "a", *bad, expected=1)
+    ours = f'File "{ROOT / "lightning_plugins"}'  # accelerate's launcher prints its own traceback, no frame of ours
+    assert accelerate.stderr.count(said) == 1 and ours not in accelerate.stderr, accelerate.stderr[-3000:]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -73,10 +74,19 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def _fail(message: str) -> None:
-    """Exit with ``message`` said once (every rank fails the same way, before any collective)."""
+    """Exit with ``message`` said once (every rank fails the same way, before any collective).
+
+    The other ranks give rank 0 a head start: torchrun ends every worker as soon as one fails, and would otherwise
+    often end rank 0 before it said why."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr)
+    else:
+        time.sleep(_HEAD_START_S)
     sys.exit(1)
+
+
+#: How long the other ranks wait in :func:`_fail` for rank 0 to print and exit (torchrun then ends them).
+_HEAD_START_S = 5.0
 
 
 if __name__ == "__main__":

@@ -79,8 +79,6 @@ def encode_chat(record: Mapping[str, Any], tokenizer: Any) -> Example:
             f"The tokenizer {tokenizer.name_or_path!r} has no chat template, so chat records cannot be rendered. Add"
             " one to its tokenizer_config.json (or chat_template.jinja), or use prompt/completion records."
         )
-    from jinja2 import TemplateError
-
     try:
         if isinstance(template, str) and _GENERATION_TAG.search(template):
             encoded = tokenizer.apply_chat_template(
@@ -89,7 +87,9 @@ def encode_chat(record: Mapping[str, Any], tokenizer: Any) -> Example:
             ids, mask = list(encoded["input_ids"]), list(encoded["assistant_masks"])
         else:
             ids, mask = _assistant_mask_from_prefixes(messages, tokenizer)
-    except TemplateError as err:  # the template's own `raise_exception`, e.g. "unknown role: robot"
+    except Exception as err:
+        if not type(err).__module__.startswith("jinja2"):  # the template's `raise_exception`: "unknown role: robot"
+            raise
         roles = sorted({m["role"] for m in messages})
         raise DataError(
             f"the tokenizer's chat template refused the conversation ({err}); its roles are {roles}. Use roles the"
