@@ -7,8 +7,10 @@ sections *are* the engine's own objects (:class:`~lightning_plugins.ParallelLayo
 is defined once and reaches every door. Nothing here is Lightning- or Accelerate-specific.
 
 Every problem is reported before any process starts, as one :class:`RecipeError` naming the file, the
-key path and a fix: unknown keys, wrong types, missing files, a layout that does not divide the world
-or the model, a micro-batch that does not divide the global batch.
+key path and a fix: unknown keys (with the closest valid key), wrong types, missing files, a layout that does
+not divide the world or the model, tensor parallelism on a family without a TP plan, a micro-batch that does not
+divide the global batch. What depends on the machine the run starts on is checked by
+:mod:`lightning_plugins.preflight`.
 """
 
 from __future__ import annotations
