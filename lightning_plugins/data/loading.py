@@ -35,18 +35,27 @@ def _quiet_datasets() -> Iterator[None]:
             ds_logging.enable_progress_bar()
 
 
+def _check_utf8(path: Path) -> None:
+    """A byte that is not UTF-8 is an error naming its line and column (read line by line: any file size)."""
+    with open(path, "rb") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{path}:{line_no}: not valid UTF-8 (byte 0x{line[err.start]:02x} at column {err.start + 1}). Data"
+                    " files must be UTF-8: re-encode the file (e.g. `iconv -f latin1 -t utf-8`) or fix that line."
+                ) from None
+
+
 def _read_text(path: Path) -> str:
     """The file as UTF-8 text; a byte that is not UTF-8 is an error naming its line and column."""
     raw = path.read_bytes()
     try:
         return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line_no = raw.count(b"\n", 0, err.start) + 1
-        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
-        raise DataError(
-            f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[err.start]:02x} at column {column}). Data files must be"
-            " UTF-8: re-encode the file (e.g. `iconv -f latin1 -t utf-8`) or fix that line."
-        ) from None
+    except UnicodeDecodeError:
+        _check_utf8(path)
+        raise
 
 
 def _is_json_lines(text: str) -> bool:
@@ -165,7 +174,7 @@ class _Source:
                 " of records), .parquet, or a datasets `save_to_disk` directory."
             )
         if builder == "json":
-            _read_text(path)  # arrow takes bytes that are not UTF-8 and fails only when a record is read
+            _check_utf8(path)  # arrow takes bytes that are not UTF-8 and fails only when a record is read
         try:
             return datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as err:
