@@ -84,20 +84,15 @@ def _offline() -> bool:
 
 def _check_weights(model: Path, path: Path) -> None:
     """Every safetensors file of ``model`` is whole: its header parses and its tensors end where the file does."""
-    import json
-
+    from lightning_plugins.loading import checkpoint_index
     from lightning_plugins.safetensors_io import read_header
 
-    index = model / "model.safetensors.index.json"
-    try:
-        names = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else set()
-    except (ValueError, KeyError, TypeError) as err:
-        raise RecipeError(f"{path}: model.path={model}: {index.name} is damaged ({err}). Copy the model again.") from None
-    for file in sorted({model / name for name in names} | set(model.glob("*.safetensors"))):
-        if not file.is_file():
-            raise RecipeError(
-                f"{path}: model.path={model}: {index.name} names {file.name}, which is missing. Copy the model again."
-            )
+    if (model / "model.safetensors.index.json").is_file():
+        try:
+            checkpoint_index(model)  # the index parses and every shard it names is there
+        except (ValueError, FileNotFoundError) as err:
+            raise RecipeError(f"{path}: model.path={model}: {err}") from None
+    for file in sorted(model.glob("*.safetensors")):
         try:
             header, data_start = read_header(file)
             end = data_start + max((entry["data_offsets"][1] for entry in header.values()), default=0)
