@@ -112,8 +112,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(recipe.to_yaml(), end="")
             return
         from lightning_plugins.finetune import is_launcher_rank, run_finetune
+        from lightning_plugins.nonfinite import NonFiniteError
 
-        result = run_finetune(recipe, resume=args.resume)
+        try:
+            result = run_finetune(recipe, resume=args.resume)
+        except NonFiniteError as err:  # every rank stops alike; the launcher's says why
+            sys.exit(f"error: {err}" if is_launcher_rank() else 1)
         if result and is_launcher_rank():
             print("\n".join(f"{key}: {value}" for key, value in result.items()))
 

@@ -54,11 +54,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     from datetime import timedelta
 
     from lightning_plugins.faults import RankFailure, explain_timeout, is_collective_timeout
+    from lightning_plugins.nonfinite import NonFiniteError
 
     try:
         result = run_recipe(recipe, resume=args.resume)
     except LayoutError as err:
         _fail(f"{args.recipe}: {err}")
+    except NonFiniteError as err:  # every rank stops alike
+        _fail(str(err))
     except Exception as err:
         if not is_collective_timeout(err):
             raise

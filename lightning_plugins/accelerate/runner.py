@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_plugins.accelerate.accelerator import ParallelAccelerator
 from lightning_plugins.accelerate.metrics import MetricsCSV
+from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
@@ -112,6 +113,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
     bar = tqdm(total=total, initial=progress.step, disable=not main, desc="train", dynamic_ncols=True)
     last: dict[str, float] = {}
     tokens, clock, norm = 0, time.perf_counter(), None
+    guard = NonFiniteGuard(train.on_nonfinite, train.max_skipped_steps, lambda: latest_checkpoint(out))
     model.train()
     try:  # an asynchronous save still in flight is finished before the run goes on or ends
         while progress.step < total:
@@ -120,9 +122,12 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
                 tokens += input_tokens(batch)
                 with accelerator.accumulate(model):
                     loss = model(**batch).loss
+                    guard.observe_loss(loss)
                     accelerator.backward(loss)
-                    if accelerator.sync_gradients and recipe.optim.max_grad_norm is not None:
-                        norm = accelerator.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm)
+                    if accelerator.sync_gradients:
+                        # With clipping off, the same global norm with no limit (gradients scaled by exactly 1).
+                        norm = accelerator.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm or math.inf)
+                        guard.check(progress.step + 1, norm, optimizer)  # a skipped step leaves no gradients
                     optimizer.step()
                     if accelerator.sync_gradients:
                         schedule.step()
@@ -156,6 +161,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
                     if metrics is not None:
                         metrics.log({"val/loss": last["val/loss"]}, step=progress.step - 1, epoch=epoch)
                 if train.checkpoint_every and progress.step % train.checkpoint_every == 0:
+                    check_finite_weights(model.parameters(), f"checkpoint step={progress.step}", progress.step)
                     accelerator.save_state(out / "checkpoints" / f"{CHECKPOINT_NAME.format(step=progress.step)}.ckpt")
                 if progress.step >= total:
                     break
@@ -164,6 +170,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
         raise
     accelerator.wait_for_checkpoint()
     bar.close()
+    check_finite_weights(model.parameters(), f"export to {out}", progress.step)
     return _finish(accelerator, model, tokenizer, recipe, ckpt, last)
 
 
