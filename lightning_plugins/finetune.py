@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights
+from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
@@ -122,7 +122,8 @@ class _StepCheckpoint(ModelCheckpoint):
         self._last_global_step_saved = trainer.global_step  # that step's checkpoint is the one resumed from
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        check_finite_weights(trainer.lightning_module.parameters(), f"checkpoint {filepath}", trainer.global_step)
+        state = training_state(trainer.lightning_module.parameters(), trainer.optimizers)
+        check_finite_weights(state, f"checkpoint {filepath}", trainer.global_step)
         super()._save_checkpoint(trainer, filepath)
 
 

@@ -19,14 +19,15 @@ limit.
 
 Since no update is ever applied from a non-finite loss or gradient, and every save and export of a step comes after
 its check, a checkpoint or an export can hold a non-finite value only if finite updates overflowed the weights; the
-doors check the weights (:func:`check_finite_weights`, one pass over each rank's shard and one ``all_reduce``) before
-every save and export and stop rather than write one.
+doors check the weights and the optimizer's state (:func:`check_finite_weights`, one pass over each rank's shard and
+one ``all_reduce``) before every save, and the weights before every export, and stop rather than write one. So
+auto-resume, which takes the newest complete checkpoint, never meets one.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -108,7 +109,8 @@ class NonFiniteGuard:
         if bool(flags[0].any()):
             seen.append(f"a non-finite loss on rank(s) {_ranks(flags[0])}")
         if bool(flags[1].any()):
-            seen.append(f"a non-finite gradient norm ({float(norm)}; the global norm, seen by rank(s) {_ranks(flags[1])})")
+            ranks = _ranks(flags[1])
+            seen.append(f"a non-finite gradient norm ({float(norm)}; the global norm, seen by rank(s) {ranks})")
         what = f"optimizer step {step}: " + " and ".join(seen)
         if self.policy == "stop":
             raise NonFiniteError(f"{what}. {self._advice()}")
@@ -138,11 +140,22 @@ class NonFiniteGuard:
         )
 
 
+def training_state(parameters: Iterable[Tensor], optimizers: Iterable[Any] = ()) -> Iterator[Tensor]:
+    """The tensors a checkpoint holds: ``parameters`` and every tensor of the optimizers' states (moments)."""
+    yield from parameters
+    for optimizer in optimizers:
+        for state in getattr(optimizer, "state", {}).values():
+            yield from (value for value in state.values() if isinstance(value, Tensor))
+
+
 def check_finite_weights(tensors: Iterable[Tensor], what: str, step: int | None = None) -> None:
     """Raise :class:`NonFiniteError` on every rank if any rank's part of ``tensors`` holds a NaN or an infinity.
 
+    Every rank must call it (one ``all_reduce``).
+
     Args:
-        tensors: This rank's parameters (plain tensors or DTensors: each rank checks its local shard).
+        tensors: This rank's parameters, and optimizer state (:func:`training_state`); plain tensors or DTensors:
+            each rank checks its local shard.
         what: What is about to be written (``"checkpoint step=4.ckpt"``, ``"export to out/hf"``): named in the error.
         step: The optimizer steps taken, when known.
     """
@@ -159,7 +172,7 @@ def check_finite_weights(tensors: Iterable[Tensor], what: str, step: int | None 
     if bool(flags.any()):
         after = f" after optimizer step {step}" if step is not None else ""
         raise NonFiniteError(
-            f"refusing to write the {what}{after}: the weights on rank(s) {_ranks(flags)} hold NaN or infinite"
-            " values (finite updates overflowed them). Lower optim.lr or set optim.max_grad_norm, and resume from"
-            " the last checkpoint."
+            f"refusing to write the {what}{after}: the weights or optimizer state on rank(s) {_ranks(flags)} hold"
+            " NaN or infinite values (finite updates overflowed them). Lower optim.lr or set optim.max_grad_norm, and"
+            " resume from the last checkpoint."
         )

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from _world import free_port, run_command
+from _world import free_port, run_command, run_world
 
+from lightning_plugins.nonfinite import NonFiniteError, NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.plots import merge_metrics
 
 ROOT = Path(__file__).parents[1]
@@ -65,11 +66,14 @@ def _losses(out: Path, tmp: Path) -> dict[int, float]:
 
 def _written(out: Path) -> list[str]:
     """The checkpoints and exports a run left."""
-    return sorted(p.name for p in (out / "checkpoints").iterdir()) + [d for d in ("hf", "adapter") if (out / d).exists()]
+    exports = [d for d in ("hf", "adapter") if (out / d).exists()]
+    return sorted(p.name for p in (out / "checkpoints").iterdir()) + exports
 
 
 @pytest.mark.parametrize(("layout", "skip_door", "stop_door"), CASES, ids=[c[0] for c in CASES])
-def test_nonfinite_steps_are_skipped_or_stop_the_run(tmp_path: Path, layout: str, skip_door: str, stop_door: str) -> None:
+def test_nonfinite_steps_are_skipped_or_stop_the_run(
+    tmp_path: Path, layout: str, skip_door: str, stop_door: str
+) -> None:
     skip, stop = tmp_path / "skip", tmp_path / "stop"
     said = _run(skip_door, layout, skip, ["--train.on_nonfinite=skip", "--train.max_skipped_steps=2"],
                 LIGHTNING_PLUGINS_TEST_NAN="1:2,6,7")  # fmt: skip
@@ -92,3 +96,50 @@ def test_nonfinite_steps_are_skipped_or_stop_the_run(tmp_path: Path, layout: str
     torch.testing.assert_close(
         torch.tensor([got[s] for s in COMPARED]), torch.tensor([want[s] for s in COMPARED]), rtol=1e-5, atol=1e-5
     )
+
+
+def _guard_cases(rank: int, world_size: int) -> None:
+    """One world, the guard's decisions: every rank takes the one that a single rank's bad value calls for."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1)
+    nan, one = torch.tensor(float("nan")), torch.tensor(1.0)
+
+    def backward() -> None:
+        weight.grad = torch.full((3,), 0.5)
+
+    guard = NonFiniteGuard("skip", 2, lambda: Path("out/checkpoints/step=4.ckpt"))
+    backward()
+    guard.observe_loss(nan if rank == 1 else one)  # one micro-batch bad on rank 1 only
+    guard.observe_loss(one)
+    assert guard.check(5, one, optimizer) is False and weight.grad is None
+    optimizer.step()  # updates nothing, counts nothing
+    assert torch.equal(weight.detach(), torch.ones(3)) and not optimizer.state
+    backward()
+    guard.observe_loss(one)
+    assert guard.check(6, one, optimizer) is True and weight.grad is not None  # a good step resets the count
+    optimizer.step()
+    assert guard.consecutive == 0 and optimizer.state
+    backward()
+    assert guard.check(7, torch.tensor(float("inf")), optimizer) is False and guard.consecutive == 1
+    backward()
+    with pytest.raises(NonFiniteError) as raised:
+        guard.check(8, nan, optimizer)
+    said = str(raised.value)
+    assert said.startswith("optimizer step 8: a non-finite gradient norm (nan; the global norm, seen by rank(s) [0, 1])")
+    assert "2 consecutive steps skipped (train.max_skipped_steps=2)" in said, said
+    assert "the last checkpoint, out/checkpoints/step=4.ckpt, holds finite weights" in said, said
+
+    stop = NonFiniteGuard("stop", 10)
+    stop.observe_loss(torch.tensor(float("-inf")) if rank == 1 else one)
+    with pytest.raises(NonFiniteError, match=r"^optimizer step 3: a non-finite loss on rank\(s\) \[1\]\. .*no check"):
+        stop.check(3, one, optimizer)
+
+    check_finite_weights(training_state([weight], [optimizer]), "checkpoint step=6.ckpt", 6)
+    if rank == 1:
+        next(iter(optimizer.state.values()))["exp_avg_sq"][0] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"checkpoint step=6.ckpt after optimizer step 6: .* on rank\(s\) \[1\]"):
+        check_finite_weights(training_state([weight], [optimizer]), "checkpoint step=6.ckpt", 6)
+
+
+def test_every_rank_takes_the_decision_of_one_rank() -> None:
+    run_world(_guard_cases, 2)

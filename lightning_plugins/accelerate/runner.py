@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_plugins.accelerate.accelerator import ParallelAccelerator
 from lightning_plugins.accelerate.metrics import MetricsCSV
-from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights
+from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
@@ -161,7 +161,8 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
                     if metrics is not None:
                         metrics.log({"val/loss": last["val/loss"]}, step=progress.step - 1, epoch=epoch)
                 if train.checkpoint_every and progress.step % train.checkpoint_every == 0:
-                    check_finite_weights(model.parameters(), f"checkpoint step={progress.step}", progress.step)
+                    state = training_state(model.parameters(), [optimizer])
+                    check_finite_weights(state, f"checkpoint step={progress.step}", progress.step)
                     accelerator.save_state(out / "checkpoints" / f"{CHECKPOINT_NAME.format(step=progress.step)}.ckpt")
                 if progress.step >= total:
                     break
