@@ -36,6 +36,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_plugins.layout import LayoutError
+
 #: What the guard does with a non-finite step (the recipe's ``train.on_nonfinite``).
 Policy = Literal["stop", "skip"]
 
@@ -59,13 +61,29 @@ class NonFiniteGuard:
         policy: ``"stop"`` or ``"skip"`` (see the module's docstring).
         max_skipped_steps: With ``skip``: stop after this many consecutive skipped steps.
         last_checkpoint: Returns the newest complete checkpoint (named in the error), or ``None``.
+        stepped_in_backward: The optimizer already stepped when the guard runs (Accelerate's DeepSpeed steps inside
+            ``backward``): ``skip`` is refused, and ``stop`` says that the weights took the step.
+
+    Raises:
+        LayoutError: ``skip`` where the optimizer steps inside backward.
     """
 
     def __init__(
-        self, policy: Policy, max_skipped_steps: int, last_checkpoint: Callable[[], Path | None] = lambda: None
+        self,
+        policy: Policy,
+        max_skipped_steps: int,
+        last_checkpoint: Callable[[], Path | None] = lambda: None,
+        stepped_in_backward: bool = False,
     ) -> None:
         if policy not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite={policy!r}: expected 'stop' or 'skip'")
+        if policy == "skip" and stepped_in_backward:
+            raise LayoutError(
+                "train.on_nonfinite=skip: the optimizer steps inside backward (Accelerate's DeepSpeed), before the"
+                " guard sees the step's loss and gradient norm, so no step can be skipped. Use train.on_nonfinite=stop"
+                " (the default), or the engine's own sharding (layout.dp_shard_size) instead of the DeepSpeed config."
+            )
+        self.stepped_in_backward = stepped_in_backward
         self.policy = policy
         self.max_skipped_steps = max_skipped_steps
         self.last_checkpoint = last_checkpoint
@@ -78,14 +96,15 @@ class NonFiniteGuard:
         bad = ~torch.isfinite(_local(loss.detach())).all()
         self._bad_loss = bad if self._bad_loss is None else self._bad_loss | bad
 
-    def check(self, step: int, grad_norm: Tensor, optimizer: Any) -> bool:
+    def check(self, step: int, grad_norm: Tensor | None, optimizer: Any) -> bool:
         """Decide, on every rank alike, whether optimizer step ``step`` (1-based) may update the weights.
 
         Call it after the gradients are clipped and before ``optimizer.step()``.
 
         Args:
             step: The optimizer step about to be taken (1-based: the checkpoint after it is ``step=<step>``).
-            grad_norm: The global gradient norm (identical on every rank).
+            grad_norm: The global gradient norm (identical on every rank); ``None`` where the door cannot have it
+                (Accelerate's DeepSpeed clips inside its engine): the loss alone is checked.
             optimizer: Its gradients are set to ``None`` when the step is skipped.
 
         Returns:
@@ -94,12 +113,14 @@ class NonFiniteGuard:
         Raises:
             NonFiniteError: Under ``stop``, or after ``max_skipped_steps`` consecutive skips.
         """
-        norm = _local(grad_norm.detach())
-        flags = torch.zeros(2, dist.get_world_size(), dtype=torch.float32, device=norm.device)
+        norm = None if grad_norm is None else _local(grad_norm.detach())
+        device = norm.device if norm is not None else self._bad_loss.device if self._bad_loss is not None else "cpu"
+        flags = torch.zeros(2, dist.get_world_size(), dtype=torch.float32, device=device)
         rank = dist.get_rank()
         if self._bad_loss is not None:
-            flags[0, rank] = self._bad_loss.to(device=norm.device, dtype=torch.float32)
-        flags[1, rank] = (~torch.isfinite(norm).all()).float()
+            flags[0, rank] = self._bad_loss.to(device=device, dtype=torch.float32)
+        if norm is not None:
+            flags[1, rank] = (~torch.isfinite(norm).all()).float()
         self._bad_loss = None
         dist.all_reduce(flags)
         if not bool(flags.any()):
@@ -134,8 +155,11 @@ class NonFiniteGuard:
     def _advice(self) -> str:
         last = self.last_checkpoint()
         where = f"the last checkpoint, {last}, holds finite weights" if last else "no checkpoint was written yet"
+        took = "before the weights took it"
+        if self.stepped_in_backward:
+            took = "after the optimizer had stepped inside backward"
         return (
-            f"Training stopped before the weights took it ({where}). Lower optim.lr or set optim.max_grad_norm, check"
+            f"Training stopped {took} ({where}). Lower optim.lr or set optim.max_grad_norm, check"
             " the data, or set train.on_nonfinite=skip to skip such steps."
         )
 

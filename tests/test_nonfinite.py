@@ -22,6 +22,7 @@ import pytest
 import torch
 from _world import free_port, run_command, run_world
 
+from lightning_plugins.layout import LayoutError
 from lightning_plugins.nonfinite import NonFiniteError, NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.plots import merge_metrics
 
@@ -125,7 +126,9 @@ def _guard_cases(rank: int, world_size: int) -> None:
     with pytest.raises(NonFiniteError) as raised:
         guard.check(8, nan, optimizer)
     said = str(raised.value)
-    assert said.startswith("optimizer step 8: a non-finite gradient norm (nan; the global norm, seen by rank(s) [0, 1])")
+    assert said.startswith(
+        "optimizer step 8: a non-finite gradient norm (nan; the global norm, seen by rank(s) [0, 1])"
+    ), said
     assert "2 consecutive steps skipped (train.max_skipped_steps=2)" in said, said
     assert "the last checkpoint, out/checkpoints/step=4.ckpt, holds finite weights" in said, said
 
@@ -133,6 +136,14 @@ def _guard_cases(rank: int, world_size: int) -> None:
     stop.observe_loss(torch.tensor(float("-inf")) if rank == 1 else one)
     with pytest.raises(NonFiniteError, match=r"^optimizer step 3: a non-finite loss on rank\(s\) \[1\]\. .*no check"):
         stop.check(3, one, optimizer)
+
+    # Where the optimizer steps inside backward (Accelerate's DeepSpeed, no norm given): stop only, said so.
+    with pytest.raises(LayoutError, match=r"train\.on_nonfinite=skip: the optimizer steps inside backward"):
+        NonFiniteGuard("skip", 10, stepped_in_backward=True)
+    late = NonFiniteGuard("stop", 10, stepped_in_backward=True)
+    late.observe_loss(nan if rank == 0 else one)
+    with pytest.raises(NonFiniteError, match=r"loss on rank\(s\) \[0\]\. Training stopped after the optimizer had"):
+        late.check(4, None, optimizer)
 
     check_finite_weights(training_state([weight], [optimizer]), "checkpoint step=6.ckpt", 6)
     if rank == 1:

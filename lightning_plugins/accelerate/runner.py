@@ -89,6 +89,9 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
     train = recipe.train
     out = Path(train.output_dir)
     accelerator = make_accelerator(recipe)
+    guard = NonFiniteGuard(
+        train.on_nonfinite, train.max_skipped_steps, lambda: latest_checkpoint(out), accelerator.builtin == "DeepSpeed"
+    )
     set_seed(train.seed)
     model, tokenizer = build_model(recipe, on_meta=accelerator.builtin is None)
     num_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
@@ -113,7 +116,6 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
     bar = tqdm(total=total, initial=progress.step, disable=not main, desc="train", dynamic_ncols=True)
     last: dict[str, float] = {}
     tokens, clock, norm = 0, time.perf_counter(), None
-    guard = NonFiniteGuard(train.on_nonfinite, train.max_skipped_steps, lambda: latest_checkpoint(out))
     model.train()
     try:  # an asynchronous save still in flight is finished before the run goes on or ends
         while progress.step < total:
