@@ -5,7 +5,8 @@ data); this file only builds the model, the data loaders, a plain LightningModul
 Lightning's rich progress bar and CSV logger, DCP checkpoints every N steps (resumed automatically
 from the output directory, or from ``--resume``), evaluation on the held-out split, and at the end an
 HF directory (full fine-tune) or a peft adapter directory (LoRA, plus merged weights when asked), a CSV
-of the metrics and a loss-curve PNG.
+of the metrics and a loss-curve PNG. A non-finite loss or gradient norm stops the run or skips the step
+(``train.on_nonfinite``, :mod:`lightning_plugins.nonfinite`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
+from typing_extensions import override
 
 from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
@@ -61,6 +63,7 @@ class RecipeModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    @override
     def configure_gradient_clipping(
         self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
     ) -> None:
@@ -121,7 +124,9 @@ class _StepCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         self._last_global_step_saved = trainer.global_step  # that step's checkpoint is the one resumed from
 
+    @override
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        """Refuse to save weights or optimizer state that hold a NaN or an infinity (every rank checks its shard)."""
         state = training_state(trainer.lightning_module.parameters(), trainer.optimizers)
         check_finite_weights(state, f"checkpoint {filepath}", trainer.global_step)
         super()._save_checkpoint(trainer, filepath)
