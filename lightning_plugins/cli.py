@@ -119,11 +119,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(f"error: {err}")
         from lightning_plugins.data import DataError
         from lightning_plugins.finetune import is_launcher_rank, run_finetune
+        from lightning_plugins.nonfinite import NonFiniteError
 
         try:  # the data is read on rank 0 before the other ranks start: a bad record stops it alone, at once
             result = run_finetune(recipe, resume=args.resume)
         except DataError as err:
             sys.exit(f"error: {args.recipe}: {err}")
+        except NonFiniteError as err:  # every rank stops alike; the launcher's says why
+            sys.exit(f"error: {err}" if is_launcher_rank() else 1)
         if result and is_launcher_rank():
             print("\n".join(f"{key}: {value}" for key, value in result.items()))
 

@@ -5,7 +5,8 @@ data); this file only builds the model, the data loaders, a plain LightningModul
 Lightning's rich progress bar and CSV logger, DCP checkpoints every N steps (resumed automatically
 from the output directory, or from ``--resume``), evaluation on the held-out split, and at the end an
 HF directory (full fine-tune) or a peft adapter directory (LoRA, plus merged weights when asked), a CSV
-of the metrics and a loss-curve PNG.
+of the metrics and a loss-curve PNG. A non-finite loss or gradient norm stops the run or skips the step
+(``train.on_nonfinite``, :mod:`lightning_plugins.nonfinite`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
+from typing_extensions import override
 
+from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
@@ -48,12 +51,29 @@ class RecipeModule(L.LightningModule):
         self.total_steps = total_steps
         self._num_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
         self._tokens, self._logged_step, self._clock = 0, -1, time.perf_counter()
+        train = recipe.train
+        self.guard = NonFiniteGuard(
+            train.on_nonfinite, train.max_skipped_steps, lambda: latest_checkpoint(train.output_dir)
+        )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self._tokens += input_tokens(batch)
         loss = self.model(**batch).loss
+        self.guard.observe_loss(loss)
         self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    @override
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Clip, then let the non-finite guard decide whether this optimizer step may update the weights.
+
+        With clipping off, the global norm is computed by the same path with no limit (gradients scaled by exactly 1).
+        """
+        limit = math.inf if gradient_clip_val is None else gradient_clip_val
+        self.clip_gradients(optimizer, gradient_clip_val=limit, gradient_clip_algorithm=gradient_clip_algorithm)
+        self.guard.check(self.trainer.global_step + 1, self.trainer.strategy.grad_norm, optimizer)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         # The loss is already the global one on every rank; syncing keeps Lightning's epoch mean exact too.
@@ -103,6 +123,13 @@ class _StepCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._last_global_step_saved = trainer.global_step  # that step's checkpoint is the one resumed from
+
+    @override
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        """Refuse to save weights or optimizer state that hold a NaN or an infinity (every rank checks its shard)."""
+        state = training_state(trainer.lightning_module.parameters(), trainer.optimizers)
+        check_finite_weights(state, f"checkpoint {filepath}", trainer.global_step)
+        super()._save_checkpoint(trainer, filepath)
 
 
 def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
@@ -170,6 +197,7 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = None) -> dict[str, 
     ckpt = resume or latest_checkpoint(recipe.train.output_dir)
     trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
     out = Path(recipe.train.output_dir)
+    check_finite_weights(module.model.parameters(), f"export to {out}", trainer.global_step)
     written = {"model": export_hf(module.model, out / ("adapter" if recipe.lora else "hf"), tokenizer)}
     if recipe.lora is not None and recipe.train.merge_lora:
         written["merged"] = export_hf(module.model, out / "merged", tokenizer, merge=True)

@@ -105,6 +105,10 @@ class TrainSection(_Section):
             timeout, in seconds). A rank that dies ends the job at once; one that hangs ends it after this long,
             with a message naming the rank. Raise it if a step, a checkpoint save or the first load may
             legitimately keep one rank away from the others longer.
+        on_nonfinite: What a NaN or infinite loss or gradient norm on any rank does: ``stop`` ends the run with an
+            error naming the step, the quantity, the ranks and the last checkpoint; ``skip`` skips that optimizer
+            step as AMP's grad scaler does (no update; the learning-rate schedule goes on).
+        max_skipped_steps: With ``on_nonfinite: skip``, stop after this many consecutive skipped steps.
     """
 
     global_batch_size: int | None = Field(None, ge=1)
@@ -120,6 +124,8 @@ class TrainSection(_Section):
     output_dir: str = "outputs/finetune"
     merge_lora: bool = False
     collective_timeout_s: float = Field(1800.0, gt=0)
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_skipped_steps: int = Field(10, ge=1)
 
     @model_validator(mode="after")
     def _one_of_each(self) -> TrainSection:

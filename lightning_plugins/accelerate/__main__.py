@@ -57,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from datetime import timedelta
 
     from lightning_plugins.faults import RankFailure, explain_timeout, is_collective_timeout
+    from lightning_plugins.nonfinite import NonFiniteError
 
     from lightning_plugins.data import DataError
 
@@ -64,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         result = run_recipe(recipe, resume=args.resume)
     except (LayoutError, DataError) as err:  # every rank reads the same data: all stop here, before any collective
         _fail(f"{args.recipe}: {err}")
+    except NonFiniteError as err:  # every rank stops alike
+        _fail(str(err))
     except Exception as err:
         if not is_collective_timeout(err):
             raise

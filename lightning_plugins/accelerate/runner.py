@@ -3,8 +3,9 @@
 Same data order (a ``DistributedSampler`` over the data-parallel ranks, seeded by ``train.seed``, as Lightning
 installs), same accumulation, clipping and per-step schedule, same metric names and CSV layout
 (``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``, ``train/mfu`` on GPUs, ``val/loss``),
-checkpoints ``output_dir/checkpoints/step=N.ckpt`` resumed automatically, and the same exports. Only the
-launcher differs: ``accelerate launch`` decides the world, the recipe the rest.
+checkpoints ``output_dir/checkpoints/step=N.ckpt`` resumed automatically, the same non-finite guard
+(``train.on_nonfinite``) and the same exports. Only the launcher differs: ``accelerate launch`` decides the world,
+the recipe the rest.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_plugins.accelerate.accelerator import ParallelAccelerator
 from lightning_plugins.accelerate.metrics import MetricsCSV
+from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
@@ -88,6 +90,9 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
     train = recipe.train
     out = Path(train.output_dir)
     accelerator = make_accelerator(recipe)
+    guard = NonFiniteGuard(
+        train.on_nonfinite, train.max_skipped_steps, lambda: latest_checkpoint(out), accelerator.builtin == "DeepSpeed"
+    )
     set_seed(train.seed)
     model, tokenizer = build_model(recipe, on_meta=accelerator.builtin is None)
     num_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
@@ -120,9 +125,12 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
                 tokens += input_tokens(batch)
                 with accelerator.accumulate(model):
                     loss = model(**batch).loss
+                    guard.observe_loss(loss)
                     accelerator.backward(loss)
-                    if accelerator.sync_gradients and recipe.optim.max_grad_norm is not None:
-                        norm = accelerator.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm)
+                    if accelerator.sync_gradients:
+                        # With clipping off, the same global norm with no limit (gradients scaled by exactly 1).
+                        norm = accelerator.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm or math.inf)
+                        guard.check(progress.step + 1, norm, optimizer)  # a skipped step leaves no gradients
                     optimizer.step()
                     if accelerator.sync_gradients:
                         schedule.step()
@@ -156,6 +164,8 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
                     if metrics is not None:
                         metrics.log({"val/loss": last["val/loss"]}, step=progress.step - 1, epoch=epoch)
                 if train.checkpoint_every and progress.step % train.checkpoint_every == 0:
+                    state = training_state(model.parameters(), [optimizer])
+                    check_finite_weights(state, f"checkpoint step={progress.step}", progress.step)
                     accelerator.save_state(out / "checkpoints" / f"{CHECKPOINT_NAME.format(step=progress.step)}.ckpt")
                 if progress.step >= total:
                     break
@@ -164,6 +174,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
         raise
     accelerator.wait_for_checkpoint()
     bar.close()
+    check_finite_weights(model.parameters(), f"export to {out}", progress.step)
     return _finish(accelerator, model, tokenizer, recipe, ckpt, last)
 
 

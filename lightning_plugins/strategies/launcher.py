@@ -49,6 +49,7 @@ from lightning_plugins.faults import (
     recorded_failure,
     summarize,
 )
+from lightning_plugins.nonfinite import NonFiniteError
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -101,6 +102,8 @@ class SupervisedLauncher(_SubprocessScriptLauncher):
             rank = self.cluster_environment.global_rank()
             record_failure(rank, error)
             message, stopped = self._watcher.diagnose(error) if self._watcher is not None else (None, "")
+            if isinstance(error, NonFiniteError):  # every rank decided it in the same step: the job's cause
+                raise
             if message is None and is_collective_timeout(error):
                 message = explain_timeout(rank, error, self.timeout) + stopped
             if message is not None:
