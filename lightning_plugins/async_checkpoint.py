@@ -29,6 +29,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from lightning_plugins.integrity import ChecksummedWriter
+
 __all__ = ["AsyncCheckpointer"]
 
 
@@ -63,7 +65,8 @@ class AsyncCheckpointer:
         save has completed, and never when it failed.
         """
         self.wait()
-        future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._process_group())
+        writer = ChecksummedWriter(partial)  # each file's checksum, for the manifest written when it is published
+        future = dcp.async_save(state, storage_writer=writer, process_group=self._process_group())
         done, errors = threading.Event(), []
 
         def finish(saved: Future) -> None:

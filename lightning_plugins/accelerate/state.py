@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from lightning_plugins.async_checkpoint import AsyncCheckpointer
 from lightning_plugins.checkpoint_checks import reads_checkpoint
 from lightning_plugins.export_info import save_export_info
+from lightning_plugins.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
 from lightning_plugins.parallel import reduce_partial_state
 from lightning_plugins.resume import load_rng, publish, save_rng
 
@@ -66,14 +67,14 @@ def save_training_state(accelerator: Any, path: str | Path, saver: AsyncCheckpoi
     grads = [[name for name, p in model.named_parameters() if p.grad is not None] for model in accelerator._models]
     tensors = _tensor_state(accelerator, grads)
     if saver is None:
-        dcp.save(tensors, checkpoint_id=partial)
+        dcp.save(tensors, storage_writer=ChecksummedWriter(partial))
     else:
         partial.mkdir(parents=True, exist_ok=True)
     every = [None] * dist.get_world_size()  # pipeline ranks hold different parameters: name them all
     dist.all_gather_object(every, grads)
     save_rng(partial, rank)
     if rank == 0:
-        torch.save(
+        save_checksummed(
             {
                 "step": accelerator.step,
                 "grads": [sorted(set().union(*names)) for names in zip(*every)],
@@ -108,6 +109,7 @@ def load_training_state(accelerator: Any, path: str | Path) -> None:
         ValueError: when the prepared objects do not match the saved ones in number.
     """
     path = Path(path)
+    verify_on_first_rank(path, dist.get_rank(), _broadcast)  # its files against its checksums, before any is read
     if not (path / ".metadata").is_file() or not (path / STATE_FILE).is_file():
         raise FileNotFoundError(
             f"{path} is not a complete checkpoint written by ParallelAccelerator.save_state (no .metadata or"
@@ -176,6 +178,13 @@ def _saveable_grad(param: Tensor) -> Tensor:
     if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
         return grad.redistribute(param.device_mesh, param.placements)
     return grad
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _key(kind: str, index: int) -> str:

@@ -1,0 +1,145 @@
+"""Checkpoints that prove themselves (issue 23): every file of a checkpoint has a checksum recorded while it was written
+(``checksums.json``); a damaged one (4 KiB zeroed inside a weight file, a truncated file, a missing file) is refused by
+``lightning-plugins verify``, by export and by resume in both doors, naming the file; auto-resume skips it for the newest
+intact checkpoint and the resumed run is on the uninterrupted run's trajectory.
+
+One uninterrupted Lightning run (TP=2, checkpoints at steps 2, 4 and 6) is shared by every test here.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _world import free_port, run_command
+
+from lightning_plugins.cli import main
+from lightning_plugins.export import export_checkpoint
+from lightning_plugins.export_info import ExportError
+from lightning_plugins.integrity import MANIFEST
+
+ROOT = Path(__file__).parents[1]
+RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"
+CONFIG = ROOT / "accelerate_configs" / "cpu_2proc.yaml"
+STEPS = 6
+ARGS = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_every=100", "--train.checkpoint_every=2",
+        "--optim.warmup_steps=2", "--train.micro_batch_size=8"]  # fmt: skip
+
+
+def _finetune(out: Path, *extra: str, expected: int | None = 0):
+    command = [sys.executable, "-m", "lightning_plugins", "finetune", str(RECIPE), f"--train.output_dir={out}", *ARGS]
+    return run_command([*command, *extra], cwd=ROOT, timeout=300, expected=expected)
+
+
+def _losses(out: Path) -> list[tuple[int, float]]:
+    with open(out / "metrics.csv", newline="") as handle:
+        return [(int(row["step"]), float(row["train/loss"])) for row in csv.DictReader(handle) if row.get("train/loss")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output directory of one uninterrupted run."""
+    out = tmp_path_factory.mktemp("integrity") / "reference"
+    _finetune(out)
+    return out
+
+
+def zero_4k(checkpoint: Path) -> str:
+    """Zero 4 KiB in the middle of rank 1's weight file (its size unchanged)."""
+    path = checkpoint / "__1_0.distcp"
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = bytes(4096)
+    path.write_bytes(bytes(data))
+    return r"__1_0\.distcp: its sha256 is \w+\.\.\., the manifest records \w+\.\.\. \(same size, other bytes\)"
+
+
+def truncate(checkpoint: Path) -> str:
+    path = checkpoint / "__0_0.distcp"
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
+        handle.truncate(size - 1000)
+    return rf"__0_0\.distcp: {size - 1000} bytes, the manifest records {size} \(truncated or overwritten\)"
+
+
+def remove_rng(checkpoint: Path) -> str:
+    (checkpoint / "rng_state_1.pt").unlink()
+    return r"rng_state_1\.pt: missing \(the manifest records \d+ bytes\)"
+
+
+DAMAGES = {"zeroed": zero_4k, "truncated": truncate, "missing": remove_rng}
+
+
+def test_the_manifest_names_every_file_with_its_digest(reference: Path) -> None:
+    """Checksums computed from the bytes as they were written match the files on disk, and cover every file."""
+    for checkpoint in sorted((reference / "checkpoints").glob("step=*.ckpt")):
+        files = json.loads((checkpoint / MANIFEST).read_text())["files"]
+        on_disk = {p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file()} - {MANIFEST}
+        assert set(files) == on_disk and {".metadata", "__0_0.distcp", "rng_state_1.pt", "meta.pt"} <= on_disk, files
+        for name, entry in files.items():
+            content = (checkpoint / name).read_bytes()
+            assert entry == {"algorithm": "sha256", "digest": hashlib.sha256(content).hexdigest(), "size": len(content)}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_verify_and_export_refuse_a_damaged_checkpoint(
+    reference: Path, tmp_path: Path, damage: str, capsys: pytest.CaptureFixture
+) -> None:
+    checkpoint = shutil.copytree(reference / "checkpoints" / f"step={STEPS}.ckpt", tmp_path / "step=6.ckpt")
+    main(["verify", str(checkpoint)])
+    assert "every file matches its checksum" in capsys.readouterr().out
+    what = DAMAGES[damage](checkpoint)
+    named = rf"{checkpoint} is damaged, so it is not loaded: {what}"
+    with pytest.raises(SystemExit) as stop:
+        main(["verify", str(checkpoint)])
+    assert stop.value.code != 0
+    assert re.search(named, str(stop.value.code)), stop.value.code
+    with pytest.raises(ExportError, match=named):
+        export_checkpoint(checkpoint, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+
+
+def test_auto_resume_skips_a_damaged_checkpoint_and_stays_on_the_trajectory(reference: Path, tmp_path: Path) -> None:
+    """The newest checkpoint (step 6) is gone, step 4 has 4 KiB zeroed: the run resumes from step 2, says why, and
+    trains steps 2-5 exactly as the uninterrupted run did (Lightning door: every rank verifies, in the same order)."""
+    out = shutil.copytree(reference, tmp_path / "run")
+    checkpoints = out / "checkpoints"
+    shutil.rmtree(checkpoints / f"step={STEPS}.ckpt")
+    zero_4k(checkpoints / "step=4.ckpt")
+    proc = _finetune(out)
+    assert "Skipping step=4.ckpt for auto-resume:" in proc.stderr and "__1_0.distcp: its sha256" in proc.stderr, (
+        proc.stderr[-3000:]
+    )
+    assert proc.stderr.count("Skipping step=4.ckpt") == 1, proc.stderr[-3000:]  # said once, not by every rank
+    assert "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
+    assert f"resumed_from: {checkpoints / 'step=2.ckpt'}" in proc.stdout, proc.stdout[-3000:]
+    got, want = _losses(out), _losses(reference)
+    assert [s for s, _ in got] == [s for s, _ in want] == list(range(STEPS)), (got, want)
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), rtol=1e-5, atol=1e-5, msg=str(got)
+    )
+    main(["verify", str(checkpoints / "step=4.ckpt")])  # the resumed run wrote it again, intact
+
+
+def test_resume_refuses_a_damaged_checkpoint_through_accelerate(reference: Path, tmp_path: Path) -> None:
+    """``--resume`` of a damaged checkpoint ends every rank of the Accelerate door before anything is loaded, with the
+    file named (rank 0 verifies; every rank raises what it found). The checkpoint is the Lightning run's: its damage is
+    found before anything else about it is looked at."""
+    checkpoint = shutil.copytree(reference / "checkpoints" / "step=4.ckpt", tmp_path / "step=4.ckpt")
+    what = truncate(checkpoint)
+    launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(CONFIG),
+              "--main_process_port", str(free_port()), "-m", "lightning_plugins.accelerate"]  # fmt: skip
+    command = [*launch, str(RECIPE), f"--train.output_dir={tmp_path / 'run'}", *ARGS, "--resume", str(checkpoint)]
+    proc = run_command(command, cwd=ROOT, timeout=300, expected=None)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert re.search(rf"\[rank{rank}\].*{re.escape(str(checkpoint))} is damaged, so it is not loaded: {what}",
+                         proc.stderr), proc.stderr[-4000:]  # fmt: skip
+    assert not (tmp_path / "run" / "checkpoints").exists()
