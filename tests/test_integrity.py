@@ -1,7 +1,8 @@
 """Checkpoints that prove themselves (issue 23): every file of a checkpoint has a checksum recorded while it was written
 (``checksums.json``); a damaged one (4 KiB zeroed inside a weight file, a truncated file, a missing file) is refused by
 ``lightning-plugins verify``, by export and by resume in both doors, naming the file; auto-resume skips it for the newest
-intact checkpoint and the resumed run is on the uninterrupted run's trajectory.
+intact checkpoint and the resumed run is on the uninterrupted run's trajectory. A disk that fills up during a save
+ends every rank with the path, the bytes needed and free, and leaves the previous checkpoint the latest.
 
 One uninterrupted Lightning run (TP=2, checkpoints at steps 2, 4 and 6) is shared by every test here.
 """
@@ -9,6 +10,7 @@ One uninterrupted Lightning run (TP=2, checkpoints at steps 2, 4 and 6) is share
 from __future__ import annotations
 
 import csv
+import errno
 import hashlib
 import json
 import re
@@ -21,6 +23,7 @@ import torch
 from _world import free_port, run_command
 
 from lightning_plugins.cli import main
+from lightning_plugins.disk_space import CheckpointWriteError, check_room, checkpoint_bytes, writing_checkpoint
 from lightning_plugins.export import export_checkpoint
 from lightning_plugins.export_info import ExportError
 from lightning_plugins.integrity import MANIFEST
@@ -28,6 +31,7 @@ from lightning_plugins.integrity import MANIFEST
 ROOT = Path(__file__).parents[1]
 RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"
 CONFIG = ROOT / "accelerate_configs" / "cpu_2proc.yaml"
+DISK_FULL = ROOT / "tests" / "scripts" / "disk_full.py"
 STEPS = 6
 ARGS = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_every=100", "--train.checkpoint_every=2",
         "--optim.warmup_steps=2", "--train.micro_batch_size=8"]  # fmt: skip
@@ -106,13 +110,30 @@ def test_verify_and_export_refuse_a_damaged_checkpoint(
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
 
 
-def test_auto_resume_skips_a_damaged_checkpoint_and_stays_on_the_trajectory(reference: Path, tmp_path: Path) -> None:
-    """The newest checkpoint (step 6) is gone, step 4 has 4 KiB zeroed: the run resumes from step 2, says why, and
-    trains steps 2-5 exactly as the uninterrupted run did (Lightning door: every rank verifies, in the same order)."""
-    out = shutil.copytree(reference, tmp_path / "run")
+def test_a_full_disk_ends_every_rank_and_the_run_resumes_past_a_damaged_checkpoint(
+    reference: Path, tmp_path: Path
+) -> None:
+    """The disk fills up on rank 1 while it writes step 4's weights: every rank ends with the path, the bytes needed
+    and free, the partial save is removed and step 2 stays the latest. A damaged step=4.ckpt is then put next to it:
+    auto-resume skips it (saying why, once), resumes from step 2 and trains steps 2-5 exactly as the uninterrupted
+    run did (Lightning door: every rank verifies the same files in the same order)."""
+    out = tmp_path / "run"
+    command = [sys.executable, str(DISK_FULL), "1", "4", "lightning", "finetune", str(RECIPE),
+               f"--train.output_dir={out}", *ARGS]  # fmt: skip
+    full = run_command(command, cwd=ROOT, timeout=300, expected=None)
+    assert full.returncode != 0
+    needed = rf"It needs about (\d+) bytes \([\d.]+ \w+\) and (\d+) bytes \([\d.]+ \w+\) are free on the file system of"
+    said = rf"Cannot write the checkpoint {re.escape(str(out / 'checkpoints' / 'step=4.ckpt'))}: No space left on device.*{needed}"
+    for rank in (0, 1):  # DCP's collectives carried rank 1's failure to rank 0
+        assert re.search(rf"\[rank{rank}\]: \S*CheckpointWriteError: \[Errno 28\] {said}", full.stderr), full.stderr[-4000:]
+    stored = sum(p.stat().st_size for p in (reference / "checkpoints" / "step=4.ckpt").glob("*.distcp"))
+    estimate = int(re.search(needed, full.stderr).group(1))
+    assert stored * 0.95 <= estimate <= stored * 1.1, (estimate, stored)
     checkpoints = out / "checkpoints"
-    shutil.rmtree(checkpoints / f"step={STEPS}.ckpt")
-    zero_4k(checkpoints / "step=4.ckpt")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step=2.ckpt"]
+    main(["verify", str(checkpoints / "step=2.ckpt")])
+
+    zero_4k(shutil.copytree(reference / "checkpoints" / "step=4.ckpt", checkpoints / "step=4.ckpt"))
     proc = _finetune(out)
     assert "Skipping step=4.ckpt for auto-resume:" in proc.stderr and "__1_0.distcp: its sha256" in proc.stderr, (
         proc.stderr[-3000:]
@@ -125,7 +146,8 @@ def test_auto_resume_skips_a_damaged_checkpoint_and_stays_on_the_trajectory(refe
     torch.testing.assert_close(
         torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), rtol=1e-5, atol=1e-5, msg=str(got)
     )
-    main(["verify", str(checkpoints / "step=4.ckpt")])  # the resumed run wrote it again, intact
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    main(["verify", str(checkpoints / "step=4.ckpt")])  # the resumed run wrote it again, in its place, intact
 
 
 def test_resume_refuses_a_damaged_checkpoint_through_accelerate(reference: Path, tmp_path: Path) -> None:
@@ -143,3 +165,25 @@ def test_resume_refuses_a_damaged_checkpoint_through_accelerate(reference: Path,
         assert re.search(rf"\[rank{rank}\].*{re.escape(str(checkpoint))} is damaged, so it is not loaded: {what}",
                          proc.stderr), proc.stderr[-4000:]  # fmt: skip
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_disk_without_room_refuses_the_save_before_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check before a save (rank 0; here one process) and a write refused by the file system (permission) give
+    the same error, naming the path, the bytes needed and free; nothing is left behind."""
+    state = {"model": {"w": torch.zeros(256, 256), "b": torch.zeros(256)}, "step": 3}
+    partial = tmp_path / "checkpoints" / "step=4.ckpt.partial"
+    needed = checkpoint_bytes(state)
+    assert needed == 257 * 256 * 4 + 3 * 1536  # two tensors and a number, each in its own item
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=needed - 1))
+    said = rf"Cannot write the checkpoint {re.escape(str(partial)[:-8])}: not enough free space\. It needs about {needed}"
+    with pytest.raises(CheckpointWriteError, match=rf"{said} bytes .* and {needed - 1} bytes .* are free on the file"):
+        check_room(partial, state)
+    assert not partial.exists()
+    monkeypatch.undo()
+    assert check_room(partial, state) == needed
+    with pytest.raises(CheckpointWriteError, match=rf"Permission denied \({re.escape(str(partial))}/x\)\. It needs"):
+        with writing_checkpoint(partial, needed):
+            partial.mkdir(parents=True)
+            raise PermissionError(errno.EACCES, "Permission denied", str(partial / "x"))
+    assert not partial.exists()

@@ -24,6 +24,7 @@ from typing_extensions import override
 
 from lightning_plugins.async_checkpoint import AsyncCheckpointer
 from lightning_plugins.checkpoint_checks import reads_checkpoint
+from lightning_plugins.disk_space import check_room, writing_checkpoint
 from lightning_plugins.export_info import save_export_info
 from lightning_plugins.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
 from lightning_plugins.faults import join_timeout, set_collective_timeout
@@ -410,21 +411,23 @@ class ParallelismStrategy(ModelParallelStrategy):
 
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported.")
-        partial.mkdir(parents=True, exist_ok=True)
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        save_rng(partial, self.global_rank)
-        if self.global_rank == 0:
-            save_checksummed(checkpoint, partial / _METADATA_FILENAME)
-            save_export_info(partial, self.lightning_module, "state_dict", self.load_from)
-        publish_it = (lambda: publish(partial, path)) if self.global_rank == 0 else None
-        if self.async_checkpoint:
-            self._saver.save(tensors, partial, publish_it)
-            return
-        dcp.save(tensors, storage_writer=ChecksummedWriter(partial))
-        self.barrier()
-        if publish_it is not None:
-            publish_it()
+        needed = check_room(partial, tensors)  # a disk without room refuses it on every rank, before any write
+        with writing_checkpoint(partial, needed):  # a write failing for lack of room: named, and .partial removed
+            partial.mkdir(parents=True, exist_ok=True)
+            save_rng(partial, self.global_rank)
+            if self.global_rank == 0:
+                save_checksummed(checkpoint, partial / _METADATA_FILENAME)
+                save_export_info(partial, self.lightning_module, "state_dict", self.load_from)
+            publish_it = (lambda: publish(partial, path)) if self.global_rank == 0 else None
+            if self.async_checkpoint:
+                self._saver.save(tensors, partial, publish_it, needed)
+                return
+            dcp.save(tensors, storage_writer=ChecksummedWriter(partial))
+            self.barrier()
+            if publish_it is not None:
+                publish_it()
         self.barrier()
 
     @override
