@@ -1,4 +1,5 @@
-"""The console script: ``lightning-plugins demo | finetune | plan | tiny | export | verify`` (also ``python -m lightning_plugins ...``)."""
+"""The console script: ``lightning-plugins demo | finetune | plan | tiny | export | verify``
+(also ``python -m lightning_plugins ...``)."""
 
 from __future__ import annotations
 

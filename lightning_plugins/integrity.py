@@ -201,8 +201,8 @@ def damage(directory: str | Path) -> list[str]:
 
 
 def _stat_key(directory: Path) -> tuple[Any, ...]:
-    stats = sorted((p.relative_to(directory).as_posix(), p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*"))
-    return (str(directory.resolve()), *stats)
+    stats = ((p.relative_to(directory).as_posix(), p.stat()) for p in directory.rglob("*"))
+    return (str(directory.resolve()), *sorted((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats))
 
 
 def verify_checkpoint(directory: str | Path) -> bool:

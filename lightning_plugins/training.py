@@ -138,10 +138,8 @@ def latest_checkpoint(output_dir: str | Path, say: Callable[[str], None] | None 
     from lightning_plugins.checkpoint_checks import CheckpointError
     from lightning_plugins.integrity import unverified_note, verify_checkpoint
 
-    found = sorted(
-        ((int(m.group(1)), p) for p in (Path(output_dir) / "checkpoints").glob("step=*") if (m := _CHECKPOINT.match(p.name))),
-        reverse=True,
-    )
+    candidates = (Path(output_dir) / "checkpoints").glob("step=*")
+    found = sorted(((int(m.group(1)), p) for p in candidates if (m := _CHECKPOINT.match(p.name))), reverse=True)
     for _, path in found:
         try:
             verified = verify_checkpoint(path)

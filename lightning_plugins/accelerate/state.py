@@ -112,7 +112,8 @@ def load_training_state(accelerator: Any, path: str | Path) -> None:
         ValueError: when the prepared objects do not match the saved ones in number.
     """
     path = Path(path)
-    verify_on_first_rank(path, dist.get_rank() if dist.is_initialized() else 0, _broadcast)  # its files against its checksums, before any is read
+    # Its files against its checksums, before any is read (rank 0 reads them; every rank stops on what it found).
+    verify_on_first_rank(path, dist.get_rank() if dist.is_initialized() else 0, _broadcast)
     if not (path / ".metadata").is_file() or not (path / STATE_FILE).is_file():
         raise FileNotFoundError(
             f"{path} is not a complete checkpoint written by ParallelAccelerator.save_state (no .metadata or"
