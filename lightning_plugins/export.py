@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_plugins.checkpoint_checks import CheckpointError
-from lightning_plugins.integrity import unverified_note, verify_checkpoint
+from lightning_plugins.integrity import say_unverified, verify_checkpoint
 from lightning_plugins.export_info import (
     EXPORT_DIR,
     ExportError,
@@ -106,7 +106,7 @@ def export_checkpoint(
         )
     try:  # its files against its checksums, before anything is read
         if not verify_checkpoint(ckpt):
-            print(unverified_note(ckpt), file=sys.stderr)
+            say_unverified(ckpt, lambda line: print(line, file=sys.stderr))
     except CheckpointError as error:
         raise ExportError(str(error)) from None
     out = Path(out_dir)

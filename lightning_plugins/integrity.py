@@ -24,6 +24,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Generator, Iterator
@@ -50,6 +51,8 @@ _CHUNK = 1 << 20
 #: Checkpoints this process verified, with each file's size and modification time then: auto-resume and the load
 #: that follows read the files once (a file changed since is verified again).
 _VERIFIED: set[tuple[Any, ...]] = set()
+#: Checkpoints without a manifest this process said so for (auto-resume and the load say it once).
+_SAID: set[str] = set()
 
 
 class _HashingStream(io.RawIOBase):
@@ -232,9 +235,12 @@ def verify_checkpoint(directory: str | Path) -> bool:
     return True
 
 
-def unverified_note(directory: str | Path) -> str:
-    """The one line said when a checkpoint without a manifest is loaded."""
-    return f"{directory} has no {MANIFEST} (written by an older version): loading it without verifying its files."
+def say_unverified(directory: str | Path, say: Callable[[str], None]) -> None:
+    """Say, once per process and checkpoint, that ``directory`` has no manifest and is loaded without verifying."""
+    key = str(Path(directory).resolve())
+    if key not in _SAID:
+        _SAID.add(key)
+        say(f"{directory} has no {MANIFEST} (written by an older version): loading it without verifying its files.")
 
 
 def verify_on_first_rank(directory: str | Path, rank: int, broadcast: Callable[[Any], Any]) -> None:
@@ -245,9 +251,13 @@ def verify_on_first_rank(directory: str | Path, rank: int, broadcast: Callable[[
     if rank == 0:
         try:
             if not verify_checkpoint(directory):
-                print(unverified_note(directory), flush=True)
+                say_unverified(directory, _print)
         except CheckpointError as error:
             outcome = str(error)
     outcome = broadcast(outcome)
     if outcome is not None:
         raise CheckpointError(outcome)
+
+
+def _print(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

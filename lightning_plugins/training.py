@@ -136,7 +136,7 @@ def latest_checkpoint(output_dir: str | Path, say: Callable[[str], None] | None 
     told which and why. Every rank decides from the same files, so every rank resumes from the same checkpoint.
     """
     from lightning_plugins.checkpoint_checks import CheckpointError
-    from lightning_plugins.integrity import unverified_note, verify_checkpoint
+    from lightning_plugins.integrity import say_unverified, verify_checkpoint
 
     candidates = (Path(output_dir) / "checkpoints").glob("step=*")
     found = sorted(((int(m.group(1)), p) for p in candidates if (m := _CHECKPOINT.match(p.name))), reverse=True)
@@ -148,7 +148,7 @@ def latest_checkpoint(output_dir: str | Path, say: Callable[[str], None] | None 
                 say(f"Skipping {path.name} for auto-resume: {error}")
             continue
         if not verified and say is not None:
-            say(unverified_note(path))
+            say_unverified(path, say)
         return path
     return None
 

@@ -29,6 +29,7 @@ from lightning_plugins.export import export_checkpoint
 from lightning_plugins.export_info import ExportError
 from lightning_plugins.integrity import MANIFEST, _HashingStream
 from lightning_plugins.resume import publish
+from lightning_plugins.training import latest_checkpoint
 
 ROOT = Path(__file__).parents[1]
 RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"
@@ -217,3 +218,20 @@ def test_the_async_saver_records_checksums_and_names_a_full_disk(
     with pytest.raises(CheckpointWriteError, match=full):
         saver.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step=2.ckpt"]
+
+
+def test_a_checkpoint_without_checksums_loads_as_before_after_one_line(
+    reference: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A checkpoint written before checksums were recorded: auto-resume picks it and says so once, export reads it;
+    ``verify`` has nothing to check it against and says so (exit 1)."""
+    checkpoint = shutil.copytree(reference / "checkpoints" / "step=2.ckpt", tmp_path / "checkpoints" / "step=2.ckpt")
+    (checkpoint / MANIFEST).unlink()
+    said: list[str] = []
+    assert latest_checkpoint(tmp_path, said.append) == latest_checkpoint(tmp_path, said.append) == checkpoint
+    note = f"{checkpoint} has no {MANIFEST} (written by an older version): loading it without verifying its files."
+    assert said == [note]
+    export_checkpoint(checkpoint, tmp_path / "hf")
+    assert (tmp_path / "hf" / "config.json").is_file() and "checksums.json" not in capsys.readouterr().err  # said once
+    with pytest.raises(SystemExit, match=r"has no checksums\.json .*: nothing to verify it against"):
+        main(["verify", str(checkpoint)])
