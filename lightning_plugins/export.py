@@ -41,7 +41,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_plugins.checkpoint_checks import CheckpointError
-from lightning_plugins.integrity import say_unverified, verify_checkpoint
 from lightning_plugins.export_info import (
     EXPORT_DIR,
     ExportError,
@@ -52,6 +51,7 @@ from lightning_plugins.export_info import (
     _write_tokenizer,
     save_export_info,
 )
+from lightning_plugins.integrity import say_unverified, verify_checkpoint
 from lightning_plugins.safetensors_io import SafetensorsDirectory, TensorSpec, nbytes, write_streaming
 
 __all__ = ["EXPORT_DIR", "ExportError", "export_checkpoint", "save_export_info"]

@@ -26,8 +26,8 @@ from lightning_plugins.async_checkpoint import AsyncCheckpointer
 from lightning_plugins.checkpoint_checks import reads_checkpoint
 from lightning_plugins.disk_space import check_room, writing_checkpoint
 from lightning_plugins.export_info import save_export_info
-from lightning_plugins.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
 from lightning_plugins.faults import join_timeout, set_collective_timeout
+from lightning_plugins.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.lora import peft_model_around
 from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
