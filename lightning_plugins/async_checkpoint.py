@@ -29,6 +29,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from lightning_plugins.disk_space import writing_checkpoint
+from lightning_plugins.integrity import ChecksummedWriter
+
 __all__ = ["AsyncCheckpointer"]
 
 
@@ -41,7 +44,7 @@ class AsyncCheckpointer:
 
     def __init__(self) -> None:
         self._group: dist.ProcessGroup | None = None
-        self._pending: tuple[Future, threading.Event, list[BaseException]] | None = None
+        self._pending: tuple[Future, threading.Event, list[BaseException], Path, int] | None = None
 
     @property
     def pending(self) -> bool:
@@ -55,15 +58,19 @@ class AsyncCheckpointer:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def save(self, state: dict[str, Any], partial: str | Path, publish: Callable[[], None] | None) -> None:
+    def save(
+        self, state: dict[str, Any], partial: str | Path, publish: Callable[[], None] | None, needed: int = 0
+    ) -> None:
         """Start writing ``state`` to the directory ``partial`` and return once it is staged (copied).
 
         The previous save is waited for first (its errors are raised here). ``publish`` (rank 0's move of the
         complete checkpoint into place; ``None`` on the other ranks) runs in the background thread as soon as the
-        save has completed, and never when it failed.
+        save has completed, and never when it failed. ``needed``: the bytes the checkpoint takes, said when the
+        disk cannot take it (see :func:`~lightning_plugins.disk_space.writing_checkpoint`).
         """
         self.wait()
-        future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._process_group())
+        writer = ChecksummedWriter(partial)  # each file's checksum, for the manifest written when it is published
+        future = dcp.async_save(state, storage_writer=writer, process_group=self._process_group())
         done, errors = threading.Event(), []
 
         def finish(saved: Future) -> None:
@@ -76,20 +83,21 @@ class AsyncCheckpointer:
                 done.set()
 
         future.add_done_callback(finish)
-        self._pending = (future, done, errors)
+        self._pending = (future, done, errors, Path(partial), needed)
 
     def wait(self) -> None:
         """Block until the pending save (if any) is written and published; raise what it failed with."""
         if self._pending is None:
             return
-        future, done, errors = self._pending
+        future, done, errors, partial, needed = self._pending
         self._pending = None
-        try:
-            future.result()
-        finally:
-            done.wait()  # the done-callback (publish) has run, whatever the outcome
-        if errors:
-            raise errors[0]
+        with writing_checkpoint(partial, needed):  # a disk that filled up meanwhile: named, and .partial removed
+            try:
+                future.result()
+            finally:
+                done.wait()  # the done-callback (publish) has run, whatever the outcome
+            if errors:
+                raise errors[0]
 
     def close(self, *, failed: bool = False) -> None:
         """Wait for the pending save and let go of the background process group (the next save creates another);

@@ -1,4 +1,5 @@
-"""The console script: ``lightning-plugins demo | finetune | plan | tiny | export`` (also ``python -m lightning_plugins ...``)."""
+"""The console script: ``lightning-plugins demo | finetune | plan | tiny | export | verify``
+(also ``python -m lightning_plugins ...``)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     export.add_argument("--model", default=None, help="the original model directory (config, tokenizer, base for --merge)")
     export.add_argument("--force", action="store_true", help="replace out_dir if it exists and is not empty")
     export.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file, e.g. 5GB, 500MB (default: 5GB)")
+    verify = commands.add_parser(
+        "verify", help="check a training checkpoint's files against its checksums.json (exit 1 naming what differs)"
+    )
+    verify.add_argument("checkpoint", help="a checkpoint directory, e.g. outputs/x/checkpoints/step=100.ckpt")
     args, extra = parser.parse_known_args(argv)
 
     if args.command == "demo":
@@ -97,6 +102,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         _export(args, export)
+    elif args.command == "verify":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        _verify(args.checkpoint)
     elif args.command == "finetune":
         from lightning_plugins.recipe import RecipeError, load_recipe
 
@@ -148,6 +157,23 @@ def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     except (ExportError, FileNotFoundError) as err:
         sys.exit(f"error: {err}")
     print(f"wrote {out}")
+
+
+def _verify(checkpoint: str) -> None:
+    from pathlib import Path
+
+    from lightning_plugins.checkpoint_checks import CheckpointError
+    from lightning_plugins.integrity import MANIFEST, verify_checkpoint
+
+    if not Path(checkpoint).is_dir():
+        sys.exit(f"error: {checkpoint}: no such checkpoint directory.")
+    try:
+        verified = verify_checkpoint(checkpoint)
+    except CheckpointError as err:
+        sys.exit(f"error: {err}")
+    if not verified:
+        sys.exit(f"error: {checkpoint} has no {MANIFEST} (written by an older version): nothing to verify it against.")
+    print(f"{checkpoint}: every file matches its checksum")
 
 
 def _tiny(args: argparse.Namespace, overrides: list[str]) -> None:

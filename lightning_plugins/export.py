@@ -28,6 +28,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +40,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from lightning_plugins.checkpoint_checks import CheckpointError
 from lightning_plugins.export_info import (
     EXPORT_DIR,
     ExportError,
@@ -49,6 +51,7 @@ from lightning_plugins.export_info import (
     _write_tokenizer,
     save_export_info,
 )
+from lightning_plugins.integrity import say_unverified, verify_checkpoint
 from lightning_plugins.safetensors_io import SafetensorsDirectory, TensorSpec, nbytes, write_streaming
 
 __all__ = ["EXPORT_DIR", "ExportError", "export_checkpoint", "save_export_info"]
@@ -101,6 +104,11 @@ def export_checkpoint(
             f"{ckpt} is not a complete distributed checkpoint: it has no .metadata{hint}. Pass a"
             " `checkpoints/step=N.ckpt` directory written by a finished save."
         )
+    try:  # its files against its checksums, before anything is read
+        if not verify_checkpoint(ckpt):
+            say_unverified(ckpt, lambda line: print(line, file=sys.stderr))
+    except CheckpointError as error:
+        raise ExportError(str(error)) from None
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"{out} exists and is not empty: choose another directory, or pass --force to replace it.")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -157,6 +158,9 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
                 auto_insert_metric_name=False,
                 every_n_train_steps=train.checkpoint_every,
                 save_top_k=-1,
+                # A step saved again after a resume (auto-resume skipped a damaged step=N.ckpt) replaces it, atomically
+                # (resume.publish), instead of becoming step=N-v1.ckpt, which auto-resume would never pick.
+                enable_version_counter=False,
             )
         )
     eval_kwargs: dict[str, Any] = {"num_sanity_val_steps": 0}
@@ -194,7 +198,7 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = None) -> dict[str, 
     batches = batches_per_rank(recipe, len(train_loader.dataset))
     module = RecipeModule(model, recipe, total_steps(recipe, batches))
     trainer = build_trainer(recipe, batches)
-    ckpt = resume or latest_checkpoint(recipe.train.output_dir)
+    ckpt = resume or latest_checkpoint(recipe.train.output_dir, _say if is_launcher_rank() else None)
     trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
     out = Path(recipe.train.output_dir)
     check_finite_weights(module.model.parameters(), f"export to {out}", trainer.global_step)
@@ -208,6 +212,10 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = None) -> dict[str, 
     written["metrics"] = merge_metrics(out / "logs", out / "metrics.csv")
     written["loss_curve"] = plot_losses(written["metrics"], out / "loss_curve.png")
     return {**written, "resumed_from": ckpt, **{k: float(v) for k, v in trainer.callback_metrics.items()}}
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def is_launcher_rank() -> bool:

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_plugins.integrity import save_checksummed, write_manifest
+
 #: Each rank's random states, inside the checkpoint directory.
 RNG_FILE = "rng_state_{rank}.pt"
 # numpy 2 moved numpy.core to numpy._core; numpy 1.26 has a numpy._core stub without multiarray.
@@ -56,9 +58,7 @@ def restore_rng(states: dict[str, Any]) -> None:
 
 def save_rng(directory: str | Path, rank: int) -> Path:
     """Write this rank's random states to ``directory/rng_state_<rank>.pt``."""
-    path = Path(directory) / RNG_FILE.format(rank=rank)
-    torch.save(capture_rng(), path)
-    return path
+    return save_checksummed(capture_rng(), Path(directory) / RNG_FILE.format(rank=rank))
 
 
 def read_rng(directory: str | Path, rank: int) -> dict[str, Any] | None:
@@ -177,10 +177,13 @@ class ResumableDataLoader(ResumableLoader, DataLoader):
 
 
 def publish(partial: str | Path, path: str | Path) -> None:
-    """Move a complete checkpoint written under ``partial`` to ``path`` (rank 0 only). One already at ``path`` is moved
-    aside first and deleted last, so a crash at any moment leaves a complete checkpoint under a final name, or the
-    previous ones (``latest_checkpoint`` never reads ``.partial`` or ``.previous``)."""
+    """Move a complete checkpoint written under ``partial`` to ``path`` (rank 0 only), its ``checksums.json`` written
+    first (:func:`~lightning_plugins.integrity.write_manifest`). One already at ``path`` is moved aside first and
+    deleted last, so a crash at any moment leaves a complete checkpoint under a final name, or the previous ones
+    (``latest_checkpoint`` never reads ``.partial`` or ``.previous``)."""
     partial, path = Path(partial), Path(path)
+    if partial.is_dir():
+        write_manifest(partial)
     previous = path.with_name(path.name + ".previous")
     if path.exists():
         path.rename(previous)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -155,14 +156,29 @@ def total_steps(recipe: Recipe, batches_per_epoch: int) -> int:
     return recipe.train.max_steps or recipe.train.epochs * math.ceil(batches_per_epoch / recipe.accumulation)
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in ``output_dir/checkpoints`` (partial ones never count)."""
-    found = [
-        (int(m.group(1)), p)
-        for p in (Path(output_dir) / "checkpoints").glob("step=*")
-        if (m := _CHECKPOINT.match(p.name))
-    ]
-    return max(found)[1] if found else None
+def latest_checkpoint(output_dir: str | Path, say: Callable[[str], None] | None = None) -> Path | None:
+    """The newest intact checkpoint in ``output_dir/checkpoints`` (partial ones never count).
+
+    A newer one that is damaged (a file missing, truncated or changed: see
+    :func:`~lightning_plugins.integrity.verify_checkpoint`) is skipped, and ``say`` (a door's rank-zero printer) is
+    told which and why. Every rank decides from the same files, so every rank resumes from the same checkpoint.
+    """
+    from lightning_plugins.checkpoint_checks import CheckpointError
+    from lightning_plugins.integrity import say_unverified, verify_checkpoint
+
+    candidates = (Path(output_dir) / "checkpoints").glob("step=*")
+    found = sorted(((int(m.group(1)), p) for p in candidates if (m := _CHECKPOINT.match(p.name))), reverse=True)
+    for _, path in found:
+        try:
+            verified = verify_checkpoint(path)
+        except CheckpointError as error:
+            if say is not None:
+                say(f"Skipping {path.name} for auto-resume: {error}")
+            continue
+        if not verified and say is not None:
+            say_unverified(path, say)
+        return path
+    return None
 
 
 def input_tokens(batch: dict[str, torch.Tensor]) -> int:

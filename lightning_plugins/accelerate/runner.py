@@ -107,7 +107,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
     model, optimizer, train_loader, schedule = accelerator.prepare(model, optimizer, train_loader, schedule)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
-    ckpt = resume or latest_checkpoint(out)
+    ckpt = resume or latest_checkpoint(out, accelerator.print)
     if ckpt is not None:
         accelerator.load_state(ckpt)
 

@@ -33,7 +33,9 @@ from torch.distributed.tensor import DTensor
 
 from lightning_plugins.async_checkpoint import AsyncCheckpointer
 from lightning_plugins.checkpoint_checks import reads_checkpoint
+from lightning_plugins.disk_space import check_room, writing_checkpoint
 from lightning_plugins.export_info import save_export_info
+from lightning_plugins.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
 from lightning_plugins.parallel import reduce_partial_state
 from lightning_plugins.resume import load_rng, publish, save_rng
 
@@ -65,35 +67,37 @@ def save_training_state(accelerator: Any, path: str | Path, saver: AsyncCheckpoi
     dist.barrier()
     grads = [[name for name, p in model.named_parameters() if p.grad is not None] for model in accelerator._models]
     tensors = _tensor_state(accelerator, grads)
-    if saver is None:
-        dcp.save(tensors, checkpoint_id=partial)
-    else:
-        partial.mkdir(parents=True, exist_ok=True)
-    every = [None] * dist.get_world_size()  # pipeline ranks hold different parameters: name them all
-    dist.all_gather_object(every, grads)
-    save_rng(partial, rank)
-    if rank == 0:
-        torch.save(
-            {
-                "step": accelerator.step,
-                "grads": [sorted(set().union(*names)) for names in zip(*every)],
-                "schedulers": [scheduler.state_dict() for scheduler in accelerator._schedulers],
-                "dataloaders": [loader.position() for loader in accelerator._dataloaders],
-                "custom": [obj.state_dict() for obj in accelerator._custom_objects],
-                "scaler": None if accelerator.scaler is None else accelerator.scaler.state_dict(),
-            },
-            partial / STATE_FILE,
-        )
-        if accelerator._models:  # what `lightning-plugins export` needs besides the weights
-            save_export_info(partial, accelerator._models[0], _key("model", 0), accelerator.load_from)
-    if saver is not None:  # everything but the tensors is on disk: publishing waits for them alone
-        saver.save(tensors, partial, (lambda: publish(partial, path)) if rank == 0 else None)
+    needed = check_room(partial, tensors)  # a disk without room refuses it on every rank, before any write
+    with writing_checkpoint(partial, needed):  # a write failing for lack of room: named, and .partial removed
+        if saver is None:
+            dcp.save(tensors, storage_writer=ChecksummedWriter(partial))
+        else:
+            partial.mkdir(parents=True, exist_ok=True)
+        every = [None] * dist.get_world_size()  # pipeline ranks hold different parameters: name them all
+        dist.all_gather_object(every, grads)
+        save_rng(partial, rank)
+        if rank == 0:
+            save_checksummed(
+                {
+                    "step": accelerator.step,
+                    "grads": [sorted(set().union(*names)) for names in zip(*every)],
+                    "schedulers": [scheduler.state_dict() for scheduler in accelerator._schedulers],
+                    "dataloaders": [loader.position() for loader in accelerator._dataloaders],
+                    "custom": [obj.state_dict() for obj in accelerator._custom_objects],
+                    "scaler": None if accelerator.scaler is None else accelerator.scaler.state_dict(),
+                },
+                partial / STATE_FILE,
+            )
+            if accelerator._models:  # what `lightning-plugins export` needs besides the weights
+                save_export_info(partial, accelerator._models[0], _key("model", 0), accelerator.load_from)
+        if saver is not None:  # everything but the tensors is on disk: publishing waits for them alone
+            saver.save(tensors, partial, (lambda: publish(partial, path)) if rank == 0 else None, needed)
+            return path
+        dist.barrier()
+        if rank == 0:
+            publish(partial, path)
+        dist.barrier()
         return path
-    dist.barrier()
-    if rank == 0:
-        publish(partial, path)
-    dist.barrier()
-    return path
 
 
 @reads_checkpoint  # a corrupted checkpoint, or one of another model, gets an error naming it and the fix
@@ -108,6 +112,8 @@ def load_training_state(accelerator: Any, path: str | Path) -> None:
         ValueError: when the prepared objects do not match the saved ones in number.
     """
     path = Path(path)
+    # Its files against its checksums, before any is read (rank 0 reads them; every rank stops on what it found).
+    verify_on_first_rank(path, dist.get_rank() if dist.is_initialized() else 0, _broadcast)
     if not (path / ".metadata").is_file() or not (path / STATE_FILE).is_file():
         raise FileNotFoundError(
             f"{path} is not a complete checkpoint written by ParallelAccelerator.save_state (no .metadata or"
@@ -176,6 +182,15 @@ def _saveable_grad(param: Tensor) -> Tensor:
     if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
         return grad.redistribute(param.device_mesh, param.placements)
     return grad
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (``obj`` itself in one process)."""
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _key(kind: str, index: int) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -23,8 +24,10 @@ from typing_extensions import override
 
 from lightning_plugins.async_checkpoint import AsyncCheckpointer
 from lightning_plugins.checkpoint_checks import reads_checkpoint
+from lightning_plugins.disk_space import check_room, writing_checkpoint
 from lightning_plugins.export_info import save_export_info
 from lightning_plugins.faults import join_timeout, set_collective_timeout
+from lightning_plugins.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.lora import peft_model_around
 from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
@@ -391,34 +394,41 @@ class ParallelismStrategy(ModelParallelStrategy):
         if self.global_rank == 0 and partial.exists():
             shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
         self.barrier()
-        if self.async_checkpoint and self._save_distributed_checkpoint:
-            self._save_async(checkpoint, path, partial, storage_options)
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, partial, storage_options)
+            self.barrier()
+            if self.global_rank == 0:
+                publish(partial, path)
+            self.barrier()
             return
-        super().save_checkpoint(checkpoint, partial, storage_options)
-        if partial.is_dir():
-            save_rng(partial, self.global_rank)
-        self.barrier()
-        if self.global_rank == 0:
-            if partial.is_dir():  # what `lightning-plugins export` needs besides the weights
-                save_export_info(partial, self.lightning_module, "state_dict", self.load_from)
-            publish(partial, path)
-        self.barrier()
+        self._save_sharded(checkpoint, path, partial, storage_options)
 
-    def _save_async(self, checkpoint: dict[str, Any], path: Path, partial: Path, storage_options: Any) -> None:
-        """Lightning's sharded save with the DCP part in the background: everything else (``meta.pt`` with the loop
-        and data positions, random states, export info) is the state at this step, written before it starts."""
+    def _save_sharded(self, checkpoint: dict[str, Any], path: Path, partial: Path, storage_options: Any) -> None:
+        """Lightning's sharded save (DCP tensors, ``meta.pt`` with the loop and data positions), plus the random states
+        and the export info, each file checksummed as it is written. With ``async_checkpoint`` the DCP part runs in
+        the background: everything else is the state at this step, written before it starts."""
         from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME
 
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported.")
-        partial.mkdir(parents=True, exist_ok=True)
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        save_rng(partial, self.global_rank)
-        if self.global_rank == 0:
-            torch.save(checkpoint, partial / _METADATA_FILENAME)
-            save_export_info(partial, self.lightning_module, "state_dict", self.load_from)
-        self._saver.save(tensors, partial, (lambda: publish(partial, path)) if self.global_rank == 0 else None)
+        needed = check_room(partial, tensors)  # a disk without room refuses it on every rank, before any write
+        with writing_checkpoint(partial, needed):  # a write failing for lack of room: named, and .partial removed
+            partial.mkdir(parents=True, exist_ok=True)
+            save_rng(partial, self.global_rank)
+            if self.global_rank == 0:
+                save_checksummed(checkpoint, partial / _METADATA_FILENAME)
+                save_export_info(partial, self.lightning_module, "state_dict", self.load_from)
+            publish_it = (lambda: publish(partial, path)) if self.global_rank == 0 else None
+            if self.async_checkpoint:
+                self._saver.save(tensors, partial, publish_it, needed)
+                return
+            dcp.save(tensors, storage_writer=ChecksummedWriter(partial))
+            self.barrier()
+            if publish_it is not None:
+                publish_it()
+        self.barrier()
 
     @override
     def on_train_end(self) -> None:
@@ -439,8 +449,10 @@ class ParallelismStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Load model and optimizer (see :meth:`_load_checkpoint`); keep this rank's random states for the training
         start (restoring them now would let setup draw from them: the run would no longer draw what it would have)."""
-        checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
         path = Path(self.broadcast(checkpoint_path))
+        if path.is_dir():  # its files against its checksums, before anything is read
+            verify_on_first_rank(path, self.global_rank, self.broadcast)
+        checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
         self._rng_to_restore = read_rng(path, self.global_rank) if path.is_dir() else None
         return checkpoint
 
