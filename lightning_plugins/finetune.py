@@ -201,7 +201,7 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = None) -> dict[str, 
     ckpt = resume or latest_checkpoint(recipe.train.output_dir, _say if is_launcher_rank() else None)
     trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
     out = Path(recipe.train.output_dir)
-    check_finite_weights(module.model.parameters(), f"export to {out}", trainer.global_step)
+    check_finite_weights(training_state(module.model.parameters()), f"export to {out}", trainer.global_step)
     written = {"model": export_hf(module.model, out / ("adapter" if recipe.lora else "hf"), tokenizer)}
     if recipe.lora is not None and recipe.train.merge_lora:
         written["merged"] = export_hf(module.model, out / "merged", tokenizer, merge=True)

@@ -165,8 +165,9 @@ class NonFiniteGuard:
 
 
 def training_state(parameters: Iterable[Tensor], optimizers: Iterable[Any] = ()) -> Iterator[Tensor]:
-    """The tensors a checkpoint holds: ``parameters`` and every tensor of the optimizers' states (moments)."""
-    yield from parameters
+    """The tensors training changes: the trainable ``parameters`` and every tensor of the optimizers' states
+    (moments). Frozen weights (a LoRA base, NF4 among them) keep the finite values they were loaded with."""
+    yield from (parameter for parameter in parameters if parameter.requires_grad)
     for optimizer in optimizers:
         for state in getattr(optimizer, "state", {}).values():
             yield from (value for value in state.values() if isinstance(value, Tensor))

@@ -174,7 +174,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
         raise
     accelerator.wait_for_checkpoint()
     bar.close()
-    check_finite_weights(model.parameters(), f"export to {out}", progress.step)
+    check_finite_weights(training_state(model.parameters()), f"export to {out}", progress.step)
     return _finish(accelerator, model, tokenizer, recipe, ckpt, last)
 
 
