@@ -99,6 +99,15 @@ def is_collective_timeout(error: BaseException) -> bool:
     return False
 
 
+def is_peer_gone(error: BaseException) -> bool:
+    """Whether ``error`` is this rank's consequence of another rank's end: a collective's connection to it closed."""
+    return any(marker in str(error) for marker in _PEER_GONE_MARKERS)
+
+
+#: What gloo says when the rank at the other end of a collective's connection ended.
+_PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer")
+
+
 def mentions_timeout(text: str) -> bool:
     """Whether an error's text (e.g. one left by :func:`record_failure`) says a collective timed out."""
     return any(marker in text for marker in _TIMEOUT_MARKERS)

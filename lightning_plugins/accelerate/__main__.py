@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     from datetime import timedelta
 
-    from lightning_plugins.faults import RankFailure, explain_timeout, is_collective_timeout
+    from lightning_plugins.faults import RankFailure, explain_timeout, is_collective_timeout, is_peer_gone
     from lightning_plugins.nonfinite import NonFiniteError
 
     from lightning_plugins.data import DataError
@@ -68,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except NonFiniteError as err:  # every rank stops alike
         _fail(str(err))
     except Exception as err:
+        if is_peer_gone(err):  # another rank ended first: torchrun (watching every 0.1 s) must name it, not this one
+            time.sleep(_HEAD_START_S)
+            raise
         if not is_collective_timeout(err):
             raise
         timeout = timedelta(seconds=recipe.train.collective_timeout_s)
@@ -88,7 +91,8 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
-#: How long the other ranks wait in :func:`_fail` for rank 0 to print and exit (torchrun then ends them).
+#: How long a rank that need not be the one to explain a failure waits before it exits (torchrun ends it first): the
+#: other ranks in :func:`_fail`, a rank whose peer ended first.
 _HEAD_START_S = 5.0
 
 
