@@ -6,7 +6,7 @@ Lightning's rich progress bar and CSV logger, DCP checkpoints every N steps (res
 from the output directory, or from ``--resume``), evaluation on the held-out split, and at the end an
 HF directory (full fine-tune) or a peft adapter directory (LoRA, plus merged weights when asked), a CSV
 of the metrics and a loss-curve PNG. A non-finite loss or gradient norm stops the run or skips the step
-(``train.on_nonfinite``, :mod:`lightning_plugins.nonfinite`).
+(``train.on_nonfinite``: the strategy's guard, :mod:`lightning_plugins.nonfinite`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
-from typing_extensions import override
 
-from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
+from lightning_plugins.nonfinite import check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
@@ -52,29 +51,12 @@ class RecipeModule(L.LightningModule):
         self.total_steps = total_steps
         self._num_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
         self._tokens, self._logged_step, self._clock = 0, -1, time.perf_counter()
-        train = recipe.train
-        self.guard = NonFiniteGuard(
-            train.on_nonfinite, train.max_skipped_steps, lambda: latest_checkpoint(train.output_dir)
-        )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self._tokens += input_tokens(batch)
         loss = self.model(**batch).loss
-        self.guard.observe_loss(loss)
         self.log("train/loss", loss, prog_bar=True)
         return loss
-
-    @override
-    def configure_gradient_clipping(
-        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
-    ) -> None:
-        """Clip, then let the non-finite guard decide whether this optimizer step may update the weights.
-
-        With clipping off, the global norm is computed by the same path with no limit (gradients scaled by exactly 1).
-        """
-        limit = math.inf if gradient_clip_val is None else gradient_clip_val
-        self.clip_gradients(optimizer, gradient_clip_val=limit, gradient_clip_algorithm=gradient_clip_algorithm)
-        self.guard.check(self.trainer.global_step + 1, self.trainer.strategy.grad_norm, optimizer)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         # The loss is already the global one on every rank; syncing keeps Lightning's epoch mean exact too.
@@ -125,13 +107,6 @@ class _StepCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         self._last_global_step_saved = trainer.global_step  # that step's checkpoint is the one resumed from
 
-    @override
-    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        """Refuse to save weights or optimizer state that hold a NaN or an infinity (every rank checks its shard)."""
-        state = training_state(trainer.lightning_module.parameters(), trainer.optimizers)
-        check_finite_weights(state, f"checkpoint {filepath}", trainer.global_step)
-        super()._save_checkpoint(trainer, filepath)
-
 
 def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
     from lightning_plugins.strategies import ParallelismStrategy
@@ -148,6 +123,8 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
         timeout=timedelta(seconds=train.collective_timeout_s),
         async_checkpoint=train.async_checkpoint,
+        on_nonfinite=train.on_nonfinite,
+        max_skipped_steps=train.max_skipped_steps,
     )
     callbacks: list[Any] = [_ProgressBar()]
     if train.checkpoint_every is not None:
