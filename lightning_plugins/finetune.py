@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
+from lightning_plugins.recipe_diff import reset_optimizer
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
     batches_per_rank,
@@ -103,6 +104,16 @@ class RecipeModule(L.LightningModule):
             metrics["train/mfu"] = mfu
         self.log_dict(metrics, rank_zero_only=True)
 
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """With ``train.resume_reset_optimizer`` (optim settings changed on resume): a new AdamW state and schedule."""
+        if self.recipe.train.resume_reset_optimizer:
+            schedule = self.trainer.lr_scheduler_configs[0].scheduler
+            state = reset_optimizer(
+                self.trainer.optimizers[0], schedule, self, self.recipe, self.total_steps, checkpoint["global_step"]
+            )
+            checkpoint["lr_schedulers"] = [state]  # what Lightning restores next
+
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer, schedule = make_optimizer(self, self.recipe, self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -148,6 +159,7 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
         timeout=timedelta(seconds=train.collective_timeout_s),
         async_checkpoint=train.async_checkpoint,
+        recipe_record=recipe.to_yaml(),
     )
     callbacks: list[Any] = [_ProgressBar()]
     if train.checkpoint_every is not None:
