@@ -19,6 +19,7 @@ A checkpoint written before recipes were recorded resumes as it always did, with
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -199,7 +200,9 @@ def reset_optimizer(
     """
     from lightning_plugins.training import make_optimizer
 
-    fresh, fresh_schedule = make_optimizer(model, recipe, total)
+    # Only the groups of a fresh one are read: a plain AdamW has the same (an offloaded one would copy the weights).
+    memory = dataclasses.replace(recipe.memory, optimizer_offload=False)
+    fresh, fresh_schedule = make_optimizer(model, recipe.model_copy(update={"memory": memory}), total)
     fresh_schedule.last_epoch = step
     rates = [base * rate(step) for base, rate in zip(fresh_schedule.base_lrs, fresh_schedule.lr_lambdas)]
     for group, rate in zip(fresh.param_groups, rates):

@@ -134,3 +134,41 @@ def test_old_checkpoints_and_fresh_starts(tmp_path: Path) -> None:
     assert check_resume(_recipe(tmp_path, "optim.lr=1e-3"), None, said.append).optim.lr == 1e-3
     assert said == [f"resuming step=4: {checkpoint} records no recipe (written by an older version), so nothing can be"
                     " compared with this run's."]  # fmt: skip
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_reset_optimizer_starts_adamw_over_at_the_resumed_step(tmp_path: Path, offload: bool) -> None:
+    """A new AdamW state (no moments, no step count) with the new hyperparameters, and the new schedule positioned at
+    the resumed step; the same for an optimizer whose state lives in host memory (memory.optimizer_offload)."""
+    import torch
+
+    from lightning_plugins.recipe_diff import reset_optimizer
+    from lightning_plugins.training import lr_lambda, make_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    old = _recipe(tmp_path, "optim.scheduler=constant", f"memory.optimizer_offload={str(offload).lower()}")
+    optimizer, schedule = make_optimizer(model, old, 6)
+    for _ in range(4):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    new = old.model_copy(update={"optim": old.optim.model_copy(update={"lr": 1e-3, "scheduler": "linear",
+                                                                       "weight_decay": 0.1})})  # fmt: skip
+    state = reset_optimizer(optimizer, schedule, model, new, 6, 4)
+    assert state == schedule.state_dict() and schedule.last_epoch == 4
+    assert not optimizer.state_dict()["state"]
+    group = optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(1e-3 * lr_lambda(4, 6, 30, "linear", 0.0)) and group["weight_decay"] == 0.1
+    weights = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(2, 4)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    rate = group["lr"]
+    optimizer.step()
+    schedule.step()
+    assert group["lr"] == pytest.approx(1e-3 * lr_lambda(5, 6, 30, "linear", 0.0))
+    # AdamW's first step from zero moments: decay, then lr x the gradient's sign (the old moments would give other steps).
+    for param, weight, grad in zip(model.parameters(), weights, grads):
+        expected = weight * (1 - rate * 0.1) - rate * grad / (grad.abs() + 1e-8)
+        torch.testing.assert_close(param.detach(), expected, rtol=0, atol=1e-7)
