@@ -126,10 +126,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         from lightning_plugins.finetune import _say, is_launcher_rank, run_finetune
         from lightning_plugins.preflight import check_here
         from lightning_plugins.recipe_diff import check_resume
+        from lightning_plugins.training import latest_checkpoint
 
         try:
             check_here(recipe, args.recipe)
-            recipe = check_resume(recipe, args.resume, _say if is_launcher_rank() else None)
+            resume = args.resume or latest_checkpoint(recipe.train.output_dir)
+            recipe = check_resume(recipe, resume, _say if is_launcher_rank() else None)
         except RecipeError as err:
             sys.exit(f"error: {err}")
         from lightning_plugins.data import DataError

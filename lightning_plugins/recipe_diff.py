@@ -136,13 +136,14 @@ def recorded_recipe(checkpoint: str | Path) -> dict[str, Any] | None:
 
 
 def check_resume(
-    recipe: Recipe, resume: str | Path | None, say: Callable[[str], None] | None = None
+    recipe: Recipe, checkpoint: str | Path | None, say: Callable[[str], None] | None = None
 ) -> Recipe:
-    """Compare the recipe of the checkpoint this run resumes from with ``recipe`` (a door's preflight).
+    """Compare the recipe recorded in the checkpoint this run resumes from with ``recipe`` (a door's preflight).
 
     Args:
         recipe: This run's recipe.
-        resume: The checkpoint given with ``--resume``; ``None``: the latest in ``train.output_dir``, if any.
+        checkpoint: The checkpoint the run resumes from (``--resume``, or the latest in ``train.output_dir``);
+            ``None``: a fresh start.
         say: Rank 0's printer for the differences applied (``None``: say nothing).
 
     Returns:
@@ -153,12 +154,10 @@ def check_resume(
         ResumeMismatch: naming each refused key, its old and new value, and how to start fresh; ``optim`` changes
             without ``train.resume_reset_optimizer``, naming the keys and :data:`RESET_FLAG`.
     """
-    from lightning_plugins.training import latest_checkpoint
-
-    checkpoint = Path(resume) if resume is not None else latest_checkpoint(recipe.train.output_dir)
     reset = recipe.train.resume_reset_optimizer
     if checkpoint is None:
         return _with_reset(recipe, False)
+    checkpoint = Path(checkpoint)
     name = checkpoint.name.removesuffix(".ckpt")
     old = recorded_recipe(checkpoint)
     if old is None:
@@ -170,7 +169,8 @@ def check_resume(
     refused = [c for c in changes if c.kind == "refused"]
     optimizer = [c for c in changes if c.kind == "optimizer"]
     if refused or (optimizer and not reset):
-        raise ResumeMismatch(_refusal(checkpoint, resume is not None, refused, optimizer, reset))
+        explicit = checkpoint.parent.resolve() != (Path(recipe.train.output_dir) / "checkpoints").resolve()
+        raise ResumeMismatch(_refusal(checkpoint, explicit, refused, optimizer, reset))
     if say is not None:
         for change in changes:
             say(f"resuming {name} with {change.describe()}")
@@ -229,10 +229,14 @@ def _refusal(
     if optimizer and not reset:
         lines += [f"  {c.describe()}: {c.why}" for c in optimizer]
     if refused:
-        fresh = "drop --resume and give" if explicit else "give"
+        fresh = (
+            "drop --resume (with a train.output_dir that holds no checkpoints)"
+            if explicit
+            else f"give another train.output_dir (or move {checkpoint.parent} away)"
+        )
         lines.append(
-            f"To start fresh with the new settings, {fresh} another train.output_dir (or move {checkpoint.parent}"
-            " away); to continue this checkpoint's run, put the recorded values back."
+            f"To start fresh with the new settings, {fresh}; to continue this checkpoint's run, put the recorded values"
+            " back."
         )
     if optimizer and not reset:
         keys = ", ".join(c.key for c in optimizer)

@@ -77,16 +77,16 @@ def test_applied_changes_get_one_line_each(tmp_path: Path) -> None:
     said: list[str] = []
     recipe = _recipe(tmp_path, "train.max_steps=10", "train.checkpoint_every=5", "layout.tp_size=1",
                      "hardware.devices=1")  # fmt: skip
-    assert check_resume(recipe, None, said.append) is recipe
+    assert check_resume(recipe, checkpoint, said.append) is recipe
     assert said == [
         "resuming step=4 with hardware.devices 2 -> 1",
         "resuming step=4 with layout.tp_size 2 -> 1",
         "resuming step=4 with train.checkpoint_every 200 -> 5",
         "resuming step=4 with train.max_steps 6 -> 10",
     ]
-    said.clear()  # the same recipe: nothing to say; and an explicit --resume is the one compared
-    assert check_resume(recipe, str(checkpoint.parent / "step=4.ckpt"), said.append) is recipe
-    assert len(said) == 4
+    said.clear()
+    assert check_resume(_recipe(tmp_path, "train.max_steps=6"), str(checkpoint), said.append).train.max_steps == 6
+    assert said == []  # the same recipe: nothing to say
 
 
 @pytest.mark.parametrize(
@@ -100,7 +100,7 @@ def test_applied_changes_get_one_line_each(tmp_path: Path) -> None:
 def test_refused_changes_name_key_values_and_the_fix(tmp_path: Path, override: str, key: str, old: str, new: str) -> None:
     checkpoint = _checkpoint(tmp_path, _recipe(tmp_path))
     with pytest.raises(ResumeMismatch) as caught:
-        check_resume(_recipe(tmp_path, override, "train.max_steps=10"), None)
+        check_resume(_recipe(tmp_path, override, "train.max_steps=10"), checkpoint)
     message = str(caught.value)
     assert f"cannot resume {checkpoint}" in message
     assert f"{key} " in message and f" -> {new}" in message and old in message
@@ -109,18 +109,19 @@ def test_refused_changes_name_key_values_and_the_fix(tmp_path: Path, override: s
 
 
 def test_optimizer_changes_need_the_flag(tmp_path: Path) -> None:
-    _checkpoint(tmp_path, _recipe(tmp_path))
+    checkpoint = _checkpoint(tmp_path, _recipe(tmp_path))
     with pytest.raises(ResumeMismatch, match=rf"(?s)optim.lr 0.003 -> 0.001.*pass {RESET_FLAG}") as caught:
-        check_resume(_recipe(tmp_path, "optim.lr=1e-3", "optim.warmup_steps=0"), None)
+        check_resume(_recipe(tmp_path, "optim.lr=1e-3", "optim.warmup_steps=0"), checkpoint)
     assert "optim.warmup_steps 30 -> 0" in str(caught.value) and "another train.output_dir" not in str(caught.value)
     said: list[str] = []
-    recipe = check_resume(_recipe(tmp_path, "optim.lr=1e-3", "train.resume_reset_optimizer=true"), None, said.append)
+    recipe = _recipe(tmp_path, "optim.lr=1e-3", "train.resume_reset_optimizer=true")
+    recipe = check_resume(recipe, checkpoint, said.append)
     assert recipe.train.resume_reset_optimizer
     assert said == ["resuming step=4 with optim.lr 0.003 -> 0.001",
                     f"resuming step=4 with a new AdamW state and schedule ({RESET_FLAG}), positioned at step=4"]  # fmt: skip
     # The flag kept on a later resume whose optim is the checkpoint's resets nothing (a requeued job stays exact).
     said.clear()
-    recipe = check_resume(_recipe(tmp_path, "train.resume_reset_optimizer=true"), None, said.append)
+    recipe = check_resume(_recipe(tmp_path, "train.resume_reset_optimizer=true"), checkpoint, said.append)
     assert not recipe.train.resume_reset_optimizer
     assert said == [f"resuming step=4: {RESET_FLAG} has nothing to reset (optim is the checkpoint's); AdamW's state is kept"]
 
@@ -131,7 +132,7 @@ def test_old_checkpoints_and_fresh_starts(tmp_path: Path) -> None:
     assert not check_resume(fresh, None, said.append).train.resume_reset_optimizer and said == []  # nothing to resume
     checkpoint = _checkpoint(tmp_path, None)
     assert not (checkpoint / RECIPE_FILE).exists()
-    assert check_resume(_recipe(tmp_path, "optim.lr=1e-3"), None, said.append).optim.lr == 1e-3
+    assert check_resume(_recipe(tmp_path, "optim.lr=1e-3"), checkpoint, said.append).optim.lr == 1e-3
     assert said == [f"resuming step=4: {checkpoint} records no recipe (written by an older version), so nothing can be"
                     " compared with this run's."]  # fmt: skip
 
@@ -172,3 +173,10 @@ def test_reset_optimizer_starts_adamw_over_at_the_resumed_step(tmp_path: Path, o
     for param, weight, grad in zip(model.parameters(), weights, grads):
         expected = weight * (1 - rate * 0.1) - rate * grad / (grad.abs() + 1e-8)
         torch.testing.assert_close(param.detach(), expected, rtol=0, atol=1e-7)
+
+
+def test_a_refused_explicit_resume_says_to_drop_it(tmp_path: Path) -> None:
+    checkpoint = _checkpoint(tmp_path, _recipe(tmp_path))
+    elsewhere = load_recipe(TINY, [f"train.output_dir={tmp_path / 'other'}", "train.seed=1"])
+    with pytest.raises(ResumeMismatch, match="(?s)train.seed 0 -> 1: .*drop --resume "):
+        check_resume(elsewhere, checkpoint)

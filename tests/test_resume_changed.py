@@ -66,6 +66,7 @@ def test_raised_max_steps_continues_the_longer_run(runs: dict[str, Path], tmp_pa
     shutil.copytree(runs["lightning4"], out)
     said = _door("finetune", out, "--train.max_steps=6")
     assert said.count("resuming step=4 with train.max_steps 4 -> 6") == 1
+    assert "Warning" not in said, said
     resumed, reference = _rows(out), _rows(runs["accelerate6"])
     assert sorted(resumed) == sorted(reference) == list(range(6))
     for step in range(6):

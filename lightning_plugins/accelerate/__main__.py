@@ -47,12 +47,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
     from lightning_plugins.preflight import check_here
+    from lightning_plugins.training import latest_checkpoint
 
     try:
         check_here(recipe, args.recipe)
         if args.resume is not None:
             check_resume_path(args.resume)
-        recipe = check_resume(recipe, args.resume, _say if int(os.environ.get("RANK", "0")) == 0 else None)
+        resume = args.resume or latest_checkpoint(recipe.train.output_dir)
+        recipe = check_resume(recipe, resume, _say if int(os.environ.get("RANK", "0")) == 0 else None)
     except (RecipeError, CheckpointError) as err:
         _fail(str(err))
     from lightning_plugins.accelerate.runner import run_recipe
