@@ -19,10 +19,9 @@ A checkpoint written before recipes were recorded resumes as it always did, with
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -43,10 +42,12 @@ Kind = Literal["applied", "refused", "optimizer", "control"]
 #: What a difference at a key means on resume: the most specific entry (a key or a section) wins, with why.
 RULES: dict[str, tuple[Kind, str]] = {
     "model": ("refused", "the checkpoint holds the weights of the model it names"),
+    "model.dtype": ("refused", "the checkpoint was trained in the arithmetic this setting chose"),
     "model.attn_implementation": ("applied", ""),
     "model.trust_remote_code": ("applied", ""),
     "data": ("refused", "the checkpoint's data position counts the samples this setting chose"),
     "data.eval": ("applied", ""),
+    "data.truncation": ("applied", ""),  # a check of the samples, not a choice of them
     "layout": ("applied", ""),
     "parallel": ("applied", ""),
     "memory": ("applied", ""),
@@ -201,7 +202,7 @@ def reset_optimizer(
     from lightning_plugins.training import make_optimizer
 
     # Only the groups of a fresh one are read: a plain AdamW has the same (an offloaded one would copy the weights).
-    memory = dataclasses.replace(recipe.memory, optimizer_offload=False)
+    memory = replace(recipe.memory, optimizer_offload=False)
     fresh, fresh_schedule = make_optimizer(model, recipe.model_copy(update={"memory": memory}), total)
     fresh_schedule.last_epoch = step
     rates = [base * rate(step) for base, rate in zip(fresh_schedule.base_lrs, fresh_schedule.lr_lambdas)]
