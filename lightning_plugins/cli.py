@@ -27,6 +27,8 @@ def _overrides(extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from lightning_plugins.recipe_diff import add_reset_argument, reset_overrides
+
     parser = argparse.ArgumentParser(prog="lightning-plugins", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
@@ -48,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     finetune.add_argument(
         "--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)"
     )
+    add_reset_argument(finetune)
     plan = commands.add_parser(
         "plan",
         help="check a recipe's layout at real size (memory per GPU, step time), or search the layouts of a model",
@@ -112,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
 
         try:
-            recipe = load_recipe(args.recipe, _overrides(extra, finetune))
+            recipe = load_recipe(args.recipe, [*_overrides(extra, finetune), *reset_overrides(args)])
             if args.resume is not None:
                 check_resume_path(args.resume)
         except (RecipeError, CheckpointError) as err:
@@ -120,14 +123,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.print_config:
             print(recipe.to_yaml(), end="")
             return
+        from lightning_plugins.finetune import _say, is_launcher_rank, run_finetune
         from lightning_plugins.preflight import check_here
+        from lightning_plugins.recipe_diff import check_resume
+        from lightning_plugins.training import latest_checkpoint
 
         try:
             check_here(recipe, args.recipe)
+            resume = args.resume or latest_checkpoint(recipe.train.output_dir)
+            recipe = check_resume(recipe, resume, _say if is_launcher_rank() else None)
         except RecipeError as err:
             sys.exit(f"error: {err}")
         from lightning_plugins.data import DataError
-        from lightning_plugins.finetune import is_launcher_rank, run_finetune
         from lightning_plugins.nonfinite import NonFiniteError
 
         try:  # the data is read on rank 0 before the other ranks start: a bad record stops it alone, at once

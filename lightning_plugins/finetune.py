@@ -23,9 +23,11 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
+from typing_extensions import override
 
 from lightning_plugins.nonfinite import check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
+from lightning_plugins.recipe_diff import reset_optimizer
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
     batches_per_rank,
@@ -85,6 +87,16 @@ class RecipeModule(L.LightningModule):
             metrics["train/mfu"] = mfu
         self.log_dict(metrics, rank_zero_only=True)
 
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """With ``train.resume_reset_optimizer`` (optim settings changed on resume): a new AdamW state and schedule."""
+        if self.recipe.train.resume_reset_optimizer:
+            schedule = self.trainer.lr_scheduler_configs[0].scheduler
+            state = reset_optimizer(
+                self.trainer.optimizers[0], schedule, self, self.recipe, self.total_steps, checkpoint["global_step"]
+            )
+            checkpoint["lr_schedulers"] = [state]  # what Lightning restores next
+
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer, schedule = make_optimizer(self, self.recipe, self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -125,6 +137,7 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         async_checkpoint=train.async_checkpoint,
         on_nonfinite=train.on_nonfinite,
         max_skipped_steps=train.max_skipped_steps,
+        recipe_record=recipe.to_yaml(),
     )
     callbacks: list[Any] = [_ProgressBar()]
     if train.checkpoint_every is not None:

@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 @record  # under torchrun (`accelerate launch`): the launcher's failure summary quotes this rank's exception
 def main(argv: Sequence[str] | None = None) -> None:
     from lightning_plugins.cli import _overrides
+    from lightning_plugins.recipe_diff import add_reset_argument, check_resume, reset_overrides
 
     parser = argparse.ArgumentParser(prog="python -m lightning_plugins.accelerate", description=__doc__)
     parser.add_argument("recipe", help="the recipe file, e.g. recipes/tiny/full_tp2.yaml")
@@ -27,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)"
     )
+    add_reset_argument(parser)
     args, extra = parser.parse_known_args(argv)
 
     from lightning_plugins.accelerate.settings import describe_launch, launched_world
@@ -36,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     local, nodes = launched_world()
     try:
         world = [f"hardware.devices={local}", f"hardware.nodes={nodes}"]
-        recipe = load_recipe(args.recipe, [*_overrides(extra, parser), *world])
+        recipe = load_recipe(args.recipe, [*_overrides(extra, parser), *reset_overrides(args), *world])
     except RecipeError as err:
         _fail(f"{err}\n(under accelerate launch the world is the one started by {describe_launch()}; it replaces the"
               " recipe's hardware.devices x hardware.nodes)")  # fmt: skip
@@ -45,11 +47,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
     from lightning_plugins.preflight import check_here
+    from lightning_plugins.training import latest_checkpoint
 
     try:
         check_here(recipe, args.recipe)
         if args.resume is not None:
             check_resume_path(args.resume)
+        resume = args.resume or latest_checkpoint(recipe.train.output_dir)
+        recipe = check_resume(recipe, resume, _say if int(os.environ.get("RANK", "0")) == 0 else None)
     except (RecipeError, CheckpointError) as err:
         _fail(str(err))
     from lightning_plugins.accelerate.runner import run_recipe
@@ -77,6 +82,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise RankFailure(explain_timeout(int(os.environ.get("RANK", "0")), err, timeout)) from err
     if result:
         print("\n".join(f"{key}: {value}" for key, value in result.items()))
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _fail(message: str) -> None:

@@ -26,6 +26,7 @@ from lightning_plugins.accelerate.accelerator import ParallelAccelerator
 from lightning_plugins.accelerate.metrics import MetricsCSV
 from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
+from lightning_plugins.recipe_diff import reset_optimizer
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
     build_loaders,
@@ -57,7 +58,7 @@ def make_accelerator(recipe: Recipe) -> ParallelAccelerator:
         layout.tp_size, layout.pp_size, layout.cp_size, layout.dp_shard_size, layout.dp_replicate_size,
         options=recipe.parallel, memory=recipe.memory,
         load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
-        async_checkpoint=recipe.train.async_checkpoint,
+        async_checkpoint=recipe.train.async_checkpoint, recipe_record=recipe.to_yaml(),
         cpu=recipe.hardware.accelerator == "cpu" or not torch.cuda.is_available(),
         gradient_accumulation_steps=recipe.accumulation, step_scheduler_with_optimizer=False,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.train.collective_timeout_s))],
@@ -110,6 +111,8 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
     ckpt = resume or latest_checkpoint(out, accelerator.print)
     if ckpt is not None:
         accelerator.load_state(ckpt)
+        if train.resume_reset_optimizer:  # optim settings changed on resume: a new AdamW state and schedule
+            reset_optimizer(optimizer, schedule, model, recipe, total, progress.step)
 
     main = accelerator.is_main_process
     metrics = MetricsCSV(out / "logs") if main else None

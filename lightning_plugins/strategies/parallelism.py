@@ -47,6 +47,7 @@ from lightning_plugins.parallel import (
     reduce_partial_state,
 )
 from lightning_plugins.parallel.context import context_parallel_batch
+from lightning_plugins.recipe_diff import record_recipe
 from lightning_plugins.resume import publish, read_rng, restore_rng, save_rng
 from lightning_plugins.teardown import release_at_exit
 
@@ -95,6 +96,8 @@ class ParallelismStrategy(ModelParallelStrategy):
             (recipe key ``train.on_nonfinite``).
         max_skipped_steps: With ``on_nonfinite="skip"``: stop after this many consecutive skipped steps (recipe key
             ``train.max_skipped_steps``).
+        recipe_record: The resolved recipe (YAML) to record in every checkpoint, so that a resume can compare it with
+            its own (:mod:`lightning_plugins.recipe_diff`); ``None``: none is recorded.
         **settings: Any field of ``ParallelOptions`` or ``MemoryOptions`` by name (``sequence_parallel``,
             ``loss_parallel``, ``cp_backend``, ``activation_checkpointing``, ``every_n_layers``,
             ``param_dtype``, ``reduce_dtype``, ``cpu_offload``, ``reshard_after_forward``, ...), overriding
@@ -120,6 +123,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         async_checkpoint: bool = False,
         on_nonfinite: Policy = "stop",
         max_skipped_steps: int = 10,
+        recipe_record: str | None = None,
         **settings: Any,
     ) -> None:
         super().__init__(
@@ -137,6 +141,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         self.options, self.memory = with_settings(type(self).__name__, options, memory, **settings)
         self.load_from = load_from
         self.async_checkpoint = async_checkpoint
+        self.recipe_record = recipe_record
         self._saver = AsyncCheckpointer()
         #: The global gradient norm of the last optimizer step, before clipping (``None`` before the first).
         self.grad_norm: torch.Tensor | None = None
@@ -461,6 +466,8 @@ class ParallelismStrategy(ModelParallelStrategy):
             if self.global_rank == 0:
                 save_checksummed(checkpoint, partial / _METADATA_FILENAME)
                 save_export_info(partial, self.lightning_module, "state_dict", self.load_from)
+                if self.recipe_record is not None:
+                    record_recipe(partial, self.recipe_record)
             publish_it = (lambda: publish(partial, path)) if self.global_rank == 0 else None
             if self.async_checkpoint:
                 self._saver.save(tensors, partial, publish_it, needed)
