@@ -101,7 +101,24 @@ def is_collective_timeout(error: BaseException) -> bool:
 
 def is_peer_gone(error: BaseException) -> bool:
     """Whether ``error`` is this rank's consequence of another rank's end: a collective's connection to it closed."""
-    return any(marker in str(error) for marker in _PEER_GONE_MARKERS)
+    return mentions_peer_gone(str(error))
+
+
+def mentions_peer_gone(text: str) -> bool:
+    """Whether an error's text (e.g. one left by :func:`record_failure`) says a collective's peer ended."""
+    return any(marker in text for marker in _PEER_GONE_MARKERS)
+
+
+def explain_lost_node(rank: int, node: int, nodes: int, error: BaseException) -> str:
+    """Rank ``rank`` of node ``node`` lost a peer, and no rank of its own node failed: another node's rank (or its
+    launcher, with its ranks) ended. Where to look."""
+    others = [n for n in range(nodes) if n != node]
+    where = f"node {others[0]}" if len(others) == 1 else f"one of nodes {', '.join(map(str, others))}"
+    return (
+        f"rank {rank} (node {node} of {nodes}) lost its connection to a rank on {where} ({summarize(error)}): a rank"
+        f" or the launcher of {where} ended, and every rank of node {node} stopped. {where.capitalize()}'s log says"
+        " why; once that is fixed the same command resumes from the last checkpoint"
+    )
 
 
 #: What gloo says when the rank at the other end of a collective's connection ended.

@@ -42,8 +42,11 @@ from lightning_plugins.faults import (
     TIMEOUT_SETTING,
     RankFailure,
     describe_exit,
+    explain_lost_node,
     explain_timeout,
     is_collective_timeout,
+    is_peer_gone,
+    mentions_peer_gone,
     mentions_timeout,
     record_failure,
     recorded_failure,
@@ -101,11 +104,15 @@ class SupervisedLauncher(_SubprocessScriptLauncher):
         except BaseException as error:
             rank = self.cluster_environment.global_rank()
             record_failure(rank, error)
-            message, stopped = self._watcher.diagnose(error) if self._watcher is not None else (None, "")
+            watcher = self._watcher
+            message, stopped = watcher.diagnose(error, self.num_nodes > 1) if watcher is not None else (None, "")
             if isinstance(error, NonFiniteError):  # every rank decided it in the same step: the job's cause
                 raise
             if message is None and is_collective_timeout(error):
                 message = explain_timeout(rank, error, self.timeout) + stopped
+            if message is None and self.num_nodes > 1 and is_peer_gone(error):  # no rank of this node failed first
+                node = self.cluster_environment.node_rank()
+                message = explain_lost_node(rank, node, self.num_nodes, error) + "." + stopped
             if message is not None:
                 raise RankFailure(message) from error
             # This rank's own error is the cause: it keeps its type; the note says who else was stopped.
@@ -159,10 +166,11 @@ class _RankWatcher(threading.Thread):
             print(f"{RankFailure.__name__}: {message}", file=sys.stderr, flush=True)
             os._exit(1)
 
-    def diagnose(self, error: BaseException) -> tuple[str | None, str]:
+    def diagnose(self, error: BaseException, other_nodes: bool = False) -> tuple[str | None, str]:
         """Why the job failed, given this rank's ``error``: a message naming another rank that failed first
-        (``None`` when this rank's error is the cause, or when every failure is a collective timeout), and which
-        ranks still running were stopped."""
+        (``None`` when this rank's error is the cause, when every failure is a collective timeout, or, with
+        ``other_nodes`` in the job, when every rank here only lost a peer), and which ranks still running were
+        stopped."""
         with self._lock:
             self._handled = True
         deadline = time.monotonic() + self.grace_s
@@ -171,6 +179,8 @@ class _RankWatcher(threading.Thread):
         causes = [recorded_failure(rank) or "" for rank in self._failed]
         stopped = self._stop_running()
         if not self._failed or (is_collective_timeout(error) and all(mentions_timeout(c) for c in causes)):
+            return None, stopped
+        if other_nodes and is_peer_gone(error) and all(mentions_peer_gone(c) for c in causes):  # all lost a peer
             return None, stopped
         return (
             f"{self._failure_of(self._failed[0])}; rank {self.own_rank} then stopped: {summarize(error)}." + stopped,

@@ -1,0 +1,104 @@
+"""Two launchers on this machine act as two nodes (node ranks 0 and 1, rendezvous on localhost), through both doors:
+HSDP with ``dp_replicate`` across the nodes and TP=2 within each (4 ranks). Each door's per-step losses over its
+attempts are those of the same layout run by one launcher on one node (1e-5), and a two-node job resumes from a
+checkpoint another two-node job wrote. Lightning door: node 1's launcher is SIGKILLed after the first checkpoint, and
+every rank of both nodes ends within a bound with a message naming node 1. Accelerate door: the job runs to the end,
+and resumes once its last checkpoint is removed (a launcher SIGKILLed there leaves its workers running: that is the
+"no worker outlives its launcher" work, not simulated here).
+"""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _nodes import Nodes, start_nodes
+from _world import run_command
+
+ROOT = Path(__file__).parents[1]
+RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"
+STEPS = 8
+ARGS = ["--layout.dp_replicate_size=2", "--train.micro_batch_size=8", f"--train.max_steps={STEPS}",
+        "--train.log_every=1", "--train.eval_every=100", "--train.checkpoint_every=2",
+        "--optim.warmup_steps=2"]  # fmt: skip
+#: How long every rank of both nodes may take to end after one node's launcher is killed.
+BOUND_S = 30.0
+
+
+def _losses(out: Path) -> list[tuple[int, float]]:
+    with open(out / "metrics.csv", newline="") as handle:
+        return [(int(row["step"]), float(row["train/loss"])) for row in csv.DictReader(handle) if row.get("train/loss")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, float]]:
+    """The per-step losses of the same layout on one node: one launcher, 4 processes."""
+    out = tmp_path_factory.mktemp("one_node")
+    command = [sys.executable, "-m", "lightning_plugins", "finetune", str(RECIPE), "--hardware.devices=4", *ARGS,
+               f"--train.output_dir={out}"]  # fmt: skip
+    run_command(command, cwd=ROOT, timeout=300)
+    losses = _losses(out)
+    assert [step for step, _ in losses] == list(range(STEPS)), losses
+    return losses
+
+
+def _wait_for(path: Path, nodes: Nodes, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path} after {timeout:g} s\n{nodes.output()[-6000:]}"
+        time.sleep(0.05)
+
+
+def test_lightning_door_node_lost_then_resumed(tmp_path: Path, reference: list[tuple[int, float]]) -> None:
+    """Node 1's launcher (rank 2, which started rank 3) is SIGKILLed after the first checkpoint: every rank of both
+    nodes ends within the bound and node 0 says a rank of node 1 ended; the same two-node command resumes."""
+    out = tmp_path / "run"
+    checkpoints = out / "checkpoints"
+    with start_nodes("finetune", RECIPE, *ARGS, f"--train.output_dir={out}") as nodes:
+        _wait_for(checkpoints / "step=2.ckpt", nodes, 240)
+        nodes.signal(1)  # SIGKILL node 1's launcher only
+        took = nodes.wait_gone(BOUND_S)
+        print(f"every rank of both nodes ended {took:.1f} s after node 1's launcher was killed")
+        codes = nodes.wait(0)
+        assert codes == {"node 0": 1, "node 1": -9}, (codes, nodes.output()[-6000:])
+        said = nodes.err(0)
+    assert not (checkpoints / f"step={STEPS}.ckpt").exists(), "the kill came after the run ended"
+    assert "RankFailure: rank 0 (node 0 of 2) lost its connection to a rank on node 1" in said, said[-4000:]
+    complete = sorted(int(p.name[5:-5]) for p in checkpoints.glob("step=*.ckpt"))
+    assert complete and complete == list(range(2, complete[-1] + 1, 2)), complete
+    _resume_on_two_nodes("finetune", out, complete[-1], reference)
+
+
+def test_accelerate_door_two_nodes(tmp_path: Path, reference: list[tuple[int, float]]) -> None:
+    """A two-node ``accelerate launch`` job trains the one-node trajectory; with its last checkpoint removed (a job
+    stopped after step 6), the same two-node command resumes from step 6 on that trajectory."""
+    out = tmp_path / "run"
+    with start_nodes("accelerate", RECIPE, *ARGS, f"--train.output_dir={out}") as nodes:
+        nodes.check(300)
+    _same_losses(out, reference)
+    shutil.rmtree(out / "checkpoints" / f"step={STEPS}.ckpt")
+    _resume_on_two_nodes("accelerate", out, STEPS - 2, reference)
+
+
+def _resume_on_two_nodes(door: str, out: Path, step: int, reference: list[tuple[int, float]]) -> None:
+    """The same two-node command resumes from ``step=step.ckpt`` and ends on the reference trajectory."""
+    checkpoints = out / "checkpoints"
+    with start_nodes(door, RECIPE, *ARGS, f"--train.output_dir={out}") as nodes:
+        nodes.check(300)
+        assert f"resumed_from: {checkpoints / f'step={step}.ckpt'}" in nodes.out(0), nodes.output()[-6000:]
+        assert "warning" not in nodes.output().lower(), nodes.output()[-6000:]
+    assert (checkpoints / f"step={STEPS}.ckpt" / ".metadata").is_file()
+    _same_losses(out, reference)
+
+
+def _same_losses(out: Path, reference: list[tuple[int, float]]) -> None:
+    got = _losses(out)
+    assert [s for s, _ in got] == [s for s, _ in reference], (got, reference)
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in got]), torch.tensor([v for _, v in reference]), rtol=1e-5, atol=1e-5, msg=str(got)
+    )
