@@ -149,7 +149,9 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         timeout=timedelta(seconds=train.collective_timeout_s),
         async_checkpoint=train.async_checkpoint,
     )
-    callbacks: list[Any] = [_ProgressBar()]
+    from lightning_plugins.strategies.preemption import PreemptionCallback
+
+    callbacks: list[Any] = [_ProgressBar(), PreemptionCallback(train.preempt_signals, launched=not is_launcher_rank())]
     if train.checkpoint_every is not None:
         callbacks.append(
             _StepCheckpoint(
