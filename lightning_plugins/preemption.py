@@ -127,7 +127,7 @@ class Preemption:
             step: The optimizer steps taken (the checkpoint is ``step=<step>.ckpt``).
             checkpoint: Where it was written (``None``: the recipe writes no checkpoints).
         """
-        where = f"checkpoint saved to {checkpoint}" if checkpoint is not None else "no checkpoint (checkpoint_every: null)"
+        where = f"checkpoint saved to {checkpoint}" if checkpoint else "no checkpoint (train.checkpoint_every: null)"
         message = f"preempted ({self.reason}) at step {step}: {where}; the same command resumes from it."
         if _rank() == 0:
             requeued = requeue()
