@@ -148,10 +148,9 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
         timeout=timedelta(seconds=train.collective_timeout_s),
         async_checkpoint=train.async_checkpoint,
+        preempt_signals=train.preempt_signals,
     )
-    from lightning_plugins.strategies.preemption import PreemptionCallback
-
-    callbacks: list[Any] = [_ProgressBar(), PreemptionCallback(train.preempt_signals, launched=not is_launcher_rank())]
+    callbacks: list[Any] = [_ProgressBar()]
     if train.checkpoint_every is not None:
         callbacks.append(
             _StepCheckpoint(

@@ -175,6 +175,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
                     if train.checkpoint_every and saved is None:
                         saved = _save(accelerator, model, optimizer, out, progress.step)
                     accelerator.wait_for_checkpoint()
+                    bar.close()  # the message gets a line of its own
                     preemption.finish(progress.step, saved)
                 if progress.step >= total:
                     break

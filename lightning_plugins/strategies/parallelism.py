@@ -6,6 +6,7 @@ import shutil
 import weakref
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +45,7 @@ from lightning_plugins.parallel import (
     reduce_partial_state,
 )
 from lightning_plugins.parallel.context import context_parallel_batch
+from lightning_plugins.strategies.preemption import add_preemption
 from lightning_plugins.resume import publish, read_rng, restore_rng, save_rng
 from lightning_plugins.teardown import release_at_exit
 
@@ -85,6 +87,9 @@ class ParallelismStrategy(ModelParallelStrategy):
         async_checkpoint: Write sharded checkpoints in the background (``dcp.async_save``) while training goes on;
             each is moved into place only once complete, and the last is waited for before ``fit`` returns
             (recipe key ``train.async_checkpoint``).
+        preempt_signals: Signals that preempt ``fit``: every rank finishes its optimizer step, the
+            ``ModelCheckpoint`` writes ``step=N.ckpt`` and the process exits with status 75 (recipe key
+            ``train.preempt_signals``; see :class:`~lightning_plugins.strategies.preemption.PreemptionCallback`).
         **settings: Any field of ``ParallelOptions`` or ``MemoryOptions`` by name (``sequence_parallel``,
             ``loss_parallel``, ``cp_backend``, ``activation_checkpointing``, ``every_n_layers``,
             ``param_dtype``, ``reduce_dtype``, ``cpu_offload``, ``reshard_after_forward``, ...), overriding
@@ -108,6 +113,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         async_checkpoint: bool = False,
+        preempt_signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
         **settings: Any,
     ) -> None:
         super().__init__(
@@ -125,6 +131,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         self.options, self.memory = with_settings(type(self).__name__, options, memory, **settings)
         self.load_from = load_from
         self.async_checkpoint = async_checkpoint
+        self.preempt_signals = list(preempt_signals)
         self._saver = AsyncCheckpointer()
         #: The global gradient norm before the last clipping (``None`` until Lightning clips).
         self.grad_norm: torch.Tensor | None = None
@@ -203,6 +210,8 @@ class ParallelismStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            launched = self.cluster_environment.creates_processes_externally or self.local_rank > 0
+            add_preemption(trainer, self.preempt_signals, launched)
         self.setup_precision_plugin()
         # Lightning's clipping calls torch's clip_grad_norm_, which fails on DTensors of several meshes
         # and would miss pipeline stages: route it to the engine's true global norm.

@@ -15,7 +15,7 @@ from lightning_plugins.training import CHECKPOINT_NAME
 
 
 class PreemptionCallback(Callback):
-    """On a preemption signal (or, in a rank the launcher started, the launcher's death), every rank finishes its
+    """Added by ``ParallelismStrategy`` to every ``fit`` (users' own LightningModules too). On a preemption signal (or, in a rank the launcher started, the launcher's death), every rank finishes its
     optimizer step, the ``ModelCheckpoint`` writes ``step=N.ckpt`` (the one auto-resume picks), and the run exits with
     :data:`~lightning_plugins.preemption.PREEMPTED_EXIT`.
 
@@ -89,3 +89,10 @@ class PreemptionCallback(Callback):
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None
+
+
+def add_preemption(trainer: pl.Trainer, signals: Sequence[str], launched: bool) -> None:
+    """Give ``trainer`` a :class:`PreemptionCallback` unless it has one (appended: it then runs after the
+    ``ModelCheckpoint``, which may already have written this step's checkpoint)."""
+    if signals and not any(isinstance(callback, PreemptionCallback) for callback in trainer.callbacks):
+        trainer.callbacks.append(PreemptionCallback(signals, launched))
