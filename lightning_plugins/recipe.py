@@ -110,8 +110,9 @@ class TrainSection(_Section):
             step as AMP's grad scaler does (no update; the learning-rate schedule goes on).
         max_skipped_steps: With ``on_nonfinite: skip``, stop after this many consecutive skipped steps.
         preempt_signals: The signals that preempt the run (to the launcher or the whole process group): every rank
-            finishes its optimizer step, writes ``checkpoints/step=N.ckpt`` and exits with status 75; a SLURM job
-            requeues itself (:mod:`lightning_plugins.preemption`). ``[]``: none (Ctrl-C never is one).
+            finishes its optimizer step, writes ``checkpoints/step=N.ckpt`` and exits non-zero (the ranks with status
+            75); a SLURM job requeues itself (:mod:`lightning_plugins.preemption`). ``[]``: none (Ctrl-C never is one;
+            a worker whose launcher is gone stops so in any case).
     """
 
     global_batch_size: int | None = Field(None, ge=1)

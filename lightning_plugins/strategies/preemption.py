@@ -15,13 +15,15 @@ from lightning_plugins.training import CHECKPOINT_NAME
 
 
 class PreemptionCallback(Callback):
-    """Added by ``ParallelismStrategy`` to every ``fit`` (users' own LightningModules too). On a preemption signal (or, in a rank the launcher started, the launcher's death), every rank finishes its
+    """On a preemption signal (or, in a rank a launcher started, the launcher's death), every rank finishes its
     optimizer step, the ``ModelCheckpoint`` writes ``step=N.ckpt`` (the one auto-resume picks), and the run exits with
-    :data:`~lightning_plugins.preemption.PREEMPTED_EXIT`.
+    :data:`~lightning_plugins.preemption.PREEMPTED_EXIT` at the next hook (after Lightning has logged the step).
+    ``ParallelismStrategy`` adds it to every ``fit`` (:func:`add_preemption`), users' own LightningModules included.
 
-    The handlers replace Lightning's own ``SIGTERM`` handler for the training (installed at ``on_train_start``, after
-    Lightning's): that one broadcasts from inside the handler, a collective that only the signalled rank joins, and
-    kills the other local ranks before they can save.
+    The handlers replace Lightning's own ``SIGTERM`` (and SLURM ``SIGUSR1``) handlers for the training (installed at
+    ``on_train_start``, after Lightning's): Lightning's runs a collective inside the handler and re-sends the signal
+    to the other local ranks (whose handlers run that collective again), so the ranks' collectives stop pairing up
+    and the job waits for the collective timeout; its SLURM handler writes an ``hpc_ckpt`` that auto-resume ignores.
 
     Args:
         signals: Names of the preemption signals (the recipe's ``train.preempt_signals``).
@@ -93,6 +95,7 @@ class PreemptionCallback(Callback):
 
 def add_preemption(trainer: pl.Trainer, signals: Sequence[str], launched: bool) -> None:
     """Give ``trainer`` a :class:`PreemptionCallback` unless it has one (appended: it then runs after the
-    ``ModelCheckpoint``, which may already have written this step's checkpoint)."""
-    if signals and not any(isinstance(callback, PreemptionCallback) for callback in trainer.callbacks):
+    ``ModelCheckpoint``, which may already have written this step's checkpoint). With no ``signals`` it still ends a
+    ``launched`` rank whose launcher is gone."""
+    if not any(isinstance(callback, PreemptionCallback) for callback in trainer.callbacks):
         trainer.callbacks.append(PreemptionCallback(signals, launched))
