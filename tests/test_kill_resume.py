@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -223,3 +224,18 @@ def test_preempted_run_resumes_on_the_same_trajectory(
     torch.testing.assert_close(
         torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), rtol=1e-5, atol=1e-5, msg=str(got)
     )
+
+
+def test_a_preempted_rank_stuck_before_its_step_end_exits_within_the_bound() -> None:
+    """The watchdog ends a preempted process that never reaches the agreement (blocked for good) after the bound."""
+    code = (
+        "import os, signal, time\n"
+        "from lightning_plugins.preemption import Preemption\n"
+        "Preemption(['SIGTERM'], watch_parent=False, exit_within_s=0.5, poll_s=0.05).install()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    proc = _run([sys.executable, "-c", code], 75)
+    assert time.monotonic() - start < 30, proc.stderr
+    assert "preempted (SIGTERM): rank 0" in proc.stderr and "within 0.5 s; ended without a checkpoint" in proc.stderr
