@@ -138,6 +138,7 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         on_nonfinite=train.on_nonfinite,
         max_skipped_steps=train.max_skipped_steps,
         recipe_record=recipe.to_yaml(),
+        preempt_signals=train.preempt_signals,
     )
     callbacks: list[Any] = [_ProgressBar()]
     if train.checkpoint_every is not None:

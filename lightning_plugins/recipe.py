@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lightning_plugins.data import DataConfig
 from lightning_plugins.layout import LayoutError, ParallelLayout
@@ -112,6 +112,10 @@ class TrainSection(_Section):
         resume_reset_optimizer: On a resume whose ``optim`` settings differ from the checkpoint's, load the weights,
             step and data position but rebuild AdamW's state and the schedule from the new settings (the doors'
             ``--resume-reset-optimizer``; without it such a resume is refused: see :mod:`lightning_plugins.recipe_diff`).
+        preempt_signals: The signals that preempt the run (to the launcher or the whole process group): every rank
+            finishes its optimizer step, writes ``checkpoints/step=N.ckpt`` and exits non-zero (the ranks with status
+            75); a SLURM job requeues itself (:mod:`lightning_plugins.preemption`). ``[]``: none (Ctrl-C never is one;
+            a worker whose launcher is gone stops so in any case).
     """
 
     global_batch_size: int | None = Field(None, ge=1)
@@ -130,6 +134,19 @@ class TrainSection(_Section):
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_skipped_steps: int = Field(10, ge=1)
     resume_reset_optimizer: bool = False
+    preempt_signals: list[str] = Field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+
+    @field_validator("preempt_signals")
+    @classmethod
+    def _known_signals(cls, names: list[str]) -> list[str]:
+        from lightning_plugins.preemption import SIGNALS
+
+        for name in names:
+            if name not in SIGNALS:
+                close = difflib.get_close_matches(name.upper(), SIGNALS, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]}? " if close else ""
+                raise ValueError(f"unknown signal {name!r}: {hint}use some of {', '.join(SIGNALS)}")
+        return names
 
     @model_validator(mode="after")
     def _one_of_each(self) -> TrainSection:

@@ -2,6 +2,11 @@
 uninterrupted run: both doors under PP and under LoRA on FSDP2 (with dropout: the random states count), and TP through
 the Lightning door.
 
+Preemption (:mod:`lightning_plugins.preemption`): SIGTERM or SIGUSR1 to the launcher or to its process group, and the
+launcher's own death, end every rank at the end of the step the signal arrived in, with ``step=N.ckpt`` written and a
+non-zero exit; a SLURM job requeues itself; no worker outlives its launcher; chained interruptions resume on the
+reference trajectory.
+
 Kill points are chosen by ``tests/scripts/kill_run.py`` hooks (``LIGHTNING_PLUGINS_TEST_KILL``), not by sleeping:
 one rank mid-step inside an accumulation window, the whole job mid-save (DCP data written, no ``.metadata``; or
 everything written, before the rename) and between saves; with asynchronous saves (``train.async_checkpoint``) the
@@ -14,14 +19,17 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from _world import free_port, run_command
+from kill_run import ENV  # tests/scripts is on the path (_world)
 
 ROOT = Path(__file__).parents[1]
 TINY = ROOT / "recipes" / "tiny"
@@ -54,7 +62,8 @@ CASES = [
 def _command(door: str, recipe: Path, out: Path, extra: list[str], *, kill: bool) -> list[str]:
     args = [str(recipe), f"--train.output_dir={out}", *SHORT, *extra]
     if door == "finetune":
-        return [sys.executable, str(KILL), "finetune", *args] if kill else [
+        # In a session of its own: a signal to the launcher's process group reaches no test process.
+        return ["setsid", sys.executable, str(KILL), "finetune", *args] if kill else [
             sys.executable, "-m", "lightning_plugins", "finetune", *args]  # fmt: skip
     launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(CONFIG),
               "--main_process_port", str(free_port())]  # fmt: skip
@@ -151,3 +160,82 @@ def test_killed_run_resumes_on_the_same_trajectory(
     torch.testing.assert_close(
         torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), rtol=1e-5, atol=1e-5, msg=str(got)
     )
+
+
+# Interruptions chained in one output directory (the signal is sent before rank 0's K-th forward of the attempt; two
+# micro-batches per step): (kill point, the step the attempt stops at with a checkpoint, or None: killed outright).
+CHAINS = {
+    # Lightning: SIGTERM to the process group, SIGUSR1 to the launching rank, the launching rank SIGKILLed.
+    "finetune": [("signal:5:SIGTERM:group", 3), ("signal:1:SIGUSR1:launcher", 4), ("batch:1:0", None)],
+    # Accelerate: SIGTERM to `accelerate launch` (torchrun forwards it), SIGUSR1 (kills it: the workers' watchdogs see
+    # their launcher gone), SIGKILL to it (the same).
+    "accelerate": [
+        ("signal:5:SIGTERM:launcher", 3), ("signal:1:SIGUSR1:launcher", 4), ("signal:1:SIGKILL:launcher", 5)
+    ],
+}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] in ("Z", "X")  # reaped soon
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@pytest.mark.parametrize("door", list(CHAINS))
+def test_preempted_run_resumes_on_the_same_trajectory(
+    references: Callable[[str, str], list[tuple[int, float]]], tmp_path: Path, door: str
+) -> None:
+    recipe, extra = LAYOUTS["tp"]
+    out, pids, stub = tmp_path / "run", tmp_path / "pids", tmp_path / "bin"
+    checkpoints = out / "checkpoints"
+    stub.mkdir()
+    (stub / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    (stub / "scontrol").chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "4242", "PATH": f"{stub}:{os.environ['PATH']}"}
+    resumed = None
+    for attempt, (kill, stopped) in enumerate(CHAINS[door]):
+        pids.mkdir()
+        env = {ENV: kill, "LIGHTNING_PLUGINS_TEST_PIDS": str(pids), **(slurm if attempt == 0 else {})}
+        proc = _run(_command(door, TINY / recipe, out, extra, kill=True), None, **env)
+        assert proc.returncode != 0, proc.stderr[-3000:]
+        workers = [int(p.read_text()) for p in pids.iterdir()]
+        assert len(workers) == 2 and all(_gone(pid) for pid in workers), (workers, proc.stderr[-3000:])  # no orphans
+        if stopped is None:  # killed outright: nothing new written
+            assert not (checkpoints / f"step={resumed + 1}.ckpt").exists()
+        else:
+            if door == "finetune":
+                assert proc.returncode == 75, proc.stderr[-3000:]  # the launching rank's own status
+            said = f"at step {stopped}: checkpoint saved to {checkpoints / f'step={stopped}.ckpt'}; the same command"
+            assert said in proc.stderr, proc.stderr[-3000:]
+            assert (checkpoints / f"step={stopped}.ckpt" / ".metadata").is_file()
+            assert not (checkpoints / f"step={stopped + 1}.ckpt").exists()
+            resumed = stopped
+        if attempt == 0:  # under SLURM the job requeued itself, once, from rank 0
+            assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+            assert "SLURM job 4242 requeued." in proc.stderr
+        pids.rename(tmp_path / f"pids{attempt}")
+    assert not list(checkpoints.glob("*.partial"))
+    proc = _run(_command(door, TINY / recipe, out, extra, kill=False))
+    assert "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
+    assert f"resumed_from: {checkpoints / f'step={resumed}.ckpt'}" in proc.stdout, proc.stdout[-3000:]
+    got, want = _losses(out), references("tp", door)
+    assert [s for s, _ in got] == [s for s, _ in want], (got, want)
+    torch.testing.assert_close(
+        torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), rtol=1e-5, atol=1e-5, msg=str(got)
+    )
+
+
+def test_a_preempted_rank_stuck_before_its_step_end_exits_within_the_bound() -> None:
+    """The watchdog ends a preempted process that never reaches the agreement (blocked for good) after the bound."""
+    code = (
+        "import os, signal, time\n"
+        "from lightning_plugins.preemption import Preemption\n"
+        "Preemption(['SIGTERM'], watch_parent=False, exit_within_s=0.5, poll_s=0.05).install()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    proc = _run([sys.executable, "-c", code], 75)
+    assert time.monotonic() - start < 30, proc.stderr
+    assert "preempted (SIGTERM): rank 0" in proc.stderr and "within 0.5 s; ended without a checkpoint" in proc.stderr

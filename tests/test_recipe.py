@@ -63,6 +63,7 @@ def _recipe(tmp_path: Path, **changes: dict) -> Path:
         ({"lora": {"r": 0}}, r"lora: lora r=0 must be a positive integer"),
         ({"lora": {"target_modules": ["qkv"]}}, r"lora\.target_modules: .*\['qkv'\] name no module of LlamaForCausalLM.*q_proj"),
         ({"lora": {"quantize": "nf4"}, "train": {"merge_lora": True}}, r"merge_lora with lora\.quantize: nf4"),
+        ({"train": {"preempt_signals": ["SIGTREM"]}}, r"train\.preempt_signals: unknown signal 'SIGTREM': did you mean SIGTERM\?"),
     ],
 )
 def test_recipe_errors_name_file_key_and_fix(tmp_path: Path, changes: dict, match: str) -> None:

@@ -93,3 +93,15 @@ def test_accelerate_batch_file_names_the_config_it_lacks(tmp_path: Path) -> None
     assert "no launch config accelerate_configs/3nodes_8gpu.yaml" in proc.stderr and "ACCELERATE_CONFIG=" in proc.stderr
     proc, lines = _render("accelerate", 3, tmp_path, RECIPE, ACCELERATE_CONFIG="accelerate_configs/2nodes_8gpu.yaml")
     assert proc.returncode == 0 and len(lines) == 3 and "--num_processes 24 --machine_rank 2" in lines[2]
+
+
+@pytest.mark.parametrize("batch", ["lightning", "accelerate"])
+def test_batch_files_ask_for_the_preemption_signal_and_the_requeue(batch: str) -> None:
+    """SLURM sends SIGUSR1 (a preemption signal of the default ``train.preempt_signals``) ahead of the time limit, and
+    the job may be requeued (rank 0 runs ``scontrol requeue`` after the checkpoint: tests/test_kill_resume.py)."""
+    from lightning_plugins.recipe import TrainSection
+
+    lines = (SLURM / f"{batch}.sbatch").read_text().splitlines()
+    signal = [line for line in lines if line.startswith("#SBATCH --signal=")]
+    assert signal == ["#SBATCH --signal=USR1@120"] and "#SBATCH --requeue" in lines, lines
+    assert "SIGUSR1" in TrainSection.model_fields["preempt_signals"].default_factory()

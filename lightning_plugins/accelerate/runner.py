@@ -11,6 +11,7 @@ the recipe the rest.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_plugins.accelerate.accelerator import ParallelAccelerator
 from lightning_plugins.accelerate.metrics import MetricsCSV
 from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
+from lightning_plugins.preemption import Preemption
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.recipe_diff import reset_optimizer
 from lightning_plugins.training import (
@@ -91,6 +93,9 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
     train = recipe.train
     out = Path(train.output_dir)
     accelerator = make_accelerator(recipe)
+    # Workers started by torchrun (`accelerate launch`) must not outlive it.
+    preemption = Preemption(train.preempt_signals, watch_parent="TORCHELASTIC_RUN_ID" in os.environ)
+    preemption.install()
     guard = NonFiniteGuard(
         train.on_nonfinite, train.max_skipped_steps, lambda: latest_checkpoint(out), accelerator.builtin == "DeepSpeed"
     )
@@ -166,19 +171,36 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
                     last["val/loss"] = _evaluate(accelerator, model, eval_loader)
                     if metrics is not None:
                         metrics.log({"val/loss": last["val/loss"]}, step=progress.step - 1, epoch=epoch)
+                saved = None
                 if train.checkpoint_every and progress.step % train.checkpoint_every == 0:
-                    state = training_state(model.parameters(), [optimizer])
-                    check_finite_weights(state, f"checkpoint step={progress.step}", progress.step)
-                    accelerator.save_state(out / "checkpoints" / f"{CHECKPOINT_NAME.format(step=progress.step)}.ckpt")
+                    saved = _save(accelerator, model, optimizer, out, progress.step)
+                if preemption.agree(accelerator.device):  # every rank, once per optimizer step
+                    if train.checkpoint_every and saved is None:
+                        saved = _save(accelerator, model, optimizer, out, progress.step)
+                    accelerator.wait_for_checkpoint()
+                    bar.close()  # the message gets a line of its own
+                    preemption.finish(progress.step, saved)
                 if progress.step >= total:
                     break
     except BaseException:
+        preemption.uninstall()
         accelerator.wait_for_checkpoint(failed=True)  # unpublished if it cannot complete
         raise
     accelerator.wait_for_checkpoint()
+    preemption.uninstall()
     bar.close()
     check_finite_weights(training_state(model.parameters()), f"export to {out}", progress.step)
     return _finish(accelerator, model, tokenizer, recipe, ckpt, last)
+
+
+def _save(
+    accelerator: ParallelAccelerator, model: torch.nn.Module, optimizer: Any, out: Path, step: int
+) -> Path:
+    """Write ``out/checkpoints/step=<step>.ckpt`` (refused if the weights or optimizer state are not finite)."""
+    check_finite_weights(training_state(model.parameters(), [optimizer]), f"checkpoint step={step}", step)
+    path = out / "checkpoints" / f"{CHECKPOINT_NAME.format(step=step)}.ckpt"
+    accelerator.save_state(path)
+    return path
 
 
 @torch.no_grad()

@@ -53,6 +53,7 @@ from lightning_plugins.faults import (
     summarize,
 )
 from lightning_plugins.nonfinite import NonFiniteError
+from lightning_plugins.preemption import PREEMPTED_EXIT
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -124,6 +125,9 @@ class SupervisedLauncher(_SubprocessScriptLauncher):
         return result
 
 
+#: The exit statuses of a rank that did not fail: it finished, or it was preempted with the rest of the job (and
+#: wrote its part of the checkpoint: :mod:`lightning_plugins.preemption`).
+_CLEAN = (0, PREEMPTED_EXIT)
 #: How long the launching rank waits at exit for the ranks it started when no collective timeout bounds the job.
 _EXIT_WAIT = timedelta(minutes=30)
 
@@ -149,7 +153,7 @@ class _RankWatcher(threading.Thread):
             with self._lock:
                 if self._handled:
                     return
-                if all(p.returncode == 0 for p in self.ranks.values()):
+                if all(p.returncode in _CLEAN for p in self.ranks.values()):
                     return
                 if self._failed and self.finished:
                     return  # this process is past its run (not stuck): `join_ranks` reports it when it exits
@@ -213,7 +217,7 @@ class _RankWatcher(threading.Thread):
     def _poll(self) -> bool:
         """Record newly failed ranks; whether any has failed."""
         for rank, proc in self.ranks.items():
-            if proc.poll() not in (None, 0) and rank not in self._failed:
+            if proc.poll() not in (None, *_CLEAN) and rank not in self._failed:
                 self._failed.append(rank)
         return bool(self._failed)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import shutil
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +48,7 @@ from lightning_plugins.parallel import (
 )
 from lightning_plugins.parallel.context import context_parallel_batch
 from lightning_plugins.recipe_diff import record_recipe
+from lightning_plugins.strategies.preemption import add_preemption
 from lightning_plugins.resume import publish, read_rng, restore_rng, save_rng
 from lightning_plugins.teardown import release_at_exit
 
@@ -98,6 +99,9 @@ class ParallelismStrategy(ModelParallelStrategy):
             ``train.max_skipped_steps``).
         recipe_record: The resolved recipe (YAML) to record in every checkpoint, so that a resume can compare it with
             its own (:mod:`lightning_plugins.recipe_diff`); ``None``: none is recorded.
+        preempt_signals: Signals that preempt ``fit``: every rank finishes its optimizer step, the
+            ``ModelCheckpoint`` writes ``step=N.ckpt`` and the process exits with status 75 (recipe key
+            ``train.preempt_signals``; see :class:`~lightning_plugins.strategies.preemption.PreemptionCallback`).
         **settings: Any field of ``ParallelOptions`` or ``MemoryOptions`` by name (``sequence_parallel``,
             ``loss_parallel``, ``cp_backend``, ``activation_checkpointing``, ``every_n_layers``,
             ``param_dtype``, ``reduce_dtype``, ``cpu_offload``, ``reshard_after_forward``, ...), overriding
@@ -124,6 +128,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         on_nonfinite: Policy = "stop",
         max_skipped_steps: int = 10,
         recipe_record: str | None = None,
+        preempt_signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
         **settings: Any,
     ) -> None:
         super().__init__(
@@ -142,6 +147,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         self.load_from = load_from
         self.async_checkpoint = async_checkpoint
         self.recipe_record = recipe_record
+        self.preempt_signals = list(preempt_signals)
         self._saver = AsyncCheckpointer()
         #: The global gradient norm of the last optimizer step, before clipping (``None`` before the first).
         self.grad_norm: torch.Tensor | None = None
@@ -224,6 +230,8 @@ class ParallelismStrategy(ModelParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            launched = self.cluster_environment.creates_processes_externally or self.local_rank > 0
+            add_preemption(trainer, self.preempt_signals, launched)
         self.setup_precision_plugin()
         # Lightning's clipping calls torch's clip_grad_norm_, which fails on DTensors of several meshes
         # and would miss pipeline stages: route it to the engine's true global norm.

@@ -10,6 +10,12 @@ The hooks are installed here, by patching, before the normal runner starts; the 
     save:N:mid_dcp          in the save of step N: every rank's data written, before DCP's ``.metadata`` (rank 0
                             dies; its peers fail in the next collective)
     save:N:before_rename    in the save of step N: everything written under ``.partial``, before the rename
+    signal:K:SIG:TARGET     before rank 0's K-th training forward, send SIG (SIGTERM, SIGUSR1, SIGKILL) to TARGET:
+                            ``launcher`` (the Lightning door's launching rank, ``accelerate launch``) or ``group`` (its
+                            process group); rank 0 then waits until its preemption flag is set (by the signal, or by
+                            its watchdog once the launcher is gone), so the run stops at the end of that step
+
+With ``LIGHTNING_PLUGINS_TEST_PIDS`` set to a directory, each rank writes its pid there (``rank<RANK>``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,39 @@ def _die(where: str) -> None:
 
 def _kill_at_batch(runner: Any, index: int, rank: int | None) -> None:
     """Wrap ``runner.build_model`` so the model kills this process before its ``index``-th training forward."""
+    _at_batch(runner, index, rank, lambda: _die(f"training forward {index}"))
+
+
+def _signal_at_batch(runner: Any, door: str, index: int, name: str, target: str) -> None:
+    """Before rank 0's ``index``-th training forward, send signal ``name`` to the launcher or its process group, then
+    wait until this rank's preemption flag is set."""
+    from lightning_plugins.preemption import Preemption
+
+    requested = threading.Event()
+    request = Preemption._request
+
+    def noted(self: Any, reason: str) -> None:
+        request(self, reason)
+        requested.set()
+
+    Preemption._request = noted  # type: ignore[method-assign]
+
+    def send() -> None:
+        launcher = os.getpid() if door == "finetune" else os.getppid()
+        print(f"kill_run: {name} to the {target} (pid {launcher}) at training forward {index}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        if target == "group":
+            os.killpg(os.getpgid(launcher), signal.Signals[name])
+        else:
+            os.kill(launcher, signal.Signals[name])
+        if not requested.wait(60):
+            raise RuntimeError(f"kill_run: {name} to the {target} did not set rank 0's preemption flag within 60 s")
+
+    _at_batch(runner, index, 0, send)
+
+
+def _at_batch(runner: Any, index: int, rank: int | None, action: Any) -> None:
+    """Wrap ``runner.build_model`` so the model calls ``action`` before its ``index``-th training forward."""
     build = runner.build_model
 
     def build_model(*args: Any, **kwargs: Any) -> Any:
@@ -46,7 +85,7 @@ def _kill_at_batch(runner: Any, index: int, rank: int | None) -> None:
             if not module.training:
                 return
             if count[0] == index and (rank is None or rank == _rank()):
-                _die(f"training forward {index}")
+                action()
             count[0] += 1
 
         model.register_forward_pre_hook(pre_hook, with_kwargs=True)
@@ -87,14 +126,19 @@ def main() -> None:
         import lightning_plugins.finetune as runner
     else:
         import lightning_plugins.accelerate.runner as runner  # type: ignore[no-redef]
+    pids = os.environ.get("LIGHTNING_PLUGINS_TEST_PIDS")
+    if pids:
+        (Path(pids) / f"rank{_rank()}").write_text(str(os.getpid()))
     spec = os.environ.get(ENV, "")
     kind, *fields = spec.split(":") if spec else [""]
     if kind == "batch":
         _kill_at_batch(runner, int(fields[0]), int(fields[1]) if len(fields) > 1 else None)
     elif kind == "save":
         _kill_in_save(int(fields[0]), fields[1])
+    elif kind == "signal":
+        _signal_at_batch(runner, door, int(fields[0]), fields[1], fields[2])
     elif kind:
-        raise ValueError(f"{ENV}={spec!r}: expected batch:K[:RANK] or save:N:PHASE")
+        raise ValueError(f"{ENV}={spec!r}: expected batch:K[:RANK], save:N:PHASE or signal:K:SIG:TARGET")
     if door == "finetune":
         from lightning_plugins.cli import main as cli
 
