@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -129,15 +130,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         from lightning_plugins.data import DataError
         from lightning_plugins.finetune import is_launcher_rank, run_finetune
         from lightning_plugins.nonfinite import NonFiniteError
+        from lightning_plugins.run_lock import RunLockError, take_run_lock
 
+        try:  # one run per output directory, taken by the rank that starts the others (before any is started)
+            lock = take_run_lock(recipe.train.output_dir) if is_launcher_rank() and _global_rank() == 0 else None
+        except RunLockError as err:
+            sys.exit(f"error: {err}")
         try:  # the data is read on rank 0 before the other ranks start: a bad record stops it alone, at once
             result = run_finetune(recipe, resume=args.resume)
         except DataError as err:
             sys.exit(f"error: {args.recipe}: {err}")
         except NonFiniteError as err:  # every rank stops alike; the launcher's says why
             sys.exit(f"error: {err}" if is_launcher_rank() else 1)
+        finally:
+            if lock is not None:
+                lock.release()
         if result and is_launcher_rank():
             print("\n".join(f"{key}: {value}" for key, value in result.items()))
+
+
+def _global_rank() -> int:
+    """This process's global rank where a launcher already said it (torchrun, SLURM), else 0."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
 def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
+from lightning_plugins.resume_choice import handed_down_resume
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
     batches_per_rank,
@@ -198,7 +199,8 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = None) -> dict[str, 
     batches = batches_per_rank(recipe, len(train_loader.dataset))
     module = RecipeModule(model, recipe, total_steps(recipe, batches))
     trainer = build_trainer(recipe, batches)
-    ckpt = resume or latest_checkpoint(recipe.train.output_dir, _say if is_launcher_rank() else None)
+    launching = is_launcher_rank()  # decides for the ranks it starts (another node's: the strategy checks they agree)
+    ckpt = resume or handed_down_resume(recipe.train.output_dir, _say if launching else None, launching)
     trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
     out = Path(recipe.train.output_dir)
     check_finite_weights(training_state(module.model.parameters()), f"export to {out}", trainer.global_step)

@@ -113,3 +113,61 @@ def test_the_lock_is_released_however_the_run_ends(tmp_path: Path) -> None:
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == endings[ending], (ending, err)
         assert not (tmp_path / ending / LOCK_NAME).exists(), ending
+
+
+def _accelerate(script: list[str]) -> list[str]:
+    launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(CONFIG),
+              "--main_process_port", str(free_port())]  # fmt: skip
+    return [*launch, *script]
+
+
+def _losses(out: Path) -> list[tuple[int, float]]:
+    with open(out / "metrics.csv", newline="") as handle:
+        return [(int(row["step"]), float(row["train/loss"])) for row in csv.DictReader(handle) if row.get("train/loss")]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A Lightning run (TP=2, checkpoints at steps 2 and 4) during which an Accelerate run is started on its directory."""
+    out = tmp_path_factory.mktemp("first") / "out"
+    second = _accelerate(["-m", "lightning_plugins.accelerate", str(RECIPE), f"--train.output_dir={out}", *ARGS])
+    command = [sys.executable, str(HOOKS), "finetune", str(RECIPE), f"--train.output_dir={out}", *ARGS]
+    proc = run_command(command, cwd=ROOT, timeout=300, LIGHTNING_PLUGINS_TEST_SECOND=json.dumps(second))
+    return out, proc
+
+
+def test_a_second_run_on_a_held_directory_is_refused_at_once(first_run: tuple[Path, subprocess.CompletedProcess]) -> None:
+    out, proc = first_run
+    second = json.loads((out.parent / "second.json").read_text())
+    assert second["returncode"] != 0
+    holder = f"is in use by another run (host {socket.gethostname()}, pid "
+    assert f"error: {out} {holder}" in second["stderr"] and str(HOOKS) in second["stderr"], second["stderr"][-3000:]
+    assert "Loading" not in second["stderr"] and "train" not in second["stderr"].split("error:")[0]
+    print(f"second run refused in {second['seconds']:.1f} s")
+    # The first run was not disturbed: it finished, released the directory, and its results are complete.
+    assert "resumed_from: None" in proc.stdout
+    assert [step for step, _ in _losses(out)] == [0, 1, 2, 3]
+    assert not (out / LOCK_NAME).exists()
+    take_run_lock(out).release()
+
+
+@pytest.mark.parametrize("door", ["finetune", "accelerate"])
+def test_a_checkpoint_appearing_while_a_job_starts_is_ignored_by_every_rank(
+    first_run: tuple[Path, subprocess.CompletedProcess], tmp_path: Path, door: str
+) -> None:
+    """Rank 0 finds no checkpoint; one appears before the other ranks would look: every rank starts fresh, and the
+    run is the first run's (a rank that resumed alone would hang the job until the collective timeout)."""
+    reference, _ = first_run
+    out = tmp_path / "out"
+    args = [str(RECIPE), f"--train.output_dir={out}", *ARGS, "--train.collective_timeout_s=60"]
+    command = [sys.executable, str(HOOKS), door, *args]
+    proc = run_command(
+        command if door == "finetune" else _accelerate(command[1:]), cwd=ROOT, timeout=300,
+        LIGHTNING_PLUGINS_TEST_APPEARS=str(reference / "checkpoints" / "step=4.ckpt"),
+    )  # fmt: skip
+    assert (out / "appeared").exists()  # the checkpoint did appear, after rank 0 looked
+    assert "resumed_from: None" in proc.stdout, proc.stdout[-3000:]
+    steps, losses = zip(*_losses(out), strict=True)
+    reference_steps, reference_losses = zip(*_losses(reference), strict=True)
+    assert steps == reference_steps == (0, 1, 2, 3)
+    assert losses == pytest.approx(reference_losses, abs=1e-5)

@@ -52,6 +52,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             check_resume_path(args.resume)
     except (RecipeError, CheckpointError) as err:
         _fail(str(err))
+    from lightning_plugins.run_lock import RunLockError, take_run_lock
+
+    try:  # one run per output directory, taken by global rank 0 (torchrun stops the others when it refuses)
+        lock = take_run_lock(recipe.train.output_dir) if int(os.environ.get("RANK", "0")) == 0 else None
+    except RunLockError as err:
+        _fail(str(err))
     from lightning_plugins.accelerate.runner import run_recipe
 
     from datetime import timedelta
@@ -75,6 +81,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise
         timeout = timedelta(seconds=recipe.train.collective_timeout_s)
         raise RankFailure(explain_timeout(int(os.environ.get("RANK", "0")), err, timeout)) from err
+    finally:
+        if lock is not None:
+            lock.release()
     if result:
         print("\n".join(f"{key}: {value}" for key, value in result.items()))
 

@@ -26,6 +26,7 @@ from lightning_plugins.accelerate.accelerator import ParallelAccelerator
 from lightning_plugins.accelerate.metrics import MetricsCSV
 from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
+from lightning_plugins.resume_choice import agreed_resume
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
     build_loaders,
@@ -107,7 +108,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
     model, optimizer, train_loader, schedule = accelerator.prepare(model, optimizer, train_loader, schedule)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
-    ckpt = resume or latest_checkpoint(out, accelerator.print)
+    ckpt = resume or agreed_resume(out, accelerator.print, _broadcast)  # rank 0 decides for every rank
     if ckpt is not None:
         accelerator.load_state(ckpt)
 
@@ -176,6 +177,13 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
     bar.close()
     check_finite_weights(training_state(model.parameters()), f"export to {out}", progress.step)
     return _finish(accelerator, model, tokenizer, recipe, ckpt, last)
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    objects = [obj]
+    dist.broadcast_object_list(objects, src=0)
+    return objects[0]
 
 
 @torch.no_grad()
