@@ -9,8 +9,9 @@ naming the holder and how to proceed. A lock left by a run that is gone is taken
   :data:`STALE_AFTER_S` seconds is a dead run's (its host cannot be asked about its pid).
 
 Only one process per job takes it (the doors call :func:`take_run_lock` on global rank 0 only). It is released when
-the run ends however it ends: by the door (``finally``), at interpreter exit, and on SIGTERM (where nothing else handles
-it, SIGTERM then ends the run as an exit does). A SIGKILLed run leaves its lock behind, which the next run detects as stale.
+the run ends however it ends: by the door (``finally``), at interpreter exit, and on SIGTERM (where nothing else
+handles it, SIGTERM then ends the run as an exit does). A SIGKILLed run leaves its lock behind: the next run finds it
+stale.
 """
 
 from __future__ import annotations
