@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_plugins.accelerate.accelerator import ParallelAccelerator
 from lightning_plugins.accelerate.metrics import MetricsCSV
+from lightning_plugins.accelerate.state import _broadcast
 from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.resume_choice import agreed_resume
@@ -177,13 +178,6 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
     bar.close()
     check_finite_weights(training_state(model.parameters()), f"export to {out}", progress.step)
     return _finish(accelerator, model, tokenizer, recipe, ckpt, last)
-
-
-def _broadcast(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    objects = [obj]
-    dist.broadcast_object_list(objects, src=0)
-    return objects[0]
 
 
 @torch.no_grad()
