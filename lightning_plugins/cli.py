@@ -28,6 +28,8 @@ def _overrides(extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from lightning_plugins.recipe_diff import add_reset_argument, reset_overrides
+
     parser = argparse.ArgumentParser(prog="lightning-plugins", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
@@ -49,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     finetune.add_argument(
         "--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)"
     )
+    add_reset_argument(finetune)
     plan = commands.add_parser(
         "plan",
         help="check a recipe's layout at real size (memory per GPU, step time), or search the layouts of a model",
@@ -113,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
 
         try:
-            recipe = load_recipe(args.recipe, _overrides(extra, finetune))
+            recipe = load_recipe(args.recipe, [*_overrides(extra, finetune), *reset_overrides(args)])
             if args.resume is not None:
                 check_resume_path(args.resume)
         except (RecipeError, CheckpointError) as err:
@@ -121,23 +124,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.print_config:
             print(recipe.to_yaml(), end="")
             return
+        from lightning_plugins.finetune import _say, is_launcher_rank, run_finetune
         from lightning_plugins.preflight import check_here
-
-        try:
-            check_here(recipe, args.recipe)
-        except RecipeError as err:
-            sys.exit(f"error: {err}")
-        from lightning_plugins.data import DataError
-        from lightning_plugins.finetune import is_launcher_rank, run_finetune
-        from lightning_plugins.nonfinite import NonFiniteError
+        from lightning_plugins.recipe_diff import check_resume
+        from lightning_plugins.resume_choice import handed_down_resume
         from lightning_plugins.run_lock import RunLockError, take_run_lock
 
-        try:  # one run per output directory, taken by the rank that starts the others (before any is started)
-            lock = take_run_lock(recipe.train.output_dir) if is_launcher_rank() and _global_rank() == 0 else None
-        except RunLockError as err:
-            sys.exit(f"error: {err}")
+        launching, lock = is_launcher_rank(), None
+        try:
+            check_here(recipe, args.recipe)
+            # One run per output directory, taken by the rank that starts the others (before any is started).
+            if launching and _global_rank() == 0:
+                lock = take_run_lock(recipe.train.output_dir)
+            # One resume decision per job: the launching rank's, handed down to the ranks it starts.
+            resume = args.resume or handed_down_resume(recipe.train.output_dir, _say if launching else None, launching)
+            recipe = check_resume(recipe, resume, _say if launching else None)
+        except (RecipeError, RunLockError) as err:
+            sys.exit(f"error: {err}")  # a lock taken is released at exit
+        from lightning_plugins.data import DataError
+        from lightning_plugins.nonfinite import NonFiniteError
+
         try:  # the data is read on rank 0 before the other ranks start: a bad record stops it alone, at once
-            result = run_finetune(recipe, resume=args.resume)
+            result = run_finetune(recipe, resume=resume)
         except DataError as err:
             sys.exit(f"error: {args.recipe}: {err}")
         except NonFiniteError as err:  # every rank stops alike; the launcher's says why

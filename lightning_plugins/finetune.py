@@ -6,7 +6,7 @@ Lightning's rich progress bar and CSV logger, DCP checkpoints every N steps (res
 from the output directory, or from ``--resume``), evaluation on the held-out split, and at the end an
 HF directory (full fine-tune) or a peft adapter directory (LoRA, plus merged weights when asked), a CSV
 of the metrics and a loss-curve PNG. A non-finite loss or gradient norm stops the run or skips the step
-(``train.on_nonfinite``, :mod:`lightning_plugins.nonfinite`).
+(``train.on_nonfinite``: the strategy's guard, :mod:`lightning_plugins.nonfinite`).
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
-from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
+from lightning_plugins.nonfinite import check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
-from lightning_plugins.resume_choice import handed_down_resume
+from lightning_plugins.recipe_diff import reset_optimizer
+from lightning_plugins.resume_choice import LATEST, handed_down_resume
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
     batches_per_rank,
     build_loaders,
     build_model,
     input_tokens,
-    latest_checkpoint,
     make_optimizer,
     model_flops_utilization,
     total_steps,
@@ -53,29 +53,12 @@ class RecipeModule(L.LightningModule):
         self.total_steps = total_steps
         self._num_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
         self._tokens, self._logged_step, self._clock = 0, -1, time.perf_counter()
-        train = recipe.train
-        self.guard = NonFiniteGuard(
-            train.on_nonfinite, train.max_skipped_steps, lambda: latest_checkpoint(train.output_dir)
-        )
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self._tokens += input_tokens(batch)
         loss = self.model(**batch).loss
-        self.guard.observe_loss(loss)
         self.log("train/loss", loss, prog_bar=True)
         return loss
-
-    @override
-    def configure_gradient_clipping(
-        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
-    ) -> None:
-        """Clip, then let the non-finite guard decide whether this optimizer step may update the weights.
-
-        With clipping off, the global norm is computed by the same path with no limit (gradients scaled by exactly 1).
-        """
-        limit = math.inf if gradient_clip_val is None else gradient_clip_val
-        self.clip_gradients(optimizer, gradient_clip_val=limit, gradient_clip_algorithm=gradient_clip_algorithm)
-        self.guard.check(self.trainer.global_step + 1, self.trainer.strategy.grad_norm, optimizer)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         # The loss is already the global one on every rank; syncing keeps Lightning's epoch mean exact too.
@@ -104,6 +87,16 @@ class RecipeModule(L.LightningModule):
             metrics["train/mfu"] = mfu
         self.log_dict(metrics, rank_zero_only=True)
 
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """With ``train.resume_reset_optimizer`` (optim settings changed on resume): a new AdamW state and schedule."""
+        if self.recipe.train.resume_reset_optimizer:
+            schedule = self.trainer.lr_scheduler_configs[0].scheduler
+            state = reset_optimizer(
+                self.trainer.optimizers[0], schedule, self, self.recipe, self.total_steps, checkpoint["global_step"]
+            )
+            checkpoint["lr_schedulers"] = [state]  # what Lightning restores next
+
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer, schedule = make_optimizer(self, self.recipe, self.total_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -126,13 +119,6 @@ class _StepCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         self._last_global_step_saved = trainer.global_step  # that step's checkpoint is the one resumed from
 
-    @override
-    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        """Refuse to save weights or optimizer state that hold a NaN or an infinity (every rank checks its shard)."""
-        state = training_state(trainer.lightning_module.parameters(), trainer.optimizers)
-        check_finite_weights(state, f"checkpoint {filepath}", trainer.global_step)
-        super()._save_checkpoint(trainer, filepath)
-
 
 def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
     from lightning_plugins.strategies import ParallelismStrategy
@@ -149,6 +135,9 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
         timeout=timedelta(seconds=train.collective_timeout_s),
         async_checkpoint=train.async_checkpoint,
+        on_nonfinite=train.on_nonfinite,
+        max_skipped_steps=train.max_skipped_steps,
+        recipe_record=recipe.to_yaml(),
     )
     callbacks: list[Any] = [_ProgressBar()]
     if train.checkpoint_every is not None:
@@ -185,8 +174,13 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
     )
 
 
-def run_finetune(recipe: Recipe, resume: str | Path | None = None) -> dict[str, Any]:
+def run_finetune(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, Any]:
     """Train as the recipe says, export the result, draw the loss curve.
+
+    Args:
+        recipe: The run's recipe.
+        resume: The checkpoint to resume from; ``None``: start fresh; :data:`~lightning_plugins.resume_choice.LATEST`:
+            the newest intact one in ``train.output_dir``, if any, decided once for every rank.
 
     Returns:
         On global rank 0: the paths written (``model``, ``metrics``, ``loss_curve``) and the final losses.
@@ -199,8 +193,10 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = None) -> dict[str, 
     batches = batches_per_rank(recipe, len(train_loader.dataset))
     module = RecipeModule(model, recipe, total_steps(recipe, batches))
     trainer = build_trainer(recipe, batches)
-    launching = is_launcher_rank()  # decides for the ranks it starts (another node's: the strategy checks they agree)
-    ckpt = resume or handed_down_resume(recipe.train.output_dir, _say if launching else None, launching)
+    ckpt = resume
+    if resume == LATEST:  # the launching rank decides for the ranks it starts (other nodes': the strategy checks)
+        launching = is_launcher_rank()
+        ckpt = handed_down_resume(recipe.train.output_dir, _say if launching else None, launching)
     trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
     out = Path(recipe.train.output_dir)
     check_finite_weights(training_state(module.model.parameters()), f"export to {out}", trainer.global_step)

@@ -109,6 +109,9 @@ class TrainSection(_Section):
             error naming the step, the quantity, the ranks and the last checkpoint; ``skip`` skips that optimizer
             step as AMP's grad scaler does (no update; the learning-rate schedule goes on).
         max_skipped_steps: With ``on_nonfinite: skip``, stop after this many consecutive skipped steps.
+        resume_reset_optimizer: On a resume whose ``optim`` settings differ from the checkpoint's, load the weights,
+            step and data position but rebuild AdamW's state and the schedule from the new settings (the doors'
+            ``--resume-reset-optimizer``; without it such a resume is refused: see :mod:`lightning_plugins.recipe_diff`).
     """
 
     global_batch_size: int | None = Field(None, ge=1)
@@ -126,6 +129,7 @@ class TrainSection(_Section):
     collective_timeout_s: float = Field(1800.0, gt=0)
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_skipped_steps: int = Field(10, ge=1)
+    resume_reset_optimizer: bool = False
 
     @model_validator(mode="after")
     def _one_of_each(self) -> TrainSection:

@@ -14,21 +14,29 @@ from typing import Any
 
 from lightning_plugins import training
 
+#: ``resume=LATEST``: resume from the newest intact checkpoint in the output directory, if any (decided once per job).
+LATEST = "latest"
 #: How the Lightning door's launching rank hands its decision to the ranks it starts (they inherit its environment).
 RESUME_ENV = "LIGHTNING_PLUGINS_RESUME_FROM"
 
 
 def agreed_resume(
-    output_dir: str | Path, say: Callable[[str], None] | None, broadcast: Callable[[Any], Any]
+    output_dir: str | Path,
+    choice: str | Path | None,
+    say: Callable[[str], None] | None,
+    broadcast: Callable[[Any], Any],
 ) -> Path | None:
-    """The checkpoint every rank resumes from: rank 0's newest intact one in ``output_dir`` (collective).
+    """The checkpoint every rank resumes from: rank 0's ``choice`` (collective).
 
     Args:
         output_dir: The run's output directory.
+        choice: This rank's: a checkpoint, ``None`` (start fresh) or :data:`LATEST` (rank 0 looks now for the
+            newest intact one in ``output_dir``). Only rank 0's counts.
         say: Rank 0's printer (told about checkpoints skipped as damaged).
         broadcast: Returns rank 0's object on every rank (every rank calls it once).
     """
-    choice = training.latest_checkpoint(output_dir, say) if _rank() == 0 else None
+    if _rank() == 0 and choice == LATEST:
+        choice = training.latest_checkpoint(output_dir, say)
     chosen = broadcast(None if choice is None else str(choice))
     return None if chosen is None else Path(chosen)
 

@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 @record  # under torchrun (`accelerate launch`): the launcher's failure summary quotes this rank's exception
 def main(argv: Sequence[str] | None = None) -> None:
     from lightning_plugins.cli import _overrides
+    from lightning_plugins.recipe_diff import add_reset_argument, check_resume, reset_overrides
 
     parser = argparse.ArgumentParser(prog="python -m lightning_plugins.accelerate", description=__doc__)
     parser.add_argument("recipe", help="the recipe file, e.g. recipes/tiny/full_tp2.yaml")
@@ -27,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)"
     )
+    add_reset_argument(parser)
     args, extra = parser.parse_known_args(argv)
 
     from lightning_plugins.accelerate.settings import describe_launch, launched_world
@@ -36,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     local, nodes = launched_world()
     try:
         world = [f"hardware.devices={local}", f"hardware.nodes={nodes}"]
-        recipe = load_recipe(args.recipe, [*_overrides(extra, parser), *world])
+        recipe = load_recipe(args.recipe, [*_overrides(extra, parser), *reset_overrides(args), *world])
     except RecipeError as err:
         _fail(f"{err}\n(under accelerate launch the world is the one started by {describe_launch()}; it replaces the"
               " recipe's hardware.devices x hardware.nodes)")  # fmt: skip
@@ -45,19 +47,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
     from lightning_plugins.preflight import check_here
+    from lightning_plugins.run_lock import RunLockError, take_run_lock
+    from lightning_plugins.training import latest_checkpoint
 
+    lock = None
     try:
         check_here(recipe, args.recipe)
         if args.resume is not None:
             check_resume_path(args.resume)
-    except (RecipeError, CheckpointError) as err:
-        _fail(str(err))
-    from lightning_plugins.run_lock import RunLockError, take_run_lock
-
-    try:  # one run per output directory, taken by global rank 0 (torchrun stops the others when it refuses)
-        lock = take_run_lock(recipe.train.output_dir) if int(os.environ.get("RANK", "0")) == 0 else None
-    except RunLockError as err:
-        _fail(str(err))
+        if int(os.environ.get("RANK", "0")) == 0:  # one run per output directory (torchrun stops the others)
+            lock = take_run_lock(recipe.train.output_dir)
+        say = _say if int(os.environ.get("RANK", "0")) == 0 else None
+        # Every rank checks the recipe against what it finds; the run resumes rank 0's choice (run_recipe).
+        resume = args.resume or latest_checkpoint(recipe.train.output_dir, say)
+        recipe = check_resume(recipe, resume, say)
+    except (RecipeError, CheckpointError, RunLockError) as err:
+        _fail(str(err))  # a lock taken is released at exit
     from lightning_plugins.accelerate.runner import run_recipe
 
     from datetime import timedelta
@@ -68,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from lightning_plugins.data import DataError
 
     try:
-        result = run_recipe(recipe, resume=args.resume)
+        result = run_recipe(recipe, resume=resume)
     except (LayoutError, DataError) as err:  # every rank reads the same data: all stop here, before any collective
         _fail(f"{args.recipe}: {err}")
     except NonFiniteError as err:  # every rank stops alike
@@ -86,6 +91,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             lock.release()
     if result:
         print("\n".join(f"{key}: {value}" for key, value in result.items()))
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _fail(message: str) -> None:

@@ -85,6 +85,8 @@ class ParallelAccelerator(Accelerator):
             returns once they are copied; the checkpoint is moved into place when complete. Call
             :meth:`wait_for_checkpoint` (or ``end_training``) before the script ends (recipe key
             ``train.async_checkpoint``).
+        recipe_record: The resolved recipe (YAML) to record in every checkpoint, so that a resume can compare it with
+            its own (:mod:`lightning_plugins.recipe_diff`); ``None``: none is recorded.
         **kwargs: Fields of ``ParallelOptions``/``MemoryOptions`` by name (``sequence_parallel``, ``cp_backend``,
             ``pp_schedule``, ``activation_checkpointing``, ...), and every ``accelerate.Accelerator`` argument.
             ``kwargs_handlers=[InitProcessGroupKwargs(timeout=...)]`` bounds every collective (a stuck rank then
@@ -108,6 +110,7 @@ class ParallelAccelerator(Accelerator):
         memory: MemoryOptions | None = None,
         load_from: str | Path | None = None,
         async_checkpoint: bool = False,
+        recipe_record: str | None = None,
         **kwargs: Any,
     ) -> None:
         owner = type(self).__name__
@@ -129,6 +132,7 @@ class ParallelAccelerator(Accelerator):
             check_builtin(owner, self.layout, self.builtin)
         self.load_from = load_from
         self.async_checkpoint = async_checkpoint
+        self.recipe_record = recipe_record
         self._saver = AsyncCheckpointer()
         self.device_mesh = None
         self._pipeline_grads: list[tuple[Tensor, Tensor | None]] | None = None

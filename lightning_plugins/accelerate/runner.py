@@ -27,7 +27,8 @@ from lightning_plugins.accelerate.metrics import MetricsCSV
 from lightning_plugins.accelerate.state import _broadcast
 from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
-from lightning_plugins.resume_choice import agreed_resume
+from lightning_plugins.recipe_diff import reset_optimizer
+from lightning_plugins.resume_choice import LATEST, agreed_resume
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
     build_loaders,
@@ -59,7 +60,7 @@ def make_accelerator(recipe: Recipe) -> ParallelAccelerator:
         layout.tp_size, layout.pp_size, layout.cp_size, layout.dp_shard_size, layout.dp_replicate_size,
         options=recipe.parallel, memory=recipe.memory,
         load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
-        async_checkpoint=recipe.train.async_checkpoint,
+        async_checkpoint=recipe.train.async_checkpoint, recipe_record=recipe.to_yaml(),
         cpu=recipe.hardware.accelerator == "cpu" or not torch.cuda.is_available(),
         gradient_accumulation_steps=recipe.accumulation, step_scheduler_with_optimizer=False,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.train.collective_timeout_s))],
@@ -80,8 +81,13 @@ def _sharded(loader: DataLoader, accelerator: ParallelAccelerator, shuffle: bool
     )  # fmt: skip
 
 
-def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, Any]:
+def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, Any]:
     """Train as the recipe says, export the result, draw the loss curve.
+
+    Args:
+        recipe: The run's recipe.
+        resume: The checkpoint to resume from; ``None``: start fresh; :data:`~lightning_plugins.resume_choice.LATEST`:
+            the newest intact one in ``train.output_dir``, if any. Rank 0's is every rank's.
 
     Returns:
         On the main process: the paths written and the last metrics; ``{}`` elsewhere.
@@ -109,9 +115,11 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
     model, optimizer, train_loader, schedule = accelerator.prepare(model, optimizer, train_loader, schedule)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
-    ckpt = resume or agreed_resume(out, accelerator.print, _broadcast)  # rank 0 decides for every rank
+    ckpt = agreed_resume(out, resume, accelerator.print, _broadcast)  # rank 0's decision, for every rank
     if ckpt is not None:
         accelerator.load_state(ckpt)
+        if train.resume_reset_optimizer:  # optim settings changed on resume: a new AdamW state and schedule
+            reset_optimizer(optimizer, schedule, model, recipe, total, progress.step)
 
     main = accelerator.is_main_process
     metrics = MetricsCSV(out / "logs") if main else None

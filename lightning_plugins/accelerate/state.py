@@ -37,6 +37,7 @@ from lightning_plugins.disk_space import check_room, writing_checkpoint
 from lightning_plugins.export_info import save_export_info
 from lightning_plugins.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
 from lightning_plugins.parallel import reduce_partial_state
+from lightning_plugins.recipe_diff import record_recipe
 from lightning_plugins.resume import load_rng, publish, save_rng
 
 #: Non-tensor state written once (identical on every rank).
@@ -90,6 +91,8 @@ def save_training_state(accelerator: Any, path: str | Path, saver: AsyncCheckpoi
             )
             if accelerator._models:  # what `lightning-plugins export` needs besides the weights
                 save_export_info(partial, accelerator._models[0], _key("model", 0), accelerator.load_from)
+            if getattr(accelerator, "recipe_record", None) is not None:
+                record_recipe(partial, accelerator.recipe_record)
         if saver is not None:  # everything but the tensors is on disk: publishing waits for them alone
             saver.save(tensors, partial, (lambda: publish(partial, path)) if rank == 0 else None, needed)
             return path

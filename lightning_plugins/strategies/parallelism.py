@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import weakref
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +35,7 @@ from lightning_plugins.lora import peft_model_around
 from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
 from lightning_plugins import models
 from lightning_plugins.models import check_supported
+from lightning_plugins.nonfinite import NonFiniteGuard, Policy, check_finite_weights, training_state
 from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import (
     check_parallelizable,
@@ -44,6 +47,7 @@ from lightning_plugins.parallel import (
     reduce_partial_state,
 )
 from lightning_plugins.parallel.context import context_parallel_batch
+from lightning_plugins.recipe_diff import record_recipe
 from lightning_plugins.resume import publish, read_rng, restore_rng, save_rng
 from lightning_plugins.resume_choice import check_same_decision
 from lightning_plugins.teardown import release_at_exit
@@ -86,6 +90,15 @@ class ParallelismStrategy(ModelParallelStrategy):
         async_checkpoint: Write sharded checkpoints in the background (``dcp.async_save``) while training goes on;
             each is moved into place only once complete, and the last is waited for before ``fit`` returns
             (recipe key ``train.async_checkpoint``).
+        on_nonfinite: What a NaN or infinite loss or global gradient norm on any rank does, seen by every rank in the
+            same optimizer step (:mod:`lightning_plugins.nonfinite`): ``"stop"`` raises
+            :class:`~lightning_plugins.nonfinite.NonFiniteError` before the weights take the step; ``"skip"`` skips
+            that optimizer step. A checkpoint whose trainable weights or optimizer state are not finite is refused
+            (recipe key ``train.on_nonfinite``).
+        max_skipped_steps: With ``on_nonfinite="skip"``: stop after this many consecutive skipped steps (recipe key
+            ``train.max_skipped_steps``).
+        recipe_record: The resolved recipe (YAML) to record in every checkpoint, so that a resume can compare it with
+            its own (:mod:`lightning_plugins.recipe_diff`); ``None``: none is recorded.
         **settings: Any field of ``ParallelOptions`` or ``MemoryOptions`` by name (``sequence_parallel``,
             ``loss_parallel``, ``cp_backend``, ``activation_checkpointing``, ``every_n_layers``,
             ``param_dtype``, ``reduce_dtype``, ``cpu_offload``, ``reshard_after_forward``, ...), overriding
@@ -109,6 +122,9 @@ class ParallelismStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         async_checkpoint: bool = False,
+        on_nonfinite: Policy = "stop",
+        max_skipped_steps: int = 10,
+        recipe_record: str | None = None,
         **settings: Any,
     ) -> None:
         super().__init__(
@@ -126,9 +142,14 @@ class ParallelismStrategy(ModelParallelStrategy):
         self.options, self.memory = with_settings(type(self).__name__, options, memory, **settings)
         self.load_from = load_from
         self.async_checkpoint = async_checkpoint
+        self.recipe_record = recipe_record
         self._saver = AsyncCheckpointer()
-        #: The global gradient norm before the last clipping (``None`` until Lightning clips).
+        #: The global gradient norm of the last optimizer step, before clipping (``None`` before the first).
         self.grad_norm: torch.Tensor | None = None
+        self._norm_step = -1  # the optimizer step (1-based) `grad_norm` belongs to
+        #: The last checkpoint this strategy wrote or resumed from (named when the non-finite guard stops the run).
+        self.last_checkpoint: Path | None = None
+        self.nonfinite = NonFiniteGuard(on_nonfinite, max_skipped_steps, lambda: self.last_checkpoint)
 
     @override
     def _configure_launcher(self) -> None:
@@ -214,6 +235,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         # Lightning's clipping calls torch's clip_grad_norm_, which fails on DTensors of several meshes
         # and would miss pipeline stages: route it to the engine's true global norm.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        _check_after_closure(self.precision_plugin, self._check_step)
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -260,10 +282,23 @@ class ParallelismStrategy(ModelParallelStrategy):
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         parameters = self.precision_plugin.main_params(optimizer)
         pipeline = self._pipeline()
+        assert self.lightning_module is not None
+        self._norm_step = self.lightning_module.trainer.global_step + 1
         if pipeline is not None:  # counts a tied embedding held by the first and the last stage once
             self.grad_norm = pipeline.clip_grad_norm_(parameters, clip_val)
             return
         self.grad_norm = clip_grad_norm_(parameters, clip_val, pp_mesh=self.device_mesh["pp"])
+
+    def _check_step(self, optimizer: Optimizer) -> None:
+        """After the gradients are reduced and clipped, before the optimizer steps: the non-finite guard's decision.
+
+        With clipping off, the global norm is computed by the same path with no limit (gradients scaled by exactly 1).
+        """
+        assert self.lightning_module is not None
+        step = self.lightning_module.trainer.global_step + 1
+        if self._norm_step != step:
+            self._clip_grad_by_norm(optimizer, math.inf)
+        self.nonfinite.check(step, self.grad_norm, optimizer)
 
     def _pipeline(self) -> Any:
         """The engine's pipeline when ``pp_size > 1`` (found on the LightningModule's HF model), else ``None``."""
@@ -284,6 +319,13 @@ class ParallelismStrategy(ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = self._training_step(*args, **kwargs)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if isinstance(loss, torch.Tensor):  # noted on this rank; checked by every rank at the optimizer step
+            self.nonfinite.observe_loss(loss)
+        return output
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         pipeline = self._pipeline()
         if pipeline is None:
             return super().training_step(*args, **kwargs)
@@ -396,7 +438,11 @@ class ParallelismStrategy(ModelParallelStrategy):
         into place when they are complete.
         """
         path = Path(self.broadcast(filepath))
+        assert self.lightning_module is not None
+        state = training_state(self.lightning_module.parameters(), self.optimizers)
+        check_finite_weights(state, f"checkpoint {path}", self.lightning_module.trainer.global_step)
         partial = path.with_name(path.name + ".partial")
+        self.last_checkpoint = path
         self._saver.wait()  # never two saves in flight (and the previous one's .partial is not removed under it)
         if self.global_rank == 0 and partial.exists():
             shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
@@ -427,6 +473,8 @@ class ParallelismStrategy(ModelParallelStrategy):
             if self.global_rank == 0:
                 save_checksummed(checkpoint, partial / _METADATA_FILENAME)
                 save_export_info(partial, self.lightning_module, "state_dict", self.load_from)
+                if self.recipe_record is not None:
+                    record_recipe(partial, self.recipe_record)
             publish_it = (lambda: publish(partial, path)) if self.global_rank == 0 else None
             if self.async_checkpoint:
                 self._saver.save(tensors, partial, publish_it, needed)
@@ -460,6 +508,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         if path.is_dir():  # its files against its checksums, before anything is read
             verify_on_first_rank(path, self.global_rank, self.broadcast)
         checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
+        self.last_checkpoint = path
         self._rng_to_restore = read_rng(path, self.global_rank) if path.is_dir() else None
         return checkpoint
 
@@ -476,6 +525,22 @@ def find_hf_model(module: nn.Module, owner: str) -> nn.Module:
     return models.find_hf_model(
         module, owner, "built in `__init__` or in `configure_model`"
     )
+
+
+def _check_after_closure(precision: Any, check: Callable[[Optimizer], None]) -> None:
+    """Run ``check(optimizer)`` where Lightning's precision plugin ends an optimizer step's closure: after the backward,
+    the ``on_before_optimizer_step`` hooks and the clipping, before the optimizer updates the weights (once per plugin:
+    ``setup`` runs again for every entry point)."""
+    if getattr(precision, "_lightning_plugins_checked", False):
+        return
+    after_closure = precision._after_closure
+
+    def checked(model: Any, optimizer: Optimizer) -> None:
+        after_closure(model, optimizer)
+        check(optimizer)
+
+    precision._after_closure = checked
+    precision._lightning_plugins_checked = True
 
 
 def _flat_options() -> Any:

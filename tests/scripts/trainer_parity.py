@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import (  # noqa: E402
+    ACCUM,
     TIMEOUT,
     FineTune,
     check_resume,
@@ -23,8 +24,11 @@ from _common import (  # noqa: E402
     full_weights,
     global_batches,
     make_trainer,
+    max_diff,
+    max_weight_diff,
     script_args,
     sgd_steps,
+    step_losses,
     write_results,
 )
 from tiny_models import tiny_model  # noqa: E402
@@ -32,6 +36,36 @@ from tiny_models import tiny_model  # noqa: E402
 from lightning_plugins.strategies import ParallelismStrategy  # noqa: E402
 
 STEPS, LOCAL_BATCH = 5, 2
+SKIPPED = 2  # the optimizer step (0-based) whose loss turns NaN on rank 1 in the user's module
+
+
+class NanOnRankOne(FineTune):
+    """The user's module, whose loss turns NaN on rank 1 in one micro-batch of step ``SKIPPED``: the strategy's
+    non-finite guard (``on_nonfinite="skip"``) skips that optimizer step on every rank."""
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx == SKIPPED * ACCUM and self.global_rank == 1 else loss
+
+
+def check_skip(reference_model: torch.nn.Module, data: list[dict], dp: int, devices: int) -> dict:
+    """A skipped step trains as if its micro-batches had never come: the one-process reference leaves them out."""
+    batches = global_batches(data, dp, LOCAL_BATCH, epochs=2)
+    del batches[SKIPPED * ACCUM : (SKIPPED + 1) * ACCUM]
+    model = copy.deepcopy(reference_model)
+    ref_losses = sgd_steps(model, batches, STEPS - 1)
+    module = NanOnRankOne(copy.deepcopy(reference_model))
+    strategy = ParallelismStrategy(tp_size=2, timeout=TIMEOUT, on_nonfinite="skip", max_skipped_steps=2)
+    trainer = make_trainer(strategy, devices, STEPS, enable_checkpointing=False)
+    trainer.fit(module, DataLoader(data, batch_size=LOCAL_BATCH, shuffle=False))
+    losses = step_losses(module.micro_losses)
+    del losses[SKIPPED]  # that step's loss was computed (before the NaN), its update skipped
+    return {
+        "loss_diff": max_diff(losses, ref_losses),
+        "weight_diff": max_weight_diff(module.model, full_weights(model)),
+        "skipped": strategy.nonfinite.skipped,
+        "steps": trainer.global_step,
+    }
 
 
 def reference(model: torch.nn.Module, data: list[dict], dp: int) -> tuple[list[float], dict]:
@@ -77,6 +111,9 @@ def main() -> None:
                 local_batch=LOCAL_BATCH,
                 steps=STEPS,
             )
+    if args.devices == 2:
+        model = tiny_model("llama")
+        results["skip"] = check_skip(model, dataset(LOCAL_BATCH, model.config.vocab_size), 1, args.devices)
     write_results(results, args.out)
 
 
