@@ -140,7 +140,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             resume = args.resume or handed_down_resume(recipe.train.output_dir, _say if launching else None, launching)
             recipe = check_resume(recipe, resume, _say if launching else None)
         except (RecipeError, RunLockError) as err:
-            sys.exit(f"error: {err}")  # a lock taken is released at exit
+            if lock is not None:  # now: the caller may go on (a test, a notebook)
+                lock.release()
+            sys.exit(f"error: {err}")
         from lightning_plugins.data import DataError
         from lightning_plugins.nonfinite import NonFiniteError
 

@@ -62,7 +62,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         resume = args.resume or latest_checkpoint(recipe.train.output_dir, say)
         recipe = check_resume(recipe, resume, say)
     except (RecipeError, CheckpointError, RunLockError) as err:
-        _fail(str(err))  # a lock taken is released at exit
+        if lock is not None:  # now: the caller may go on (a test, a notebook)
+            lock.release()
+        _fail(str(err))
     from lightning_plugins.accelerate.runner import run_recipe
 
     from datetime import timedelta
