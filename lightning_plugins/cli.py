@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -126,25 +127,41 @@ def main(argv: Sequence[str] | None = None) -> None:
         from lightning_plugins.finetune import _say, is_launcher_rank, run_finetune
         from lightning_plugins.preflight import check_here
         from lightning_plugins.recipe_diff import check_resume
-        from lightning_plugins.training import latest_checkpoint
+        from lightning_plugins.resume_choice import handed_down_resume
+        from lightning_plugins.run_lock import RunLockError, take_run_lock
 
+        launching, lock = is_launcher_rank(), None
         try:
             check_here(recipe, args.recipe)
-            resume = args.resume or latest_checkpoint(recipe.train.output_dir)
-            recipe = check_resume(recipe, resume, _say if is_launcher_rank() else None)
-        except RecipeError as err:
+            # One run per output directory, taken by the rank that starts the others (before any is started).
+            if launching and _global_rank() == 0:
+                lock = take_run_lock(recipe.train.output_dir)
+            # One resume decision per job: the launching rank's, handed down to the ranks it starts.
+            resume = args.resume or handed_down_resume(recipe.train.output_dir, _say if launching else None, launching)
+            recipe = check_resume(recipe, resume, _say if launching else None)
+        except (RecipeError, RunLockError) as err:
+            if lock is not None:  # now: the caller may go on (a test, a notebook)
+                lock.release()
             sys.exit(f"error: {err}")
         from lightning_plugins.data import DataError
         from lightning_plugins.nonfinite import NonFiniteError
 
         try:  # the data is read on rank 0 before the other ranks start: a bad record stops it alone, at once
-            result = run_finetune(recipe, resume=args.resume)
+            result = run_finetune(recipe, resume=resume)
         except DataError as err:
             sys.exit(f"error: {args.recipe}: {err}")
         except NonFiniteError as err:  # every rank stops alike; the launcher's says why
             sys.exit(f"error: {err}" if is_launcher_rank() else 1)
+        finally:
+            if lock is not None:
+                lock.release()
         if result and is_launcher_rank():
             print("\n".join(f"{key}: {value}" for key, value in result.items()))
+
+
+def _global_rank() -> int:
+    """This process's global rank where a launcher already said it (torchrun, SLURM), else 0."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
 def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

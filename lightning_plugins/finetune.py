@@ -28,13 +28,13 @@ from typing_extensions import override
 from lightning_plugins.nonfinite import check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.recipe_diff import reset_optimizer
+from lightning_plugins.resume_choice import LATEST, handed_down_resume
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
     batches_per_rank,
     build_loaders,
     build_model,
     input_tokens,
-    latest_checkpoint,
     make_optimizer,
     model_flops_utilization,
     total_steps,
@@ -175,8 +175,13 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
     )
 
 
-def run_finetune(recipe: Recipe, resume: str | Path | None = None) -> dict[str, Any]:
+def run_finetune(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, Any]:
     """Train as the recipe says, export the result, draw the loss curve.
+
+    Args:
+        recipe: The run's recipe.
+        resume: The checkpoint to resume from; ``None``: start fresh; :data:`~lightning_plugins.resume_choice.LATEST`:
+            the newest intact one in ``train.output_dir``, if any, decided once for every rank.
 
     Returns:
         On global rank 0: the paths written (``model``, ``metrics``, ``loss_curve``) and the final losses.
@@ -189,7 +194,10 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = None) -> dict[str, 
     batches = batches_per_rank(recipe, len(train_loader.dataset))
     module = RecipeModule(model, recipe, total_steps(recipe, batches))
     trainer = build_trainer(recipe, batches)
-    ckpt = resume or latest_checkpoint(recipe.train.output_dir, _say if is_launcher_rank() else None)
+    ckpt = resume
+    if resume == LATEST:  # the launching rank decides for the ranks it starts (other nodes': the strategy checks)
+        launching = is_launcher_rank()
+        ckpt = handed_down_resume(recipe.train.output_dir, _say if launching else None, launching)
     trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
     out = Path(recipe.train.output_dir)
     check_finite_weights(training_state(module.model.parameters()), f"export to {out}", trainer.global_step)

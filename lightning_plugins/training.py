@@ -161,7 +161,7 @@ def latest_checkpoint(output_dir: str | Path, say: Callable[[str], None] | None 
 
     A newer one that is damaged (a file missing, truncated or changed: see
     :func:`~lightning_plugins.integrity.verify_checkpoint`) is skipped, and ``say`` (a door's rank-zero printer) is
-    told which and why. Every rank decides from the same files, so every rank resumes from the same checkpoint.
+    told which and why. The doors call it on one rank and every rank follows (:mod:`lightning_plugins.resume_choice`).
     """
     from lightning_plugins.checkpoint_checks import CheckpointError
     from lightning_plugins.integrity import say_unverified, verify_checkpoint

@@ -47,15 +47,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
     from lightning_plugins.preflight import check_here
+    from lightning_plugins.run_lock import RunLockError, take_run_lock
     from lightning_plugins.training import latest_checkpoint
 
+    lock = None
     try:
         check_here(recipe, args.recipe)
         if args.resume is not None:
             check_resume_path(args.resume)
-        resume = args.resume or latest_checkpoint(recipe.train.output_dir)
-        recipe = check_resume(recipe, resume, _say if int(os.environ.get("RANK", "0")) == 0 else None)
-    except (RecipeError, CheckpointError) as err:
+        if int(os.environ.get("RANK", "0")) == 0:  # one run per output directory (torchrun stops the others)
+            lock = take_run_lock(recipe.train.output_dir)
+        say = _say if int(os.environ.get("RANK", "0")) == 0 else None
+        # Every rank checks the recipe against what it finds; the run resumes rank 0's choice (run_recipe).
+        resume = args.resume or latest_checkpoint(recipe.train.output_dir, say)
+        recipe = check_resume(recipe, resume, say)
+    except (RecipeError, CheckpointError, RunLockError) as err:
+        if lock is not None:  # now: the caller may go on (a test, a notebook)
+            lock.release()
         _fail(str(err))
     from lightning_plugins.accelerate.runner import run_recipe
 
@@ -67,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from lightning_plugins.data import DataError
 
     try:
-        result = run_recipe(recipe, resume=args.resume)
+        result = run_recipe(recipe, resume=resume)
     except (LayoutError, DataError) as err:  # every rank reads the same data: all stop here, before any collective
         _fail(f"{args.recipe}: {err}")
     except NonFiniteError as err:  # every rank stops alike
@@ -80,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise
         timeout = timedelta(seconds=recipe.train.collective_timeout_s)
         raise RankFailure(explain_timeout(int(os.environ.get("RANK", "0")), err, timeout)) from err
+    finally:
+        if lock is not None:
+            lock.release()
     if result:
         print("\n".join(f"{key}: {value}" for key, value in result.items()))
 

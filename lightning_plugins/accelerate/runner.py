@@ -25,10 +25,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_plugins.accelerate.accelerator import ParallelAccelerator
 from lightning_plugins.accelerate.metrics import MetricsCSV
+from lightning_plugins.accelerate.state import _broadcast
 from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.preemption import Preemption
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.recipe_diff import reset_optimizer
+from lightning_plugins.resume_choice import LATEST, agreed_resume
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
     build_loaders,
@@ -81,8 +83,13 @@ def _sharded(loader: DataLoader, accelerator: ParallelAccelerator, shuffle: bool
     )  # fmt: skip
 
 
-def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, Any]:
+def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, Any]:
     """Train as the recipe says, export the result, draw the loss curve.
+
+    Args:
+        recipe: The run's recipe.
+        resume: The checkpoint to resume from; ``None``: start fresh; :data:`~lightning_plugins.resume_choice.LATEST`:
+            the newest intact one in ``train.output_dir``, if any. Rank 0's is every rank's.
 
     Returns:
         On the main process: the paths written and the last metrics; ``{}`` elsewhere.
@@ -113,7 +120,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = None) -> dict[str, An
     model, optimizer, train_loader, schedule = accelerator.prepare(model, optimizer, train_loader, schedule)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
-    ckpt = resume or latest_checkpoint(out, accelerator.print)
+    ckpt = agreed_resume(out, resume, accelerator.print, _broadcast)  # rank 0's decision, for every rank
     if ckpt is not None:
         accelerator.load_state(ckpt)
         if train.resume_reset_optimizer:  # optim settings changed on resume: a new AdamW state and schedule

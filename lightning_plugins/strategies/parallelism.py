@@ -50,6 +50,7 @@ from lightning_plugins.parallel.context import context_parallel_batch
 from lightning_plugins.recipe_diff import record_recipe
 from lightning_plugins.strategies.preemption import add_preemption
 from lightning_plugins.resume import publish, read_rng, restore_rng, save_rng
+from lightning_plugins.resume_choice import check_same_decision
 from lightning_plugins.teardown import release_at_exit
 
 if TYPE_CHECKING:
@@ -190,8 +191,14 @@ class ParallelismStrategy(ModelParallelStrategy):
         existing = None if model is None else mesh_of(model)
         self._setup_distributed()
         set_collective_timeout(self._timeout)  # joined: from now on every collective is bounded by `timeout`
+        check_same_decision(self._all_gather_object)  # a node that resumes what another does not would hang
         self._device_mesh = existing or self.layout.build_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, obj)
+        return gathered
 
     @property
     @override
