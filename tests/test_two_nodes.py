@@ -1,19 +1,21 @@
 """Two launchers on this machine act as two nodes (node ranks 0 and 1, rendezvous on localhost), through both doors:
 HSDP with ``dp_replicate`` across the nodes and TP=2 within each (4 ranks). Each door's per-step losses over its
 attempts are those of the same layout run by one launcher on one node (1e-5), and a two-node job resumes from a
-checkpoint another two-node job wrote. Lightning door: node 1's launcher is SIGKILLed after the first checkpoint, and
-every rank of both nodes ends within a bound with a message naming node 1. Accelerate door: the job runs to the end,
-and resumes once its last checkpoint is removed (a launcher SIGKILLed there leaves its workers running: that is the
-"no worker outlives its launcher" work, not simulated here).
+checkpoint another two-node job wrote. A preemption signal delivered to one node's launcher only (Lightning door:
+SIGUSR1 to node 1's launching rank; Accelerate door: SIGTERM to node 1's ``accelerate launch``, which forwards it to
+its workers) makes every rank of both nodes finish the same optimizer step, write ``step=N.ckpt`` and stop. Lightning
+door, then: node 1's launcher is SIGKILLed after the next checkpoint, and every rank of both nodes ends within a bound
+with a message naming node 1. Each job is then resumed by the same two-node command.
 """
 
 from __future__ import annotations
 
 import csv
-import shutil
+import re
 import sys
 import time
 from pathlib import Path
+from signal import SIGTERM, SIGUSR1
 
 import pytest
 import torch
@@ -54,13 +56,19 @@ def _wait_for(path: Path, nodes: Nodes, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def test_lightning_door_node_lost_then_resumed(tmp_path: Path, reference: list[tuple[int, float]]) -> None:
-    """Node 1's launcher (rank 2, which started rank 3) is SIGKILLed after the first checkpoint: every rank of both
-    nodes ends within the bound and node 0 says a rank of node 1 ended; the same two-node command resumes."""
+def test_lightning_door_preempted_on_one_node_then_node_lost_then_resumed(
+    tmp_path: Path, reference: list[tuple[int, float]]
+) -> None:
+    """SIGUSR1 to node 1's launching rank only: every rank stops at one step with its checkpoint. The same command
+    resumes; node 1's launcher (rank 2, which started rank 3) is then SIGKILLed after the next checkpoint: every rank of
+    both nodes ends within the bound and node 0 says a rank of node 1 ended; the same command resumes to the end."""
     out = tmp_path / "run"
     checkpoints = out / "checkpoints"
+    preempted = _preempt_one_node("finetune", out, SIGUSR1, expected={"node 0": 75, "node 1": 75})
+    following = (preempted // 2 + 1) * 2  # the next periodic checkpoint (train.checkpoint_every=2)
+    assert following < STEPS, f"preempted at step {preempted}: too late to lose a node before the run ends"
     with start_nodes("finetune", RECIPE, *ARGS, f"--train.output_dir={out}") as nodes:
-        _wait_for(checkpoints / "step=2.ckpt", nodes, 240)
+        _wait_for(checkpoints / f"step={following}.ckpt", nodes, 240)
         nodes.signal(1)  # SIGKILL node 1's launcher only
         took = nodes.wait_gone(BOUND_S)
         print(f"every rank of both nodes ended {took:.1f} s after node 1's launcher was killed")
@@ -70,19 +78,36 @@ def test_lightning_door_node_lost_then_resumed(tmp_path: Path, reference: list[t
     assert not (checkpoints / f"step={STEPS}.ckpt").exists(), "the kill came after the run ended"
     assert "RankFailure: rank 0 (node 0 of 2) lost its connection to a rank on node 1" in said, said[-4000:]
     complete = sorted(int(p.name[5:-5]) for p in checkpoints.glob("step=*.ckpt"))
-    assert complete and complete == list(range(2, complete[-1] + 1, 2)), complete
+    assert complete[-1] >= following, complete
     _resume_on_two_nodes("finetune", out, complete[-1], reference)
 
 
-def test_accelerate_door_two_nodes(tmp_path: Path, reference: list[tuple[int, float]]) -> None:
-    """A two-node ``accelerate launch`` job trains the one-node trajectory; with its last checkpoint removed (a job
-    stopped after step 6), the same two-node command resumes from step 6 on that trajectory."""
+def test_accelerate_door_preempted_on_one_node_then_resumed(tmp_path: Path, reference: list[tuple[int, float]]) -> None:
+    """SIGTERM to node 1's ``accelerate launch`` only: every rank of both nodes stops at one step with its checkpoint;
+    the same two-node command resumes from it on the one-node trajectory."""
     out = tmp_path / "run"
-    with start_nodes("accelerate", RECIPE, *ARGS, f"--train.output_dir={out}") as nodes:
-        nodes.check(300)
-    _same_losses(out, reference)
-    shutil.rmtree(out / "checkpoints" / f"step={STEPS}.ckpt")
-    _resume_on_two_nodes("accelerate", out, STEPS - 2, reference)
+    step = _preempt_one_node("accelerate", out, SIGTERM, expected=None)
+    _resume_on_two_nodes("accelerate", out, step, reference)
+
+
+def _preempt_one_node(door: str, out: Path, sig: int, expected: dict[str, int] | None) -> int:
+    """Start a two-node job, send ``sig`` to node 1's launcher once ``step=2.ckpt`` is written; every process of both
+    nodes ends within the bound, non-zero, with the checkpoint of the step rank 0 names and none later. Returns it."""
+    checkpoints = out / "checkpoints"
+    with start_nodes(door, RECIPE, *ARGS, f"--train.output_dir={out}") as nodes:
+        _wait_for(checkpoints / "step=2.ckpt", nodes, 240)
+        nodes.signal(1, sig)
+        took = nodes.wait_gone(BOUND_S)
+        print(f"{door}: every rank of both nodes stopped {took:.1f} s after node 1's launcher got signal {sig}")
+        codes, said = nodes.wait(0), nodes.output()
+    assert all(code != 0 for code in codes.values()) and (expected is None or codes == expected), (codes, said[-6000:])
+    found = re.search(r"preempted \((SIG\w+)\) at step (\d+): checkpoint saved to (\S+);", said)
+    assert found, said[-6000:]
+    step = int(found.group(2))
+    assert 2 <= step < STEPS and found.group(3) == str(checkpoints / f"step={step}.ckpt"), (found.group(0), said[-6000:])
+    assert (checkpoints / f"step={step}.ckpt" / ".metadata").is_file()
+    assert max(int(p.name[5:-5]) for p in checkpoints.glob("step=*.ckpt")) == step
+    return step
 
 
 def _resume_on_two_nodes(door: str, out: Path, step: int, reference: list[tuple[int, float]]) -> None:

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -32,8 +33,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     args, extra = parser.parse_known_args(argv)
 
     from lightning_plugins.accelerate.settings import describe_launch, launched_world
+    from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
+    from lightning_plugins.data import DataError
+    from lightning_plugins.faults import RankFailure, explain_timeout, is_collective_timeout, is_peer_gone
     from lightning_plugins.layout import LayoutError
+    from lightning_plugins.nonfinite import NonFiniteError
+    from lightning_plugins.preflight import check_here
     from lightning_plugins.recipe import RecipeError, load_recipe
+    from lightning_plugins.run_lock import RunLockError, take_run_lock
+    from lightning_plugins.training import latest_checkpoint
 
     local, nodes = launched_world()
     try:
@@ -45,19 +53,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.print_config:
         print(recipe.to_yaml(), end="")
         return
-    from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
-    from lightning_plugins.preflight import check_here
-    from lightning_plugins.run_lock import RunLockError, take_run_lock
-    from lightning_plugins.training import latest_checkpoint
-
+    first = _rank() == 0
     lock = None
     try:
         check_here(recipe, args.recipe)
         if args.resume is not None:
             check_resume_path(args.resume)
-        if int(os.environ.get("RANK", "0")) == 0:  # one run per output directory (torchrun stops the others)
+        if first:  # one run per output directory (torchrun stops the others)
             lock = take_run_lock(recipe.train.output_dir)
-        say = _say if int(os.environ.get("RANK", "0")) == 0 else None
+        say = _say if first else None
         # Every rank checks the recipe against what it finds; the run resumes rank 0's choice (run_recipe).
         resume = args.resume or latest_checkpoint(recipe.train.output_dir, say)
         recipe = check_resume(recipe, resume, say)
@@ -65,14 +69,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if lock is not None:  # now: the caller may go on (a test, a notebook)
             lock.release()
         _fail(str(err))
-    from lightning_plugins.accelerate.runner import run_recipe
-
-    from datetime import timedelta
-
-    from lightning_plugins.faults import RankFailure, explain_timeout, is_collective_timeout, is_peer_gone
-    from lightning_plugins.nonfinite import NonFiniteError
-
-    from lightning_plugins.data import DataError
+    from lightning_plugins.accelerate.runner import run_recipe  # (after the checks: it imports the training stack)
 
     try:
         result = run_recipe(recipe, resume=resume)
@@ -87,12 +84,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not is_collective_timeout(err):
             raise
         timeout = timedelta(seconds=recipe.train.collective_timeout_s)
-        raise RankFailure(explain_timeout(int(os.environ.get("RANK", "0")), err, timeout)) from err
+        raise RankFailure(explain_timeout(_rank(), err, timeout)) from err
     finally:
         if lock is not None:
             lock.release()
     if result:
         print("\n".join(f"{key}: {value}" for key, value in result.items()))
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
 
 
 def _say(line: str) -> None:
@@ -104,7 +105,7 @@ def _fail(message: str) -> None:
 
     The other ranks give rank 0 a head start: torchrun ends every worker as soon as one fails, and would otherwise
     often end rank 0 before it said why."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _rank() == 0:
         print(f"error: {message}", file=sys.stderr)
     else:
         time.sleep(_HEAD_START_S)
