@@ -101,7 +101,7 @@ def _preempt_one_node(door: str, out: Path, sig: int, expected: dict[str, int] |
         print(f"{door}: every rank of both nodes stopped {took:.1f} s after node 1's launcher got signal {sig}")
         codes, said = nodes.wait(0), nodes.output()
     assert all(code != 0 for code in codes.values()) and (expected is None or codes == expected), (codes, said[-6000:])
-    found = re.search(r"preempted \((SIG\w+)\) at step (\d+): checkpoint saved to (\S+);", said)
+    found = re.search(r"preempted \(([^)]+)\) at step (\d+): checkpoint saved to (\S+);", said)
     assert found, said[-6000:]
     step = int(found.group(2))
     assert 2 <= step < STEPS and found.group(3) == str(checkpoints / f"step={step}.ckpt"), (found.group(0), said[-6000:])
