@@ -347,12 +347,15 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
         ) from None
     try:
         config = _model_config(recipe.model.path, recipe.model.trust_remote_code)
-    except ValueError as err:
-        if "trust_remote_code" not in str(err):
-            raise
+    except (ValueError, OSError) as err:
+        if "trust_remote_code" in str(err):
+            raise RecipeError(
+                f"{path}: model.path={recipe.model.path!r} ships its own Python code (config.json's auto_map), which"
+                " runs only with model.trust_remote_code: true. Set it if you have read that code and trust it."
+            ) from None
         raise RecipeError(
-            f"{path}: model.path={recipe.model.path!r} ships its own Python code (config.json's auto_map), which"
-            " runs only with model.trust_remote_code: true. Set it if you have read that code and trust it."
+            f"{path}: model.path={recipe.model.path!r} is a directory but not a transformers model ({err}). Point"
+            " model.path at an HF checkpoint directory (config.json, tokenizer and weights) or a hub id."
         ) from None
     if config is not None:
         from lightning_plugins.parallel.context import check_context_parallel

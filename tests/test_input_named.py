@@ -1,6 +1,6 @@
 """Every bad input is named, early (issue 23): the file and line of a data error, what truncation left, a dataset
 smaller than one global batch, the closest valid key of a typo, a GPU recipe without a GPU, a model path that is
-neither a directory nor cached while offline, a damaged weight file, an output directory that cannot be written, TP on
+neither a directory nor cached while offline, a directory that is not a model, a damaged weight file, an output directory that cannot be written, TP on
 a family without a plan. No launched world: the checks run where the doors run them, before any rank starts."""
 
 from __future__ import annotations
@@ -150,6 +150,14 @@ def test_tensor_parallel_on_a_family_without_a_plan_is_refused_at_load(tmp_path:
                        r" tp_size=1"):  # fmt: skip
         load_recipe(RECIPE, [f"model.path={tmp_path}"])
     assert load_recipe(RECIPE, [f"model.path={tmp_path}", "layout.tp_size=1", "train.micro_batch_size=8"])
+
+
+def test_a_model_path_that_is_a_directory_but_no_model_is_refused_at_load(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    for directory in (TINY / "data", tmp_path):  # no config.json; one without a model type
+        with pytest.raises(RecipeError, match=rf"model.path='{directory}' is a directory but not a transformers model"
+                           r" \(.*\)\. Point model.path at an HF checkpoint directory"):  # fmt: skip
+            load_recipe(RECIPE, [f"model.path={directory}"])
 
 
 def test_both_doors_stop_on_bad_data_with_one_line_before_any_collective(tmp_path: Path) -> None:
