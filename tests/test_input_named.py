@@ -1,7 +1,8 @@
 """Every bad input is named, early (issue 23): the file and line of a data error, what truncation left, a dataset
 smaller than one global batch, the closest valid key of a typo, a GPU recipe without a GPU, a model path that is
-neither a directory nor cached while offline, a directory that is not a model, a damaged weight file, an output directory that cannot be written, TP on
-a family without a plan. No launched world: the checks run where the doors run them, before any rank starts."""
+neither a directory nor cached while offline, a directory that is not a model, a damaged weight file, an output
+directory that cannot be written, TP on a family without a plan. No launched world: the checks run where the doors
+run them, before any rank starts."""
 
 from __future__ import annotations
 
