@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if first:  # one run per output directory (torchrun stops the others)
             lock = take_run_lock(recipe.train.output_dir)
         say = _say if first else None
-        # Every rank checks the recipe against what it finds; the run resumes rank 0's choice (run_recipe).
+        # Every rank checks the recipe against what it finds; the run follows rank 0's choice and reading (run_recipe).
         resume = args.resume or latest_checkpoint(recipe.train.output_dir, say)
         recipe = check_resume(recipe, resume, say)
     except (RecipeError, CheckpointError, RunLockError) as err:

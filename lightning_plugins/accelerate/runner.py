@@ -123,7 +123,8 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     ckpt = agreed_resume(out, resume, accelerator.print, _broadcast)  # rank 0's decision, for every rank
     if ckpt is not None:
         accelerator.load_state(ckpt)
-        if train.resume_reset_optimizer:  # optim settings changed on resume: a new AdamW state and schedule
+        # Optim settings changed on resume: a new AdamW state and schedule (rank 0's reading of its checkpoint).
+        if _broadcast(train.resume_reset_optimizer):
             reset_optimizer(optimizer, schedule, model, recipe, total, progress.step)
 
     main = accelerator.is_main_process
