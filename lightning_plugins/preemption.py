@@ -69,6 +69,7 @@ class Preemption:
         self.poll_s = poll_s
         #: Why the run is preempted (a signal's name, or the launcher's death); ``None`` while it is not.
         self.reason: str | None = None
+        self._code = 0  # the signal's number, _LAUNCHER_GONE or _ELSEWHERE once preempted
         self._since: float | None = None
         self._previous: dict[signal.Signals, Any] = {}
         self._parent = os.getppid()
@@ -91,16 +92,16 @@ class Preemption:
         self._stop.set()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._request(signal.Signals(signum).name)
+        self._request(signal.Signals(signum).name, signum)
 
-    def _request(self, reason: str) -> None:
+    def _request(self, reason: str, code: int) -> None:
         if self.reason is None:
-            self.reason, self._since = reason, time.monotonic()
+            self.reason, self._code, self._since = reason, code, time.monotonic()
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
             if self.watch_parent and os.getppid() != self._parent:
-                self._request(f"the launcher (pid {self._parent}) ended")
+                self._request(f"the launcher (pid {self._parent}) ended", _LAUNCHER_GONE)
             if self._since is not None and time.monotonic() - self._since > self.exit_within_s:
                 print(
                     f"preempted ({self.reason}): rank {_rank()} (pid {os.getpid()}) did not reach the end of an"
@@ -112,13 +113,19 @@ class Preemption:
 
     def agree(self, device: torch.device | str = "cpu") -> bool:
         """Whether any rank is preempted: every rank calls it once per optimizer step (one ``all_reduce``)."""
-        flag = torch.tensor([0.0 if self.reason is None else 1.0], device=device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if bool(flag.item()):
-            self._request("another rank was preempted")
-            return True
-        return False
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        codes = torch.zeros(world, dtype=torch.int64, device=device)
+        codes[_rank() if world > 1 else 0] = self._code  # each rank its own slot: what preempted it, or 0
+        if world > 1:
+            dist.all_reduce(codes)
+        if not bool(codes.any()):
+            return False
+        seen: dict[int, list[int]] = {}
+        for rank, code in enumerate(codes.tolist()):
+            if code not in (0, _ELSEWHERE):
+                seen.setdefault(code, []).append(rank)
+        self._request("; ".join(_describe(code, ranks) for code, ranks in seen.items()) or "another rank", _ELSEWHERE)
+        return True
 
     def finish(self, step: int, checkpoint: Path | None) -> NoReturn:
         """After the preemption checkpoint is written: say so (rank 0), requeue a SLURM job, raise :class:`Preempted`.
@@ -134,6 +141,18 @@ class Preemption:
             print(message + (f" {requeued}" if requeued else ""), file=sys.stderr, flush=True)
         self.uninstall()
         raise Preempted(message)
+
+
+#: What :meth:`Preemption.agree` shares for a rank whose launcher ended, or that was preempted by another rank only.
+_LAUNCHER_GONE, _ELSEWHERE = -1, -2
+
+
+def _describe(code: int, ranks: list[int]) -> str:
+    """What preempted ``ranks`` (as rank 0 says it): ``SIGUSR1 to rank(s) [2, 3]``, ``the launcher of rank(s) [1]
+    ended``."""
+    if code == _LAUNCHER_GONE:
+        return f"the launcher of rank(s) {ranks} ended"
+    return f"{signal.Signals(code).name} to rank(s) {ranks}"
 
 
 def requeue() -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _world import free_port, run_command
+from _world import free_port, run_command, run_world
 from kill_run import ENV  # tests/scripts is on the path (_world)
 
 ROOT = Path(__file__).parents[1]
@@ -239,3 +239,25 @@ def test_a_preempted_rank_stuck_before_its_step_end_exits_within_the_bound() -> 
     proc = _run([sys.executable, "-c", code], 75)
     assert time.monotonic() - start < 30, proc.stderr
     assert "preempted (SIGTERM): rank 0" in proc.stderr and "within 0.5 s; ended without a checkpoint" in proc.stderr
+
+
+def _agreement_cases(rank: int, world_size: int) -> None:
+    import signal
+
+    from lightning_plugins.preemption import Preemption
+
+    preemption = Preemption(["SIGUSR1"], watch_parent=False)
+    preemption.install()
+    try:
+        assert preemption.agree() is False and preemption.reason is None
+        if rank >= 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.agree() is True  # every rank, in the same step
+        want = "SIGUSR1" if rank >= 1 else f"SIGUSR1 to rank(s) {list(range(1, world_size))}"
+        assert preemption.reason == want, preemption.reason  # rank 0, which says it, names who got what
+    finally:
+        preemption.uninstall()
+
+
+def test_every_rank_agrees_on_a_preemption_that_reached_some_and_rank_0_names_them() -> None:
+    run_world(_agreement_cases, 3)

@@ -64,7 +64,7 @@ def test_lightning_door_preempted_on_one_node_then_node_lost_then_resumed(
     both nodes ends within the bound and node 0 says a rank of node 1 ended; the same command resumes to the end."""
     out = tmp_path / "run"
     checkpoints = out / "checkpoints"
-    preempted = _preempt_one_node("finetune", out, SIGUSR1, expected={"node 0": 75, "node 1": 75})
+    preempted = _preempt_one_node("finetune", out, SIGUSR1, "SIGUSR1 to rank(s) [2]", {"node 0": 75, "node 1": 75})
     following = (preempted // 2 + 1) * 2  # the next periodic checkpoint (train.checkpoint_every=2)
     assert following < STEPS, f"preempted at step {preempted}: too late to lose a node before the run ends"
     with start_nodes("finetune", RECIPE, *ARGS, f"--train.output_dir={out}") as nodes:
@@ -86,13 +86,14 @@ def test_accelerate_door_preempted_on_one_node_then_resumed(tmp_path: Path, refe
     """SIGTERM to node 1's ``accelerate launch`` only: every rank of both nodes stops at one step with its checkpoint;
     the same two-node command resumes from it on the one-node trajectory."""
     out = tmp_path / "run"
-    step = _preempt_one_node("accelerate", out, SIGTERM, expected=None)
+    step = _preempt_one_node("accelerate", out, SIGTERM, "SIGTERM to rank(s) [2, 3]", None)
     _resume_on_two_nodes("accelerate", out, step, reference)
 
 
-def _preempt_one_node(door: str, out: Path, sig: int, expected: dict[str, int] | None) -> int:
+def _preempt_one_node(door: str, out: Path, sig: int, reason: str, expected: dict[str, int] | None) -> int:
     """Start a two-node job, send ``sig`` to node 1's launcher once ``step=2.ckpt`` is written; every process of both
-    nodes ends within the bound, non-zero, with the checkpoint of the step rank 0 names and none later. Returns it."""
+    nodes ends within the bound, non-zero, with the checkpoint of the step rank 0 names (saying ``reason``) and none
+    later. Returns that step."""
     checkpoints = out / "checkpoints"
     with start_nodes(door, RECIPE, *ARGS, f"--train.output_dir={out}") as nodes:
         _wait_for(checkpoints / "step=2.ckpt", nodes, 240)
@@ -101,10 +102,10 @@ def _preempt_one_node(door: str, out: Path, sig: int, expected: dict[str, int] |
         print(f"{door}: every rank of both nodes stopped {took:.1f} s after node 1's launcher got signal {sig}")
         codes, said = nodes.wait(0), nodes.output()
     assert all(code != 0 for code in codes.values()) and (expected is None or codes == expected), (codes, said[-6000:])
-    found = re.search(r"preempted \(([^)]+)\) at step (\d+): checkpoint saved to (\S+);", said)
+    found = re.search(rf"preempted \({re.escape(reason)}\) at step (\d+): checkpoint saved to (\S+);", said)
     assert found, said[-6000:]
-    step = int(found.group(2))
-    assert 2 <= step < STEPS and found.group(3) == str(checkpoints / f"step={step}.ckpt"), (found.group(0), said[-6000:])
+    step = int(found.group(1))
+    assert 2 <= step < STEPS and found.group(2) == str(checkpoints / f"step={step}.ckpt"), (found.group(0), said[-6000:])
     assert (checkpoints / f"step={step}.ckpt" / ".metadata").is_file()
     assert max(int(p.name[5:-5]) for p in checkpoints.glob("step=*.ckpt")) == step
     return step
