@@ -167,10 +167,11 @@ def test_killed_run_resumes_on_the_same_trajectory(
 CHAINS = {
     # Lightning: SIGTERM to the process group, SIGUSR1 to the launching rank, the launching rank SIGKILLed.
     "finetune": [("signal:5:SIGTERM:group", 3), ("signal:1:SIGUSR1:launcher", 4), ("batch:1:0", None)],
-    # Accelerate: SIGTERM to `accelerate launch` (torchrun forwards it), SIGUSR1 (kills it: the workers' watchdogs see
-    # their launcher gone), SIGKILL to it (the same).
+    # Accelerate: SIGTERM to `accelerate launch` (torchrun forwards it); SIGUSR1 to it and to every rank, as SLURM's
+    # --signal delivers it, the launcher ignoring it as recipes/slurm/accelerate.sbatch makes it; SIGKILL to the
+    # launcher (the workers' watchdogs see it gone).
     "accelerate": [
-        ("signal:5:SIGTERM:launcher", 3), ("signal:1:SIGUSR1:launcher", 4), ("signal:1:SIGKILL:launcher", 5)
+        ("signal:5:SIGTERM:launcher", 3), ("signal:1:SIGUSR1:step", 4), ("signal:1:SIGKILL:launcher", 5)
     ],
 }
 
@@ -197,8 +198,13 @@ def test_preempted_run_resumes_on_the_same_trajectory(
     for attempt, (kill, stopped) in enumerate(CHAINS[door]):
         pids.mkdir()
         env = {ENV: kill, "LIGHTNING_PLUGINS_TEST_PIDS": str(pids), **(slurm if attempt == 0 else {})}
-        proc = _run(_command(door, TINY / recipe, out, extra, kill=True), None, **env)
+        command = _command(door, TINY / recipe, out, extra, kill=True)
+        if kill.endswith(":step"):  # the launcher ignores the signal, as in recipes/slurm/accelerate.sbatch
+            command = ["bash", "-c", 'trap "" USR1; exec "$@"', "bash", *command]
+        proc = _run(command, None, **env)
         assert proc.returncode != 0, proc.stderr[-3000:]
+        if kill.endswith(":step"):  # the launcher lived on to report its workers' status 75
+            assert proc.returncode == 1, proc.stderr[-3000:]
         workers = [int(p.read_text()) for p in pids.iterdir()]
         assert len(workers) == 2 and all(_gone(pid) for pid in workers), (workers, proc.stderr[-3000:])  # no orphans
         if stopped is None:  # killed outright: nothing new written

@@ -11,8 +11,9 @@ The hooks are installed here, by patching, before the normal runner starts; the 
                             dies; its peers fail in the next collective)
     save:N:before_rename    in the save of step N: everything written under ``.partial``, before the rename
     signal:K:SIG:TARGET     before rank 0's K-th training forward, send SIG (SIGTERM, SIGUSR1, SIGKILL) to TARGET:
-                            ``launcher`` (the Lightning door's launching rank, ``accelerate launch``) or ``group`` (its
-                            process group); rank 0 then waits until its preemption flag is set (by the signal, or by
+                            ``launcher`` (the Lightning door's launching rank, ``accelerate launch``), ``group`` (its
+                            process group) or ``step`` (the launcher and every rank, as SLURM's ``--signal`` delivers
+                            it; needs ``LIGHTNING_PLUGINS_TEST_PIDS``); rank 0 then waits until its preemption flag is set (by the signal, or by
                             its watchdog once the launcher is gone), so the run stops at the end of that step
 
 With ``LIGHTNING_PLUGINS_TEST_PIDS`` set to a directory, each rank writes its pid there (``rank<RANK>``).
@@ -53,8 +54,8 @@ def _signal_at_batch(runner: Any, door: str, index: int, name: str, target: str)
     requested = threading.Event()
     request = Preemption._request
 
-    def noted(self: Any, reason: str) -> None:
-        request(self, reason)
+    def noted(self: Any, *args: Any) -> None:
+        request(self, *args)
         requested.set()
 
     Preemption._request = noted  # type: ignore[method-assign]
@@ -65,6 +66,10 @@ def _signal_at_batch(runner: Any, door: str, index: int, name: str, target: str)
               flush=True)  # fmt: skip
         if target == "group":
             os.killpg(os.getpgid(launcher), signal.Signals[name])
+        elif target == "step":  # as SLURM's --signal: the launcher and every rank (LIGHTNING_PLUGINS_TEST_PIDS)
+            ranks = [int(p.read_text()) for p in Path(os.environ["LIGHTNING_PLUGINS_TEST_PIDS"]).iterdir()]
+            for pid in [launcher, *ranks]:
+                os.kill(pid, signal.Signals[name])
         else:
             os.kill(launcher, signal.Signals[name])
         if not requested.wait(60):
