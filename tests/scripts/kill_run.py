@@ -28,6 +28,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from _door import run_door, runner_of  # tests/scripts is on sys.path (the script's own folder)
+
 ENV = "LIGHTNING_PLUGINS_TEST_KILL"
 
 
@@ -127,10 +129,7 @@ def _kill_in_save(step: int, phase: str) -> None:
 
 def main() -> None:
     door, *argv = sys.argv[1:]
-    if door == "finetune":
-        import lightning_plugins.finetune as runner
-    else:
-        import lightning_plugins.accelerate.runner as runner  # type: ignore[no-redef]
+    runner = runner_of(door)
     pids = os.environ.get("LIGHTNING_PLUGINS_TEST_PIDS")
     if pids:
         (Path(pids) / f"rank{_rank()}").write_text(str(os.getpid()))
@@ -144,14 +143,7 @@ def main() -> None:
         _signal_at_batch(runner, door, int(fields[0]), fields[1], fields[2])
     elif kind:
         raise ValueError(f"{ENV}={spec!r}: expected batch:K[:RANK], save:N:PHASE or signal:K:SIG:TARGET")
-    if door == "finetune":
-        from lightning_plugins.cli import main as cli
-
-        cli(["finetune", *argv])
-    else:
-        from lightning_plugins.accelerate.__main__ import main as accelerate_main
-
-        accelerate_main(argv)
+    run_door(door, argv)
 
 
 if __name__ == "__main__":

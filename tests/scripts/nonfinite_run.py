@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from _door import run_door, runner_of  # tests/scripts is on sys.path (the script's own folder)
+
 NAN = "LIGHTNING_PLUGINS_TEST_NAN"
 NO_STEP = "LIGHTNING_PLUGINS_TEST_NO_STEP"
 #: Optimizer ``step()`` calls completed in this process (a skipped step calls it too).
@@ -72,19 +74,9 @@ def _patch(runner: Any) -> None:
 
 def main() -> None:
     door, *argv = sys.argv[1:]
-    if door == "finetune":
-        import lightning_plugins.finetune as runner
-    else:
-        import lightning_plugins.accelerate.runner as runner  # type: ignore[no-redef]
+    runner = runner_of(door)
     _patch(runner)
-    if door == "finetune":
-        from lightning_plugins.cli import main as cli
-
-        cli(["finetune", *argv])
-    else:
-        from lightning_plugins.accelerate.__main__ import main as accelerate_main
-
-        accelerate_main(argv)
+    run_door(door, argv)
 
 
 if __name__ == "__main__":

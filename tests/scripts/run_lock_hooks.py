@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _door import run_door, runner_of  # tests/scripts is on sys.path (the script's own folder)
+
 APPEARS, SECOND = "LIGHTNING_PLUGINS_TEST_APPEARS", "LIGHTNING_PLUGINS_TEST_SECOND"
 #: What a world's launcher tells its processes: the second run starts its own world.
 _LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -76,22 +78,12 @@ def _second_run(runner: Any, command: list[str]) -> None:
 
 def main() -> None:
     door, *argv = sys.argv[1:]
-    if door == "finetune":
-        import lightning_plugins.finetune as runner
-    else:
-        import lightning_plugins.accelerate.runner as runner  # type: ignore[no-redef]
+    runner = runner_of(door)
     if os.environ.get(APPEARS):
         _checkpoint_appears(runner, Path(os.environ[APPEARS]))
     if os.environ.get(SECOND):
         _second_run(runner, json.loads(os.environ[SECOND]))
-    if door == "finetune":
-        from lightning_plugins.cli import main as cli
-
-        cli(["finetune", *argv])
-    else:
-        from lightning_plugins.accelerate.__main__ import main as accelerate_main
-
-        accelerate_main(argv)
+    run_door(door, argv)
 
 
 if __name__ == "__main__":
