@@ -22,9 +22,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
-from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
+from lightning_plugins.manifest import attach_manifest
 from lightning_plugins.nonfinite import check_finite_weights, training_state
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.recipe_diff import reset_optimizer
@@ -122,6 +122,7 @@ class _StepCheckpoint(ModelCheckpoint):
 
 def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
     from lightning_plugins.strategies import ParallelismStrategy
+    from lightning_plugins.strategies.loggers import RecordRun, recipe_loggers
 
     layout, train = recipe.layout, recipe.train
     strategy = ParallelismStrategy(
@@ -140,7 +141,7 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         recipe_record=recipe.to_yaml(),
         preempt_signals=train.preempt_signals,
     )
-    callbacks: list[Any] = [_ProgressBar()]
+    callbacks: list[Any] = [_ProgressBar(), RecordRun(recipe)]
     if train.checkpoint_every is not None:
         callbacks.append(
             _StepCheckpoint(
@@ -167,7 +168,7 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         max_epochs=train.epochs or math.ceil(train.max_steps * recipe.accumulation / max(1, batches_per_epoch)),
         accumulate_grad_batches=recipe.accumulation,
         gradient_clip_val=recipe.optim.max_grad_norm,
-        logger=CSVLogger(train.output_dir, name="logs"),  # one version per attempt; merged at the end
+        logger=recipe_loggers(recipe),
         log_every_n_steps=train.log_every,
         callbacks=callbacks,
         enable_model_summary=False,
@@ -208,6 +209,7 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str
         return {}
     from lightning_plugins.plots import merge_metrics, plot_losses
 
+    attach_manifest(out, written.values())
     written["metrics"] = merge_metrics(out / "logs", out / "metrics.csv")
     written["loss_curve"] = plot_losses(written["metrics"], out / "loss_curve.png")
     return {**written, "resumed_from": ckpt, **{k: float(v) for k, v in trainer.callback_metrics.items()}}

@@ -116,6 +116,14 @@ class TrainSection(_Section):
             finishes its optimizer step, writes ``checkpoints/step=N.ckpt`` and exits non-zero (the ranks with status
             75); a SLURM job requeues itself (:mod:`lightning_plugins.preemption`). ``[]``: none (Ctrl-C never is one;
             a worker whose launcher is gone stops so in any case).
+        loggers: Where the metrics and the hyperparameters (the resolved recipe, flat dotted keys) go, on rank 0:
+            some of ``csv``, ``tensorboard`` (``output_dir/tensorboard``), ``wandb`` (its files in ``output_dir``),
+            ``mlflow`` (``MLFLOW_TRACKING_URI``, else a file store in ``output_dir/mlruns``), through Lightning's
+            loggers and Accelerate's trackers with the same metric names. CSV (``output_dir/logs``) is written
+            whatever the list says: ``metrics.csv`` and the loss curve are built from it.
+        project: The wandb project and MLflow experiment (default: the output directory's name); each attempt is
+            a run of its own, named ``version_N`` as its CSV directory.
+        wandb_offline: Keep wandb's run on disk only (as ``WANDB_MODE=offline`` does); ``wandb sync`` uploads it.
     """
 
     global_batch_size: int | None = Field(None, ge=1)
@@ -135,6 +143,9 @@ class TrainSection(_Section):
     max_skipped_steps: int = Field(10, ge=1)
     resume_reset_optimizer: bool = False
     preempt_signals: list[str] = Field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    loggers: list[str] = Field(default_factory=lambda: ["csv"])
+    project: str | None = None
+    wandb_offline: bool = False
 
     @field_validator("preempt_signals")
     @classmethod
@@ -146,6 +157,18 @@ class TrainSection(_Section):
                 close = difflib.get_close_matches(name.upper(), SIGNALS, n=1, cutoff=0.6)
                 hint = f"did you mean {close[0]}? " if close else ""
                 raise ValueError(f"unknown signal {name!r}: {hint}use some of {', '.join(SIGNALS)}")
+        return names
+
+    @field_validator("loggers")
+    @classmethod
+    def _known_loggers(cls, names: list[str]) -> list[str]:
+        from lightning_plugins.run_record import LOGGERS
+
+        for name in names:
+            if name not in LOGGERS:
+                close = difflib.get_close_matches(name.lower(), LOGGERS, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]}? " if close else ""
+                raise ValueError(f"unknown logger {name!r}: {hint}use some of {', '.join(LOGGERS)}")
         return names
 
     @model_validator(mode="after")

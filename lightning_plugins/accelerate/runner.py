@@ -24,13 +24,15 @@ from accelerate.utils import InitProcessGroupKwargs
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_plugins.accelerate.accelerator import ParallelAccelerator
-from lightning_plugins.accelerate.metrics import MetricsCSV
+from lightning_plugins.accelerate.metrics import recipe_trackers
 from lightning_plugins.accelerate.state import _broadcast
+from lightning_plugins.manifest import attach_manifest, write_manifest
 from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.preemption import Preemption
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.recipe_diff import reset_optimizer
 from lightning_plugins.resume_choice import LATEST, agreed_resume
+from lightning_plugins.run_record import hyperparameters, project_name
 from lightning_plugins.training import (
     CHECKPOINT_NAME,
     build_loaders,
@@ -66,6 +68,7 @@ def make_accelerator(recipe: Recipe) -> ParallelAccelerator:
         cpu=recipe.hardware.accelerator == "cpu" or not torch.cuda.is_available(),
         gradient_accumulation_steps=recipe.accumulation, step_scheduler_with_optimizer=False,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=recipe.train.collective_timeout_s))],
+        log_with=recipe_trackers(recipe),
     )  # fmt: skip
 
 
@@ -100,6 +103,8 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     train = recipe.train
     out = Path(train.output_dir)
     accelerator = make_accelerator(recipe)
+    write_manifest(recipe)
+    accelerator.init_trackers(project_name(train), config=hyperparameters(recipe))
     # Workers started by torchrun (`accelerate launch`) must not outlive it.
     preemption = Preemption(train.preempt_signals, watch_parent="TORCHELASTIC_RUN_ID" in os.environ)
     preemption.install()
@@ -128,7 +133,6 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
             reset_optimizer(optimizer, schedule, model, recipe, total, progress.step)
 
     main = accelerator.is_main_process
-    metrics = MetricsCSV(out / "logs") if main else None
     layout = accelerator.layout
     bar = tqdm(total=total, initial=progress.step, disable=not main, desc="train", dynamic_ncols=True)
     last: dict[str, float] = {}
@@ -170,15 +174,13 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
                     mfu = model_flops_utilization(rate, num_params, dist.get_world_size())
                     if mfu is not None:
                         row["train/mfu"] = mfu
-                    if metrics is not None:
-                        metrics.log(row, step=progress.step - 1, epoch=epoch)
+                    accelerator.log({**row, "epoch": epoch}, step=progress.step - 1)  # on the main process
                 end_of_epoch = accelerator.gradient_state.end_of_dataloader
                 if eval_loader is not None and (
                     progress.step % train.eval_every == 0 if train.eval_every else end_of_epoch
                 ):
                     last["val/loss"] = _evaluate(accelerator, model, eval_loader)
-                    if metrics is not None:
-                        metrics.log({"val/loss": last["val/loss"]}, step=progress.step - 1, epoch=epoch)
+                    accelerator.log({"val/loss": last["val/loss"], "epoch": epoch}, step=progress.step - 1)
                 saved = None
                 if train.checkpoint_every and progress.step % train.checkpoint_every == 0:
                     saved = _save(accelerator, model, optimizer, out, progress.step)
@@ -251,10 +253,13 @@ def _finish(
             tokenizer.save_pretrained(target)
         written = {"model": target}
     accelerator.wait_for_everyone()
+    for tracker in accelerator.trackers:  # the main process's (`end_training` would also end the process group)
+        tracker.finish()
     if not accelerator.is_main_process:
         return {}
     from lightning_plugins.plots import merge_metrics, plot_losses
 
+    attach_manifest(out, written.values())
     written["metrics"] = merge_metrics(out / "logs", out / "metrics.csv")
     written["loss_curve"] = plot_losses(written["metrics"], out / "loss_curve.png")
     return {**written, "resumed_from": ckpt, **last}
