@@ -1,8 +1,9 @@
 """A recipe run through the Accelerate door, with the Lightning door's loop semantics.
 
 Same data order (a ``DistributedSampler`` over the data-parallel ranks, seeded by ``train.seed``, as Lightning
-installs), same accumulation, clipping and per-step schedule, same metric names and CSV layout
-(``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``, ``train/mfu`` on GPUs, ``val/loss``),
+installs), same accumulation, clipping and per-step schedule, same metric names, loggers (``train.loggers``
+as Accelerate's trackers) and CSV layout (``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
+``train/mfu`` on GPUs, ``val/loss``), the same ``output_dir/run.json``,
 checkpoints ``output_dir/checkpoints/step=N.ckpt`` resumed automatically, the same non-finite guard
 (``train.on_nonfinite``) and the same exports. Only the launcher differs: ``accelerate launch`` decides the world,
 the recipe the rest.
