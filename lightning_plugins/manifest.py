@@ -55,8 +55,8 @@ def write_manifest(recipe: Recipe) -> Path | None:
             "hosts": hosts,
             "versions": versions(),
             "git": _git(Path(__file__).resolve().parents[1]),
-            "data": {key: data_record(value) for key, value in (("train", recipe.data.train), ("eval", recipe.data.eval))
-                     if value is not None},  # fmt: skip
+            "data": {key: data_record(getattr(recipe.data, key)) for key in ("train", "eval")
+                     if getattr(recipe.data, key) is not None},  # fmt: skip
             "recipe": json.loads(recipe.model_dump_json()),
         }
     )

@@ -182,7 +182,8 @@ def test_loggers_and_manifest(tmp_path: Path, door: str, monkeypatch: pytest.Mon
     _run(door, out, network)
     recipe = _recipe(out)
     want = hyperparameters(recipe)
-    assert want["optim.lr"] == recipe.optim.lr and want["layout.tp_size"] == 2 and want["data.train"] == recipe.data.train
+    assert want["optim.lr"] == recipe.optim.lr and want["layout.tp_size"] == 2
+    assert want["data.train"] == recipe.data.train and want["lora"] == "null"
 
     with open(out / "logs" / "version_0" / "metrics.csv", newline="") as handle:
         csv_names = set(handle.readline().strip().split(",")) - {"step"}

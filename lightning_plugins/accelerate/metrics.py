@@ -71,7 +71,7 @@ class CSVTracker(GeneralTracker):
 
 
 class _MLflowTracker(MLflowTracker):
-    """Accelerate's ``MLflowTracker`` on the recipe's tracking URI (a file store in ``output_dir/mlruns`` by default)."""
+    """Accelerate's ``MLflowTracker`` on the recipe's tracking URI (default: a file store in ``output_dir/mlruns``)."""
 
     def __init__(self, tracking_uri: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -31,8 +31,11 @@ def recipe_loggers(recipe: Recipe) -> list[Logger]:
         loggers.append(TensorBoardLogger(out, name="tensorboard", version=run, default_hp_metric=False))
     if "wandb" in train.loggers:
         wandb = WandbLogger(name=run, save_dir=out, project=project_name(train), offline=wandb_offline(train))
-        # Lightning 2.6 hands wandb `anonymous=None`, which wandb 0.31 warns about on the console.
-        wandb._wandb_init.pop("anonymous", None)
+        # Lightning 2.6 hands wandb.init `anonymous=None` and `resume="allow"`, which wandb warns about on the console
+        # (0.31: anonymous has no effect; before it, offline: resume is ignored). With a new run per attempt (no id),
+        # neither does anything.
+        for key in ("anonymous", "resume"):
+            wandb._wandb_init.pop(key, None)
         loggers.append(wandb)
     if "mlflow" in train.loggers:
         loggers.append(
