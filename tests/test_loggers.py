@@ -23,12 +23,13 @@ from _world import free_port, run_command
 
 from lightning_plugins.manifest import PACKAGES, attach_manifest, write_manifest
 from lightning_plugins.recipe import Recipe, RecipeError, load_recipe
-from lightning_plugins.run_record import hyperparameters
+from lightning_plugins.run_record import hyperparameters, mlflow_tracking_uri, wandb_offline
 
 ROOT = Path(__file__).parents[1]
 RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"
 OVERRIDES = ["--train.max_steps=3", "--train.log_every=1", "--train.eval_every=2",
              "--train.loggers=[csv, tensorboard, wandb, mlflow]"]  # fmt: skip
+PROJECT = {"lightning": [], "accelerate": ["--train.project=tiny-run"]}  # the default (the directory's name), or set
 METRICS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "val/loss", "epoch"}
 
 
@@ -56,7 +57,7 @@ class _Listener:
 
 
 def _run(door: str, out: Path, network: _Listener) -> subprocess.CompletedProcess:
-    args = [str(RECIPE), f"--train.output_dir={out}", *OVERRIDES]
+    args = [str(RECIPE), f"--train.output_dir={out}", *OVERRIDES, *PROJECT[door]]
     if door == "lightning":
         command = [sys.executable, "-m", "lightning_plugins", "finetune", *args]
     else:
@@ -72,8 +73,8 @@ def _run(door: str, out: Path, network: _Listener) -> subprocess.CompletedProces
     return proc
 
 
-def _recipe(out: Path) -> Recipe:
-    return load_recipe(RECIPE, [f"--train.output_dir={out}", *OVERRIDES])
+def _recipe(out: Path, door: str) -> Recipe:
+    return load_recipe(RECIPE, [f"--train.output_dir={out}", *OVERRIDES, *PROJECT[door]])
 
 
 def _scalar(value: Any) -> Any:
@@ -104,11 +105,11 @@ def _tensorboard(out: Path) -> tuple[set[str], dict[str, Any]]:
     return tags, hparams
 
 
-def _mlflow(out: Path) -> tuple[set[str], dict[str, str]]:
+def _mlflow(out: Path, project: str) -> tuple[set[str], dict[str, str]]:
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=(out / "mlruns").as_uri())
-    [run] = client.search_runs([client.get_experiment_by_name(out.name).experiment_id])
+    [run] = client.search_runs([client.get_experiment_by_name(project).experiment_id])
     assert run.info.run_name == "version_0"
     return set(run.data.metrics), run.data.params
 
@@ -142,7 +143,7 @@ def _wandb(out: Path) -> tuple[set[str], dict[str, Any], str]:
     for record in _wandb_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            run_name = record.run.display_name
+            run_name = f"{record.run.project}/{record.run.display_name}"
             config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
         elif kind == "config":
             config.update({item.key: json.loads(item.value_json) for item in record.config.update})
@@ -166,9 +167,9 @@ def _check_manifest(out: Path, recipe: Recipe, door: str) -> None:
         assert attempt["data"][key] == {"path": str(source), "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
     assert str(RECIPE) in attempt["command"]
     if door == "accelerate":  # the worker's command, and the launcher's
-        assert attempt["command"][-len(OVERRIDES) :] == OVERRIDES and "launch" in attempt["launcher"]
+        assert set(OVERRIDES) <= set(attempt["command"]) and "launch" in attempt["launcher"]
     else:  # rank 0 is the launching process
-        assert attempt["command"][-len(OVERRIDES) :] == OVERRIDES and attempt["launcher"] is None
+        assert set(OVERRIDES) <= set(attempt["command"]) and attempt["launcher"] is None
     if (ROOT / ".git").exists():
         assert attempt["git"]["commit"] == _git_commit() and isinstance(attempt["git"]["dirty"], bool)
     assert (out / "hf" / "run.json").read_text() == (out / "run.json").read_text()  # the export carries it
@@ -180,7 +181,8 @@ def test_loggers_and_manifest(tmp_path: Path, door: str, monkeypatch: pytest.Mon
     network = _Listener()
     out = tmp_path / door
     _run(door, out, network)
-    recipe = _recipe(out)
+    recipe = _recipe(out, door)
+    project = "tiny-run" if PROJECT[door] else door
     want = hyperparameters(recipe)
     assert want["optim.lr"] == recipe.optim.lr and want["layout.tp_size"] == 2
     assert want["data.train"] == recipe.data.train and want["lora"] == "null"
@@ -190,10 +192,10 @@ def test_loggers_and_manifest(tmp_path: Path, door: str, monkeypatch: pytest.Mon
     assert yaml.safe_load((out / "logs" / "version_0" / "hparams.yaml").read_text()) == want
     tb_names, tb_hparams = _tensorboard(out)
     assert tb_hparams == {key: _scalar(value) for key, value in want.items()}
-    mlflow_names, mlflow_params = _mlflow(out)
+    mlflow_names, mlflow_params = _mlflow(out, project)
     assert mlflow_params == {key: str(value) for key, value in want.items()}
     wandb_names, wandb_config, wandb_run = _wandb(out)
-    assert wandb_config == want and wandb_run == "version_0"
+    assert wandb_config == want and wandb_run == f"{project}/version_0"
     # Lightning's WandbLogger adds its own step; every other name is the same through both doors.
     wandb_names.discard("trainer/global_step")
     for names in (csv_names, tb_names, mlflow_names, wandb_names):
@@ -202,9 +204,14 @@ def test_loggers_and_manifest(tmp_path: Path, door: str, monkeypatch: pytest.Mon
     _check_manifest(out, recipe, door)
 
 
-def test_unknown_logger_and_attempts(tmp_path: Path) -> None:
+def test_logger_settings_and_attempts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RecipeError, match="unknown logger 'tensorbord': did you mean tensorboard"):
         load_recipe(RECIPE, ["--train.loggers=[csv, tensorbord]"])
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:5000")
+    train = load_recipe(RECIPE, ["--train.wandb_offline=true"]).train
+    assert wandb_offline(train) and not wandb_offline(load_recipe(RECIPE).train)
+    assert mlflow_tracking_uri(train) == "http://mlflow.example:5000"  # MLflow's own setting wins
     recipe = load_recipe(RECIPE, [f"--train.output_dir={tmp_path}", "--data.eval=trl-lib/tldr:validation"])
     first = json.loads(write_manifest(recipe).read_text())["attempts"]  # no process group: one host
     later = json.loads(write_manifest(recipe).read_text())["attempts"]  # a resumed attempt keeps the earlier one
