@@ -4,12 +4,13 @@
 and the model config), so ``plan`` and ``--print-config`` can check a recipe for a GPU cluster on a laptop. What
 depends on the machine the run starts on is checked here, by both doors, once the recipe is loaded: a GPU recipe
 without a GPU, a model that is neither a local directory nor in the local Hugging Face cache while offline, a
-damaged weight file, an output directory that cannot be written. Each is one :class:`RecipeError` naming the thing
-and the fix.
+damaged weight file, an output directory that cannot be written, a logger whose package is not installed. Each is
+one :class:`RecipeError` naming the thing and the fix.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import tempfile
@@ -19,6 +20,7 @@ from urllib.parse import urlparse
 import torch
 
 from lightning_plugins.recipe import Recipe, RecipeError, near_directories
+from lightning_plugins.run_record import LOGGER_PACKAGES
 
 _TRUE = {"1", "on", "yes", "true"}
 
@@ -33,11 +35,13 @@ def check_here(recipe: Recipe, path: str | Path) -> None:
     Raises:
         RecipeError: for ``hardware.accelerator: gpu`` without a usable GPU, a ``model.path`` that is neither a
             directory nor cached while the Hub cannot be reached, a weight file of ``model.path`` that is truncated
-            or damaged, or a ``train.output_dir`` that cannot be written.
+            or damaged, a ``train.output_dir`` that cannot be written, or a ``train.loggers`` entry whose package is
+            not installed.
     """
     _check_accelerator(recipe, path)
     _check_model(recipe, Path(path))
     _check_output_dir(recipe, path)
+    _check_loggers(recipe, path)
 
 
 def _check_accelerator(recipe: Recipe, path: str | Path) -> None:
@@ -119,3 +123,13 @@ def _check_output_dir(recipe: Recipe, path: str | Path) -> None:
             f"{path}: train.output_dir={str(out)!r} cannot be written ({err.strerror or err}). Checkpoints, metrics"
             " and the exported model go there: choose a writable directory (--train.output_dir=...)."
         ) from None
+
+
+def _check_loggers(recipe: Recipe, path: str | Path) -> None:
+    for name in recipe.train.loggers:
+        module, dist = LOGGER_PACKAGES.get(name, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise RecipeError(
+                f"{path}: train.loggers names {name}, whose package {dist} is not installed here: install it (pip"
+                f' install "lightning_plugins[loggers]", or pip install {dist}) or drop {name} from train.loggers.'
+            )

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
 
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 """The names ``train.loggers`` takes (CSV is written in any case: ``metrics.csv`` and the loss curve come from it)."""
+LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                   "mlflow": ("mlflow", "mlflow-skinny")}  # fmt: skip
+"""Each logger's module, and the distribution that installs it (the ``loggers`` extra)."""
 
 
 def hyperparameters(recipe: Recipe) -> dict[str, Any]:

@@ -6,6 +6,7 @@ against the recipe, the installed versions, the data files' hashes and the world
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import socket
 import struct
@@ -22,6 +23,7 @@ import yaml
 from _world import free_port, run_command
 
 from lightning_plugins.manifest import PACKAGES, attach_manifest, write_manifest
+from lightning_plugins.preflight import check_here
 from lightning_plugins.recipe import Recipe, RecipeError, load_recipe
 from lightning_plugins.run_record import hyperparameters, mlflow_tracking_uri, wandb_offline
 
@@ -212,6 +214,12 @@ def test_logger_settings_and_attempts(tmp_path: Path, monkeypatch: pytest.Monkey
     train = load_recipe(RECIPE, ["--train.wandb_offline=true"]).train
     assert wandb_offline(train) and not wandb_offline(load_recipe(RECIPE).train)
     assert mlflow_tracking_uri(train) == "http://mlflow.example:5000"  # MLflow's own setting wins
+    find_spec = importlib.util.find_spec  # a machine without wandb: refused before anything starts, naming the fix
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    wanted = load_recipe(RECIPE, [f"--train.output_dir={tmp_path / 'w'}", "--train.loggers=[csv, wandb]"])
+    with pytest.raises(RecipeError, match=r"wandb, whose package wandb is not installed here: .*pip install wandb"):
+        check_here(wanted, RECIPE)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     recipe = load_recipe(RECIPE, [f"--train.output_dir={tmp_path}", "--data.eval=trl-lib/tldr:validation"])
     first = json.loads(write_manifest(recipe).read_text())["attempts"]  # no process group: one host
     later = json.loads(write_manifest(recipe).read_text())["attempts"]  # a resumed attempt keeps the earlier one
