@@ -1,5 +1,5 @@
-"""``train.loggers`` and ``output_dir/run.json`` through both doors: one 2-rank TP run per door with every logger
-(wandb offline, MLflow's file store, no network reached), each logger's files read back with its own reader, the
+"""``train.loggers`` and ``output_dir/run.json`` through both doors: one 2-rank TP run per door with every logger (a
+full fine-tune through Lightning, LoRA merged through Accelerate; wandb offline, MLflow's file store, no network reached), each logger's files read back with its own reader, the
 same metric names through both doors, the resolved recipe as the hyperparameters, and the run manifest checked
 against the recipe, the installed versions, the data files' hashes and the world."""
 
@@ -31,7 +31,13 @@ ROOT = Path(__file__).parents[1]
 RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"
 OVERRIDES = ["--train.max_steps=3", "--train.log_every=1", "--train.eval_every=2",
              "--train.loggers=[csv, tensorboard, wandb, mlflow]"]  # fmt: skip
-PROJECT = {"lightning": [], "accelerate": ["--train.project=tiny-run"]}  # the default (the directory's name), or set
+# Per door: the recipe, its own settings (the wandb project and MLflow experiment: the default, the directory's name,
+# or set) and the directories it exports, each of which carries run.json.
+RUNS = {
+    "lightning": (RECIPE, [], ["hf"]),
+    "accelerate": (RECIPE.with_name("lora_tp2.yaml"), ["--train.project=tiny-run", "--train.merge_lora=true"],
+                   ["adapter", "merged"]),
+}  # fmt: skip
 METRICS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "val/loss", "epoch"}
 
 
@@ -59,7 +65,8 @@ class _Listener:
 
 
 def _run(door: str, out: Path, network: _Listener) -> subprocess.CompletedProcess:
-    args = [str(RECIPE), f"--train.output_dir={out}", *OVERRIDES, *PROJECT[door]]
+    recipe, extra, _ = RUNS[door]
+    args = [str(recipe), f"--train.output_dir={out}", *OVERRIDES, *extra]
     if door == "lightning":
         command = [sys.executable, "-m", "lightning_plugins", "finetune", *args]
     else:
@@ -76,7 +83,8 @@ def _run(door: str, out: Path, network: _Listener) -> subprocess.CompletedProces
 
 
 def _recipe(out: Path, door: str) -> Recipe:
-    return load_recipe(RECIPE, [f"--train.output_dir={out}", *OVERRIDES, *PROJECT[door]])
+    recipe, extra, _ = RUNS[door]
+    return load_recipe(recipe, [f"--train.output_dir={out}", *OVERRIDES, *extra])
 
 
 def _scalar(value: Any) -> Any:
@@ -167,14 +175,15 @@ def _check_manifest(out: Path, recipe: Recipe, door: str) -> None:
     for key in ("train", "eval"):
         source = Path(getattr(recipe.data, key))
         assert attempt["data"][key] == {"path": str(source), "sha256": hashlib.sha256(source.read_bytes()).hexdigest()}
-    assert str(RECIPE) in attempt["command"]
+    assert str(RUNS[door][0]) in attempt["command"]
     if door == "accelerate":  # the worker's command, and the launcher's
         assert set(OVERRIDES) <= set(attempt["command"]) and "launch" in attempt["launcher"]
     else:  # rank 0 is the launching process
         assert set(OVERRIDES) <= set(attempt["command"]) and attempt["launcher"] is None
     if (ROOT / ".git").exists():
         assert attempt["git"]["commit"] == _git_commit() and isinstance(attempt["git"]["dirty"], bool)
-    assert (out / "hf" / "run.json").read_text() == (out / "run.json").read_text()  # the export carries it
+    for exported in RUNS[door][2]:  # every export carries it
+        assert (out / exported / "run.json").read_text() == (out / "run.json").read_text(), exported
 
 
 @pytest.mark.parametrize("door", ["lightning", "accelerate"])
@@ -184,10 +193,10 @@ def test_loggers_and_manifest(tmp_path: Path, door: str, monkeypatch: pytest.Mon
     out = tmp_path / door
     _run(door, out, network)
     recipe = _recipe(out, door)
-    project = "tiny-run" if PROJECT[door] else door
+    project = "tiny-run" if RUNS[door][1] else door
     want = hyperparameters(recipe)
     assert want["optim.lr"] == recipe.optim.lr and want["layout.tp_size"] == 2
-    assert want["data.train"] == recipe.data.train and want["lora"] == "null"
+    assert want["data.train"] == recipe.data.train and ("lora.r" in want) == (recipe.lora is not None)
 
     with open(out / "logs" / "version_0" / "metrics.csv", newline="") as handle:
         csv_names = set(handle.readline().strip().split(",")) - {"step"}
