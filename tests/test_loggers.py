@@ -1,7 +1,8 @@
 """``train.loggers`` and ``output_dir/run.json`` through both doors: one 2-rank TP run per door with every logger (a
-full fine-tune through Lightning, LoRA merged through Accelerate; wandb offline, MLflow's file store, no network reached), each logger's files read back with its own reader, the
-same metric names through both doors, the resolved recipe as the hyperparameters, and the run manifest checked
-against the recipe, the installed versions, the data files' hashes and the world."""
+full fine-tune through Lightning, LoRA merged through Accelerate; wandb offline, MLflow's file store, no network
+reached), each logger's files read back with its own reader, the same metric names through both doors, the resolved
+recipe as the hyperparameters, and the run manifest checked against the recipe, the installed versions, the data
+files' hashes and the world."""
 
 from __future__ import annotations
 
