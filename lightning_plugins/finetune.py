@@ -122,6 +122,7 @@ class _StepCheckpoint(ModelCheckpoint):
 
 def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
     from lightning_plugins.strategies import ParallelismStrategy
+    from lightning_plugins.strategies.perf import PerfCallback
 
     layout, train = recipe.layout, recipe.train
     strategy = ParallelismStrategy(
@@ -139,6 +140,8 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         max_skipped_steps=train.max_skipped_steps,
         recipe_record=recipe.to_yaml(),
         preempt_signals=train.preempt_signals,
+        perf=PerfCallback(train.output_dir, train.log_every, train.profile, sample=train.perf_sample,
+                          straggler_ratio=train.straggler_ratio),  # fmt: skip
     )
     callbacks: list[Any] = [_ProgressBar()]
     if train.checkpoint_every is not None:

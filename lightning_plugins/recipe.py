@@ -30,6 +30,7 @@ from lightning_plugins.data import DataConfig
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.lora import LoraOptions
 from lightning_plugins.options import MemoryOptions, ParallelOptions
+from lightning_plugins.perf import ProfileOptions
 
 
 class RecipeError(ValueError):
@@ -116,6 +117,15 @@ class TrainSection(_Section):
             finishes its optimizer step, writes ``checkpoints/step=N.ckpt`` and exits non-zero (the ranks with status
             75); a SLURM job requeues itself (:mod:`lightning_plugins.preemption`). ``[]``: none (Ctrl-C never is one;
             a worker whose launcher is gone stops so in any case).
+        profile: ``{start_step: N, steps: K}``: ``torch.profiler`` over optimizer steps N..N+K-1 on every rank, a
+            Chrome trace per rank in ``output_dir/profile/`` and, printed by rank 0 and in ``profile/summary.json``,
+            where each rank's time went (compute, communication by collective, exposed communication, data wait,
+            idle; :mod:`lightning_plugins.perf`). ``null``: off.
+        perf_sample: Profile the last optimizer step of every ``log_every`` window to log each rank's step, own and
+            data-wait time, the slowest rank and its ratio to the median (``perf/*`` metrics,
+            ``output_dir/ranks.jsonl``). Costs a few milliseconds per sampled step (plus about a second once).
+        straggler_ratio: Rank 0 prints a line naming the slowest rank when its own time (its step less the time it
+            waited on its peers) is at least this many times the median.
     """
 
     global_batch_size: int | None = Field(None, ge=1)
@@ -135,6 +145,9 @@ class TrainSection(_Section):
     max_skipped_steps: int = Field(10, ge=1)
     resume_reset_optimizer: bool = False
     preempt_signals: list[str] = Field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    profile: ProfileOptions | None = None
+    perf_sample: bool = True
+    straggler_ratio: float = Field(1.25, gt=1)
 
     @field_validator("preempt_signals")
     @classmethod
@@ -154,6 +167,8 @@ class TrainSection(_Section):
             raise ValueError("give exactly one of global_batch_size (samples) and global_batch_tokens")
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of max_steps and epochs")
+        if self.profile is not None and self.max_steps is not None:
+            self.profile.check_within(self.max_steps)
         return self
 
 
