@@ -16,13 +16,12 @@ import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from _world import free_port, run_command
 
 from lightning_plugins.perf import PerfMonitor, ProfileOptions
-from lightning_plugins.profile_summary import WINDOW, classify, collective_name, summarize
+from lightning_plugins.profile_summary import WINDOW, Event, classify, collective_name, summarize
 from lightning_plugins.recipe import RecipeError, load_recipe
 
 ROOT = Path(__file__).parents[1]
@@ -35,11 +34,8 @@ ARGS = ["--train.max_steps=4", "--train.log_every=2", "--train.eval_every=100", 
 PERF = {"perf/step_s", "perf/own_s", "perf/data_wait_s", "perf/slowest_rank", "perf/slowest_ratio"}
 
 
-def _event(name: str, thread: int, start: float, end: float, device: str = "CPU", annotation: bool = False) -> object:
-    return SimpleNamespace(
-        name=name, thread=thread, device_type=SimpleNamespace(name=device), time_range=SimpleNamespace(start=start,
-        end=end), is_user_annotation=annotation,
-    )  # fmt: skip
+def _event(name: str, thread: int, start: int, end: int, device: str = "CPU", annotation: bool = False) -> Event:
+    return Event(name, thread, device == "CUDA", start * 1000, end * 1000, annotation)  # microseconds to ns
 
 
 def test_intervals_partition_the_window_on_cpu_and_gpu_events() -> None:
