@@ -123,7 +123,9 @@ class TrainSection(_Section):
             idle; :mod:`lightning_plugins.perf`). ``null``: off.
         perf_sample: Profile the last optimizer step of every ``log_every`` window to log each rank's step, own and
             data-wait time, the slowest rank and its ratio to the median (``perf/*`` metrics,
-            ``output_dir/ranks.jsonl``). Costs a few milliseconds per sampled step (plus about a second once).
+            ``output_dir/ranks.jsonl``). Each sampled step costs the profiler's recording and reading (about 0.1 s per
+            step of the tiny TP recipe, whose steps take about as long; a real model's fewer, longer ops cost less in
+            proportion), plus about a second for the profiler's first start in each process.
         straggler_ratio: Rank 0 prints a line naming the slowest rank when its own time (its step less the time it
             waited on its peers) is at least this many times the median.
     """
