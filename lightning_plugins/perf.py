@@ -12,7 +12,8 @@ door's bookkeeping) to the end of the last one measured, and read by :mod:`light
   ranks waiting in communication. Each rank's own time (the step less its exposed communication) names the slowest
   rank; its ratio to the median own time, each rank's step and data-wait time are returned as metrics
   (``perf/step_s``, ``perf/own_s``, ``perf/data_wait_s``, ``perf/slowest_rank``, ``perf/slowest_ratio``), appended
-  to ``output_dir/ranks.jsonl`` and, past ``train.straggler_ratio``, printed by rank 0 as one line. Data wait is the
+  to ``output_dir/ranks.jsonl`` and, past ``train.straggler_ratio`` (and :data:`NOISE_S` above the median), printed
+  by rank 0 as one line. Data wait is the
   profiled DataLoader ``__next__`` time (both doors fetch through it). A log step inside the profile window takes no
   sample (one profiler at a time).
 
@@ -39,6 +40,10 @@ from torch.autograd.profiler import record_function
 from lightning_plugins.profile_summary import WINDOW, WindowSummary, classify, format_table, kineto_events, summarize
 
 
+#: A slowest rank less than this many seconds above the median is not named (a hiccup on a millisecond step).
+NOISE_S = 0.05
+
+
 @dataclass
 class ProfileOptions:
     """``train.profile``: which optimizer steps ``torch.profiler`` records on every rank.
@@ -55,7 +60,9 @@ class ProfileOptions:
         for name in ("start_step", "steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"train.profile.{name}={value!r} must be an integer >= 1 (e.g. start_step: 5, steps: 2)")
+                raise ValueError(
+                    f"train.profile.{name}={value!r} must be an integer >= 1 (e.g. start_step: 5, steps: 2)"
+                )
 
     @property
     def last_step(self) -> int:
@@ -115,7 +122,7 @@ class PerfMonitor:
         self.next_step(step)
 
     def next_step(self, step: int) -> None:
-        """After optimizer step ``step`` and the door's bookkeeping: start recording if step ``step + 1`` is measured."""
+        """After optimizer step ``step`` and the door's bookkeeping: start recording if step ``step + 1`` is sampled."""
         if self._prof is not None:
             return
         profile = self.profile
@@ -198,7 +205,7 @@ class PerfMonitor:
             with open(self.out / "ranks.jsonl", "a") as handle:
                 handle.write(json.dumps({"step": step, "ranks": rows, "slowest_rank": ranks[slowest].rank,
                                          "slowest_ratio": ratio}) + "\n")  # fmt: skip
-            if ratio >= self.straggler_ratio:
+            if ratio >= self.straggler_ratio and own[slowest] - median >= NOISE_S:
                 self.say(
                     f"step {step}: rank {ranks[slowest].rank} is the slowest: {ratio:.2f}x the median own time"
                     f" ({own[slowest]:.2f} s vs {median:.2f} s; data wait {ranks[slowest].data_wait_s:.2f} s)"
@@ -220,7 +227,8 @@ def _gather_figures(summary: WindowSummary, device: str) -> list[WindowSummary]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [summary]
     names = ("window_s", "compute_s", "comm_s", "exposed_comm_s", "data_wait_s", "idle_s")
-    mine = torch.tensor([float(summary.rank), *(getattr(summary, n) for n in names)], dtype=torch.float64, device=device)
+    figures = [float(summary.rank), *(getattr(summary, n) for n in names)]
+    mine = torch.tensor(figures, dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return [WindowSummary(int(row[0]), *row[1:].tolist()) for row in every]
