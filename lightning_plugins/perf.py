@@ -1,7 +1,8 @@
 """The profiler window (``train.profile``) and the per-log-step straggler and data-stall figures, for both doors.
 
 Both are measured by ``torch.profiler`` over whole optimizer steps, from the end of one optimizer step (after the
-door's bookkeeping) to the end of the last one measured, and read by :mod:`lightning_plugins.profile_summary`:
+door's bookkeeping; in the Lightning door a checkpoint written at that step falls in the window, as Lightning runs
+``ModelCheckpoint`` after the other callbacks) to the end of the last one measured, and read by :mod:`lightning_plugins.profile_summary`:
 
 * **Profile** (``train.profile: {start_step: N, steps: K}``): optimizer steps ``N..N+K-1`` on every rank; each rank
   writes a Chrome trace ``output_dir/profile/rank<R>.json``; rank 0 gathers every rank's summary, prints it as a table
@@ -137,10 +138,13 @@ class PerfMonitor:
             return {}
         summary = self._stop()
         profiled = self.profile is not None and step == self.profile.last_step
-        if profiled:
-            self._write_profile(summary)
-            return {}
-        return self._stragglers(step, summary)
+        try:
+            if profiled:
+                self._write_profile(summary)
+                return {}
+            return self._stragglers(step, summary)
+        finally:
+            self._last = None  # its events are read: let them go
 
     def close(self) -> None:
         """Stop a recording still running (the run ended or failed); nothing is written."""
