@@ -124,6 +124,7 @@ class _StepCheckpoint(ModelCheckpoint):
 def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
     from lightning_plugins.strategies import ParallelismStrategy
     from lightning_plugins.strategies.loggers import RecordRun, recipe_loggers
+    from lightning_plugins.strategies.perf import PerfCallback
 
     layout, train = recipe.layout, recipe.train
     strategy = ParallelismStrategy(
@@ -141,6 +142,8 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
         max_skipped_steps=train.max_skipped_steps,
         recipe_record=recipe.to_yaml(),
         preempt_signals=train.preempt_signals,
+        perf=PerfCallback(train.output_dir, train.log_every, train.profile, sample=train.perf_sample,
+                          straggler_ratio=train.straggler_ratio),  # fmt: skip
     )
     callbacks: list[Any] = [_ProgressBar(), RecordRun(recipe)]
     if train.checkpoint_every is not None:

@@ -30,6 +30,7 @@ from lightning_plugins.data import DataConfig
 from lightning_plugins.layout import LayoutError, ParallelLayout
 from lightning_plugins.lora import LoraOptions
 from lightning_plugins.options import MemoryOptions, ParallelOptions
+from lightning_plugins.perf import ProfileOptions
 
 
 class RecipeError(ValueError):
@@ -124,6 +125,17 @@ class TrainSection(_Section):
         project: The wandb project and MLflow experiment (default: the output directory's name); each attempt is
             a run of its own, named ``version_N`` as its CSV directory.
         wandb_offline: Keep wandb's run on disk only (as ``WANDB_MODE=offline`` does); ``wandb sync`` uploads it.
+        profile: ``{start_step: N, steps: K}``: ``torch.profiler`` over optimizer steps N..N+K-1 on every rank, a
+            Chrome trace per rank in ``output_dir/profile/`` and, printed by rank 0 and in ``profile/summary.json``,
+            where each rank's time went (compute, communication by collective, exposed communication, data wait,
+            idle; :mod:`lightning_plugins.perf`). ``null``: off.
+        perf_sample: Profile the last optimizer step of every ``log_every`` window to log each rank's step, own and
+            data-wait time, the slowest rank and its ratio to the median (``perf/*`` metrics,
+            ``output_dir/ranks.jsonl``). Each sampled step costs the profiler's recording and reading (about 0.1 s per
+            step of the tiny TP recipe, whose steps take about as long; a real model's fewer, longer ops cost less in
+            proportion), plus about a second for the profiler's first start in each process.
+        straggler_ratio: Rank 0 prints a line naming the slowest rank when its own time (its step less the time it
+            waited on its peers) is at least this many times the median (and 50 ms more: not a hiccup).
     """
 
     global_batch_size: int | None = Field(None, ge=1)
@@ -146,6 +158,9 @@ class TrainSection(_Section):
     loggers: list[str] = Field(default_factory=lambda: ["csv"])
     project: str | None = None
     wandb_offline: bool = False
+    profile: ProfileOptions | None = None
+    perf_sample: bool = True
+    straggler_ratio: float = Field(1.25, gt=1)
 
     @field_validator("preempt_signals")
     @classmethod
@@ -177,6 +192,8 @@ class TrainSection(_Section):
             raise ValueError("give exactly one of global_batch_size (samples) and global_batch_tokens")
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of max_steps and epochs")
+        if self.profile is not None and self.max_steps is not None:
+            self.profile.check_within(self.max_steps)
         return self
 
 

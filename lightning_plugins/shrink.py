@@ -177,6 +177,7 @@ def _tiny_settings(recipe: Recipe, layout: ParallelLayout, steps: int, out: Path
         "train.eval_every": steps,
         "train.checkpoint_every": None,
         "train.log_every": 1,
+        "train.profile": None,  # a real recipe's window lies past the tiny twin's steps
         "train.output_dir": str((out / "run").resolve()),
         "hardware": {"accelerator": "cpu", "devices": world, "nodes": 1},
     }

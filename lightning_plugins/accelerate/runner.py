@@ -29,6 +29,7 @@ from lightning_plugins.accelerate.metrics import recipe_trackers
 from lightning_plugins.accelerate.state import _broadcast
 from lightning_plugins.manifest import attach_manifest, write_manifest
 from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
+from lightning_plugins.perf import PerfMonitor
 from lightning_plugins.preemption import Preemption
 from lightning_plugins.recipe import Recipe
 from lightning_plugins.recipe_diff import reset_optimizer
@@ -138,8 +139,11 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     bar = tqdm(total=total, initial=progress.step, disable=not main, desc="train", dynamic_ncols=True)
     last: dict[str, float] = {}
     tokens, clock, norm = 0, time.perf_counter(), None
+    perf = PerfMonitor(out, train.log_every, train.profile, straggler_ratio=train.straggler_ratio,
+                       sample=train.perf_sample, cuda=accelerator.device.type == "cuda", say=bar.write)  # fmt: skip
     model.train()
     try:  # an asynchronous save still in flight is finished before the run goes on or ends
+        perf.begin(progress.step, total)
         while progress.step < total:
             epoch = train_loader.iteration
             for batch in train_loader:
@@ -159,6 +163,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
                 if not accelerator.sync_gradients:
                     continue
                 progress.step += 1
+                sampled = perf.step_end(progress.step)  # every rank
                 last["train/loss"] = loss.item()
                 bar.update(1)
                 bar.set_postfix({k.split("/")[0] + " loss": f"{v:.3f}" for k, v in last.items() if k.endswith("loss")})
@@ -175,6 +180,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
                     mfu = model_flops_utilization(rate, num_params, dist.get_world_size())
                     if mfu is not None:
                         row["train/mfu"] = mfu
+                    row.update(sampled)
                     accelerator.log({**row, "epoch": epoch}, step=progress.step - 1)  # on the main process
                 end_of_epoch = accelerator.gradient_state.end_of_dataloader
                 if eval_loader is not None and (
@@ -193,11 +199,14 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
                     preemption.finish(progress.step, saved)
                 if progress.step >= total:
                     break
+                perf.next_step(progress.step)
     except BaseException:
+        perf.close()
         preemption.uninstall()
         accelerator.wait_for_checkpoint(failed=True)  # unpublished if it cannot complete
         raise
     accelerator.wait_for_checkpoint()
+    perf.close()
     preemption.uninstall()
     bar.close()
     check_finite_weights(training_state(model.parameters()), f"export to {out}", progress.step)

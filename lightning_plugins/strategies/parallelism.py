@@ -48,6 +48,7 @@ from lightning_plugins.parallel import (
 )
 from lightning_plugins.parallel.context import context_parallel_batch
 from lightning_plugins.recipe_diff import record_recipe
+from lightning_plugins.strategies.perf import PerfCallback, add_perf
 from lightning_plugins.strategies.preemption import add_preemption
 from lightning_plugins.resume import publish, read_rng, restore_rng, save_rng
 from lightning_plugins.resume_choice import check_same_decision
@@ -103,6 +104,8 @@ class ParallelismStrategy(ModelParallelStrategy):
         preempt_signals: Signals that preempt ``fit``: every rank finishes its optimizer step, the
             ``ModelCheckpoint`` writes ``step=N.ckpt`` and the process exits with status 75 (recipe key
             ``train.preempt_signals``; see :class:`~lightning_plugins.strategies.preemption.PreemptionCallback`).
+        perf: A :class:`~lightning_plugins.strategies.perf.PerfCallback` (``train.profile``, ``train.perf_sample``,
+            ``train.straggler_ratio``) to add to every ``fit``; ``None``: no profiling.
         **settings: Any field of ``ParallelOptions`` or ``MemoryOptions`` by name (``sequence_parallel``,
             ``loss_parallel``, ``cp_backend``, ``activation_checkpointing``, ``every_n_layers``,
             ``param_dtype``, ``reduce_dtype``, ``cpu_offload``, ``reshard_after_forward``, ...), overriding
@@ -130,6 +133,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         max_skipped_steps: int = 10,
         recipe_record: str | None = None,
         preempt_signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
+        perf: PerfCallback | None = None,
         **settings: Any,
     ) -> None:
         super().__init__(
@@ -149,6 +153,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         self.async_checkpoint = async_checkpoint
         self.recipe_record = recipe_record
         self.preempt_signals = list(preempt_signals)
+        self.perf = perf
         self._saver = AsyncCheckpointer()
         #: The global gradient norm of the last optimizer step, before clipping (``None`` before the first).
         self.grad_norm: torch.Tensor | None = None
@@ -239,6 +244,7 @@ class ParallelismStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
             launched = self.cluster_environment.creates_processes_externally or self.local_rank > 0
             add_preemption(trainer, self.preempt_signals, launched)
+            add_perf(trainer, self.perf)
         self.setup_precision_plugin()
         # Lightning's clipping calls torch's clip_grad_norm_, which fails on DTensors of several meshes
         # and would miss pipeline stages: route it to the engine's true global norm.

@@ -1,0 +1,83 @@
+"""``PerfCallback``: the Lightning door's side of :mod:`lightning_plugins.perf` (profile window, stragglers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_plugins.perf import PerfMonitor, ProfileOptions
+
+
+class PerfCallback(Callback):
+    """Profiles ``train.profile``'s optimizer steps and samples the last step of every ``log_every`` window
+    (:class:`~lightning_plugins.perf.PerfMonitor`); the ``perf/*`` metrics are logged with the step's others.
+    ``ParallelismStrategy`` adds it to every ``fit`` given a ``perf`` setting (:func:`add_perf`).
+
+    Args:
+        output_dir: Where ``profile/`` and ``ranks.jsonl`` go.
+        log_every: Optimizer steps per log window.
+        profile: The profile window, or ``None``.
+        sample: Whether to sample the last step of every log window.
+        straggler_ratio: Rank 0 prints the slowest rank past this ratio to the median own time.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        log_every: int,
+        profile: ProfileOptions | None,
+        *,
+        sample: bool = True,
+        straggler_ratio: float = 1.25,
+    ) -> None:
+        self.output_dir, self.log_every, self.profile = output_dir, log_every, profile
+        self.sample, self.straggler_ratio = sample, straggler_ratio
+        self._monitor: PerfMonitor | None = None
+        self._step = -1
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        cuda = trainer.strategy.root_device.type == "cuda"
+        self._monitor = PerfMonitor(
+            self.output_dir, self.log_every, self.profile, straggler_ratio=self.straggler_ratio, sample=self.sample,
+            cuda=cuda,
+        )  # fmt: skip
+        self._step = trainer.global_step
+        total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
+        self._monitor.begin(self._step, int(total))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if self._monitor is None or step == self._step:  # inside an accumulation window
+            return
+        self._step = step
+        metrics = self._monitor.step_end(step)
+        if metrics:
+            pl_module.log_dict(metrics, rank_zero_only=True)
+        self._monitor.next_step(step)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
+
+
+def add_perf(trainer: pl.Trainer, callback: PerfCallback | None) -> None:
+    """Give ``trainer`` the strategy's :class:`PerfCallback` unless it has one already."""
+    if callback is not None and not any(isinstance(c, PerfCallback) for c in trainer.callbacks):
+        trainer.callbacks.append(callback)
