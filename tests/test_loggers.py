@@ -39,7 +39,9 @@ RUNS = {
     "accelerate": (RECIPE.with_name("lora_tp2.yaml"), ["--train.project=tiny-run", "--train.merge_lora=true"],
                    ["adapter", "merged"]),
 }  # fmt: skip
-METRICS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "val/loss", "epoch"}
+METRICS = {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "val/loss", "epoch"} | {
+    "perf/step_s", "perf/own_s", "perf/data_wait_s", "perf/slowest_rank", "perf/slowest_ratio"
+}  # fmt: skip
 
 
 class _Listener:
