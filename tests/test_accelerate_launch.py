@@ -6,6 +6,7 @@ the same trajectory, under another layout (PP=2 -> TP=2)."""
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,8 @@ CONFIG = ROOT / "accelerate_configs" / "cpu_2proc.yaml"
 STEPS = 6
 SHORT = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_every=3", "--train.checkpoint_every=2",
          "--optim.warmup_steps=2"]  # fmt: skip
+#: The tiny recipes each door runs, compared step by step.
+COMPARED = ["full_tp2.yaml", "full_pp2.yaml", "full_cp2.yaml"]
 COLUMNS = ("train/loss", "train/lr", "train/grad_norm", "val/loss")
 
 
@@ -41,9 +44,15 @@ def _ok(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout
 
 
-def _lightning(recipe: Path, out: Path, *extra: str) -> None:
-    command = [sys.executable, "-m", "lightning_plugins", "finetune", str(recipe), f"--train.output_dir={out}", *extra]
-    _ok(run_command(command, cwd=ROOT))
+@pytest.fixture(scope="module")
+def lightning(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``recipe -> output directory`` of the Lightning door's run of each compared recipe, one after another in one
+    launched world (``tests/scripts/finetune_chain.py``)."""
+    root = tmp_path_factory.mktemp("lightning")
+    runs = [[str(TINY / recipe), f"--train.output_dir={root / recipe}", *SHORT] for recipe in COMPARED]
+    chain = ROOT / "tests" / "scripts" / "finetune_chain.py"
+    _ok(run_command([sys.executable, str(chain), json.dumps(runs)], cwd=ROOT))
+    return {recipe: root / recipe for recipe in COMPARED}
 
 
 def _metrics(out: Path) -> dict[str, list[tuple[int, float]]]:
@@ -74,15 +83,14 @@ def _exports_like(checkpoint: Path, reference: Path, out: Path) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("recipe", ["full_tp2.yaml", "full_pp2.yaml", "full_cp2.yaml"])
-def test_accelerate_launch_matches_the_lightning_door(tmp_path: Path, recipe: str) -> None:
+@pytest.mark.parametrize("recipe", COMPARED)
+def test_accelerate_launch_matches_the_lightning_door(lightning: dict[str, Path], tmp_path: Path, recipe: str) -> None:
     out = tmp_path / "accelerate"
     stdout = _ok(accelerate_launch(TINY / recipe, out, *SHORT))
     assert f"model: {out / 'hf'}" in stdout and (out / "loss_curve.png").stat().st_size > 1000
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
     _exports_like(out / "checkpoints" / "step=6.ckpt", out / "hf", tmp_path / "export")
-    _lightning(TINY / recipe, tmp_path / "lightning", *SHORT)
-    _same(out, tmp_path / "lightning")
+    _same(out, lightning[recipe])
     if recipe == "full_pp2.yaml":  # interrupted after step 4: the same command resumes from its checkpoint, resharded
         # from PP=2 (each rank its stage) to TP=2 (DTensor shards of every weight and its optimizer state).
         shutil.rmtree(out / "checkpoints" / "step=6.ckpt")
@@ -92,4 +100,4 @@ def test_accelerate_launch_matches_the_lightning_door(tmp_path: Path, recipe: st
         assert (out / "logs" / "version_1" / "metrics.csv").is_file()
         # The training trajectory is the PP=2 run's. The held-out loss is not compared: on the same weights the
         # Lightning door alone evaluates it ~1e-3 apart under TP=2 and PP=2 (a layout matter, not a checkpoint one).
-        _same(out, tmp_path / "lightning", COLUMNS[:3])
+        _same(out, lightning[recipe], COLUMNS[:3])

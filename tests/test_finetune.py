@@ -4,6 +4,8 @@ checkpoints resume, and the exported model or adapter loads in plain transformer
 from __future__ import annotations
 
 import csv
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,15 +16,28 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 TINY = Path(__file__).parents[1] / "recipes" / "tiny"
+CHAIN = Path(__file__).parent / "scripts" / "finetune_chain.py"
 SHORT = ["--train.log_every=5", "--train.eval_every=10", "--train.checkpoint_every=10", "--optim.warmup_steps=5"]
 
 
-def _finetune(recipe: str, out: Path, steps: int, *extra: str) -> str:
-    command = [sys.executable, "-m", "lightning_plugins", "finetune", str(TINY / recipe), f"--train.max_steps={steps}",
-               f"--train.output_dir={out}", *SHORT, *extra]
-    proc = run_command(command, cwd=out.parent)
+def _argv(recipe: str, out: Path, steps: int, *extra: str) -> list[str]:
+    return [str(TINY / recipe), f"--train.max_steps={steps}", f"--train.output_dir={out}", *SHORT, *extra]
+
+
+def _clean(proc: subprocess.CompletedProcess) -> str:
     assert "warning" not in proc.stderr.lower(), proc.stderr[-3000:]  # a clean console
     return proc.stdout
+
+
+def _finetune(recipe: str, out: Path, steps: int, *extra: str) -> str:
+    command = [sys.executable, "-m", "lightning_plugins", "finetune", *_argv(recipe, out, steps, *extra)]
+    return _clean(run_command(command, cwd=out.parent))
+
+
+def _finetune_chain(runs: list[tuple], cwd: Path) -> str:
+    """:func:`_finetune` of each ``(recipe, out, steps, *extra)``, one after another in one launched world."""
+    argv = [_argv(*run) for run in runs]
+    return _clean(run_command([sys.executable, str(CHAIN), json.dumps(argv)], cwd=cwd))
 
 
 def _losses(out: Path, key: str = "train/loss") -> list[tuple[int, float]]:
@@ -87,11 +102,21 @@ def test_full_pp2_exports_every_stage(tmp_path: Path) -> None:
     _same_logits(AutoModelForCausalLM.from_pretrained(exported), AutoModelForCausalLM.from_pretrained(out / "hf"))
 
 
-def test_lora_tp2_writes_an_adapter(trained_base: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def adapted(trained_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``recipe -> output directory`` of the adapter recipes (LoRA TP=2 merged, QLoRA, packed chat) trained on the
+    trained base, one after another in one launched world."""
+    root = tmp_path_factory.mktemp("adapted")
+    extra = {"lora_tp2.yaml": ["--train.merge_lora=true"], "qlora_fsdp2.yaml": [], "lora_fsdp2_chat.yaml": []}
+    base = f"--model.path={trained_base}"
+    _finetune_chain([(recipe, root / recipe, 20, base, *more) for recipe, more in extra.items()], root)
+    return {recipe: root / recipe for recipe in extra}
+
+
+def test_lora_tp2_writes_an_adapter(trained_base: Path, adapted: dict[str, Path], tmp_path: Path) -> None:
     from peft import PeftModel
 
-    out = tmp_path / "run"
-    _finetune("lora_tp2.yaml", out, 20, f"--model.path={trained_base}", "--train.merge_lora=true")
+    out = adapted["lora_tp2.yaml"]
     _falls(out, 0.97)
     assert {p.name for p in (out / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
     tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained_base), out / "adapter")
@@ -108,8 +133,6 @@ def test_lora_tp2_writes_an_adapter(trained_base: Path, tmp_path: Path) -> None:
         torch.testing.assert_close(streamed.state_dict()[name], weight, rtol=1e-6, atol=1e-6, msg=name)
 
 
-def test_qlora_and_packed_chat(trained_base: Path, tmp_path: Path) -> None:
+def test_qlora_and_packed_chat(adapted: dict[str, Path]) -> None:
     for recipe in ("qlora_fsdp2.yaml", "lora_fsdp2_chat.yaml"):
-        out = tmp_path / recipe
-        _finetune(recipe, out, 20, f"--model.path={trained_base}")
-        _falls(out, 0.97)
+        _falls(adapted[recipe], 0.97)

@@ -34,6 +34,7 @@ from kill_run import ENV  # tests/scripts is on the path (_world)
 ROOT = Path(__file__).parents[1]
 TINY = ROOT / "recipes" / "tiny"
 KILL = ROOT / "tests" / "scripts" / "kill_run.py"
+CHAIN = ROOT / "tests" / "scripts" / "finetune_chain.py"
 CONFIG = ROOT / "accelerate_configs" / "cpu_2proc.yaml"
 STEPS = 6
 # Checkpoints at steps 2 and 4 (mid-epoch), 2 micro-batches per optimizer step.
@@ -103,17 +104,26 @@ PER_DOOR = {"lora_fsdp2"}
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], list[tuple[int, float]]]:
-    """``reference(layout, door)``: the per-step losses of one uninterrupted run (made once, when first asked)."""
+    """``reference(layout, door)``: the per-step losses of one uninterrupted run (made once, when first asked). The
+    Lightning door's references of every layout are made together, in one launched world (``finetune_chain.py``)."""
     found: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    root = tmp_path_factory.mktemp("reference")
 
     def reference(layout: str, door: str) -> list[tuple[int, float]]:
         key = (layout, door if layout in PER_DOOR else "finetune")
         if key not in found:
-            recipe, extra = LAYOUTS[layout]
-            out = tmp_path_factory.mktemp("reference") / f"{key[0]}_{key[1]}"
-            _run(_command(key[1], TINY / recipe, out, extra, kill=False))
-            found[key] = _losses(out)
-            assert [step for step, _ in found[key]] == list(range(STEPS)), found[key]
+            keys = [(name, "finetune") for name in LAYOUTS] if key[1] == "finetune" else [key]
+            outs = {k: root / f"{k[0]}_{k[1]}" for k in keys}
+            if key[1] == "finetune":
+                runs = [[str(TINY / LAYOUTS[k[0]][0]), f"--train.output_dir={outs[k]}", *SHORT, *LAYOUTS[k[0]][1]]
+                        for k in keys]  # fmt: skip
+                _run([sys.executable, str(CHAIN), json.dumps(runs)])
+            else:
+                recipe, extra = LAYOUTS[layout]
+                _run(_command(key[1], TINY / recipe, outs[key], extra, kill=False))
+            for k in keys:
+                found[k] = _losses(outs[k])
+                assert [step for step, _ in found[k]] == list(range(STEPS)), found[k]
         return found[key]
 
     return reference

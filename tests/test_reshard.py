@@ -4,16 +4,19 @@ PP=2 interleaved (2 virtual stages per rank: each rank now holds layers 0 and 2,
 pipeline split them 0-1 / 2-3); and every checkpoint names its parameters with the HF model's own names, whatever
 the layout. The model is the shipped tiny Llama's config with 4 layers (random weights), so 4 stages exist.
 
-One chain of runs: each resumes a copy of a checkpoint the previous layout wrote and must continue the
-uninterrupted TP x PP run's losses (layouts agree to 1e-5: the parity tests). The data position is kept in
-samples, so a different micro-batch size x data-parallel size finds the same place.
+One chain of runs: each resumes a checkpoint an earlier layout wrote and must continue the uninterrupted TP x PP
+run's losses (layouts agree to 1e-5: the parity tests). The data position is kept in samples, so a different
+micro-batch size x data-parallel size finds the same place. Consecutive runs of the same world size share one
+launched world (``tests/scripts/finetune_chain.py``): two launches instead of six.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 import sys
+from itertools import groupby
 from pathlib import Path
 
 import torch
@@ -62,11 +65,14 @@ def _four_layer_model(directory: Path) -> Path:
     return directory
 
 
-def _finetune(out: Path, layout: str, model: Path) -> str:
-    command = [sys.executable, "-m", "lightning_plugins", "finetune", str(TINY / "full_pp2.yaml"),
-               f"--model.path={model}", f"--train.output_dir={out}", *COMMON, *LAYOUTS[layout]]  # fmt: skip
-    proc = run_command(command, cwd=ROOT, timeout=400)
-    return proc.stdout
+def _world_size(layout: str) -> int:
+    return int(next(arg for arg in LAYOUTS[layout] if arg.startswith("--hardware.devices=")).split("=")[1])
+
+
+def _finetune_chain(runs: list[list[str]]) -> str:
+    """Run each argument list of ``lightning-plugins finetune`` in turn in one launched world; return its stdout."""
+    command = [sys.executable, str(Path(__file__).parent / "scripts" / "finetune_chain.py"), json.dumps(runs)]
+    return run_command(command, cwd=ROOT, timeout=600).stdout
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -84,21 +90,28 @@ def _hf_names(checkpoint: Path) -> set[str]:
 def test_checkpoints_reshard_across_layouts(tmp_path: Path) -> None:
     model = _four_layer_model(tmp_path / "model")
     reference = set(AutoModelForCausalLM.from_pretrained(model).state_dict())
-    runs: dict[str, Path] = {}
-    want: dict[int, float] = {}
+    outs = [tmp_path / f"{index}_{layout}" for index, (layout, _) in enumerate(CHAIN)]
+    latest: dict[str, Path] = {}  # layout -> the output directory of its latest run so far
+    resumed: dict[int, Path] = {}  # run -> the checkpoint it resumes
     for index, (layout, source) in enumerate(CHAIN):
-        out = tmp_path / f"{index}_{layout}"
         if source is not None:
-            saved = runs[source[0]] / "checkpoints" / f"step={source[1]}.ckpt"
-            shutil.copytree(saved, out / "checkpoints" / saved.name)
-        stdout = _finetune(out, layout, model)
-        runs[layout] = out
+            resumed[index] = latest[source[0]] / "checkpoints" / f"step={source[1]}.ckpt"
+        latest[layout] = outs[index]
+    argv = [[str(TINY / "full_pp2.yaml"), f"--model.path={model}", f"--train.output_dir={out}", *COMMON,
+             *LAYOUTS[layout], *([f"--resume={resumed[index]}"] if index in resumed else [])]
+            for index, (out, (layout, _)) in enumerate(zip(outs, CHAIN))]  # fmt: skip
+    stdout: dict[int, str] = {}
+    for _, group in groupby(range(len(CHAIN)), key=lambda index: _world_size(CHAIN[index][0])):
+        runs = list(group)  # consecutive runs of one world size, in one world: each resumes an earlier run's checkpoint
+        stdout.update(dict.fromkeys(runs, _finetune_chain([argv[index] for index in runs])))
+    want: dict[int, float] = {}
+    for index, ((layout, source), out) in enumerate(zip(CHAIN, outs)):
         got = _losses(out)
         if source is None:
             want = got
             assert sorted(want) == list(range(STEPS)), want
         else:
-            assert f"resumed_from: {out / 'checkpoints' / f'step={source[1]}.ckpt'}" in stdout, stdout[-2000:]
+            assert f"resumed_from: {resumed[index]}\n" in stdout[index], stdout[index][-2000:]
             steps = list(range(source[1], STEPS))
             assert sorted(got) == steps, (layout, source, got)
             torch.testing.assert_close(
