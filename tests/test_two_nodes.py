@@ -56,6 +56,18 @@ def _wait_for(path: Path, nodes: Nodes, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def _wait_for_row(out: Path, step: int, nodes: Nodes, timeout: float) -> None:
+    """Until some attempt's ``logs/version_*/metrics.csv`` holds the training loss of ``step``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for path in (out / "logs").glob("version_*/metrics.csv"):
+            with open(path, newline="") as handle:
+                if any(row["step"] == str(step) and row.get("train/loss") for row in csv.DictReader(handle)):
+                    return
+        assert time.monotonic() < deadline, f"no metrics row of step {step} after {timeout:g} s\n{nodes.output()[-6000:]}"
+        time.sleep(0.05)
+
+
 def test_lightning_door_preempted_on_one_node_then_node_lost_then_resumed(
     tmp_path: Path, reference: list[tuple[int, float]]
 ) -> None:
@@ -69,6 +81,9 @@ def test_lightning_door_preempted_on_one_node_then_node_lost_then_resumed(
     assert following < STEPS, f"preempted at step {preempted}: too late to lose a node before the run ends"
     with start_nodes("finetune", RECIPE, *ARGS, f"--train.output_dir={out}") as nodes:
         _wait_for(checkpoints / f"step={following}.ckpt", nodes, 240)
+        # Lightning writes a step's metrics row after its checkpoint (ModelCheckpoint runs in on_train_batch_end, the
+        # loggers after it): a node lost in between would lose that row, which the resume never trains again.
+        _wait_for_row(out, following - 1, nodes, 60)
         nodes.signal(1)  # SIGKILL node 1's launcher only
         took = nodes.wait_gone(BOUND_S)
         print(f"every rank of both nodes ended {took:.1f} s after node 1's launcher was killed")
