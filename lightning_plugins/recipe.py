@@ -20,6 +20,7 @@ import difflib
 import inspect
 import json
 import typing
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -80,6 +81,16 @@ class OptimSection(_Section):
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     max_grad_norm: float | None = Field(1.0, gt=0)
+
+
+def _known_names(names: list[str], known: Sequence[str], kind: str, case: Callable[[str], str]) -> list[str]:
+    """``names`` if each is one of ``known``; else the first unknown one named, with the closest known one."""
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(case(name), known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ValueError(f"unknown {kind} {name!r}: {hint}use some of {', '.join(known)}")
+    return names
 
 
 class TrainSection(_Section):
@@ -167,24 +178,14 @@ class TrainSection(_Section):
     def _known_signals(cls, names: list[str]) -> list[str]:
         from lightning_plugins.preemption import SIGNALS
 
-        for name in names:
-            if name not in SIGNALS:
-                close = difflib.get_close_matches(name.upper(), SIGNALS, n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]}? " if close else ""
-                raise ValueError(f"unknown signal {name!r}: {hint}use some of {', '.join(SIGNALS)}")
-        return names
+        return _known_names(names, SIGNALS, "signal", str.upper)
 
     @field_validator("loggers")
     @classmethod
     def _known_loggers(cls, names: list[str]) -> list[str]:
         from lightning_plugins.run_record import LOGGERS
 
-        for name in names:
-            if name not in LOGGERS:
-                close = difflib.get_close_matches(name.lower(), LOGGERS, n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]}? " if close else ""
-                raise ValueError(f"unknown logger {name!r}: {hint}use some of {', '.join(LOGGERS)}")
-        return names
+        return _known_names(names, LOGGERS, "logger", str.lower)
 
     @model_validator(mode="after")
     def _one_of_each(self) -> TrainSection:
