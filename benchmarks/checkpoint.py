@@ -45,8 +45,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from lightning_plugins.async_checkpoint import AsyncCheckpointer
-from lightning_plugins.resume import publish, save_rng
+from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
+from lightning_plugins.checkpoint.resume import publish, save_rng
 
 HIDDEN, INTERMEDIATE, VOCAB = 1024, 2816, 8192
 
@@ -167,7 +167,7 @@ def _door_save(saver: AsyncCheckpointer, state: dict[str, Any], target: Path) ->
 
 def sync_vs_async(layers: int, root: Path, steps: int, save_every: int) -> dict[str, dict[str, float]]:
     """Loop time with no saves, with ``dcp.save``, with ``dcp.async_save`` and with the doors' asynchronous save
-    (:class:`~lightning_plugins.async_checkpoint.AsyncCheckpointer`) every ``save_every`` steps."""
+    (:class:`~lightning_plugins.checkpoint.async_save.AsyncCheckpointer`) every ``save_every`` steps."""
     state = {"model": make_state(layers)}
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     repeat = 1
@@ -210,7 +210,7 @@ import json, sys
 import torch.distributed.checkpoint, transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.llama import modeling_llama
-import lightning_plugins.export
+import lightning_plugins.checkpoint.export
 from lightning_plugins.cli import main
 def kib():
     return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM:')).split()[1])

@@ -56,7 +56,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bytes(t: torch.Tensor) -> int:
-    from lightning_plugins.quantize import is_nf4, nf4_nbytes
+    from lightning_plugins.adapters.qlora import is_nf4, nf4_nbytes
 
     local = _local(t)
     return nf4_nbytes(local) if is_nf4(local) else local.numel() * local.element_size()
@@ -64,7 +64,7 @@ def _bytes(t: torch.Tensor) -> int:
 
 def build(method: str, layout: str, reference: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from lightning_plugins import ParallelLayout, parallelize
-    from lightning_plugins.lora import LoraOptions, apply_lora
+    from lightning_plugins.adapters.lora import LoraOptions, apply_lora
 
     model = copy.deepcopy(reference)
     if method != "full":

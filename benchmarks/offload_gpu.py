@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_plugins.offload import offload_optimizer
+from lightning_plugins.parallel.offload import offload_optimizer
 from lightning_plugins.parallel.activation import apply_activation_checkpointing
 
 SETTINGS = {

@@ -4,7 +4,7 @@ Sections (default: all), each printed as markdown tables:
 
 * ``--small``: the 7 small layouts of ``tests/_memory.py`` run for real on gloo (``measure_all``: torch's
   ``MemTracker`` on a real step), each rank kind's peak next to the dry run's prediction for the same workload
-  (``dry_run(Workload(...))``, built as ``tests/test_planner_dryrun.py`` builds it), by category.
+  (``dry_run(Workload(...))``, built as ``tests/planner/test_planner_dryrun.py`` builds it), by category.
 * ``--real-size``: Llama-3.1-8B (FSDP8), 70B (TP8 x FSDP8, 64 GPUs) and 405B (TP8 x PP8 x FSDP8, 512 GPUs,
   interleaved 1F1B, 16 micro-batches; and 1F1B with 8) at seq 8192, fp32 master weights + bf16 compute
   (``MemoryOptions(param_dtype="bf16")``), full activation checkpointing: memory per GPU by category per rank kind
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions
-from lightning_plugins.lora import LoraOptions
+from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.planner.dryrun import PEAK_CATEGORIES, RankMemory, dry_run
 from lightning_plugins.planner.workload import Workload
 

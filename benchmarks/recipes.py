@@ -17,7 +17,7 @@ from pathlib import Path
 from lightning_plugins.planner.dryrun import PEAK_CATEGORIES
 from lightning_plugins.planner.plot import layout_label
 from lightning_plugins.planner.report import plan_recipe
-from lightning_plugins.recipe import load_recipe
+from lightning_plugins.recipe.schema import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30

@@ -28,7 +28,7 @@ def _overrides(extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from lightning_plugins.recipe_diff import add_reset_argument, reset_overrides
+    from lightning_plugins.recipe.diff import add_reset_argument, reset_overrides
 
     parser = argparse.ArgumentParser(prog="lightning-plugins", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -111,9 +111,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         _verify(args.checkpoint)
     elif args.command == "finetune":
-        from lightning_plugins.recipe import RecipeError, load_recipe
+        from lightning_plugins.recipe.schema import RecipeError, load_recipe
 
-        from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
+        from lightning_plugins.checkpoint.checks import CheckpointError, check_resume_path
 
         try:
             recipe = load_recipe(args.recipe, [*_overrides(extra, finetune), *reset_overrides(args)])
@@ -124,11 +124,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.print_config:
             print(recipe.to_yaml(), end="")
             return
-        from lightning_plugins.finetune import _say, is_launcher_rank, run_finetune
-        from lightning_plugins.preflight import check_here
-        from lightning_plugins.recipe_diff import check_resume
-        from lightning_plugins.resume_choice import handed_down_resume
-        from lightning_plugins.run_lock import RunLockError, take_run_lock
+        from lightning_plugins.strategies.runner import _say, is_launcher_rank, run_finetune
+        from lightning_plugins.recipe.preflight import check_here
+        from lightning_plugins.recipe.diff import check_resume
+        from lightning_plugins.checkpoint.resume_choice import handed_down_resume
+        from lightning_plugins.run.lock import RunLockError, take_run_lock
 
         launching, lock = is_launcher_rank(), None
         try:
@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 lock.release()
             sys.exit(f"error: {err}")
         from lightning_plugins.data import DataError
-        from lightning_plugins.nonfinite import NonFiniteError
+        from lightning_plugins.run.nonfinite import NonFiniteError
 
         try:  # the data is read on rank 0 before the other ranks start: a bad record stops it alone, at once
             result = run_finetune(recipe, resume=resume)
@@ -165,7 +165,7 @@ def _global_rank() -> int:
 
 
 def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from lightning_plugins.export import ExportError, export_checkpoint
+    from lightning_plugins.checkpoint.export import ExportError, export_checkpoint
 
     size = args.max_shard_size.strip().upper()
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -186,8 +186,8 @@ def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 def _verify(checkpoint: str) -> None:
     from pathlib import Path
 
-    from lightning_plugins.checkpoint_checks import CheckpointError
-    from lightning_plugins.integrity import MANIFEST, verify_checkpoint
+    from lightning_plugins.checkpoint.checks import CheckpointError
+    from lightning_plugins.checkpoint.integrity import MANIFEST, verify_checkpoint
 
     if not Path(checkpoint).is_dir():
         sys.exit(f"error: {checkpoint}: no such checkpoint directory.")
@@ -203,8 +203,8 @@ def _verify(checkpoint: str) -> None:
 def _tiny(args: argparse.Namespace, overrides: list[str]) -> None:
     from pathlib import Path
 
-    from lightning_plugins.recipe import RecipeError
-    from lightning_plugins.shrink import shrink_recipe
+    from lightning_plugins.recipe.schema import RecipeError
+    from lightning_plugins.recipe.tiny import shrink_recipe
 
     source = Path(args.recipe)
     out = Path(args.out or Path("outputs") / "tiny" / source.parent.name / source.stem)
@@ -212,7 +212,7 @@ def _tiny(args: argparse.Namespace, overrides: list[str]) -> None:
         recipe = shrink_recipe(source, out, steps=args.steps, overrides=tuple(overrides))
     except RecipeError as err:
         sys.exit(f"error: {err}")
-    from lightning_plugins.recipe import load_recipe
+    from lightning_plugins.recipe.schema import load_recipe
 
     world = load_recipe(recipe).hardware.world_size
     print(f"wrote {recipe} and its model; run it through either door:")

@@ -17,10 +17,10 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lightning_plugins.checkpoint import export_hf
+from lightning_plugins.checkpoint.live_export import export_hf
 from lightning_plugins.data import collate_causal_lm, exact_match, load_prompt_completion, read_jsonl, tiny_assets
 from lightning_plugins.strategies import TensorParallelStrategy
-from lightning_plugins.training import lr_lambda
+from lightning_plugins.recipe.build import lr_lambda
 
 
 class FineTune(L.LightningModule):

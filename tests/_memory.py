@@ -30,7 +30,7 @@ import torch
 from _world import run_world
 
 from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions, parallelize
-from lightning_plugins.lora import LoraOptions
+from lightning_plugins.adapters.lora import LoraOptions
 
 #: The model: 4 layers, GQA (8 heads, 4 kv heads), SwiGLU; ~2.9M parameters (11.4 MiB in fp32).
 CONFIG: dict[str, Any] = {
@@ -102,7 +102,7 @@ def make_model(lora: LoraOptions | None = None) -> torch.nn.Module:
     model = AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32)
     model.train()
     if lora is not None:
-        from lightning_plugins.lora import apply_lora
+        from lightning_plugins.adapters.lora import apply_lora
 
         torch.manual_seed(SEED)
         model = apply_lora(model, lora)
@@ -118,7 +118,7 @@ def make_batch(rows: int, data_rank: int = 0) -> dict[str, torch.Tensor]:
 
 def _measure(spec: MemoryLayout) -> dict[str, Any]:
     """Build, parallelize and measure one layout on this rank, noting where the rank sits in the mesh."""
-    from lightning_plugins.lora import trainable_parameters
+    from lightning_plugins.adapters.lora import trainable_parameters
     from lightning_plugins.parallel import context_parallel_batch, mesh_of
     from lightning_plugins.planner.measure import measure_step_memory
 

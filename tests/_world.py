@@ -70,7 +70,7 @@ def _entry(
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
-    from lightning_plugins.teardown import release_process_groups
+    from lightning_plugins.parallel.teardown import release_process_groups
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -80,7 +80,7 @@ def _entry(
         finally:
             release_process_groups()
         alive = backend_threads()
-        if alive:  # the groups (and their threads) must not outlive the work: see lightning_plugins.teardown
+        if alive:  # the groups (and their threads) must not outlive the work: see lightning_plugins.parallel.teardown
             raise AssertionError(f"process-group threads still alive after the groups were released: {alive}")
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
@@ -144,7 +144,7 @@ def run_command(
     :func:`script_env` (plus ``env``) and check how it ended (:func:`check_exit`).
 
     The test scripts that import ``_exit_report`` also report, from the end of each process's exit handlers, the
-    process-group threads still alive: there must be none (see :mod:`lightning_plugins.teardown`).
+    process-group threads still alive: there must be none (see :mod:`lightning_plugins.parallel.teardown`).
     """
     with tempfile.TemporaryDirectory() as reports:
         proc = subprocess.run(

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 @record  # under torchrun (`accelerate launch`): the launcher's failure summary quotes this rank's exception
 def main(argv: Sequence[str] | None = None) -> None:
     from lightning_plugins.cli import _overrides
-    from lightning_plugins.recipe_diff import add_reset_argument, check_resume, reset_overrides
+    from lightning_plugins.recipe.diff import add_reset_argument, check_resume, reset_overrides
 
     parser = argparse.ArgumentParser(prog="python -m lightning_plugins.accelerate", description=__doc__)
     parser.add_argument("recipe", help="the recipe file, e.g. recipes/tiny/full_tp2.yaml")
@@ -33,15 +33,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     args, extra = parser.parse_known_args(argv)
 
     from lightning_plugins.accelerate.settings import describe_launch, launched_world
-    from lightning_plugins.checkpoint_checks import CheckpointError, check_resume_path
+    from lightning_plugins.checkpoint.checks import CheckpointError, check_resume_path
     from lightning_plugins.data import DataError
-    from lightning_plugins.faults import RankFailure, explain_timeout, is_collective_timeout, is_peer_gone
-    from lightning_plugins.layout import LayoutError
-    from lightning_plugins.nonfinite import NonFiniteError
-    from lightning_plugins.preflight import check_here
-    from lightning_plugins.recipe import RecipeError, load_recipe
-    from lightning_plugins.run_lock import RunLockError, take_run_lock
-    from lightning_plugins.training import latest_checkpoint
+    from lightning_plugins.run.faults import RankFailure, explain_timeout, is_collective_timeout, is_peer_gone
+    from lightning_plugins.parallel.layout import LayoutError
+    from lightning_plugins.run.nonfinite import NonFiniteError
+    from lightning_plugins.recipe.preflight import check_here
+    from lightning_plugins.recipe.schema import RecipeError, load_recipe
+    from lightning_plugins.run.lock import RunLockError, take_run_lock
+    from lightning_plugins.recipe.build import latest_checkpoint
 
     local, nodes = launched_world()
     try:

@@ -36,15 +36,15 @@ from lightning_plugins.accelerate.settings import (
     merge_sizes,
 )
 from lightning_plugins.accelerate.state import load_training_state, save_training_state
-from lightning_plugins.async_checkpoint import AsyncCheckpointer
-from lightning_plugins.faults import join_timeout, set_collective_timeout
-from lightning_plugins.layout import LayoutError
-from lightning_plugins.lora import peft_model_around
-from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
-from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
+from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
+from lightning_plugins.run.faults import join_timeout, set_collective_timeout
+from lightning_plugins.parallel.layout import LayoutError
+from lightning_plugins.adapters.lora import peft_model_around
+from lightning_plugins.checkpoint.load import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import clip_grad_norm_, mesh_of, parallelize, pipeline_of
-from lightning_plugins.teardown import release_at_exit, release_process_groups
-from lightning_plugins.models import find_hf_model
+from lightning_plugins.parallel.teardown import release_at_exit, release_process_groups
+from lightning_plugins.parallel.families import find_hf_model
 
 __all__ = ["ParallelAccelerator"]
 
@@ -86,7 +86,7 @@ class ParallelAccelerator(Accelerator):
             :meth:`wait_for_checkpoint` (or ``end_training``) before the script ends (recipe key
             ``train.async_checkpoint``).
         recipe_record: The resolved recipe (YAML) to record in every checkpoint, so that a resume can compare it with
-            its own (:mod:`lightning_plugins.recipe_diff`); ``None``: none is recorded.
+            its own (:mod:`lightning_plugins.recipe.diff`); ``None``: none is recorded.
         **kwargs: Fields of ``ParallelOptions``/``MemoryOptions`` by name (``sequence_parallel``, ``cp_backend``,
             ``pp_schedule``, ``activation_checkpointing``, ...), and every ``accelerate.Accelerator`` argument.
             ``kwargs_handlers=[InitProcessGroupKwargs(timeout=...)]`` bounds every collective (a stuck rank then
@@ -392,7 +392,7 @@ class ParallelAccelerator(Accelerator):
         the others, as Accelerate's FSDP gives); every rank calls it. For ``save_pretrained(..., state_dict=...)``."""
         if self.builtin:
             return super().get_state_dict(model, unwrap)
-        from lightning_plugins.saving import full_state_dict
+        from lightning_plugins.checkpoint.save_pretrained import full_state_dict
 
         return full_state_dict(self.unwrap_model(model) if unwrap else model)
 
@@ -402,7 +402,7 @@ class ParallelAccelerator(Accelerator):
         """Write an HF directory (a peft adapter directory for a ``PeftModel``) that plain transformers/peft load."""
         if self.builtin:
             return super().save_model(model, save_directory, max_shard_size, safe_serialization)
-        from lightning_plugins.checkpoint import export_hf
+        from lightning_plugins.checkpoint.live_export import export_hf
 
         export_hf(self.unwrap_model(model), save_directory)
         return None
@@ -430,7 +430,7 @@ class ParallelAccelerator(Accelerator):
     @override
     def end_training(self) -> None:
         """Wait for an asynchronous checkpoint, release the process groups
-        (:func:`~lightning_plugins.teardown.release_process_groups`) and finish the trackers."""
+        (:func:`~lightning_plugins.parallel.teardown.release_process_groups`) and finish the trackers."""
         self.wait_for_checkpoint()
         release_process_groups()  # then Accelerate's own destroy finds nothing left to do
         super().end_training()

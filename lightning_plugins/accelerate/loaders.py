@@ -18,13 +18,13 @@ from accelerate.scheduler import AcceleratedScheduler
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.parallel import context_parallel_batch
-from lightning_plugins.resume import ResumableLoader
+from lightning_plugins.checkpoint.resume import ResumableLoader
 
 
 class ParallelDataLoader(ResumableLoader, DataLoaderShard):
     """A ``DataLoaderShard`` (as Accelerate prepared it) that hands context-parallel ranks their shards.
 
-    It also knows its place in the epoch (:class:`~lightning_plugins.resume.ResumableLoader`): a :meth:`position`
+    It also knows its place in the epoch (:class:`~lightning_plugins.checkpoint.resume.ResumableLoader`): a :meth:`position`
     given back with :meth:`resume_from` makes the next iteration that epoch, from the batch after the last one.
     """
 

@@ -27,15 +27,15 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_plugins.accelerate.accelerator import ParallelAccelerator
 from lightning_plugins.accelerate.metrics import recipe_trackers
 from lightning_plugins.accelerate.state import _broadcast
-from lightning_plugins.manifest import attach_manifest, write_manifest
-from lightning_plugins.nonfinite import NonFiniteGuard, check_finite_weights, training_state
-from lightning_plugins.perf import PerfMonitor
-from lightning_plugins.preemption import Preemption
-from lightning_plugins.recipe import Recipe
-from lightning_plugins.recipe_diff import reset_optimizer
-from lightning_plugins.resume_choice import LATEST, agreed_resume
-from lightning_plugins.run_record import hyperparameters, project_name
-from lightning_plugins.training import (
+from lightning_plugins.run.manifest import attach_manifest, write_manifest
+from lightning_plugins.run.nonfinite import NonFiniteGuard, check_finite_weights, training_state
+from lightning_plugins.run.perf import PerfMonitor
+from lightning_plugins.run.preemption import Preemption
+from lightning_plugins.recipe.schema import Recipe
+from lightning_plugins.recipe.diff import reset_optimizer
+from lightning_plugins.checkpoint.resume_choice import LATEST, agreed_resume
+from lightning_plugins.run.record import hyperparameters, project_name
+from lightning_plugins.recipe.build import (
     CHECKPOINT_NAME,
     build_loaders,
     build_model,
@@ -84,7 +84,7 @@ def _sharded(loader: DataLoader, accelerator: ParallelAccelerator, shuffle: bool
     )
     return DataLoader(
         loader.dataset, batch_size=loader.batch_size, sampler=sampler, collate_fn=loader.collate_fn,
-        drop_last=loader.drop_last, generator=loader.generator,  # its own: see lightning_plugins.resume
+        drop_last=loader.drop_last, generator=loader.generator,  # its own: see lightning_plugins.checkpoint.resume
     )  # fmt: skip
 
 
@@ -93,7 +93,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
 
     Args:
         recipe: The run's recipe.
-        resume: The checkpoint to resume from; ``None``: start fresh; :data:`~lightning_plugins.resume_choice.LATEST`:
+        resume: The checkpoint to resume from; ``None``: start fresh; :data:`~lightning_plugins.checkpoint.resume_choice.LATEST`:
             the newest intact one in ``train.output_dir``, if any. Rank 0's is every rank's.
 
     Returns:
@@ -247,7 +247,7 @@ def _finish(
     last: dict[str, float],
 ) -> dict[str, Any]:
     """Export (HF directory, or peft adapter and merged weights), merge the metrics, draw the loss curve."""
-    from lightning_plugins.checkpoint import export_hf
+    from lightning_plugins.checkpoint.live_export import export_hf
 
     out = Path(recipe.train.output_dir)
     unwrapped = accelerator.unwrap_model(model)
@@ -267,7 +267,7 @@ def _finish(
         tracker.finish()
     if not accelerator.is_main_process:
         return {}
-    from lightning_plugins.plots import merge_metrics, plot_losses
+    from lightning_plugins.recipe.plots import merge_metrics, plot_losses
 
     attach_manifest(out, written.values())
     written["metrics"] = merge_metrics(out / "logs", out / "metrics.csv")

@@ -8,7 +8,7 @@ objects, the gradient scaler, and every rank's random states.
 
 The directory is written under ``<name>.partial`` and renamed into place once complete, so a crash never
 leaves a half-written checkpoint under the final name (see GROUND.md: DCP over an existing directory is unsafe);
-with an :class:`~lightning_plugins.async_checkpoint.AsyncCheckpointer` the tensors are written in the background and
+with an :class:`~lightning_plugins.checkpoint.async_save.AsyncCheckpointer` the tensors are written in the background and
 the rename waits for them.
 """
 
@@ -31,14 +31,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_plugins.async_checkpoint import AsyncCheckpointer
-from lightning_plugins.checkpoint_checks import reads_checkpoint
-from lightning_plugins.disk_space import check_room, writing_checkpoint
-from lightning_plugins.export_info import save_export_info
-from lightning_plugins.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
+from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
+from lightning_plugins.checkpoint.checks import reads_checkpoint
+from lightning_plugins.checkpoint.disk_space import check_room, writing_checkpoint
+from lightning_plugins.checkpoint.export_info import save_export_info
+from lightning_plugins.checkpoint.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
 from lightning_plugins.parallel import reduce_partial_state
-from lightning_plugins.recipe_diff import record_recipe
-from lightning_plugins.resume import load_rng, publish, save_rng
+from lightning_plugins.recipe.diff import record_recipe
+from lightning_plugins.checkpoint.resume import load_rng, publish, save_rng
 
 #: Non-tensor state written once (identical on every rank).
 STATE_FILE = "accelerator_state.pt"

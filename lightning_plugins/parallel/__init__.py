@@ -12,15 +12,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_plugins.layout import MESH_DIM_NAMES, LayoutError, ParallelLayout
-from lightning_plugins.lora import hf_model_of
-from lightning_plugins.options import MemoryOptions, ParallelOptions
-from lightning_plugins.quantize import check_quantized
-from lightning_plugins.saving import install_save_pretrained
-from lightning_plugins.models import ModelFamily, check_supported, decoder_layers, family_for
+from lightning_plugins.parallel.layout import MESH_DIM_NAMES, LayoutError, ParallelLayout
+from lightning_plugins.adapters.lora import hf_model_of
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
+from lightning_plugins.adapters.qlora import check_quantized
+from lightning_plugins.checkpoint.save_pretrained import install_save_pretrained
+from lightning_plugins.parallel.families import ModelFamily, check_supported, decoder_layers, family_for
 from lightning_plugins.parallel.activation import apply_activation_checkpointing
 from lightning_plugins.parallel.context import apply_context_parallel, check_context_parallel, context_parallel_batch
-from lightning_plugins.parallel.data import apply_fsdp, mixed_precision_policy, offload_policy
+from lightning_plugins.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
 from lightning_plugins.parallel.grad import clip_grad_norm_, reduce_partial_state, total_grad_norm
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
 from lightning_plugins.parallel.pipeline import PipelineOptions, apply_pipeline_parallel, check_pipeline_layout, pipeline_of
@@ -54,14 +54,14 @@ def parallelize(
 
     Args:
         model: A transformers causal LM, materialised or on the meta device (then load weights with
-            :func:`lightning_plugins.loading.load_sharded_safetensors`), or a peft ``PeftModel`` of one
-            (LoRA adapters are placed with their base layers; see :mod:`lightning_plugins.lora`).
+            :func:`lightning_plugins.checkpoint.load.load_sharded_safetensors`), or a peft ``PeftModel`` of one
+            (LoRA adapters are placed with their base layers; see :mod:`lightning_plugins.adapters.lora`).
         layout: A :class:`ParallelLayout` (resolved against the world size here) or a mesh built by
             :meth:`ParallelLayout.build_mesh`.
         options: How each dimension is applied (sequence/loss parallel, CP backend, pipeline schedule
             and micro-batches); defaults when ``None``. Shard CP batches with :func:`context_parallel_batch`.
         memory: Activation checkpointing and offload, FSDP2 mixed precision, CPU offload, resharding; defaults when
-            ``None`` (``optimizer_offload`` is the optimizer's: see :func:`lightning_plugins.training.make_optimizer`).
+            ``None`` (``optimizer_offload`` is the optimizer's: see :func:`lightning_plugins.recipe.build.make_optimizer`).
 
     Returns:
         The same model, now holding DTensor parameters; its ``loss_function`` averages over valid tokens
@@ -69,7 +69,7 @@ def parallelize(
         rank's stages and ``model(**batch)`` runs forward and backward of the whole batch through the
         pipeline (see :func:`pipeline_of` and :mod:`lightning_plugins.parallel.pipeline`). Its ``save_pretrained``
         (and that of the ``PeftModel`` given) is collective: called on every rank, it writes the trained weights
-        whole (see :mod:`lightning_plugins.saving`).
+        whole (see :mod:`lightning_plugins.checkpoint.save_pretrained`).
 
     Raises:
         LayoutError: for any invalid combination, before any collective runs.
@@ -209,7 +209,7 @@ def _refuse_generate(model: nn.Module, reason: str) -> None:
     def generate(*args: object, **kwargs: object) -> None:
         raise NotImplementedError(
             f"generate() is not available under {reason}. Export the trained model with"
-            " `lightning_plugins.checkpoint.export_hf(model, out_dir)` and generate from it in one process (or"
+            " `lightning_plugins.checkpoint.live_export.export_hf(model, out_dir)` and generate from it in one process (or"
             " under tensor parallelism / FSDP2); the loss (`model(**batch).loss`) works under every layout."
         )
 

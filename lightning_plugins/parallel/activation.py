@@ -23,8 +23,8 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-from lightning_plugins import offload
-from lightning_plugins.layout import LayoutError
+from lightning_plugins.parallel import offload
+from lightning_plugins.parallel.layout import LayoutError
 
 MODES = ("none", "full", "selective")
 
@@ -92,7 +92,7 @@ def apply_activation_checkpointing(
 
 
 class offload_saved_tensors(saved_tensors_hooks):  # a context manager, named like torch's save_on_cpu
-    """Tensors saved for backward go to host memory (:func:`lightning_plugins.offload.to_host`) and come back to
+    """Tensors saved for backward go to host memory (:func:`lightning_plugins.parallel.offload.to_host`) and come back to
     their device when backward unpacks them; parameters stay. A tensor saved by several ops is moved once."""
 
     def __init__(self) -> None:

@@ -35,8 +35,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lightning_plugins.layout import LayoutError
-from lightning_plugins.models import ModelFamily, decoder_layers
+from lightning_plugins.parallel.layout import LayoutError
+from lightning_plugins.parallel.families import ModelFamily, decoder_layers
 
 # The dimension of attention heads in the [batch, seq, heads, head_dim] tensors that q/k norms see.
 _HEAD_DIM = 2
@@ -54,7 +54,7 @@ def apply_tensor_parallel(
 
     Args:
         model: A transformers causal LM (``get_input_embeddings`` / ``get_output_embeddings``).
-        family: Its module names (see :mod:`lightning_plugins.models`).
+        family: Its module names (see :mod:`lightning_plugins.parallel.families`).
         tp_mesh: The 1-D tensor-parallel mesh.
         sequence_parallel: Shard norms and the residual stream along the sequence between regions.
         loss_parallel: Keep the logits vocab-sharded (``Shard(-1)``); the loss is then computed on the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_plugins.options import MemoryOptions
+from lightning_plugins.parallel.options import MemoryOptions
 from lightning_plugins.planner.hardware import Cluster
 from lightning_plugins.planner.step_shape import StepShape
 

@@ -11,8 +11,8 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from lightning_plugins.layout import ParallelLayout
-from lightning_plugins.options import MemoryOptions, ParallelOptions
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.planner.hardware import GPUS, Cluster
 from lightning_plugins.planner.model_stats import model_stats
 from lightning_plugins.planner.timing import KERNELS, StepTime, estimate_step_time, torchtitan_op_sac

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace, overrides: list[str]) -> int:
     """Run the command; returns the exit status."""
     from lightning_plugins.planner.model_stats import PlannerError
-    from lightning_plugins.recipe import RecipeError
+    from lightning_plugins.recipe.schema import RecipeError
 
     try:
         if args.calibration:
@@ -75,7 +75,7 @@ def _cluster(args: argparse.Namespace, gpus: int, per_node: int, gpu: str | None
 def _check_recipe(args: argparse.Namespace, overrides: list[str]) -> int:
     from lightning_plugins.planner.plot import plot_plans
     from lightning_plugins.planner.report import plan_recipe
-    from lightning_plugins.recipe import load_recipe
+    from lightning_plugins.recipe.schema import load_recipe
 
     result = plan_recipe(
         load_recipe(args.recipe, overrides), margin=args.margin, gpu=args.gpu, gpu_memory=args.gpu_memory
@@ -87,7 +87,7 @@ def _check_recipe(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _search(args: argparse.Namespace) -> int:
-    from lightning_plugins.lora import LoraOptions
+    from lightning_plugins.adapters.lora import LoraOptions
     from lightning_plugins.planner.model_stats import PlannerError, load_model_config
     from lightning_plugins.planner.plot import layout_label, plot_plans
     from lightning_plugins.planner.report import plan

@@ -211,7 +211,7 @@ def build_parallel_model(workload: Workload) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     from lightning_plugins import parallelize
-    from lightning_plugins.lora import apply_lora
+    from lightning_plugins.adapters.lora import apply_lora
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
@@ -235,11 +235,11 @@ def _state_of(model: nn.Module, *, nf4: bool) -> dict[str, int]:
     """Parameter, gradient and AdamW bytes of a parallelized model's local shards.
 
     With ``nf4`` (QLoRA) the frozen linear weights of the decoder are counted at their NF4 size (4-bit codes,
-    block scales and their factors, as :func:`lightning_plugins.quantize.nf4_nbytes_for` gives them) per
+    block scales and their factors, as :func:`lightning_plugins.adapters.qlora.nf4_nbytes_for` gives them) per
     shard: the model is built with a dense base (NF4 needs real weights to quantize).
     """
-    from lightning_plugins.lora import hf_model_of
-    from lightning_plugins.quantize import nf4_nbytes_for
+    from lightning_plugins.adapters.lora import hf_model_of
+    from lightning_plugins.adapters.qlora import nf4_nbytes_for
 
     quantized = set()
     if nf4:  # what quantize_base_to_nf4 converts: frozen nn.Linear weights, not the head
@@ -285,8 +285,8 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lightning_plugins.lora import hf_model_of
-    from lightning_plugins.offload import host_device
+    from lightning_plugins.adapters.lora import hf_model_of
+    from lightning_plugins.parallel.offload import host_device
     from lightning_plugins.parallel import mesh_of, pipeline_of
 
     with (

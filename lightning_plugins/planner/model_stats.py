@@ -2,7 +2,7 @@
 
 Counts come in closed form from the config (no model is built), so the search can ask for them
 thousands of times. For the registered families (Llama, Mistral, Qwen2, Qwen3) the closed form is
-exact (``tests/test_planner_timing.py`` checks it against the meta-built transformers model for every
+exact (``tests/planner/test_planner_timing.py`` checks it against the meta-built transformers model for every
 shipped config); other model types are counted from one decoder layer built on the meta device.
 """
 
@@ -127,7 +127,7 @@ class ModelStats:
         return self.num_layers * self.layer_matmul_params + self.vocab_size * self.hidden_size
 
     def default_lora_targets(self) -> tuple[str, ...]:
-        """What :func:`lightning_plugins.lora.apply_lora` adapts when ``target_modules`` is ``None``: the
+        """What :func:`lightning_plugins.adapters.lora.apply_lora` adapts when ``target_modules`` is ``None``: the
         family's column- and row-parallel projections (``q/k/v/o_proj``, ``gate/up/down_proj``)."""
         return self.lora_targets or tuple(name for name, _, _ in self.linears)
 
@@ -221,7 +221,7 @@ def _family_targets(family: Any) -> tuple[str, ...]:
 
 
 def _closed_form(config: Any) -> ModelStats:
-    from lightning_plugins.models import FAMILIES
+    from lightning_plugins.parallel.families import FAMILIES
 
     h, layers, heads, kv_heads, head_dim, ffn, vocab = _shape(config)
     q, kv = heads * head_dim, kv_heads * head_dim
@@ -270,7 +270,7 @@ def _from_meta_layer(config: Any) -> ModelStats:
     from torch import nn
     from transformers import AutoModelForCausalLM
 
-    from lightning_plugins.models import decoder_layers, family_for
+    from lightning_plugins.parallel.families import decoder_layers, family_for
 
     fields = {**config.to_dict(), "num_hidden_layers": 1}
     if fields.get("layer_types"):
@@ -322,5 +322,5 @@ def _from_meta_layer(config: Any) -> ModelStats:
 
 
 #: Bytes per element of an NF4 weight: 4-bit codes, an int8 absmax per 64-element block and a bf16 factor per
-#: 256 blocks (:func:`lightning_plugins.quantize.nf4_nbytes_for` without its constant 34 bytes per tensor).
+#: 256 blocks (:func:`lightning_plugins.adapters.qlora.nf4_nbytes_for` without its constant 34 bytes per tensor).
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 2 / (64 * 256)

@@ -185,7 +185,7 @@ def plans(jobs: list[tuple[Workload, Cluster]], *, margin: float = DEFAULT_MARGI
 
 
 def plan_recipe(recipe: Any, *, margin: float = DEFAULT_MARGIN, gpu: str | None = None, gpu_memory: Any = None) -> Plan:
-    """Dry-run a loaded recipe (:func:`lightning_plugins.recipe.load_recipe`) on the hardware it names.
+    """Dry-run a loaded recipe (:func:`lightning_plugins.recipe.schema.load_recipe`) on the hardware it names.
 
     ``gpu`` and ``gpu_memory`` (``"48GiB"``) replace the recipe's ``hardware.gpu`` / ``hardware.gpu_memory_gb``.
     """

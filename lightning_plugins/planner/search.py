@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_plugins.layout import LayoutError, ParallelLayout
-from lightning_plugins.lora import LoraOptions
-from lightning_plugins.options import MemoryOptions, ParallelOptions
+from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.adapters.lora import LoraOptions
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.planner.dryrun import (
     RankMemory,
     dry_run,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_plugins.layout import LayoutError, ParallelLayout
-from lightning_plugins.options import ParallelOptions
+from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.parallel.options import ParallelOptions
 from lightning_plugins.planner.hardware import Cluster
 from lightning_plugins.planner.model_stats import ModelStats, PlannerError
 

@@ -36,8 +36,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lightning_plugins.layout import ParallelLayout
-from lightning_plugins.options import MemoryOptions, ParallelOptions
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.planner.assumptions import (
     ASYNC_TP_HIDDEN,
     HOST_ADAM_PARAMS_PER_S,
@@ -86,7 +86,7 @@ class Kernels:
 
 #: The calibrated classes. Efficiencies are the geometric mean, over the class's runs in :data:`CALIBRATION`,
 #: of the efficiency that reproduces each run exactly (``print_calibration(refit=True)`` refits and prints
-#: them; ``tests/test_planner_timing.py`` checks these constants against the refit).
+#: them; ``tests/planner/test_planner_timing.py`` checks these constants against the refit).
 KERNELS: dict[str, Kernels] = {
     "bf16": Kernels("bf16", 0.385, description="torchtitan's bf16 eager runs"),
     "compile_float8": Kernels(
@@ -174,7 +174,7 @@ def estimate_step_time(
         global_batch_size: Rows per optimizer step over all data ranks (``dp_replicate x dp_shard``); a data
             rank accumulates ``global_batch_size // (micro_batch_size x data ranks)`` forwards.
         method: ``"full"``, ``"lora"`` or ``"qlora"``.
-        lora: The :class:`~lightning_plugins.lora.LoraOptions` (rank, targets) for LoRA/QLoRA; ``None`` takes
+        lora: The :class:`~lightning_plugins.adapters.lora.LoraOptions` (rank, targets) for LoRA/QLoRA; ``None`` takes
             their defaults.
         kernels: A key of :data:`KERNELS` (or a :class:`Kernels`): the calibrated efficiency class.
             ``cluster.mfu`` overrides its efficiency.
@@ -413,7 +413,7 @@ def _method(method: str, lora: Any | None) -> tuple[str, Any | None]:
             )
         return method, None
     if lora is None:
-        from lightning_plugins.lora import LoraOptions
+        from lightning_plugins.adapters.lora import LoraOptions
 
         lora = LoraOptions()
     return method, lora

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_plugins.layout import LayoutError, ParallelLayout
-from lightning_plugins.lora import LoraOptions
-from lightning_plugins.options import MemoryOptions, ParallelOptions
+from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.adapters.lora import LoraOptions
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.planner.model_stats import PlannerError
 
 #: Training methods: all weights, LoRA adapters on a dense base, LoRA adapters on an NF4 base.
@@ -85,7 +85,7 @@ class Workload:
 
     @classmethod
     def from_recipe(cls, recipe: Any, config: Any | None = None) -> Workload:
-        """The workload of a loaded recipe (:func:`lightning_plugins.recipe.load_recipe`) at its real size."""
+        """The workload of a loaded recipe (:func:`lightning_plugins.recipe.schema.load_recipe`) at its real size."""
         if config is None:
             from lightning_plugins.planner.model_stats import load_model_config
 

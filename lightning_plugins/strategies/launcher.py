@@ -8,7 +8,7 @@ This launcher keeps Lightning's way of starting ranks and ends every failure wit
 
 * a rank that dies (killed, or an exception) fails its peers' collectives at once (gloo/NCCL close the
   connection); the launching rank then waits briefly for the dead one's exit status, stops the ranks still
-  running and raises :class:`~lightning_plugins.faults.RankFailure` naming the rank, its pid and the cause
+  running and raises :class:`~lightning_plugins.run.faults.RankFailure` naming the rank, its pid and the cause
   (its exception, or the signal that killed it);
 * a rank that hangs makes its peers' collectives time out after the strategy's ``timeout``; the message
   names the timeout and the setting, and the stuck rank is stopped;
@@ -37,7 +37,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
-from lightning_plugins.faults import (
+from lightning_plugins.run.faults import (
     FAILURES_ENV,
     TIMEOUT_SETTING,
     RankFailure,
@@ -52,8 +52,8 @@ from lightning_plugins.faults import (
     recorded_failure,
     summarize,
 )
-from lightning_plugins.nonfinite import NonFiniteError
-from lightning_plugins.preemption import PREEMPTED_EXIT
+from lightning_plugins.run.nonfinite import NonFiniteError
+from lightning_plugins.run.preemption import PREEMPTED_EXIT
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -126,7 +126,7 @@ class SupervisedLauncher(_SubprocessScriptLauncher):
 
 
 #: The exit statuses of a rank that did not fail: it finished, or it was preempted with the rest of the job (and
-#: wrote its part of the checkpoint: :mod:`lightning_plugins.preemption`).
+#: wrote its part of the checkpoint: :mod:`lightning_plugins.run.preemption`).
 _CLEAN = (0, PREEMPTED_EXIT)
 #: How long the launching rank waits at exit for the ranks it started when no collective timeout bounds the job.
 _EXIT_WAIT = timedelta(minutes=30)

@@ -24,19 +24,19 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_plugins.async_checkpoint import AsyncCheckpointer
-from lightning_plugins.checkpoint_checks import reads_checkpoint
-from lightning_plugins.disk_space import check_room, writing_checkpoint
-from lightning_plugins.export_info import save_export_info
-from lightning_plugins.faults import join_timeout, set_collective_timeout
-from lightning_plugins.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
-from lightning_plugins.layout import LayoutError, ParallelLayout
-from lightning_plugins.lora import peft_model_around
-from lightning_plugins.loading import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
-from lightning_plugins import models
-from lightning_plugins.models import check_supported
-from lightning_plugins.nonfinite import NonFiniteGuard, Policy, check_finite_weights, training_state
-from lightning_plugins.options import MemoryOptions, ParallelOptions, with_settings
+from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
+from lightning_plugins.checkpoint.checks import reads_checkpoint
+from lightning_plugins.checkpoint.disk_space import check_room, writing_checkpoint
+from lightning_plugins.checkpoint.export_info import save_export_info
+from lightning_plugins.run.faults import join_timeout, set_collective_timeout
+from lightning_plugins.checkpoint.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
+from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.adapters.lora import peft_model_around
+from lightning_plugins.checkpoint.load import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
+from lightning_plugins.parallel import families as models
+from lightning_plugins.parallel.families import check_supported
+from lightning_plugins.run.nonfinite import NonFiniteGuard, Policy, check_finite_weights, training_state
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import (
     check_parallelizable,
     check_same_settings,
@@ -47,12 +47,12 @@ from lightning_plugins.parallel import (
     reduce_partial_state,
 )
 from lightning_plugins.parallel.context import context_parallel_batch
-from lightning_plugins.recipe_diff import record_recipe
+from lightning_plugins.recipe.diff import record_recipe
 from lightning_plugins.strategies.perf import PerfCallback, add_perf
 from lightning_plugins.strategies.preemption import add_preemption
-from lightning_plugins.resume import publish, read_rng, restore_rng, save_rng
-from lightning_plugins.resume_choice import check_same_decision
-from lightning_plugins.teardown import release_at_exit
+from lightning_plugins.checkpoint.resume import publish, read_rng, restore_rng, save_rng
+from lightning_plugins.checkpoint.resume_choice import check_same_decision
+from lightning_plugins.parallel.teardown import release_at_exit
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -93,14 +93,14 @@ class ParallelismStrategy(ModelParallelStrategy):
             each is moved into place only once complete, and the last is waited for before ``fit`` returns
             (recipe key ``train.async_checkpoint``).
         on_nonfinite: What a NaN or infinite loss or global gradient norm on any rank does, seen by every rank in the
-            same optimizer step (:mod:`lightning_plugins.nonfinite`): ``"stop"`` raises
-            :class:`~lightning_plugins.nonfinite.NonFiniteError` before the weights take the step; ``"skip"`` skips
+            same optimizer step (:mod:`lightning_plugins.run.nonfinite`): ``"stop"`` raises
+            :class:`~lightning_plugins.run.nonfinite.NonFiniteError` before the weights take the step; ``"skip"`` skips
             that optimizer step. A checkpoint whose trainable weights or optimizer state are not finite is refused
             (recipe key ``train.on_nonfinite``).
         max_skipped_steps: With ``on_nonfinite="skip"``: stop after this many consecutive skipped steps (recipe key
             ``train.max_skipped_steps``).
         recipe_record: The resolved recipe (YAML) to record in every checkpoint, so that a resume can compare it with
-            its own (:mod:`lightning_plugins.recipe_diff`); ``None``: none is recorded.
+            its own (:mod:`lightning_plugins.recipe.diff`); ``None``: none is recorded.
         preempt_signals: Signals that preempt ``fit``: every rank finishes its optimizer step, the
             ``ModelCheckpoint`` writes ``step=N.ckpt`` and the process exits with status 75 (recipe key
             ``train.preempt_signals``; see :class:`~lightning_plugins.strategies.preemption.PreemptionCallback`).
@@ -448,7 +448,7 @@ class ParallelismStrategy(ModelParallelStrategy):
 
         A save killed at any point leaves only ``<name>.partial`` (never loaded; removed by the next save) and
         the previous checkpoints untouched. With ``async_checkpoint`` the sharded tensors are written in the
-        background (see :class:`~lightning_plugins.async_checkpoint.AsyncCheckpointer`) and the checkpoint is moved
+        background (see :class:`~lightning_plugins.checkpoint.async_save.AsyncCheckpointer`) and the checkpoint is moved
         into place when they are complete.
         """
         path = Path(self.broadcast(filepath))
@@ -535,7 +535,7 @@ class ParallelismStrategy(ModelParallelStrategy):
 
 
 def find_hf_model(module: nn.Module, owner: str) -> nn.Module:
-    """The LightningModule's HF model (see :func:`lightning_plugins.models.find_hf_model`)."""
+    """The LightningModule's HF model (see :func:`lightning_plugins.parallel.families.find_hf_model`)."""
     return models.find_hf_model(
         module, owner, "built in `__init__` or in `configure_model`"
     )

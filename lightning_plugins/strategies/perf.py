@@ -1,4 +1,4 @@
-"""``PerfCallback``: the Lightning door's side of :mod:`lightning_plugins.perf` (profile window, stragglers)."""
+"""``PerfCallback``: the Lightning door's side of :mod:`lightning_plugins.run.perf` (profile window, stragglers)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_plugins.perf import PerfMonitor, ProfileOptions
+from lightning_plugins.run.perf import PerfMonitor, ProfileOptions
 
 
 class PerfCallback(Callback):
     """Profiles ``train.profile``'s optimizer steps and samples the last step of every ``log_every`` window
-    (:class:`~lightning_plugins.perf.PerfMonitor`); the ``perf/*`` metrics are logged with the step's others.
+    (:class:`~lightning_plugins.run.perf.PerfMonitor`); the ``perf/*`` metrics are logged with the step's others.
     ``ParallelismStrategy`` adds it to every ``fit`` given a ``perf`` setting (:func:`add_perf`).
 
     Args:

@@ -1,4 +1,4 @@
-"""``PreemptionCallback``: the Lightning door's side of :mod:`lightning_plugins.preemption`."""
+"""``PreemptionCallback``: the Lightning door's side of :mod:`lightning_plugins.run.preemption`."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
-from lightning_plugins.preemption import Preemption
-from lightning_plugins.training import CHECKPOINT_NAME
+from lightning_plugins.run.preemption import Preemption
+from lightning_plugins.recipe.build import CHECKPOINT_NAME
 
 
 class PreemptionCallback(Callback):
     """On a preemption signal (or, in a rank a launcher started, the launcher's death), every rank finishes its
     optimizer step, the ``ModelCheckpoint`` writes ``step=N.ckpt`` (the one auto-resume picks), and the run exits with
-    :data:`~lightning_plugins.preemption.PREEMPTED_EXIT` at the next hook (after Lightning has logged the step).
+    :data:`~lightning_plugins.run.preemption.PREEMPTED_EXIT` at the next hook (after Lightning has logged the step).
     ``ParallelismStrategy`` adds it to every ``fit`` (:func:`add_preemption`), users' own LightningModules included.
 
     The handlers replace Lightning's own ``SIGTERM`` (and SLURM ``SIGUSR1``) handlers for the training (installed at

@@ -8,7 +8,7 @@ from types import ModuleType
 def runner_of(door: str) -> ModuleType:
     """The module whose ``build_model`` (and friends) the ``door`` calls: ``finetune`` or ``accelerate``."""
     if door == "finetune":
-        import lightning_plugins.finetune as runner
+        import lightning_plugins.strategies.runner as runner
     else:
         import lightning_plugins.accelerate.runner as runner  # type: ignore[no-redef]
     return runner

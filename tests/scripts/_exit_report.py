@@ -2,7 +2,7 @@
 process-group threads still alive.
 
 A gloo process group's worker threads that are still running while the interpreter finalizes can take the GIL then
-and abort the process (see :mod:`lightning_plugins.teardown`); the doors release the groups from an exit handler.
+and abort the process (see :mod:`lightning_plugins.parallel.teardown`); the doors release the groups from an exit handler.
 This module registers its own handler when it is imported, before any door registers one (handlers run in reverse
 order), so it runs after them; it writes ``<$LIGHTNING_PLUGINS_TEST_EXIT_REPORTS>/<pid>.txt`` with the names of the
 live threads, one per line, which the launching test reads (:func:`read_exit_reports`).

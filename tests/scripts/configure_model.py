@@ -1,4 +1,4 @@
-"""Run by tests/test_configure_model.py: Lightning's ``configure_model`` pattern under every strategy.
+"""Run by tests/strategies/test_configure_model.py: Lightning's ``configure_model`` pattern under every strategy.
 
 Lightning's launcher re-runs this script once per rank, so one launch of 2 ranks runs every case under TP, PP, CP
 and FSDP2 in turn. Each case trains the same model as the module without ``configure_model`` (the baseline, itself
@@ -48,7 +48,7 @@ from tiny_models import CONFIGS, tiny_model  # noqa: E402
 
 import lightning_plugins.strategies as strategies  # noqa: E402
 from lightning_plugins import LayoutError, MemoryOptions, ParallelLayout, parallelize  # noqa: E402
-from lightning_plugins.models import find_hf_model  # noqa: E402
+from lightning_plugins.parallel.families import find_hf_model  # noqa: E402
 from lightning_plugins.parallel import mesh_of  # noqa: E402
 
 FAMILY, STEPS, LOCAL_BATCH = "llama_4l", 3, 2

@@ -1,4 +1,4 @@
-"""Run by tests/test_context_trainer.py: `Trainer(strategy=ContextParallelStrategy(...))` against one process.
+"""Run by tests/strategies/test_context_trainer.py: `Trainer(strategy=ContextParallelStrategy(...))` against one process.
 
 Lightning's subprocess launcher re-runs this script once per rank, so one launch checks every case.
 The LightningModule is the user's, unchanged: it gets full-sequence batches (right padding, ``-100``

@@ -5,7 +5,7 @@
 
 On global rank ``RANK``, writing a DCP data file of the checkpoint of step ``STEP`` raises
 ``OSError(ENOSPC)`` after its first bytes, as a full disk does. The patch sits on the stream every checkpoint file is
-written through (:class:`lightning_plugins.integrity._HashingStream`); the library holds no test hook.
+written through (:class:`lightning_plugins.checkpoint.integrity._HashingStream`); the library holds no test hook.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 def main() -> None:
     rank, step, door, *argv = sys.argv[1:]
-    from lightning_plugins import integrity
+    from lightning_plugins.checkpoint import integrity
 
     write = integrity._HashingStream.write
 

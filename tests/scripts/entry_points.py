@@ -1,4 +1,4 @@
-"""Run by tests/test_entry_points.py: fit -> validate -> test -> predict -> fit again on one module.
+"""Run by tests/strategies/test_entry_points.py: fit -> validate -> test -> predict -> fit again on one module.
 
 Every strategy parallelizes the module's model once and recognises it afterwards, whatever entry point
 comes next (a new Trainer included). Each result is compared with one process doing the same sequence:

@@ -27,7 +27,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
     from transformers.models.llama import modeling_llama  # noqa: F401  (the meta model the export builds)
 
-    import lightning_plugins.export as export
+    import lightning_plugins.checkpoint.export as export
     from lightning_plugins.cli import main as cli
 
     if mode == "whole":

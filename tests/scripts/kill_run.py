@@ -51,7 +51,7 @@ def _kill_at_batch(runner: Any, index: int, rank: int | None) -> None:
 def _signal_at_batch(runner: Any, door: str, index: int, name: str, target: str) -> None:
     """Before rank 0's ``index``-th training forward, send signal ``name`` to the launcher or its process group, then
     wait until this rank's preemption flag is set."""
-    from lightning_plugins.preemption import Preemption
+    from lightning_plugins.run.preemption import Preemption
 
     requested = threading.Event()
     request = Preemption._request

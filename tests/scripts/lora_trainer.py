@@ -1,4 +1,4 @@
-"""Run by tests/test_lora_trainer.py: a peft-wrapped model in the user's LightningModule, every strategy.
+"""Run by tests/strategies/test_lora_trainer.py: a peft-wrapped model in the user's LightningModule, every strategy.
 
 The module is the user's (`get_peft_model` in its constructor, `self.model(**batch).loss`, an optimizer
 over the trainable parameters); each strategy finds the PeftModel and trains its adapters exactly as one

@@ -1,4 +1,4 @@
-"""Run by tests/test_pipeline_trainer.py: `Trainer(strategy=PipelineParallelStrategy(...))` vs one process.
+"""Run by tests/strategies/test_pipeline_trainer.py: `Trainer(strategy=PipelineParallelStrategy(...))` vs one process.
 
 Lightning's subprocess launcher re-runs this script once per rank, so one launch checks every case.
 The LightningModule is the user's, unchanged (`self.model(**batch).loss`); under the pipeline that call

@@ -1,4 +1,4 @@
-"""Run a recipe through either door with the hooks that ``tests/test_run_lock.py`` needs (tests only).
+"""Run a recipe through either door with the hooks that ``tests/run/test_run_lock.py`` needs (tests only).
 
     python tests/scripts/run_lock_hooks.py finetune RECIPE [--a.b=v ...]          (Lightning re-runs it once per rank)
     accelerate launch [...] tests/scripts/run_lock_hooks.py accelerate RECIPE [--a.b=v ...]
@@ -39,9 +39,9 @@ def _rank() -> int:
 def _checkpoint_appears(runner: Any, source: Path) -> None:
     """Wrap ``latest_checkpoint`` (where the runner and the engine look it up): after rank 0 looked, ``source`` is
     copied in; any other rank that looks does so once it is there."""
-    from lightning_plugins import training
+    from lightning_plugins.recipe import build
 
-    look = training.latest_checkpoint
+    look = build.latest_checkpoint
 
     def latest_checkpoint(output_dir: str | Path, *args: Any, **kwargs: Any) -> Any:
         marker = Path(output_dir) / "appeared"
@@ -56,7 +56,7 @@ def _checkpoint_appears(runner: Any, source: Path) -> None:
             marker.touch()
         return found
 
-    training.latest_checkpoint = latest_checkpoint
+    build.latest_checkpoint = latest_checkpoint
     runner.latest_checkpoint = latest_checkpoint
 
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_save_habits.py: after `trainer.fit`, the user saves the HF way, under several strategies.
+"""Run by tests/checkpoint/test_save_habits.py: after `trainer.fit`, the user saves the HF way, under several strategies.
 
 `module.model.save_pretrained(out_dir, is_main_process=trainer.is_global_zero)` on every rank, for a transformers
 model and for a peft `PeftModel`; then `export_hf` of the same trained model for comparison. One launch runs every
@@ -20,7 +20,7 @@ from _common import TIMEOUT, FineTune, dataset, make_trainer, script_args, write
 from _saved import check_saved  # noqa: E402
 from tiny_models import make_batch, tiny_model  # noqa: E402
 
-from lightning_plugins.checkpoint import export_hf  # noqa: E402
+from lightning_plugins.checkpoint.live_export import export_hf  # noqa: E402
 from lightning_plugins.strategies import (  # noqa: E402
     ContextParallelStrategy,
     ParallelismStrategy,

@@ -1,4 +1,4 @@
-"""Run by tests/test_recipes.py: tiny twins of shipped recipes (``lightning_plugins.shrink``), one after another
+"""Run by tests/recipe/test_recipes.py: tiny twins of shipped recipes (``lightning_plugins.recipe.tiny``), one after another
 in one launched world, so the world starts once for many recipes.
 
     python tests/scripts/smoke_recipes.py lightning TWIN.yaml ...     (the first Trainer starts the other ranks)
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import _exit_report  # noqa: F401  (before any door: reports the process-group threads alive at exit)
 
-from lightning_plugins.recipe import load_recipe
+from lightning_plugins.recipe.schema import load_recipe
 
 
 def main(door: str, recipes: list[str]) -> None:
@@ -23,7 +23,7 @@ def main(door: str, recipes: list[str]) -> None:
         out = Path(recipe.train.output_dir) / door
         recipe = load_recipe(path, [f"train.output_dir={out}"])
         if door == "lightning":
-            from lightning_plugins.finetune import run_finetune
+            from lightning_plugins.strategies.runner import run_finetune
 
             run_finetune(recipe)
         else:

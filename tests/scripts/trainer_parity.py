@@ -1,4 +1,4 @@
-"""Run by tests/test_trainer_parity.py: `Trainer(strategy=...)` against a one-process reference.
+"""Run by tests/strategies/test_trainer_parity.py: `Trainer(strategy=...)` against a one-process reference.
 
 Lightning's subprocess launcher re-runs this script once per rank, so one launch checks every case
 (later Trainers reuse the launched ranks). Rank 0 writes the measured differences as JSON.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_plugins.options import CP_BACKENDS
+from lightning_plugins.parallel.options import CP_BACKENDS
 
 BACKENDS = CP_BACKENDS
 
@@ -54,7 +54,7 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, backend:
     Raises:
         LayoutError: naming the violated constraint and a setting that works.
     """
-    from lightning_plugins.layout import LayoutError
+    from lightning_plugins.parallel.layout import LayoutError
 
     if backend not in BACKENDS:
         raise LayoutError(f"Unknown context-parallel backend {backend!r}; use one of {BACKENDS}.")

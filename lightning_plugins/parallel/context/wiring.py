@@ -34,7 +34,7 @@ _STATE_ATTR = "_lightning_plugins_context_parallel"
 class _AttentionState(NamedTuple):
     """What the registered attention function needs from one prepared attention module."""
 
-    mesh: Any  # the 1-D cp mesh; its group is looked up at each call (see lightning_plugins.teardown)
+    mesh: Any  # the 1-D cp mesh; its group is looked up at each call (see lightning_plugins.parallel.teardown)
     size: int
     backend: str
     inner: str  # the model's own attention implementation, run on the full sequence by Ulysses
@@ -63,7 +63,7 @@ def apply_context_parallel(model: Any, layers: Any, cp_mesh: Any, backend: str =
     """
     from transformers import AttentionInterface
 
-    from lightning_plugins.layout import LayoutError
+    from lightning_plugins.parallel.layout import LayoutError
 
     if backend not in BACKENDS:
         raise LayoutError(f"Unknown context-parallel backend {backend!r}; use one of {BACKENDS}.")

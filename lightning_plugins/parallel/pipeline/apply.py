@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_plugins.models import ModelFamily, decoder_layers
+from lightning_plugins.parallel.families import ModelFamily, decoder_layers
 from lightning_plugins.parallel.pipeline.options import PipelineOptions
 from lightning_plugins.parallel.pipeline.runtime import Pipeline, _Tie
 from lightning_plugins.parallel.pipeline.split import split_into_stages, tied_pair_group

@@ -20,8 +20,8 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from lightning_plugins.layout import LayoutError, ParallelLayout
-from lightning_plugins.models import FAMILIES
+from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.parallel.families import FAMILIES
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_plugins.models import ModelFamily, decoder_layers
+from lightning_plugins.parallel.families import ModelFamily, decoder_layers
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, layer_ranges, stages_of_rank
 from lightning_plugins.parallel.pipeline.stage import StageModule
 

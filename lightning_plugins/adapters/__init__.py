@@ -1,0 +1,1 @@
+"""LoRA and QLoRA: peft adapters on parallelized models, NF4 base weights."""

@@ -1,0 +1,228 @@
+"""LoRA through peft: the recipe's ``lora:`` settings, wrapping a model, and finding what a peft model trains.
+
+The API is the one LoRA users already write: ``peft.get_peft_model(model, LoraConfig(...))`` (or
+:func:`apply_lora` with a :class:`LoraOptions`), then :func:`lightning_plugins.parallelize` on the result
+(or on the transformers model inside it, which is what the Lightning strategies find). Each layout places
+the adapters with their base layer:
+
+* tensor parallelism splits each adapter half consistently with its base layer
+  (:mod:`lightning_plugins.parallel.tensor`);
+* FSDP2 shards the frozen base like any parameter; it gets no gradient, and an optimizer built over
+  :func:`trainable_parameters` holds no state for it;
+* pipeline stages keep the adapters of their own layers; context parallelism needs nothing more.
+
+Order matters, and the wrong orders are silently wrong: LoRA first, then ``parallelize`` (peft wrapping
+tensor-parallel or FSDP2-sharded linears would build adapters of the local size, or leave them unsynchronised).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_plugins.parallel.layout import LayoutError
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+__all__ = [
+    "LoraOptions",
+    "apply_lora",
+    "check_lora_targets",
+    "hf_model_of",
+    "lora_layers",
+    "peft_model_around",
+    "trainable_parameters",
+]
+
+QUANTIZE = ("none", "nf4")
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """LoRA settings: the recipe's ``lora:`` section and what :func:`apply_lora` takes.
+
+    Args:
+        r: Rank of each adapter (``lora_A``: ``r x in``, ``lora_B``: ``out x r``).
+        alpha: Scale numerator: the adapter's output is multiplied by ``alpha / r`` (``alpha / sqrt(r)``
+            with ``use_rslora``).
+        dropout: Dropout on each adapter's input (0 disables it).
+        target_modules: Module names (last name component, e.g. ``"q_proj"``) to adapt; ``None`` takes the
+            model family's attention and MLP projections (``q/k/v/o_proj``, ``gate/up/down_proj`` for Llama,
+            Mistral, Qwen). Under tensor parallelism only those projections can be adapted.
+        use_rslora: Rank-stabilised scaling ``alpha / sqrt(r)`` (Kalajdzievski 2023).
+        quantize: ``"nf4"`` stores the frozen base as 4-bit NF4 (QLoRA, see :mod:`lightning_plugins.adapters.qlora`);
+            ``"none"`` keeps it dense.
+    """
+
+    r: int = 16
+    alpha: float = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | None = None
+    use_rslora: bool = False
+    quantize: Literal["none", "nf4"] = "none"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
+            raise LayoutError(f"lora r={self.r!r} must be a positive integer (the adapter rank, e.g. 8, 16 or 64).")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < math.inf:
+            raise LayoutError(
+                f"lora alpha={self.alpha!r} must be a positive number (commonly 2 x r, e.g. alpha=32 for r=16)."
+            )
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
+            raise LayoutError(f"lora dropout={self.dropout!r} must be in [0, 1) (0 disables it; 0.05 is common).")
+        if self.target_modules is not None:
+            names = (self.target_modules,) if isinstance(self.target_modules, str) else tuple(self.target_modules)
+            if not names or not all(isinstance(n, str) and n.strip() for n in names):
+                raise LayoutError(
+                    f"lora target_modules={self.target_modules!r} must be a non-empty list of module names (e.g."
+                    " ['q_proj', 'v_proj']), or left out for the attention and MLP projections."
+                )
+            object.__setattr__(self, "target_modules", names)  # a tuple: the options stay hashable
+        if self.quantize not in QUANTIZE:
+            raise LayoutError(f"lora quantize={self.quantize!r} is not one of {QUANTIZE} ('nf4' for QLoRA).")
+
+
+def hf_model_of(model: nn.Module) -> nn.Module:
+    """The transformers model a layout applies to: the one inside a ``PeftModel``, else ``model`` itself.
+
+    For LoRA that is ``peft_model.base_model.model``, the model holding the LoRA layers; it is also the
+    outermost ``transformers.PreTrainedModel``, which the Lightning strategies find.
+    """
+    peft = sys.modules.get("peft")  # a model cannot be a PeftModel unless peft was imported
+    if peft is not None and isinstance(model, peft.PeftModel):
+        return model.get_base_model()
+    return model
+
+
+def peft_model_around(module: nn.Module, model: nn.Module) -> nn.Module:
+    """The peft ``PeftModel`` inside ``module`` (or ``module`` itself) that wraps the transformers ``model``, else
+    ``model``: what a door hands to ``parallelize``, so that the ``PeftModel``'s ``save_pretrained`` is collective
+    too."""
+    peft = sys.modules.get("peft")
+    if peft is None:
+        return model
+    return next((m for m in module.modules() if isinstance(m, peft.PeftModel) and hf_model_of(m) is model), model)
+
+
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(name, layer)`` for every peft LoRA layer in ``model`` (a ``PeftModel`` or the model inside one)."""
+    if "peft" not in sys.modules:
+        return
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            yield name, module
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters an optimizer should hold: those that require gradients (with LoRA: the adapters).
+
+    Building the optimizer over these (not ``model.parameters()``) keeps it from holding momentum or Adam
+    state for the frozen base; under pipeline parallelism they are this rank's stages' parameters.
+    """
+    return [param for param in model.parameters() if param.requires_grad]
+
+
+def apply_lora(model: nn.Module, options: LoraOptions) -> PeftModel:
+    """Wrap a transformers causal LM with LoRA adapters (``peft.get_peft_model``); NF4 base for QLoRA.
+
+    Call it before :func:`lightning_plugins.parallelize`, on a model with real weights, after seeding every
+    rank identically (adapters start from the global RNG; replicated halves must agree across ranks).
+
+    Args:
+        model: A transformers causal LM (``AutoModelForCausalLM``), not parallelized and not yet wrapped.
+        options: The LoRA settings.
+
+    Returns:
+        The ``PeftModel``; only its adapters require gradients.
+
+    Raises:
+        LayoutError: for a model that is already a peft model or already parallelized, and for target
+            modules that name nothing in the model (naming the linear layers it has).
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if isinstance(model, PeftModel) or any(True for _ in lora_layers(model)):
+        raise LayoutError(
+            f"apply_lora: {type(model).__name__} already has LoRA adapters. Pass the bare transformers model, or"
+            " parallelize the PeftModel you built as it is."
+        )
+    if any(isinstance(param, DTensor) for param in model.parameters()):
+        raise LayoutError(
+            "apply_lora: the model is already parallelized (it holds DTensor parameters); adapters added now would"
+            " be built with the local shapes. Apply LoRA first, then `lightning_plugins.parallelize`."
+        )
+    targets = options.target_modules or _default_targets(model)
+    _check_targets(model, targets)
+    config = LoraConfig(
+        r=options.r,
+        lora_alpha=options.alpha,
+        lora_dropout=options.dropout,
+        target_modules=list(targets),
+        use_rslora=options.use_rslora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with warnings.catch_warnings():
+        # peft reads a transformers attribute deprecated in 5.x: not something the user can act on.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        peft_model = get_peft_model(model, config)
+    if options.quantize == "nf4":
+        from lightning_plugins.adapters.qlora import quantize_base_to_nf4
+
+        quantize_base_to_nf4(peft_model)
+    return peft_model
+
+
+def check_lora_targets(config: Any, options: LoraOptions) -> None:
+    """Check ``options.target_modules`` against a model config before any weight is loaded (on the meta device).
+
+    Raises:
+        LayoutError: naming the targets that match nothing and the model's linear layers.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    _check_targets(model, options.target_modules or _default_targets(model))
+
+
+def _default_targets(model: nn.Module) -> tuple[str, ...]:
+    """The last name component of the family's column- and row-parallel projections (attention and MLP)."""
+    from lightning_plugins.parallel.families import family_for
+
+    with warnings.catch_warnings():  # the notice about falling back to the config's TP plan concerns TP only
+        warnings.simplefilter("ignore", UserWarning)
+        family = family_for(model, tensor_parallel=False)
+    names = tuple(dict.fromkeys(path.rpartition(".")[2] for path in (*family.colwise, *family.rowwise)))
+    if not names:
+        raise LayoutError(
+            f"apply_lora: model type {family.name!r} has no known attention/MLP projections. Name the modules to"
+            f" adapt: LoraOptions(target_modules=[...]) from its linear layers {_linear_names(model)}."
+        )
+    return names
+
+
+def _check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
+    """Every target must name at least one module (peft's rule: the full name or its last components)."""
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if missing:
+        raise LayoutError(
+            f"apply_lora: target_modules {missing} name no module of {type(model).__name__}. Its linear layers are"
+            f" {_linear_names(model)}; use some of those (e.g. lora.target_modules: [q_proj, v_proj])."
+        )
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    return sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)})

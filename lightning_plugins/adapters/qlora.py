@@ -1,0 +1,334 @@
+"""QLoRA: the frozen base weights of a peft LoRA model stored as 4-bit NF4 (torchao ``NF4Tensor``).
+
+What is converted: the weight of every frozen ``nn.Linear`` of the model, that is the base layer of each
+LoRA-wrapped linear *and* the frozen linears LoRA does not target (QLoRA quantizes the whole frozen
+base, not only the adapted layers; a linear left dense would hold 4x the bytes for no benefit).
+What stays dense: embeddings, norms, biases, the output head (``get_output_embeddings()``; QLoRA via
+transformers/bitsandbytes and torchtune keep it dense too), anything trainable, and peft's
+``modules_to_save`` copies.
+
+The format: each block of ``block_size`` (64) consecutive row-major elements becomes 4-bit indices
+into the NF4 table plus one absmax; the absmaxes are quantized again to int8 in groups of
+``scaler_block_size`` blocks ("double quantization"), each group keeping one factor in the weight's
+dtype. That is ~4.13 bits per weight: 0.258x the bf16 bytes (0.28x is NF4 without double quantization).
+``F.linear`` on an ``NF4Tensor`` dequantizes the weight to the input's dtype on every call, forward and
+backward (torchao's ``LinearNF4``); the base never gets a gradient.
+
+How it composes (checked by :func:`check_quantized` before any collective):
+
+* FSDP2 (``dp_shard``, HSDP, and ``cp``, which FSDP2 shards over too): torchao's ``NF4Tensor`` implements
+  FSDP2's all-gather extension, so each rank keeps 1/N of the 4-bit bytes and gathers 4-bit bytes.
+  FSDP2 splits dim 0 into equal shards without padding (an NF4 shard cannot be padded): each shard
+  needs whole rows and whole scaler groups.
+* Pipeline parallelism: each stage keeps its layers' NF4 weights as they are.
+* Tensor parallelism: refused. A row-parallel split (``Shard(1)`` of ``o_proj``/``down_proj``) cuts
+  through the row-major quantization blocks and scaler groups, and torchao's ``NF4Tensor`` has no
+  dim-1 split; a column-parallel ``Shard(0)`` weight is distributed, but its DTensor matmul goes through
+  a transposed ``NF4Tensor`` that torchao 0.18 multiplies with the wrong shape.
+
+Order: load the real weights -> ``peft.get_peft_model`` -> :func:`quantize_base_to_nf4` ->
+``lightning_plugins.parallelize``. Do not ``copy.deepcopy`` a quantized model: torchao's ``clone``
+re-quantizes with its default block sizes (lossy, and fails for small weights).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+
+if TYPE_CHECKING:
+    from torchao.quantization import NF4Tensor
+
+__all__ = [
+    "check_quantized",
+    "default_scaler_block_size",
+    "is_nf4",
+    "nf4_nbytes",
+    "nf4_nbytes_for",
+    "nf4_weights",
+    "quantize_base_to_nf4",
+]
+
+#: Elements per quantization block (QLoRA's and torchao's choice).
+BLOCK_SIZE = 64
+#: The largest scaler group (QLoRA's and torchao's default); smaller layers get smaller groups.
+MAX_SCALER_BLOCK_SIZE = 256
+#: With ``scaler_block_size=None``, each weight stays shardable over up to this many FSDP2 ranks
+#: (where its row count allows): real-size layers keep groups of 256, tiny ones get smaller groups.
+SHARDABLE_RANKS = 64
+#: Entries of the NF4 lookup table each ``NF4Tensor`` carries.
+_NF4_TABLE = 16
+
+
+@functools.cache
+def _torchao() -> tuple[type, Any]:
+    """``(NF4Tensor, to_nf4)``, imported on first use: QLoRA is optional.
+
+    ``lightning_plugins/__init__.py`` has already imported torchao with its import-time log noise muted.
+    """
+    from torchao.quantization import NF4Tensor, to_nf4
+
+    return NF4Tensor, to_nf4
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def is_nf4(tensor: Tensor) -> bool:
+    """Whether ``tensor`` (or, for a DTensor, its local shard) is an ``NF4Tensor``."""
+    return isinstance(_local(tensor), _torchao()[0])
+
+
+def nf4_weights(model: nn.Module) -> Iterator[tuple[str, NF4Tensor]]:
+    """``(name, weight)`` for each NF4 parameter of ``model``; a sharded one yields its local ``NF4Tensor``."""
+    for name, param in model.named_parameters():
+        if is_nf4(param):
+            yield name, _local(param)
+
+
+def nf4_nbytes(tensor: Tensor) -> int:
+    """Bytes an ``NF4Tensor`` (or this rank's shard of one) actually holds.
+
+    4-bit codes (``quantized_data``), int8 block absmaxes (``quantized_scalers``), one factor per scaler
+    group (``quantization_factor``), the absmax mean (``scaler_mean``) and the 16-entry NF4 table.
+    """
+    local = _local(tensor)
+    if not isinstance(local, _torchao()[0]):
+        raise TypeError(f"nf4_nbytes expects an NF4Tensor (or a DTensor of one), got {type(local).__name__}.")
+    inner = (local.quantized_data, local.quantized_scalers, local.quantization_factor, local.scaler_mean, local.nf4)
+    return sum(t.numel() * t.element_size() for t in inner)
+
+
+def nf4_nbytes_for(
+    numel: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    block_size: int = BLOCK_SIZE,
+    scaler_block_size: int = MAX_SCALER_BLOCK_SIZE,
+) -> int:
+    """Bytes of a whole ``numel``-element weight in NF4 (what :func:`nf4_nbytes` measures), for planning.
+
+    Args:
+        numel: Elements of the weight (a multiple of ``block_size * scaler_block_size``).
+        dtype: The weight's dtype before quantization (the scaler factors, mean and table keep it).
+        block_size: Elements per quantization block.
+        scaler_block_size: Blocks per double-quantization group.
+    """
+    blocks = numel // block_size
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return numel // 2 + blocks + (blocks // scaler_block_size) * itemsize + itemsize + _NF4_TABLE * itemsize
+
+
+def default_scaler_block_size(shape: torch.Size | tuple[int, ...], block_size: int = BLOCK_SIZE) -> int:
+    """The largest scaler group (<= 256, a power of two) that leaves a weight shardable by FSDP2.
+
+    FSDP2 needs ``rows`` and the number of scaler groups divisible by the shard count; this keeps them
+    divisible by ``gcd(rows, 64)``, so a 4096 x 4096 weight keeps groups of 256 while a 64 x 128 one gets
+    groups of 2.
+    """
+    rows, blocks = shape[0], math.prod(shape) // block_size
+    target = math.gcd(rows, SHARDABLE_RANKS)
+    size = MAX_SCALER_BLOCK_SIZE
+    while size > 1 and (blocks % size or (blocks // size) % target):
+        size //= 2
+    return size
+
+
+def quantize_base_to_nf4(
+    model: nn.Module, *, block_size: int = BLOCK_SIZE, scaler_block_size: int | None = None
+) -> int:
+    """Store the frozen linear weights of a peft LoRA model as NF4, in place (QLoRA).
+
+    Call it after ``peft.get_peft_model`` (and after the real weights are loaded) and before
+    ``lightning_plugins.parallelize``. See the module docstring for what is converted and what stays dense.
+
+    Args:
+        model: A ``PeftModel`` (or the transformers model inside it) with LoRA layers.
+        block_size: Elements per quantization block (even; must divide each weight's element count).
+        scaler_block_size: Blocks per double-quantization group; ``None`` chooses per weight with
+            :func:`default_scaler_block_size` so that every weight shards under FSDP2.
+
+    Returns:
+        How many weights were converted (weights that already are NF4 are left as they are).
+
+    Raises:
+        ValueError: if the model has no LoRA layer, a LoRA layer wraps something other than ``nn.Linear``
+            or ``nn.Embedding``, a weight is on the meta device or already sharded, or a weight does not
+            split into the requested blocks.
+    """
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    if not isinstance(block_size, int) or block_size < 2 or block_size % 2:
+        raise ValueError(
+            f"block_size must be a positive even integer (NF4 packs two codes per byte), got {block_size!r}."
+        )
+    if scaler_block_size is not None and (not isinstance(scaler_block_size, int) or scaler_block_size < 1):
+        raise ValueError(f"scaler_block_size must be a positive integer or None, got {scaler_block_size!r}.")
+    lora_layers = [(name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+    if not lora_layers:
+        raise ValueError(
+            f"quantize_base_to_nf4: {type(model).__name__} has no LoRA layer. QLoRA quantizes the frozen base under"
+            " LoRA adapters: wrap the model first with `peft.get_peft_model(model, LoraConfig(...))`."
+        )
+    for name, module in lora_layers:
+        base = module.get_base_layer()
+        if type(base) is not nn.Linear and not isinstance(base, nn.Embedding):
+            raise ValueError(
+                f"quantize_base_to_nf4: the LoRA layer {name} wraps a {type(base).__name__}; NF4 bases are supported"
+                " for nn.Linear (embeddings stay dense). Leave this module out of `target_modules`."
+            )
+
+    # The head and the embedding (the head's weight when tied) stay dense, even when LoRA targets them.
+    dense = {id(getattr(_unwrap(embedding, LoraLayer), "weight", None)) for embedding in _embeddings(model)}
+    # peft keeps a trainable copy and the original of each `modules_to_save` module: both stay dense.
+    wrappers = [module for module in model.modules() if isinstance(module, AuxiliaryTrainingWrapper)]
+    skipped = {id(module) for wrapper in wrappers for module in wrapper.modules()}
+    to_nf4 = _torchao()[1]
+    converted: dict[int, nn.Parameter] = {}  # a weight shared by two linears is converted once
+    for name, module in model.named_modules():
+        # Exact type: a subclass may compute its output without `F.linear`, which NF4 relies on.
+        if type(module) is not nn.Linear or id(module) in skipped:
+            continue
+        weight = module.weight
+        if weight.requires_grad or id(weight) in dense or is_nf4(weight):
+            continue
+        if id(weight) not in converted:
+            converted[id(weight)] = _to_nf4_parameter(f"{name}.weight", weight, block_size, scaler_block_size, to_nf4)
+        module.weight = converted[id(weight)]
+    return len(converted)
+
+
+def _embeddings(model: nn.Module) -> list[nn.Module]:
+    """The input and output embedding modules of a transformers model (or a ``PeftModel`` around one)."""
+    found = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            module = getattr(model, getter)()
+        except (AttributeError, NotImplementedError):
+            continue
+        if module is not None:
+            found.append(module)
+    return found
+
+
+def _unwrap(module: nn.Module, lora_layer: type) -> nn.Module:
+    return module.get_base_layer() if isinstance(module, lora_layer) else module
+
+
+def _to_nf4_parameter(
+    name: str, weight: Tensor, block_size: int, scaler_block_size: int | None, to_nf4: Any
+) -> nn.Parameter:
+    shape = tuple(weight.shape)
+    if isinstance(weight, DTensor):
+        raise ValueError(
+            f"quantize_base_to_nf4: {name} is already distributed ({weight.placements}). Quantize before"
+            " `lightning_plugins.parallelize`, which then shards the NF4 weights."
+        )
+    if weight.is_meta:
+        raise ValueError(
+            f"quantize_base_to_nf4: {name} is on the meta device. NF4 codes are computed from the values: load the"
+            " real weights first (e.g. `from_pretrained`), then quantize."
+        )
+    if weight.numel() % block_size:
+        raise ValueError(
+            f"quantize_base_to_nf4: {name} of shape {shape} has {weight.numel()} elements, not a multiple of"
+            f" block_size={block_size}. Use a block_size that divides it, or leave this module out of the model's"
+            " frozen linears."
+        )
+    blocks = weight.numel() // block_size
+    group = default_scaler_block_size(shape, block_size) if scaler_block_size is None else scaler_block_size
+    if blocks % group:
+        raise ValueError(
+            f"quantize_base_to_nf4: {name} of shape {shape} has {blocks} blocks of {block_size}, not a multiple of"
+            f" scaler_block_size={group}. Pass scaler_block_size=None to choose a group size per weight"
+            f" (here {default_scaler_block_size(shape, block_size)})."
+        )
+    return nn.Parameter(to_nf4(weight.detach().contiguous(), block_size, group), requires_grad=False)
+
+
+def check_quantized(model: nn.Module, layout: ParallelLayout) -> None:
+    """Refuse a layout that NF4 base weights cannot take, before any collective runs.
+
+    Call from ``parallelize`` after the layout is resolved; a model without NF4 weights passes at once.
+
+    Args:
+        model: The model about to be parallelized.
+        layout: A resolved layout (``dp_shard_size`` not ``-1``).
+
+    Raises:
+        LayoutError: under tensor parallelism (naming a layout of the same world size that works), or when
+            FSDP2 cannot split a weight into equal shards of whole rows and whole scaler groups (naming the
+            weight, its shape, the shard count and the fix).
+    """
+    weights = dict(nf4_weights(model))
+    if not weights:
+        return
+    if layout.dp_shard_size == -1:
+        raise LayoutError("check_quantized needs a resolved layout: call `layout.resolve(world_size)` first.")
+    if layout.tp_size > 1:
+        raise LayoutError(_tensor_parallel_message(next(iter(weights)), weights, layout))
+    problem = _first_unshardable(weights, layout.dp_shard_size * layout.cp_size)
+    if problem is not None:
+        raise LayoutError(problem)
+
+
+def _first_unshardable(weights: dict[str, NF4Tensor], shards: int) -> str | None:
+    """Why the first weight that FSDP2 cannot split over ``shards`` ranks fails (``None`` if all split)."""
+    if shards == 1:
+        return None
+    for name, weight in weights.items():
+        rows, blocks = weight.shape[0], weight.numel() // weight.block_size
+        groups = blocks // weight.scaler_block_size
+        if rows % shards == 0 and groups % shards == 0:
+            continue
+        fits = math.gcd(rows, groups)
+        ranks = [n for n in range(2, fits + 1) if fits % n == 0]
+        fix = f"use a shard count that divides {fits} ({ranks})" if ranks else "use dp_shard_size=1 and cp_size=1"
+        if rows % shards == 0:
+            sizes = _powers_of_two_down(weight.scaler_block_size)
+            size = next((s for s in sizes if blocks % s == 0 and (blocks // s) % shards == 0), None)
+            if size is not None:
+                fix = f"quantize with scaler_block_size={size} (or None: a shardable size per weight), or {fix}"
+        return (
+            f"QLoRA: the NF4 weight {name} of shape {tuple(weight.shape)} ({blocks} blocks of {weight.block_size},"
+            f" double-quantized in {groups} groups of {weight.scaler_block_size} blocks) cannot be sharded over"
+            f" {shards} FSDP2 ranks (dp_shard_size x cp_size): FSDP2 splits dim 0 into equal shards that must hold"
+            f" whole rows and whole scaler groups ({rows} rows, {groups} groups). Fix: {fix}."
+        )
+    return None
+
+
+def _powers_of_two_down(start: int) -> Iterator[int]:
+    size = 1 << (start.bit_length() - 1)
+    while size >= 1:
+        yield size
+        size //= 2
+
+
+def _tensor_parallel_message(name: str, weights: dict[str, NF4Tensor], layout: ParallelLayout) -> str:
+    """The refusal of TP for NF4 weights, with a layout of the same world size that works."""
+    replicas, shards = layout.dp_replicate_size, layout.dp_shard_size * layout.tp_size  # fold TP's ranks into FSDP2
+    if _first_unshardable(weights, shards * layout.cp_size) is not None:
+        replicas, shards = replicas * layout.tp_size, layout.dp_shard_size  # replicas split no weight at all
+    sizes = {
+        "pp_size": layout.pp_size, "dp_replicate_size": replicas, "dp_shard_size": shards, "cp_size": layout.cp_size
+    }
+    shown = ", ".join(f"{key}={value}" for key, value in sizes.items() if value > 1 or key == "dp_shard_size")
+    return (
+        f"QLoRA: NF4 base weights (e.g. {name}) do not compose with tensor parallelism (tp_size={layout.tp_size}):"
+        " a row-parallel split cuts through NF4's row-major quantization blocks and double-quantized scaler"
+        " groups, and torchao's NF4Tensor supports neither that split nor a column-parallel DTensor matmul."
+        " QLoRA composes with FSDP2 (dp_shard_size, HSDP), context parallelism and pipeline parallelism: use"
+        f" ParallelLayout({shown}) for the same {layout.world_size} ranks, or LoRA without quantization under"
+        " tensor parallelism."
+    )

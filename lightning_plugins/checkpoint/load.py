@@ -1,0 +1,235 @@
+"""Meta-device models and sharded loading: each rank reads only its slices of the safetensors files.
+
+No rank ever materialises the full model: the model is built on the meta device, parallelized (its
+parameters become DTensors that know their global shape and placements), given empty local storage,
+and each local shard is filled from ``safe_open(...).get_slice(name)[rows, cols]``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
+from lightning_plugins.parallel import mesh_of, parallelize
+
+
+def is_on_meta(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` lives on the meta device (has no storage yet)."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def checkpoint_index(checkpoint_dir: str | Path) -> dict[str, Path]:
+    """Map every tensor name in an HF safetensors checkpoint directory to the file that holds it."""
+    root = Path(checkpoint_dir)
+    index_file = root / "model.safetensors.index.json"
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"{index_file} is not a valid safetensors index (a JSON object with a weight_map): {err}. Copy or"
+                " download the checkpoint again."
+            ) from None
+        absent = sorted({file for file in weight_map.values() if not (root / file).is_file()})
+        if absent:
+            raise FileNotFoundError(
+                f"{index_file} names {len(absent)} shard(s) that are not in {root}: {', '.join(absent[:5])}. The"
+                " download or copy is incomplete: fetch the missing files (every file the index names)."
+            )
+        return {name: root / file for name, file in weight_map.items()}
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"No *.safetensors files in {root}. Pass an HF checkpoint directory saved with `save_pretrained`"
+            " (safe_serialization, the default)."
+        )
+    index: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            index.update(dict.fromkeys(handle.keys(), file))
+    return index
+
+
+def _local_slices(tensor: torch.Tensor) -> tuple[slice, ...]:
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(None) for _ in tensor.shape)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
+@torch.no_grad()
+def load_sharded_safetensors(
+    model: nn.Module, checkpoint_dir: str | Path, device: torch.device | str | None = None
+) -> None:
+    """Give a meta-device (parallelized) model storage and fill each rank's shards from the checkpoint.
+
+    Args:
+        model: The model, typically after :func:`~lightning_plugins.parallelize` on the meta device.
+        checkpoint_dir: An HF checkpoint directory (``*.safetensors``, optionally sharded with an index).
+        device: Where the local shards live; defaults to the mesh's device type (``cpu`` / ``cuda``).
+
+    Raises:
+        KeyError: when the checkpoint lacks a parameter of the model (names are listed).
+    """
+    mesh = mesh_of(model)
+    if device is None:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if mesh is not None and mesh.device_type == "cuda"
+            else "cpu"
+        )
+    index = checkpoint_index(checkpoint_dir)
+    state = dict(model.named_parameters())
+    state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
+    missing = sorted(set(state) - set(index))
+    if any(".lora_" in name or ".base_layer." in name for name in missing):
+        raise LayoutError(
+            f"The model is a peft (LoRA) model on the meta device, but {checkpoint_dir} is an HF checkpoint: it holds"
+            " no adapter weights, and its base weights are not under peft's names. Build the base model with its"
+            " weights (`AutoModelForCausalLM.from_pretrained`) and then `get_peft_model`, or build it on the meta"
+            " device without adapters."
+        )
+    if missing:
+        raise KeyError(
+            f"The checkpoint in {checkpoint_dir} lacks {len(missing)} tensors of the model, e.g. {missing[:5]}."
+        )
+    _check_shapes(state, index)  # before any storage is touched: nothing is half-loaded
+    # `to_empty` gives every module its own new tensor, which would untie shared weights (tied
+    # embeddings): remember who shares what and tie them again.
+    shared = _shared_parameters(model)
+    model.to_empty(device=device)
+    for owner_name, others in shared.items():
+        for name in others:
+            module_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(module_name), leaf, model.get_parameter(owner_name))
+    state = dict(model.named_parameters())
+    state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
+    handles: dict[Path, Any] = {}
+    try:
+        for name, tensor in state.items():
+            file = index[name]
+            if file not in handles:
+                handles[file] = safe_open(file, framework="pt")
+            piece = handles[file].get_slice(name)[_local_slices(tensor)]
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            local.copy_(piece.to(dtype=local.dtype))
+    finally:
+        handles.clear()
+    _reinit_nonpersistent_buffers(model, device)
+
+
+def _check_shapes(state: dict[str, torch.Tensor], index: dict[str, Path]) -> None:
+    """Every tensor the model needs is readable in its file with the model's (global) shape."""
+    by_file: dict[Path, list[str]] = {}
+    for name in state:
+        by_file.setdefault(index[name], []).append(name)
+    wrong = []
+    for file, names in by_file.items():
+        try:
+            with safe_open(file, framework="pt") as handle:
+                wrong += [
+                    (name, shape)
+                    for name in names
+                    if (shape := handle.get_slice(name).get_shape()) != list(state[name].shape)
+                ]
+        except Exception as err:  # safetensors' own error type is not exported
+            raise ValueError(
+                f"{file} cannot be read as safetensors ({type(err).__name__}: {err}); it is truncated or corrupted."
+                " Copy or download it again."
+            ) from None
+    if wrong:
+        shown = ", ".join(f"{name} {shape} (model: {list(state[name].shape)})" for name, shape in wrong[:3])
+        raise ValueError(
+            f"The checkpoint in {index[wrong[0][0]].parent} holds {len(wrong)} tensor(s) of another shape than the model"
+            f" built from its config: {shown}. It belongs to a different model: check model.path and its config.json."
+        )
+
+
+def _shared_parameters(model: nn.Module) -> dict[str, list[str]]:
+    """First name of each parameter held under several names -> its other names."""
+    first: dict[int, str] = {}
+    shared: dict[str, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            shared.setdefault(first[id(param)], []).append(name)
+        else:
+            first[id(param)] = name
+    return shared
+
+
+def _is_persistent(model: nn.Module, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return leaf not in module._non_persistent_buffers_set
+
+
+def _reinit_nonpersistent_buffers(model: nn.Module, device: torch.device | str) -> None:
+    """Recompute buffers that are not in checkpoints (rotary frequencies) by rebuilding their module."""
+    for module in model.modules():
+        if not module._non_persistent_buffers_set:
+            continue
+        config = getattr(module, "config", None)
+        if config is None:
+            raise LayoutError(
+                f"{type(module).__name__} has non-persistent buffers {sorted(module._non_persistent_buffers_set)} that"
+                " cannot be recomputed after meta-device loading; build this model materialised instead."
+            )
+        with torch.device(device):
+            fresh = type(module)(config=config)
+        for name in module._non_persistent_buffers_set:
+            setattr(module, name, getattr(fresh, name))
+
+
+def checkpoint_dir_of(model: nn.Module, load_from: str | Path | None, owner: str) -> Path:
+    """Where a meta-device model's weights are: ``load_from``, else the config's ``name_or_path``.
+
+    Raises:
+        LayoutError: if neither is a local directory, naming the fix.
+    """
+    source = load_from or getattr(model.config, "name_or_path", None)
+    if not source or not Path(source).is_dir():
+        raise LayoutError(
+            f"{owner}: the model is on the meta device but no local HF checkpoint directory is known"
+            f" (config.name_or_path={source!r}). Pass `load_from=<dir with *.safetensors>`."
+        )
+    return Path(source)
+
+
+def from_pretrained(
+    checkpoint_dir: str | Path,
+    layout: ParallelLayout | DeviceMesh,
+    options: ParallelOptions | None = None,
+    memory: MemoryOptions | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+) -> nn.Module:
+    """Build an HF causal LM on the meta device, parallelize it, and load this rank's slices.
+
+    Args:
+        checkpoint_dir: A local HF checkpoint directory (config.json + safetensors).
+        layout: The layout or mesh (see :func:`~lightning_plugins.parallelize`).
+        dtype: Parameter dtype.
+        attn_implementation: e.g. ``"sdpa"`` or ``"eager"``; the config's choice when ``None``.
+        options: How the layout is applied (see :func:`~lightning_plugins.parallelize`).
+        memory: Memory levers (see :func:`~lightning_plugins.parallelize`).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(checkpoint_dir)
+    with torch.device("meta"):
+        kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+    parallelize(model, layout, options, memory)
+    load_sharded_safetensors(model, checkpoint_dir)
+    return model

@@ -1,0 +1,304 @@
+"""Saving a parallelized model the way users already save: ``save_pretrained`` and a full ``state_dict``.
+
+After :func:`lightning_plugins.parallelize` each rank holds shards (DTensors under TP, FSDP2 and CP) or only its
+pipeline stages, so the library's own ``model.save_pretrained(out_dir)`` fails on the DTensors, or under
+pipeline parallelism writes one stage's weights. ``parallelize`` therefore installs :func:`save_pretrained` on
+the model it parallelized (the transformers model and the peft ``PeftModel`` around it): every rank calls it, as
+the HF and Accelerate habit is, and the trained tensors are gathered with the export machinery of
+:mod:`lightning_plugins.checkpoint.live_export` (each DTensor by the ranks that share it, pipeline stages collected on rank
+0). The writing rank then hands them to transformers' own ``save_pretrained`` with all of the caller's options;
+for a ``PeftModel`` it writes the adapter directory with ``export_hf``'s writer, the adapters picked and named by
+peft on each stage (peft picks by visiting the layers, which a pipeline stage has only some of), plus peft's
+model card. So the directory is the one a single process writes, and its tensors are those ``export_hf`` writes.
+:func:`full_state_dict` is the whole state dict under one-process names on rank 0, which
+``ParallelAccelerator.get_state_dict`` returns.
+
+Who writes: the ranks that pass ``is_main_process=True``; when every rank passes it (the default), rank 0
+alone. A ``state_dict=`` that is already full (plain tensors of the model's shapes, every entry) is written as
+given; the model's own sharded ``state_dict()`` passed alike on every rank is gathered first; anything else (one
+pipeline stage's part, local shards) is refused on every rank, before anything is written. The files are
+written into ``save_directory`` as the libraries write them (next to what is there, e.g. a tokenizer), not
+swapped in atomically as ``export_hf`` does.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import types
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from lightning_plugins.checkpoint.live_export import _collect_stages, _full_on_leader, _save_adapters, _save_model, _stage_leader
+from lightning_plugins.run.faults import summarize
+from lightning_plugins.adapters.lora import hf_model_of
+
+__all__ = ["full_state_dict", "install_save_pretrained", "save_pretrained"]
+
+#: What to do instead, ending every refusal.
+_INSTEAD = (
+    " Leave state_dict out: `save_pretrained(out_dir, is_main_process=...)` called on every rank gathers the trained"
+    " weights from all ranks itself. Or pass the full state dict that `lightning_plugins.checkpoint.save_pretrained.full_state_dict(model)`"
+    " (`ParallelAccelerator.get_state_dict(model)`) returns on rank 0 when every rank calls it, and let rank 0 write"
+    " (is_main_process=True there). `lightning_plugins.checkpoint.live_export.export_hf(model, out_dir)` writes the same files."
+)
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The full state dict of ``model`` under the names one process gives, on rank 0; ``{}`` on the other ranks.
+
+    Collective: every rank must call it. DTensors are gathered (as CPU tensors) and every pipeline stage's
+    entries are collected, so the result is what ``model.state_dict()`` holds in one process.
+
+    Args:
+        model: A transformers model or a peft ``PeftModel`` (then the names are the ``PeftModel``'s,
+            ``base_model.model....``), parallelized by :func:`lightning_plugins.parallelize` or not.
+    """
+    return _gather(model, get_model_state_dict(model))
+
+
+def install_save_pretrained(model: nn.Module) -> None:
+    """Replace ``model.save_pretrained`` by :func:`save_pretrained` (on this instance; the class keeps its own)."""
+    if callable(getattr(type(model), "save_pretrained", None)):
+        model.save_pretrained = types.MethodType(save_pretrained, model)
+
+
+class _View(NamedTuple):
+    """What one rank brings to a ``save_pretrained`` call (all-gathered, so every rank decides alike)."""
+
+    writes: bool
+    own: dict[str, tuple[tuple[int, ...] | None, bool, str | None]]  # the entries it saves: shape, DTensor, alias of
+    given: dict[str, tuple[tuple[int, ...] | None, bool, str | None]] | None  # the same of its state_dict argument
+    files: dict[str, dict[str, str]] | None  # PeftModel: per adapter, the adapter file's key -> the state_dict name
+
+
+def save_pretrained(model: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """``model.save_pretrained(save_directory, ...)`` for a parallelized model; the library's own arguments.
+
+    Collective: every rank calls it. The ranks passing ``is_main_process=True`` write (rank 0 alone when every
+    rank passes it). A transformers model is written by transformers' own ``save_pretrained`` with the full
+    trained tensors; a ``PeftModel`` writes its adapter directory (``adapter_config.json``, the adapters' weights
+    as peft picks and names them on each pipeline stage, the model card), as ``PeftModel.save_pretrained`` does.
+
+    Raises:
+        ValueError: on every rank, before anything is written, for a ``state_dict`` that is not the full one
+            (one pipeline stage's part, local shards) and cannot be gathered.
+        RuntimeError: when the process group is gone or a rank did not call it, and on every rank when a
+            writing rank failed.
+    """
+    call = inspect.signature(type(model).save_pretrained).bind(model, *args, **kwargs)
+    options = _arguments(call)
+    given = options.pop("state_dict", None)
+    owner = type(model).__name__
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"save_pretrained of this parallelized {owner} gathers its weights from every rank, but torch.distributed"
+            " is not initialized (the process group was destroyed). Call it before `destroy_process_group()` on every"
+            " rank, or export a saved checkpoint with `lightning-plugins export`."
+        )
+    own, files = _entries_to_save(model, options)
+    # The ranks of a pipeline stage hold the same entries (shards of the same global shapes): its leader tells them.
+    leader = dist.get_rank() == _stage_leader(hf_model_of(model))
+    view = _View(bool(options.get("is_main_process", True)), _describe(own) if leader else {}, _describe(given),
+                 files if leader else None)  # fmt: skip
+    views: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(views, view)
+    except RuntimeError as error:  # gloo/NCCL errors and timeouts; the usual cause is a rank that did not call it
+        raise RuntimeError(
+            f"{owner}.save_pretrained on a parallelized model is collective: every rank must call it (it gathers each"
+            f" rank's shards), but a peer did not answer ({summarize(error)}). Call it on every rank and choose the"
+            " writing rank with is_main_process=..., rather than calling it under `if rank == 0:`."
+        ) from error
+    writers, source = _plan(owner, views)
+    rank = dist.get_rank()
+    if source != "given" and writers:
+        state = _deliver(_gather(model, own if source == "model" else given), writers)
+    else:
+        state = given if rank in writers else {}
+    failure = None
+    if rank in writers:
+        try:
+            _write(model, options, state, views)
+        except Exception as error:  # every rank learns of it below, then this rank raises it as it is
+            failure = error
+    failures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, None if failure is None else summarize(failure))
+    if failure is not None:
+        raise failure
+    failed = [(r, what) for r, what in enumerate(failures) if what is not None]
+    if failed:
+        rank, what = failed[0]
+        raise RuntimeError(f"{owner}.save_pretrained: rank {rank} could not write its directory: {what}")
+
+
+# ---------------------------------------------------------------------------------------------------- the call
+
+
+def _arguments(call: inspect.BoundArguments) -> dict[str, Any]:
+    """The call's arguments by name (``**kwargs`` flattened), without the model itself."""
+    params = call.signature.parameters
+    arguments: dict[str, Any] = {}
+    for index, (name, value) in enumerate(call.arguments.items()):
+        if params[name].kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(value)
+        elif index > 0:
+            arguments[name] = value
+    return arguments
+
+
+def _entries_to_save(model: nn.Module, options: dict[str, Any]) -> tuple[dict[str, Any], dict | None]:
+    """This rank's (sharded) entries that are written, under their ``state_dict()`` names: every entry of a
+    transformers model; of a ``PeftModel``, those peft picks for each adapter on this rank's stages, with the key
+    each has in the adapter file (peft picks by visiting the layers, so each pipeline stage names its own)."""
+    sharded = get_model_state_dict(model)  # no communication: this rank's own shards, under one-process names
+    if hf_model_of(model) is model:
+        return sharded, None
+    from peft.utils import get_peft_model_state_dict
+
+    if options.get("path_initial_model_for_weight_conversion") is not None:
+        raise ValueError(
+            f"{type(model).__name__}.save_pretrained(path_initial_model_for_weight_conversion=...) is not available on"
+            " a parallelized model. Save the adapter as it is, then convert it in one process:"
+            " PeftModel.from_pretrained(base, adapter_dir).save_pretrained(out,"
+            " path_initial_model_for_weight_conversion=...)."
+        )
+    name_of: dict[int, str] = {}
+    for key, value in sharded.items():
+        name_of.setdefault(id(value), key)
+    files: dict[str, dict[str, str]] = {}
+    with warnings.catch_warnings():  # peft's notes come from the one-process habit once; not from every rank
+        warnings.simplefilter("ignore")
+        for adapter in options.get("selected_adapters") or list(model.peft_config):
+            entries = get_peft_model_state_dict(
+                model, state_dict=sharded, adapter_name=adapter,
+                save_embedding_layers=options.get("save_embedding_layers", "auto"),
+            )  # fmt: skip
+            files[adapter] = {key: name_of.get(id(value), "") for key, value in entries.items()}
+    wanted = {name for names in files.values() for name in names.values()}
+    return {key: value for key, value in sharded.items() if key in wanted}, files
+
+
+def _describe(state: dict[str, Any] | None) -> dict[str, tuple[tuple[int, ...] | None, bool, str | None]] | None:
+    """Each entry's (global) shape, whether it is a DTensor, and the earlier entry it is the same tensor as."""
+    if state is None:
+        return None
+    first: dict[int, str] = {}
+    described = {}
+    for key, value in state.items():
+        tensor = isinstance(value, Tensor)
+        shape = tuple(value.shape) if tensor else None
+        described[key] = (shape, isinstance(value, DTensor), first.setdefault(id(value), key) if tensor else None)
+    return {
+        key: (shape, dtensor, None if alias == key else alias) for key, (shape, dtensor, alias) in described.items()
+    }
+
+
+def _plan(owner: str, views: list[_View]) -> tuple[list[int], str]:
+    """The writing ranks and where their tensors come from: ``"model"`` (gathered from the model), ``"given"`` (each
+    writer's ``state_dict``, already full) or ``"gather"`` (every rank's ``state_dict`` gathered). Every rank decides
+    the same from the all-gathered views, so a refusal is raised everywhere at once."""
+    flags = [view.writes for view in views]
+    writers = [0] if all(flags) else [rank for rank, flag in enumerate(flags) if flag]
+    for view in views:
+        if view.files is not None and any("" in names.values() for names in view.files.values()):
+            raise ValueError(  # peft built new tensors instead of picking the model's: nothing to gather them from
+                f"{owner}.save_pretrained: peft's adapter state dict holds tensors that are not the model's own, which"
+                " cannot be gathered from a parallelized model. Export it with"
+                " `lightning_plugins.checkpoint.live_export.export_hf(model, out_dir)`."
+            )
+    given = [view.given for view in views]
+    if all(state is None for state in given):
+        return writers, "model"
+    expected: dict[str, tuple[tuple[int, ...] | None, bool, str | None]] = {}
+    for view in views:  # every pipeline stage's entries
+        expected.update(view.own)
+    problems = {rank: _not_full(given[rank], expected) for rank in writers}
+    if not any(problems.values()):
+        return writers, "given"
+    same = all(state is not None and list(state.items()) == list(given[0].items()) for state in given)  # order too
+    if same and not _not_full(given[0], expected, sharded=True):
+        return writers, "gather"  # e.g. the model's own state_dict() on every rank (TP, FSDP2)
+    rank, problem = next((rank, problem) for rank, problem in problems.items() if problem)
+    raise ValueError(f"{owner}.save_pretrained(state_dict=...): the state dict on rank {rank} {problem}.{_INSTEAD}")
+
+
+def _not_full(state: dict | None, expected: dict, *, sharded: bool = False) -> str | None:
+    """Why ``state`` (described) is not the model's full state dict, or ``None`` if it is (``sharded``: DTensors
+    of the full shapes are fine)."""
+    if state is None:
+        return "is None while other ranks passed one (pass state_dict on every rank or on none)"
+    dtensors = [key for key, (_, dtensor, _) in state.items() if dtensor]
+    if dtensors and not sharded:
+        return f"holds {len(dtensors)} DTensor shards (e.g. {dtensors[0]!r}) that the other ranks do not pass alike"
+    missing = [key for key, (_, _, alias) in expected.items() if key not in state and alias not in state]
+    if missing:
+        stage = " (under pipeline parallelism a rank's model.state_dict() holds only its stages)" if state else ""
+        return f"lacks {len(missing)} of the model's {len(expected)} entries{stage}, e.g. {missing[:3]}"
+    for key, (shape, _, _) in expected.items():
+        if key in state and state[key][0] != shape:
+            got, want = list(state[key][0] or ()), list(shape or ())
+            return f"holds {key!r} of shape {got} where the model's is {want} (a shard)"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ gathering, writing
+
+
+def _gather(model: nn.Module, entries: dict[str, Any]) -> dict[str, Any]:
+    """``entries`` whole, on rank 0 (``{}`` elsewhere): DTensors gathered, pipeline stages collected."""
+    hf = hf_model_of(model)
+    return _collect_stages(hf, _full_on_leader(hf, entries))
+
+
+def _deliver(state: dict[str, Any], writers: list[int]) -> dict[str, Any]:
+    """Rank 0's gathered ``state`` on every writing rank (``{}`` on the others)."""
+    rank = dist.get_rank()
+    for writer in writers:
+        if writer == 0:
+            continue
+        if rank == 0:
+            dist.send_object_list([state], dst=writer)
+        elif rank == writer:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=0)
+            state = box[0]
+    return state if rank in writers else {}
+
+
+def _write(model: nn.Module, options: dict[str, Any], state: dict[str, Any], views: list[_View]) -> None:
+    """What the library's own ``save_pretrained`` writes for ``model`` with the full ``state``."""
+    options = {**options, "is_main_process": True}
+    directory = options.pop("save_directory")
+    if hf_model_of(model) is model:  # transformers' own, with the caller's options
+        with _writes_on_this_rank(model):
+            _save_model(model, state, directory, **options)
+        return
+    weights: dict[str, dict[str, Tensor]] = {}
+    for view in views:  # every stage's adapter entries, named as peft names them
+        for adapter, names in (view.files or {}).items():
+            weights.setdefault(adapter, {}).update({key: state[name] for key, name in names.items()})
+    os.makedirs(directory, exist_ok=True)
+    model.create_or_update_model_card(directory)
+    _save_adapters(model, weights, Path(directory), safe_serialization=options.get("safe_serialization", True))
+
+
+@contextmanager
+def _writes_on_this_rank(model: nn.Module) -> Iterator[None]:
+    """transformers writes from rank 0 only (``should_save_on_this_rank``); here the caller chose the writer."""
+    if dist.get_rank() == 0 or not hasattr(type(model), "should_save_on_this_rank"):
+        yield
+        return
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        yield
+    finally:
+        del model.should_save_on_this_rank

@@ -1,0 +1,207 @@
+"""What differs per model family: which modules split how, where the layers and norms are.
+
+A family is data, not a fork of the HF modeling code. Families not registered here fall back to the
+``base_model_tp_plan`` that transformers ships in their config (see :func:`family_for`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lightning_plugins.parallel.layout import LayoutError
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """The module names tensor/sequence parallelism needs, relative to the causal-LM model.
+
+    Attributes:
+        name: Human-readable family name.
+        layers: Dotted path of the ``ModuleList`` of decoder layers.
+        final_norm: Dotted path of the norm after the last layer ("" when unknown).
+        colwise: Linear layers (relative to a decoder layer) split along their output features.
+        rowwise: Linear layers (relative to a decoder layer) split along their input features.
+        layer_norms: Norms inside a decoder layer (sequence-sharded under sequence parallelism).
+        head_norms: Norms applied per attention head (q/k norms), whose input is split by heads.
+        tp_regions: Sub-modules of a decoder layer whose input must be the whole sequence
+            (the all-gather point under sequence parallelism).
+        sequence_parallel: Whether the family's forward is known to work with a sequence-sharded
+            residual stream (false for the generic fallback).
+    """
+
+    name: str
+    layers: str = "model.layers"
+    final_norm: str = "model.norm"
+    colwise: tuple[str, ...] = (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+    )
+    rowwise: tuple[str, ...] = ("self_attn.o_proj", "mlp.down_proj")
+    layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    head_norms: tuple[str, ...] = ()
+    tp_regions: tuple[str, ...] = ("self_attn", "mlp")
+    sequence_parallel: bool = True
+    extra_styles: dict[str, str] = field(default_factory=dict)
+
+
+LLAMA = ModelFamily("llama")
+QWEN3 = ModelFamily("qwen3", head_norms=("self_attn.q_norm", "self_attn.k_norm"))
+
+#: ``config.model_type`` -> family. Llama 2/3/3.1/3.2, Mistral and Qwen2/2.5 share one layout
+#: (Qwen2's q/k/v bias is split with its weight by ``ColwiseParallel``).
+FAMILIES: dict[str, ModelFamily] = {
+    "llama": LLAMA,
+    "mistral": ModelFamily("mistral"),
+    "qwen2": ModelFamily("qwen2"),
+    "qwen3": QWEN3,
+}
+
+#: HF ``base_model_tp_plan`` styles this engine can translate for the generic fallback.
+_HF_STYLES = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce"}
+
+
+def family_for(model: nn.Module, *, tensor_parallel: bool = True) -> ModelFamily:
+    """Return the family of a transformers causal LM, or a fallback built from its config's TP plan.
+
+    Args:
+        model: A ``transformers.PreTrainedModel`` (a causal LM with ``.config``).
+        tensor_parallel: Whether the caller will apply tensor parallelism (a model with no plan
+            can still be data/pipeline parallel).
+
+    Raises:
+        LayoutError: if the model is not a transformers model, or tensor parallelism is asked for a
+            model that has neither a registered family nor a ``base_model_tp_plan``.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if config is None or model_type is None:
+        raise LayoutError(
+            f"{type(model).__name__} is not a transformers PreTrainedModel (no `.config.model_type`). Pass a"
+            f" causal LM such as `AutoModelForCausalLM.from_config(...)`; supported families: {sorted(FAMILIES)}."
+        )
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not plan:
+        if tensor_parallel:
+            raise LayoutError(
+                f"Model type '{model_type}' has no registered family and its config has no `base_model_tp_plan`, so"
+                f" it cannot be tensor-parallel. Use tp_size=1 (FSDP2 still works) or one of {sorted(FAMILIES)}."
+            )
+        return ModelFamily(
+            model_type,
+            layers=f"{getattr(model, 'base_model_prefix', 'model')}.layers",
+            final_norm="",
+            colwise=(),
+            rowwise=(),
+            layer_norms=(),
+            tp_regions=(),
+            sequence_parallel=False,
+        )
+    return _family_from_hf_plan(model_type, plan, getattr(model, "base_model_prefix", "model"))
+
+
+def _family_from_hf_plan(model_type: str, plan: dict[str, str], prefix: str) -> ModelFamily:
+    unknown = {style for style in plan.values() if style not in _HF_STYLES}
+    if unknown:
+        raise LayoutError(
+            f"Model type '{model_type}' is not registered and its `base_model_tp_plan` uses styles this engine does"
+            f" not translate: {sorted(unknown)}. Use tp_size=1 or one of {sorted(FAMILIES)}."
+        )
+    per_layer = {key.removeprefix("layers.*."): style for key, style in plan.items() if key.startswith("layers.*.")}
+    warnings.warn(
+        f"Model type '{model_type}' has no registered family: tensor parallelism falls back to the config's"
+        f" `base_model_tp_plan` ({len(per_layer)} module patterns). Missing in the fallback: sequence parallelism"
+        " (norms and the residual stream stay replicated) and any module the plan does not name.",
+        stacklevel=3,
+    )
+    return ModelFamily(
+        model_type,
+        layers=f"{prefix}.layers",
+        final_norm="",  # unnamed in the plan: its weight is replicated with the other leftovers
+        colwise=tuple(k for k, s in per_layer.items() if s == "colwise"),
+        rowwise=tuple(k for k, s in per_layer.items() if s == "rowwise"),
+        layer_norms=(),
+        head_norms=tuple(k for k, s in per_layer.items() if s == "replicated_with_grad_allreduce"),
+        tp_regions=(),
+        sequence_parallel=False,
+        extra_styles={k: s for k, s in per_layer.items() if s in ("colwise_gather_output", "rowwise_split_input")},
+    )
+
+
+def decoder_layers(model: nn.Module, family: ModelFamily) -> nn.ModuleList:
+    """The ``ModuleList`` of decoder layers of ``model``.
+
+    Falls back to the list whose entries are the model's ``_no_split_modules`` classes (e.g. GPT-2's
+    ``transformer.h``) when the family's path does not exist.
+    """
+    try:
+        return model.get_submodule(family.layers)  # type: ignore[return-value]
+    except AttributeError:
+        pass
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and type(module[0]).__name__ in block_names:
+            return module
+    raise LayoutError(
+        f"Cannot find the decoder layers of {type(model).__name__} (tried '{family.layers}' and the model's"
+        f" _no_split_modules {sorted(block_names)})."
+    )
+
+
+def check_supported(model: Any) -> None:
+    """Refuse models that are already wrapped by another data-parallel engine."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    for module in model.modules():
+        if isinstance(module, (FullyShardedDataParallel, DistributedDataParallel)):
+            raise LayoutError(
+                f"The model is already wrapped in {type(module).__name__}; this engine applies FSDP2 itself. Pass the"
+                " bare transformers model (unwrap it, e.g. `wrapped.module`) to `parallelize`."
+            )
+
+
+def hf_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost ``transformers.PreTrainedModel`` instances in ``module`` (itself included), with their names."""
+    from transformers import PreTrainedModel
+
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel) and not any(
+            outer == "" or name.startswith(f"{outer}.") for outer, _ in found
+        ):
+            found.append((name, sub))
+    return found
+
+
+def find_hf_model(
+    module: nn.Module,
+    owner: str,
+    fix: str = "or call `lightning_plugins.parallelize(model, mesh)` on the model yourself",
+) -> nn.Module:
+    """The one outermost ``transformers.PreTrainedModel`` inside ``module`` (itself, or inside a ``PeftModel``).
+
+    Args:
+        module: What a door was handed (a LightningModule, the model given to ``prepare``).
+        owner: Who asks, for the message (e.g. the strategy's class name).
+        fix: The door's other way out, ending the message.
+
+    Raises:
+        LayoutError: if there is none, or several unrelated ones.
+    """
+    found = hf_models(module)
+    if len(found) != 1:
+        what = "no transformers PreTrainedModel" if not found else f"{len(found)} models ({[n for n, _ in found]})"
+        raise LayoutError(
+            f"{owner} found {what} inside {type(module).__name__}. Keep exactly one HF causal LM in it (e.g."
+            f" `self.model = AutoModelForCausalLM.from_config(...)`, or a peft `PeftModel` around one), {fix}."
+        )
+    return found[0][1]

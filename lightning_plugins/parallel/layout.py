@@ -1,0 +1,205 @@
+"""The parallel layout: dimension sizes, their validation, and the ``DeviceMesh`` built from them.
+
+Every invalid combination fails here, before any collective runs, with a message that names the
+constraint and a layout that would work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_plugins.parallel.teardown import track_mesh
+
+#: Mesh dimension names, outermost to innermost.
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot work for this world size or model; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of the five parallel dimensions.
+
+    Args:
+        pp_size: Pipeline stages.
+        dp_replicate_size: Data-parallel replicas (HSDP's outer dimension when ``dp_shard_size > 1``).
+        dp_shard_size: Ranks that shard parameters, gradients and optimizer state (FSDP2).
+            ``-1`` means whatever the world size leaves after the other dimensions.
+        cp_size: Ranks that split the sequence inside attention (context parallel).
+        tp_size: Ranks that split weight matrices (tensor parallel).
+    """
+
+    pp_size: int = 1
+    dp_replicate_size: int = 1
+    dp_shard_size: int = -1
+    cp_size: int = 1
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("pp_size", "dp_replicate_size", "cp_size", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"ParallelLayout: `{name}` must be a positive integer, got {value!r}.")
+        if not isinstance(self.dp_shard_size, int) or (self.dp_shard_size < 1 and self.dp_shard_size != -1):
+            raise LayoutError(
+                f"ParallelLayout: `dp_shard_size` must be a positive integer or -1 (the rest), got {self.dp_shard_size!r}."
+            )
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The sizes in mesh order (``pp, dp_replicate, dp_shard, cp, tp``); requires a resolved layout."""
+        self._require_resolved()
+        return (self.pp_size, self.dp_replicate_size, self.dp_shard_size, self.cp_size, self.tp_size)
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks this layout spans; requires a resolved layout."""
+        return int(torch.tensor(self.sizes).prod())
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that see different samples (replicas x shards)."""
+        self._require_resolved()
+        return self.dp_replicate_size * self.dp_shard_size
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks over which FSDP2 shards or replicates parameters: data and context ranks together."""
+        return self.dp_size * self.cp_size
+
+    def resolve(self, world_size: int) -> ParallelLayout:
+        """Fill in ``dp_shard_size=-1`` and check that the sizes multiply to ``world_size``.
+
+        Raises:
+            LayoutError: if the world size is not divisible by the fixed dimensions, or the product differs.
+        """
+        fixed = self.pp_size * self.dp_replicate_size * self.cp_size * self.tp_size
+        if self.dp_shard_size == -1:
+            if world_size % fixed:
+                raise LayoutError(
+                    f"World size {world_size} is not divisible by pp_size x dp_replicate_size x cp_size x tp_size"
+                    f" = {fixed} ({self._fixed_str()}). Use a world size that is a multiple of {fixed}, or"
+                    f" smaller sizes, e.g. {self._suggest(world_size)}."
+                )
+            return replace(self, dp_shard_size=world_size // fixed)
+        if fixed * self.dp_shard_size != world_size:
+            raise LayoutError(
+                f"pp_size x dp_replicate_size x dp_shard_size x cp_size x tp_size = {fixed * self.dp_shard_size}"
+                f" ({self._fixed_str()}, dp_shard_size={self.dp_shard_size}) must equal the world size"
+                f" {world_size}. Set dp_shard_size=-1 to use the rest, e.g. {self._suggest(world_size)}."
+            )
+        return self
+
+    def validate(self, config: Any | None = None) -> None:
+        """Check a resolved layout against a transformers model config.
+
+        Args:
+            config: A ``transformers.PretrainedConfig`` (or any object with the same attribute names).
+
+        Raises:
+            LayoutError: naming the violated constraint and a size that would work.
+        """
+        self._require_resolved()
+        if config is None:
+            return
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        checks = {
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "intermediate_size": getattr(config, "intermediate_size", None),
+            "vocab_size": getattr(config, "vocab_size", None),
+        }
+        if self.tp_size > 1:
+            for name, value in checks.items():
+                if value is not None and value % self.tp_size:
+                    good = [t for t in _divisors(self.world_size) if all(v is None or v % t == 0 for v in checks.values())]
+                    extra = (
+                        " (grouped-query attention: each tensor-parallel rank needs at least one whole kv head)"
+                        if name == "num_key_value_heads"
+                        else ""
+                    )
+                    raise LayoutError(
+                        f"tp_size={self.tp_size} does not divide {name}={value} of this"
+                        f" {getattr(config, 'model_type', 'model')} config{extra}. tp_size must divide"
+                        f" num_attention_heads, num_key_value_heads, intermediate_size and vocab_size; valid"
+                        f" tp_size values for world size {self.world_size}: {good}, e.g."
+                        f" ParallelLayout(tp_size={max(good)}, dp_shard_size=-1)."
+                    )
+        layers = getattr(config, "num_hidden_layers", None)
+        if layers is not None and self.pp_size > layers:
+            raise LayoutError(
+                f"pp_size={self.pp_size} exceeds num_hidden_layers={layers}: each pipeline stage needs at least"
+                f" one decoder layer. Use pp_size <= {layers}."
+            )
+
+    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        """Build the 5-D ``DeviceMesh`` (names in ``MESH_DIM_NAMES``) plus the flattened dimensions.
+
+        Flattened dimensions: ``dp`` (dp_replicate x dp_shard: ranks that see different samples),
+        ``dp_shard_cp`` (dp_shard x cp: FSDP2's shard dimension) and ``dp_cp`` (every rank holding
+        different tokens, over which the loss is normalised).
+        """
+        self._require_resolved()
+        # Every group of the mesh waits as long as the world's process group: torch would give the groups it
+        # creates for a dimension smaller than the world its own default (30 min), whatever the door's timeout.
+        options = _world_group_options()
+        override = None if options is None else dict.fromkeys(MESH_DIM_NAMES, options)
+        mesh = init_device_mesh(device_type, self.sizes, mesh_dim_names=MESH_DIM_NAMES, backend_override=override)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=options)
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=options)
+        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=options)
+        return track_mesh(mesh)  # its cached groups are dropped when the process groups are released
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> ParallelLayout:
+        """Read the sizes back from a mesh built by :meth:`build_mesh` (missing names count as size 1)."""
+        names = mesh.mesh_dim_names or ()
+        sizes = {name: mesh.size(names.index(name)) if name in names else 1 for name in MESH_DIM_NAMES}
+        return cls(*(sizes[name] for name in MESH_DIM_NAMES))
+
+    def _require_resolved(self) -> None:
+        if self.dp_shard_size == -1:
+            raise LayoutError("ParallelLayout has dp_shard_size=-1: call `.resolve(world_size)` first.")
+
+    def _fixed_str(self) -> str:
+        return (
+            f"pp_size={self.pp_size}, dp_replicate_size={self.dp_replicate_size}, cp_size={self.cp_size},"
+            f" tp_size={self.tp_size}"
+        )
+
+    def _suggest(self, world_size: int) -> str:
+        # Head counts are powers of two far more often than not: suggest the largest such divisor.
+        tp = max(t for t in _divisors(world_size) if t <= self.tp_size and t & (t - 1) == 0)
+        return f"ParallelLayout(tp_size={tp}, dp_shard_size=-1)"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _world_group_options() -> Any:
+    """Options carrying the default process group's timeout, for the groups of a mesh (``None``: torch's default).
+
+    Only for a single-backend world (``gloo`` or ``nccl``); the options' backend must match the group's.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    backend = dist.get_backend()
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    options._timeout = dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
+    return options

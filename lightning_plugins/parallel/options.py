@@ -1,0 +1,164 @@
+"""How the layout is applied (``ParallelOptions``) and what memory levers are pulled (``MemoryOptions``).
+
+Each setting is defined once, here. The same frozen objects are the recipe's ``parallel:`` and
+``memory:`` sections (pydantic validates them by their type hints and rejects unknown keys), the
+arguments of :func:`lightning_plugins.parallelize`, and what the Lightning strategies and the
+Accelerate door hold, so a new setting added here reaches every door.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from lightning_plugins.parallel.layout import LayoutError
+
+#: Context-parallel attention backends.
+CP_BACKENDS = ("ulysses", "ring")
+#: Activation checkpointing modes.
+CHECKPOINTING_MODES = ("none", "full", "selective")
+#: dtype names accepted for FSDP2 mixed precision.
+DTYPE_NAMES = ("fp32", "float32", "bf16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How each parallel dimension is applied.
+
+    Args:
+        sequence_parallel: With TP: shard norms and the residual stream along the sequence.
+        loss_parallel: With TP: cross entropy on vocab-sharded logits, never gathering them.
+        cp_backend: With ``cp_size > 1``: ``"ulysses"`` (all-to-all over heads) or ``"ring"`` (K/V around
+            the ring, online softmax; no head constraint).
+        pp_schedule: With ``pp_size > 1``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
+            ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or ``"dualpipev"``.
+        pp_microbatches: Micro-batches per pipeline step; ``None`` takes the number of stages.
+        pp_stages_per_rank: Stages per rank; ``None`` takes 1 (2 for interleaved and V-shaped schedules).
+    """
+
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    cp_backend: str = "ulysses"
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    pp_stages_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        from lightning_plugins.parallel.pipeline import SCHEDULES
+
+        if self.cp_backend not in CP_BACKENDS:
+            raise LayoutError(
+                f"cp_backend={self.cp_backend!r} is not a context-parallel backend; use one of {CP_BACKENDS}."
+            )
+        if self.pp_schedule not in SCHEDULES:
+            raise LayoutError(
+                f"pp_schedule={self.pp_schedule!r} is not a known pipeline schedule. Use one of {sorted(SCHEDULES)}"
+                " (e.g. pp_schedule='1f1b')."
+            )
+        for name in ("pp_microbatches", "pp_stages_per_rank"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise LayoutError(f"{name} must be a positive integer or None, got {value!r}.")
+
+    @property
+    def pipeline(self) -> Any:
+        """The pipeline part as :class:`lightning_plugins.parallel.pipeline.PipelineOptions` (unresolved)."""
+        from lightning_plugins.parallel.pipeline import PipelineOptions
+
+        return PipelineOptions(self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank)
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """Memory levers: activation checkpointing and offload, FSDP2 mixed precision, CPU and optimizer offload, resharding.
+
+    Args:
+        activation_checkpointing: ``"none"``, ``"full"`` (each layer keeps only its input) or
+            ``"selective"`` (op-level: matmul and attention outputs kept; or every N-th layer, see below).
+        every_n_layers: With ``"selective"``: checkpoint every N-th layer fully instead of op-level.
+        param_dtype: FSDP2 compute dtype (``"bf16"``, ``"fp32"``); ``None`` keeps the parameters' dtype.
+        reduce_dtype: FSDP2 gradient-reduction dtype; ``None`` follows ``param_dtype``.
+        cpu_offload: FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state on the
+            host (pinned on GPUs; unpinned on CPU, where the path still runs).
+        reshard_after_forward: FSDP2 ZeRO-3 (``True``) or keep parameters gathered until backward.
+        optimizer_offload: The optimizer's state and step on the host, parameters and gradients on the GPU
+            (DeepSpeed ZeRO-Offload style; :class:`lightning_plugins.parallel.offload.HostOffloadOptimizer`): saves AdamW's
+            8 bytes per trainable fp32 parameter of GPU memory for a host copy of parameters, gradients and
+            state, and costs a gradient and a parameter transfer over PCIe plus a host AdamW per step. Applied
+            where the optimizer is built (``make_optimizer``; your own: ``lightning_plugins.parallel.offload.offload_optimizer``).
+            Not with ``cpu_offload``, which already keeps the optimizer on the host.
+        activation_offload: Saved activations of each decoder layer moved to host memory during forward and
+            back in backward (pinned on GPUs; on CPU the copies still run). With ``activation_checkpointing``
+            only what checkpointing keeps (a fully checkpointed layer's input) moves.
+    """
+
+    activation_checkpointing: str = "none"
+    every_n_layers: int | None = None
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+    optimizer_offload: bool = False
+    activation_offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.activation_checkpointing not in CHECKPOINTING_MODES:
+            raise LayoutError(
+                f"activation_checkpointing={self.activation_checkpointing!r} is not one of {CHECKPOINTING_MODES}."
+            )
+        if self.every_n_layers is not None and (
+            self.activation_checkpointing != "selective"
+            or not isinstance(self.every_n_layers, int)
+            or self.every_n_layers < 1
+        ):
+            raise LayoutError(
+                f"every_n_layers={self.every_n_layers!r} needs activation_checkpointing='selective' and a positive integer."
+            )
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value not in DTYPE_NAMES:
+                raise LayoutError(
+                    f"Unknown dtype {name}={value!r} for mixed precision; use one of {sorted(DTYPE_NAMES)}."
+                )
+        for name in ("optimizer_offload", "activation_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise LayoutError(f"{name} must be true or false, got {getattr(self, name)!r}.")
+        if self.optimizer_offload and self.cpu_offload:
+            raise LayoutError(
+                "optimizer_offload and cpu_offload cannot be combined: cpu_offload (FSDP2's CPUOffloadPolicy) already"
+                " keeps the sharded parameters, gradients and optimizer state on the host and steps there. Keep"
+                " cpu_offload alone to free the most GPU memory, or optimizer_offload alone to keep the parameters"
+                " and gradients on the GPU."
+            )
+
+    @property
+    def uses_fsdp_policy(self) -> bool:
+        """Whether a setting needs FSDP2 (at least two data-parallel ranks)."""
+        return self.cpu_offload or self.param_dtype is not None or self.reduce_dtype is not None
+
+
+def with_settings(
+    owner: str,
+    options: ParallelOptions | None = None,
+    memory: MemoryOptions | None = None,
+    **settings: Any,
+) -> tuple[ParallelOptions, MemoryOptions]:
+    """``options`` and ``memory`` (defaults when ``None``) with individual fields overridden by ``settings``.
+
+    Lets a door take either the objects or their fields as keyword arguments
+    (``TensorParallelStrategy(sequence_parallel=False, activation_checkpointing="full")``).
+
+    Raises:
+        LayoutError: for a keyword that is no field of either object, naming the ones that are.
+    """
+    options, memory = options or ParallelOptions(), memory or MemoryOptions()
+    names = {type(options): {f.name for f in fields(options)}, type(memory): {f.name for f in fields(memory)}}
+    unknown = sorted(set(settings) - names[type(options)] - names[type(memory)])
+    if unknown:
+        raise LayoutError(
+            f"{owner} got unknown setting(s) {unknown}. Settings are the fields of ParallelOptions"
+            f" {sorted(names[type(options)])} and MemoryOptions {sorted(names[type(memory)])}."
+        )
+    options = replace(options, **{k: v for k, v in settings.items() if k in names[type(options)]})
+    memory = replace(memory, **{k: v for k, v in settings.items() if k in names[type(memory)]})
+    return options, memory

@@ -1,0 +1,1 @@
+"""The recipe path: the schema, building the run, resume diffs, preflight, plots, tiny twins."""

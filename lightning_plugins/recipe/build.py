@@ -1,0 +1,196 @@
+"""What both doors do with a recipe, framework-free: build the model, the data, the optimizer and its schedule.
+
+The Lightning door (:mod:`lightning_plugins.strategies.runner`) and the Accelerate door call these, so a recipe
+trains the same way through either.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_plugins.parallel.offload import offload_optimizer
+from lightning_plugins.recipe.schema import Recipe
+from lightning_plugins.checkpoint.resume import ResumableDataLoader, loader_generator
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Checkpoint directories are named after the optimizer step they were written at.
+CHECKPOINT_NAME = "step={step}"
+_CHECKPOINT = re.compile(r"^step=(\d+)\.ckpt$")
+#: Dense bf16 peak FLOP/s of common GPUs, for MFU.
+_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def lr_lambda(step: int, total: int, warmup: int, scheduler: str, min_ratio: float) -> float:
+    """The learning-rate multiplier at optimizer step ``step``: linear warmup, then the decay."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if scheduler == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if scheduler == "cosine" else 1 - progress
+    return min_ratio + (1 - min_ratio) * decay
+
+
+def make_optimizer(model: torch.nn.Module, recipe: Recipe, total_steps: int) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over the trainable parameters only (LoRA: the adapters) and its per-step schedule.
+
+    With ``memory.optimizer_offload`` the AdamW state and step live in host memory
+    (:class:`lightning_plugins.parallel.offload.HostOffloadOptimizer`); the schedule drives it the same way.
+    """
+    optim = recipe.optim
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    hyperparameters = {"lr": optim.lr, "betas": optim.betas, "eps": optim.eps, "weight_decay": optim.weight_decay}
+    if recipe.memory.optimizer_offload:
+        optimizer: torch.optim.Optimizer = offload_optimizer(torch.optim.AdamW, trainable, **hyperparameters)
+    else:
+        optimizer = torch.optim.AdamW(trainable, **hyperparameters)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_lambda(step, total_steps, optim.warmup_steps, optim.scheduler, optim.min_lr_ratio)
+    )
+    return optimizer, schedule
+
+
+def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Module, Any]:
+    """The tokenizer and the model to train: on the meta device for a full fine-tune of a local checkpoint
+    (each rank then reads only its slices; ``on_meta=False`` loads it whole, as DeepSpeed and Accelerate's
+    FSDP expect), loaded and wrapped with LoRA adapters otherwise."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from lightning_plugins.data import prepare_model_for_packing
+
+    spec = recipe.model
+    remote = {"trust_remote_code": spec.trust_remote_code}  # off unless the recipe says so
+    tokenizer = AutoTokenizer.from_pretrained(spec.path, **remote)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    kwargs = {"dtype": _DTYPES[spec.dtype], "attn_implementation": spec.attn_implementation}
+    if on_meta and recipe.lora is None and Path(spec.path).is_dir():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path, **remote), **kwargs, **remote)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec.path, **kwargs, **remote)
+    model.train()  # from_pretrained returns eval mode: dropout (LoRA's too) would be off
+    model.config.use_cache = False  # training: no KV cache (it would also grow under recomputation)
+    if recipe.data.packing and recipe.layout.cp_size == 1:
+        prepare_model_for_packing(model)  # under CP, context-parallel attention keeps the documents apart itself
+    if recipe.lora is not None:
+        from lightning_plugins.adapters.lora import apply_lora
+
+        torch.manual_seed(recipe.train.seed)  # identical adapters on every rank
+        model = apply_lora(model, recipe.lora)
+    return model, tokenizer
+
+
+def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, DataLoader | None]:
+    """Training and held-out loaders; pipelines get fixed-length batches (stages are built per shape).
+
+    The training loader resumes mid-epoch (:class:`~lightning_plugins.checkpoint.resume.ResumableDataLoader`); both draw from
+    their own generators, never from the global random state (see :mod:`lightning_plugins.checkpoint.resume`).
+    """
+    from lightning_plugins.data import build_dataset, make_collator
+
+    fixed = recipe.data.max_seq_len if recipe.layout.pp_size > 1 else None
+    collate = make_collator(recipe.data, tokenizer.pad_token_id, pad_to_multiple_of=fixed)
+    size = recipe.train.micro_batch_size
+    # A pipeline splits every batch into its micro-batches: a short last training batch would not split, so it is
+    # dropped; evaluation takes every sample (the pipeline tops a short batch up with rows that hold no target).
+    drop = recipe.layout.pp_size > 1
+    seed = recipe.train.seed
+    dataset = build_dataset(recipe.data, tokenizer, "train")
+    check_global_batch(recipe, dataset.num_rows)
+    train = ResumableDataLoader(
+        dataset, batch_size=size, shuffle=True, collate_fn=collate, drop_last=drop, generator=loader_generator(seed)
+    )
+    if not recipe.data.has_eval:
+        return train, None
+    return train, DataLoader(
+        build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate,
+        generator=loader_generator(seed),
+    )  # fmt: skip
+
+
+def check_global_batch(recipe: Recipe, samples: int) -> None:
+    """Refuse a training set smaller than one global batch: every step would train on fewer samples than it says.
+
+    Raises:
+        DataError: naming the numbers (samples, micro batch x accumulation x data-parallel ranks) and the fix.
+    """
+    from lightning_plugins.data import DataError
+
+    if samples >= recipe.samples_per_step:
+        return
+    per_step = recipe.train.micro_batch_size * recipe.layout.dp_size
+    rows = "packed rows" if recipe.data.packing else "samples"
+    dp = recipe.layout.dp_size
+    if samples >= per_step:
+        fix = f"Lower train.global_batch_size to {samples // per_step * per_step} (a multiple of {per_step})"
+    elif samples >= dp:
+        fix = f"Set train.micro_batch_size={samples // dp} and train.global_batch_size={samples // dp * dp}"
+    else:
+        fix = f"Use at most {samples} data-parallel ranks"
+    raise DataError(
+        f"data.train holds {samples} training {rows} after tokenization, fewer than one global batch of"
+        f" {recipe.samples_per_step} (train.micro_batch_size {recipe.train.micro_batch_size} x accumulation"
+        f" {recipe.accumulation} x data-parallel ranks {dp}): every optimizer step would train on"
+        f" fewer samples than the recipe says. {fix}, or add training data."
+    )
+
+
+def batches_per_rank(recipe: Recipe, samples: int) -> int:
+    """Training batches each data-parallel rank runs per epoch: Lightning's ``DistributedSampler`` (and the
+    Accelerate door's) pads the ``samples`` to a multiple of ``dp_size``; pipelines drop a short last batch."""
+    per_rank = math.ceil(samples / recipe.layout.dp_size)
+    size = recipe.train.micro_batch_size
+    return per_rank // size if recipe.layout.pp_size > 1 else math.ceil(per_rank / size)
+
+
+def total_steps(recipe: Recipe, batches_per_epoch: int) -> int:
+    """Optimizer steps of the whole run: ``train.max_steps``, or the epochs' (a short last window steps too)."""
+    return recipe.train.max_steps or recipe.train.epochs * math.ceil(batches_per_epoch / recipe.accumulation)
+
+
+def latest_checkpoint(output_dir: str | Path, say: Callable[[str], None] | None = None) -> Path | None:
+    """The newest intact checkpoint in ``output_dir/checkpoints`` (partial ones never count).
+
+    A newer one that is damaged (a file missing, truncated or changed: see
+    :func:`~lightning_plugins.checkpoint.integrity.verify_checkpoint`) is skipped, and ``say`` (a door's rank-zero printer) is
+    told which and why. The doors call it on one rank and every rank follows (:mod:`lightning_plugins.checkpoint.resume_choice`).
+    """
+    from lightning_plugins.checkpoint.checks import CheckpointError
+    from lightning_plugins.checkpoint.integrity import say_unverified, verify_checkpoint
+
+    candidates = (Path(output_dir) / "checkpoints").glob("step=*")
+    found = sorted(((int(m.group(1)), p) for p in candidates if (m := _CHECKPOINT.match(p.name))), reverse=True)
+    for _, path in found:
+        try:
+            verified = verify_checkpoint(path)
+        except CheckpointError as error:
+            if say is not None:
+                say(f"Skipping {path.name} for auto-resume: {error}")
+            continue
+        if not verified and say is not None:
+            say_unverified(path, say)
+        return path
+    return None
+
+
+def input_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens a rank runs forward for ``batch`` (padding excluded)."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+
+def model_flops_utilization(tokens_per_s: float, num_params: int, world_size: int) -> float | None:
+    """MFU (6 x params FLOPs per token) against the GPUs' dense bf16 peak; ``None`` on CPU or an unknown GPU."""
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    peak = next((flops for key, flops in _PEAK_FLOPS.items() if key in name), None)
+    return None if peak is None else 6 * num_params * tokens_per_s / (peak * world_size)

@@ -1,0 +1,228 @@
+"""``lightning-plugins finetune RECIPE``: a recipe run through the Lightning door.
+
+The recipe's sections become the objects the engine takes (layout, parallel and memory options, LoRA,
+data); this file only builds the model, the data loaders, a plain LightningModule and the ``Trainer``:
+Lightning's rich progress bar and the recipe's loggers (``train.loggers``, CSV always), ``output_dir/run.json``
+(:mod:`lightning_plugins.run.manifest`), DCP checkpoints every N steps (resumed automatically
+from the output directory, or from ``--resume``), evaluation on the held-out split, and at the end an
+HF directory (full fine-tune) or a peft adapter directory (LoRA, plus merged weights when asked), a CSV
+of the metrics and a loss-curve PNG. A non-finite loss or gradient norm stops the run or skips the step
+(``train.on_nonfinite``: the strategy's guard, :mod:`lightning_plugins.run.nonfinite`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
+from typing_extensions import override
+
+from lightning_plugins.run.manifest import attach_manifest
+from lightning_plugins.run.nonfinite import check_finite_weights, training_state
+from lightning_plugins.recipe.schema import Recipe
+from lightning_plugins.recipe.diff import reset_optimizer
+from lightning_plugins.checkpoint.resume_choice import LATEST, handed_down_resume
+from lightning_plugins.recipe.build import (
+    CHECKPOINT_NAME,
+    batches_per_rank,
+    build_loaders,
+    build_model,
+    input_tokens,
+    make_optimizer,
+    model_flops_utilization,
+    total_steps,
+)
+
+
+class RecipeModule(L.LightningModule):
+    """A plain fine-tuning module: the HF (or peft) model's own loss; nothing here knows the layout."""
+
+    def __init__(self, model: torch.nn.Module, recipe: Recipe, total_steps: int) -> None:
+        super().__init__()
+        self.model = model
+        self.recipe = recipe
+        # Known before fit: `trainer.estimated_stepping_batches` would set up the training loader before a
+        # checkpoint is restored, and Lightning would then never give the loader its saved position.
+        self.total_steps = total_steps
+        self._num_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
+        self._tokens, self._logged_step, self._clock = 0, -1, time.perf_counter()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self._tokens += input_tokens(batch)
+        loss = self.model(**batch).loss
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        # The loss is already the global one on every rank; syncing keeps Lightning's epoch mean exact too.
+        self.log(
+            "val/loss", self.model(**batch).loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0]
+        )
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After every ``train.log_every``-th optimizer step: learning rate, gradient norm, tokens/s, MFU (GPUs)."""
+        step = self.trainer.global_step
+        if step == self._logged_step or step % self.recipe.train.log_every:
+            return
+        self._logged_step = step
+        layout = self.recipe.layout
+        tokens = torch.tensor(float(self._tokens))
+        torch.distributed.all_reduce(tokens)  # every rank counts what it runs; TP and PP peers run the same tokens
+        now = time.perf_counter()
+        rate = tokens.item() / (layout.tp_size * layout.pp_size) / (now - self._clock)
+        self._clock, self._tokens = now, 0
+        metrics = {"train/lr": self.trainer.optimizers[0].param_groups[0]["lr"], "train/tokens_per_s": rate}
+        norm = getattr(self.trainer.strategy, "grad_norm", None)
+        if norm is not None:
+            metrics["train/grad_norm"] = float(norm)
+        mfu = model_flops_utilization(rate, self._num_params, self.trainer.world_size)
+        if mfu is not None:
+            metrics["train/mfu"] = mfu
+        self.log_dict(metrics, rank_zero_only=True)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """With ``train.resume_reset_optimizer`` (optim settings changed on resume): a new AdamW state and schedule."""
+        if self.recipe.train.resume_reset_optimizer:
+            schedule = self.trainer.lr_scheduler_configs[0].scheduler
+            state = reset_optimizer(
+                self.trainer.optimizers[0], schedule, self, self.recipe, self.total_steps, checkpoint["global_step"]
+            )
+            checkpoint["lr_schedulers"] = [state]  # what Lightning restores next
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer, schedule = make_optimizer(self, self.recipe, self.total_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class _ProgressBar(RichProgressBar):
+    """Lightning's rich bar without the logger's version number."""
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+
+class _StepCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint``, which, after a resume, would write the restored step again after the first
+    micro-batch (inside an accumulation window: a resume from that checkpoint would drop the window's gradients)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._last_global_step_saved = trainer.global_step  # that step's checkpoint is the one resumed from
+
+
+def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
+    from lightning_plugins.strategies import ParallelismStrategy
+    from lightning_plugins.strategies.loggers import RecordRun, recipe_loggers
+    from lightning_plugins.strategies.perf import PerfCallback
+
+    layout, train = recipe.layout, recipe.train
+    strategy = ParallelismStrategy(
+        layout.tp_size,
+        layout.pp_size,
+        layout.cp_size,
+        layout.dp_shard_size,
+        layout.dp_replicate_size,
+        options=recipe.parallel,
+        memory=recipe.memory,
+        load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
+        timeout=timedelta(seconds=train.collective_timeout_s),
+        async_checkpoint=train.async_checkpoint,
+        on_nonfinite=train.on_nonfinite,
+        max_skipped_steps=train.max_skipped_steps,
+        recipe_record=recipe.to_yaml(),
+        preempt_signals=train.preempt_signals,
+        perf=PerfCallback(train.output_dir, train.log_every, train.profile, sample=train.perf_sample,
+                          straggler_ratio=train.straggler_ratio),  # fmt: skip
+    )
+    callbacks: list[Any] = [_ProgressBar(), RecordRun(recipe)]
+    if train.checkpoint_every is not None:
+        callbacks.append(
+            _StepCheckpoint(
+                dirpath=Path(train.output_dir) / "checkpoints",
+                filename=CHECKPOINT_NAME,
+                auto_insert_metric_name=False,
+                every_n_train_steps=train.checkpoint_every,
+                save_top_k=-1,
+                # A step saved again after a resume (auto-resume skipped a damaged step=N.ckpt) replaces it, atomically
+                # (resume.publish), instead of becoming step=N-v1.ckpt, which auto-resume would never pick.
+                enable_version_counter=False,
+            )
+        )
+    eval_kwargs: dict[str, Any] = {"num_sanity_val_steps": 0}
+    if train.eval_every is not None:
+        eval_kwargs.update(val_check_interval=train.eval_every * recipe.accumulation, check_val_every_n_epoch=None)
+    return L.Trainer(
+        accelerator=recipe.hardware.accelerator,
+        devices=recipe.hardware.devices,
+        num_nodes=recipe.hardware.nodes,
+        strategy=strategy,
+        max_steps=train.max_steps or -1,
+        # With max_steps, the epochs it takes (Lightning's progress bar shows them).
+        max_epochs=train.epochs or math.ceil(train.max_steps * recipe.accumulation / max(1, batches_per_epoch)),
+        accumulate_grad_batches=recipe.accumulation,
+        gradient_clip_val=recipe.optim.max_grad_norm,
+        logger=recipe_loggers(recipe),
+        log_every_n_steps=train.log_every,
+        callbacks=callbacks,
+        enable_model_summary=False,
+        **eval_kwargs,
+    )
+
+
+def run_finetune(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, Any]:
+    """Train as the recipe says, export the result, draw the loss curve.
+
+    Args:
+        recipe: The run's recipe.
+        resume: The checkpoint to resume from; ``None``: start fresh; :data:`~lightning_plugins.checkpoint.resume_choice.LATEST`:
+            the newest intact one in ``train.output_dir``, if any, decided once for every rank.
+
+    Returns:
+        On global rank 0: the paths written (``model``, ``metrics``, ``loss_curve``) and the final losses.
+    """
+    from lightning_plugins.checkpoint.live_export import export_hf
+
+    L.seed_everything(recipe.train.seed, verbose=False)
+    model, tokenizer = build_model(recipe)
+    train_loader, eval_loader = build_loaders(recipe, tokenizer)
+    batches = batches_per_rank(recipe, len(train_loader.dataset))
+    module = RecipeModule(model, recipe, total_steps(recipe, batches))
+    trainer = build_trainer(recipe, batches)
+    ckpt = resume
+    if resume == LATEST:  # the launching rank decides for the ranks it starts (other nodes': the strategy checks)
+        launching = is_launcher_rank()
+        ckpt = handed_down_resume(recipe.train.output_dir, _say if launching else None, launching)
+    trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
+    out = Path(recipe.train.output_dir)
+    check_finite_weights(training_state(module.model.parameters()), f"export to {out}", trainer.global_step)
+    written = {"model": export_hf(module.model, out / ("adapter" if recipe.lora else "hf"), tokenizer)}
+    if recipe.lora is not None and recipe.train.merge_lora:
+        written["merged"] = export_hf(module.model, out / "merged", tokenizer, merge=True)
+    if not trainer.is_global_zero:
+        return {}
+    from lightning_plugins.recipe.plots import merge_metrics, plot_losses
+
+    attach_manifest(out, written.values())
+    written["metrics"] = merge_metrics(out / "logs", out / "metrics.csv")
+    written["loss_curve"] = plot_losses(written["metrics"], out / "loss_curve.png")
+    return {**written, "resumed_from": ckpt, **{k: float(v) for k, v in trainer.callback_metrics.items()}}
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def is_launcher_rank() -> bool:
+    """Whether this process started the run (Lightning re-runs the program once per extra rank)."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0

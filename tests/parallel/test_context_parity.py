@@ -1,0 +1,215 @@
+"""Context parallelism through `parallelize` matches one process: per-step losses, grad norms, weights.
+
+fp32, gloo, SGD with momentum (a wrong loss scale shows in the weights), gradient clipping exercised,
+gradient accumulation over micro-batches with different numbers of valid tokens, right padding with
+``-100`` labels, prompt tokens ignored, sequence lengths divisible and not divisible by ``2 * cp``.
+Both backends at cp=2 (2 ranks) and cp=4, CP x TP and CP x FSDP2 (4 ranks). Packed rows under CP train
+exactly what one process trains on the unpacked samples; left-padded rows what it trains on them as given.
+One world per rank count checks every case (starting ranks is the slow part); the reference runs on each rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from _world import run_world
+from tiny_models import CONFIGS, make_batch, tiny_model
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from lightning_plugins import ParallelLayout, parallelize
+from lightning_plugins.data.packing import collate_packed, pack_examples
+from lightning_plugins.parallel.options import with_settings
+from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of
+
+STEPS, ACCUM, BATCH, MAX_NORM, LR = 3, 2, 4, 0.5, 1.0
+TOL = 1e-5
+
+# name -> (family, sizes, seq, parallelize options)
+U, R = {"cp_backend": "ulysses"}, {"cp_backend": "ring"}
+CP2, CP4 = {"cp_size": 2}, {"cp_size": 4}
+CASES = {
+    2: {
+        "llama cp2 ulysses seq16": ("llama", CP2, 16, U),
+        "llama cp2 ring seq16": ("llama", CP2, 16, R),
+        "llama cp2 ulysses seq13": ("llama", CP2, 13, U),
+        "llama cp2 ring seq13 full-ac": ("llama", CP2, 13, {**R, "activation_checkpointing": "full"}),
+        # Ulysses runs the model's own attention implementation on the full sequence: eager here.
+        "llama cp2 ulysses-eager seq13": ("llama", CP2, 13, {**U, "inner": "eager"}),
+        "qwen3 cp2 ring seq15": ("qwen3", CP2, 15, R),
+        "mistral cp2 ulysses seq15": ("mistral", CP2, 15, U),
+        # The same samples packed two or three to a row (data.packing's first fit and collation).
+        "llama cp2 ulysses seq16 packed": ("llama", CP2, 16, {**U, "data": "packed"}),
+        "llama cp2 ring seq13 packed": ("llama", CP2, 13, {**R, "data": "packed"}),
+        # Packed rows of 300 tokens: longer than one segment of the load-balanced layout (2 * cp * BALANCE_CHUNK).
+        "llama cp2 ring seq150 packed": ("llama", CP2, 150, {**R, "data": "packed"}),
+        "llama cp2 ulysses seq150 packed": ("llama", CP2, 150, {**U, "data": "packed"}),
+        "llama cp2 ring seq16 left-padded": ("llama", CP2, 16, {**R, "data": "left"}),
+        "llama cp2 ulysses seq13 left-padded": ("llama", CP2, 13, {**U, "data": "left"}),
+    },
+    4: {
+        "llama cp4 ulysses seq16": ("llama", CP4, 16, U),
+        "llama cp4 ulysses seq21": ("llama", CP4, 21, U),
+        "llama cp4 ring seq16": ("llama", CP4, 16, R),
+        "llama cp4 ring seq21": ("llama", CP4, 21, R),
+        "llama cp4 ring seq530": ("llama", CP4, 530, R),  # one segment of 2 * 4 * 64 tokens and a shorter one
+        "llama cp2 x tp2 ulysses seq13": ("llama", {**CP2, "tp_size": 2}, 13, U),
+        "llama cp2 x tp2 ring seq16": ("llama", {**CP2, "tp_size": 2}, 16, R),
+        "llama cp2 x fsdp2 ulysses seq16": ("llama", {**CP2, "dp_shard_size": 2}, 16, U),
+        "llama cp2 x fsdp2 ring seq13": ("llama", {**CP2, "dp_shard_size": 2}, 13, R),
+    },
+}
+
+
+def _batch(seq: int, vocab: int, step: int, micro: int) -> dict[str, torch.Tensor]:
+    # Rows of different valid lengths (right padding, -100 labels on pads and on the first tokens).
+    return make_batch(BATCH, seq, vocab, seed=1000 * seq + 10 * step + micro)
+
+
+def _left_padded(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each row's pads moved to its front (a generation-style batch); transformers counts positions from 0."""
+    pads = (batch["attention_mask"] == 0).sum(-1)
+    return {k: torch.stack([row.roll(int(n)) for row, n in zip(v, pads)]) for k, v in batch.items()}
+
+
+def _packed(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rows' samples packed into rows of twice the length, as ``data.packing`` packs them."""
+    samples = [
+        {"input_ids": ids[mask.bool()].tolist(), "labels": labels[mask.bool()].tolist()}
+        for ids, labels, mask in zip(batch["input_ids"], batch["labels"], batch["attention_mask"])
+    ]
+    rows = pack_examples(samples, 2 * batch["input_ids"].shape[1])
+    assert len(rows) < len(samples) and len(rows) % 2 == 0, "the test must pack several samples into a row"
+    return collate_packed(rows, pad_token_id=0, max_seq_len=2 * batch["input_ids"].shape[1])
+
+
+DATA = {"plain": lambda batch: batch, "left": _left_padded, "packed": _packed}
+
+
+def _train(
+    model: torch.nn.Module, seq: int, prepare, clip, data: str = "plain", max_norm: float = MAX_NORM
+) -> list[float]:
+    """STEPS optimizer steps of ACCUM micro-batches; returns per-step losses then pre-clip grad norms."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses, norms = [], []
+    for step in range(STEPS):
+        step_loss = 0.0
+        for micro in range(ACCUM):
+            loss = model(**prepare(DATA[data](_batch(seq, model.config.vocab_size, step, micro)))).loss / ACCUM
+            loss.backward()
+            step_loss += loss.item()
+        norm = clip(model.parameters(), max_norm)
+        assert norm > max_norm, "the test must exercise clipping"
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+        norms.append(float(norm))
+    return losses + norms
+
+
+@functools.cache
+def _reference(family: str, seq: int, data: str, max_norm: float) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = tiny_model(family)
+    history = _train(model, seq, lambda batch: batch, torch.nn.utils.clip_grad_norm_, data, max_norm)
+    return history, {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+def _cp_prepare(model: torch.nn.Module):
+    mesh = mesh_of(model)
+    dp = mesh["dp"]
+
+    def prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows = len(batch["input_ids"]) // dp.size()
+        local = slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows)
+        return context_parallel_batch({k: v[local] for k, v in batch.items()}, mesh)
+
+    return prepare
+
+
+def _run_case(world_size: int, family: str, sizes: dict, seq: int, options: dict) -> dict[str, float]:
+    options = dict(options)
+    inner = options.pop("inner", None)
+    data = options.pop("data", "plain")
+    max_norm = MAX_NORM * 16 / seq if seq > 100 else MAX_NORM  # a mean over more tokens has a smaller gradient
+    # Packed rows are checked against the unpacked samples, left-padded rows against themselves.
+    ref_history, ref_weights = _reference(family, seq, "left" if data == "left" else "plain", max_norm)
+    model = tiny_model(family)
+    if inner is not None:
+        model.set_attn_implementation(inner)
+    model = parallelize(model, ParallelLayout(**sizes).resolve(world_size), *with_settings("test", **options))
+    history = _train(model, seq, _cp_prepare(model), clip_grad_norm_, data, max_norm)
+    weight_diff = 0.0
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        weight_diff = max(weight_diff, (full.detach() - ref_weights[name]).abs().max().item())
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(history[:STEPS], ref_history[:STEPS])),
+        "norm_diff": max(abs(a - b) for a, b in zip(history[STEPS:], ref_history[STEPS:])),
+        "weight_diff": weight_diff,
+        # How far the weights moved: a parity check is only meaningful if training changed them.
+        "weight_change": max(
+            (ref_weights[n] - p.detach()).abs().max().item() for n, p in tiny_model(family).named_parameters()
+        ),
+    }
+
+
+def _errors_in_world(world_size: int) -> dict[str, str]:
+    """Bad input that only shows inside attention, where a real cp group exists: raised on every rank."""
+    errors = {}
+    config = CONFIGS["mistral"]()
+    config.sliding_window = 8
+    torch.manual_seed(0)
+    model = parallelize(
+        AutoModelForCausalLM.from_config(config), ParallelLayout(cp_size=world_size).resolve(world_size)
+    )
+    batch = make_batch(2, 16, config.vocab_size, seed=0)
+    try:
+        model(**context_parallel_batch(batch, mesh_of(model)))
+        errors["sliding_window"] = ""
+    except ValueError as err:
+        errors["sliding_window"] = str(err)
+    return errors
+
+
+def _world(rank: int, world_size: int, out_dir: str) -> None:
+    results = {name: _run_case(world_size, *case) for name, case in CASES[world_size].items()}
+    if world_size == 2:
+        results["errors"] = _errors_in_world(world_size)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@functools.cache
+def _results(world_size: int) -> dict[str, dict]:
+    """Every case's differences, the worst over all ranks."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        run_world(_world, world_size, out_dir)
+        per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
+    worst = {}
+    for name, case in per_rank[0].items():
+        if name == "errors":
+            assert all(r[name] == case for r in per_rank), "every rank must raise the same error"
+            worst[name] = case
+        else:
+            worst[name] = {key: max(r[name][key] for r in per_rank) for key in case}
+    return worst
+
+
+@pytest.mark.parametrize(
+    "world_size,name", [(w, name) for w, cases in CASES.items() for name in cases], ids=lambda x: str(x)
+)
+def test_context_parallel_matches_one_process(world_size: int, name: str) -> None:
+    diffs = _results(world_size)[name]
+    assert diffs["weight_change"] > 100 * TOL, diffs
+    assert diffs["loss_diff"] <= TOL, (name, diffs)
+    assert diffs["norm_diff"] <= TOL, (name, diffs)
+    assert diffs["weight_diff"] <= TOL, (name, diffs)
+
+
+def test_sliding_window_shorter_than_the_sequence_is_refused() -> None:
+    message = _results(2)["errors"]["sliding_window"]
+    assert "Sliding-window attention (window 8)" in message and "16 tokens" in message, message

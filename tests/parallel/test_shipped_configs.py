@@ -1,0 +1,91 @@
+"""The real models' config.json files shipped under recipes/configs: they load, build, count and lay out.
+
+Offline and fast: configs are read from the repository, models are built on the meta device (no memory, no
+weights), so even Llama-3.1-405B takes well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lightning_plugins import LayoutError, ParallelLayout
+
+CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "configs"
+
+# name: (architecture, published parameter count, exact count Hugging Face reports for the checkpoint's
+# safetensors, i.e. the weights actually shipped). The published counts are the model cards' / hub's rounded
+# figures; see recipes/configs/README.md for where each comes from.
+MODELS = {
+    "Llama-3.1-8B": ("LlamaForCausalLM", 8.03e9, 8_030_261_248),
+    "Llama-3.1-70B": ("LlamaForCausalLM", 70.6e9, 70_553_706_496),
+    "Llama-3.1-405B": ("LlamaForCausalLM", 405.9e9, 405_853_388_800),
+    "Mistral-7B-v0.3": ("MistralForCausalLM", 7.25e9, 7_248_023_552),
+    "Qwen2.5-7B": ("Qwen2ForCausalLM", 7.62e9, 7_615_616_512),
+    "Qwen2.5-14B": ("Qwen2ForCausalLM", 14.8e9, 14_770_033_664),
+    "Qwen2.5-32B": ("Qwen2ForCausalLM", 32.8e9, 32_763_876_352),
+    "Qwen2.5-72B": ("Qwen2ForCausalLM", 72.7e9, 72_706_203_648),
+    "Qwen3-32B": ("Qwen3ForCausalLM", 32.8e9, 32_762_123_264),
+}
+
+# Models whose sizes do not allow tensor parallelism over 8 ranks, and the size that forbids it.
+# Qwen2.5-7B has 28 attention heads and 4 kv heads: TP=8 would split heads; 4 (or 2, 1) is its maximum.
+NOT_TP8 = {"Qwen2.5-7B": "num_attention_heads=28"}
+
+
+def test_every_shipped_config_is_covered() -> None:
+    shipped = {p.parent.name for p in CONFIGS.glob("*/config.json")}
+    assert shipped == set(MODELS)
+    readme = (CONFIGS / "README.md").read_text()
+    for name in MODELS:
+        assert f"`{name}`" in readme, f"{name} missing from recipes/configs/README.md"
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_config_loads_builds_and_has_published_size(name: str) -> None:
+    architecture, published, exact = MODELS[name]
+    directory = CONFIGS / name
+    raw = json.loads((directory / "config.json").read_text())
+    assert raw["architectures"] == [architecture]
+    assert raw["tie_word_embeddings"] is False
+
+    config = AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert type(model).__name__ == architecture
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count - published) / published < 0.005, f"{name}: {count:,} parameters, published {published:,.0f}"
+    assert count == exact, f"{name}: {count:,} parameters, the checkpoint holds {exact:,}"
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_tp8_layout_validates(name: str) -> None:
+    config = AutoConfig.from_pretrained(CONFIGS / name)
+    layout = ParallelLayout(tp_size=8, dp_shard_size=-1).resolve(64)
+    if name in NOT_TP8:
+        with pytest.raises(LayoutError, match=rf"tp_size=8 does not divide {NOT_TP8[name]}.*\[1, 2, 4\]"):
+            layout.validate(config)
+    else:
+        layout.validate(config)
+        assert layout.dp_shard_size == 8
+
+
+def test_llama31_keeps_its_rope_scaling() -> None:
+    """Llama 3.1's long-context RoPE (llama3 type, factor 8 over 8192) survives loading."""
+    for name in ("Llama-3.1-8B", "Llama-3.1-70B", "Llama-3.1-405B"):
+        raw = json.loads((CONFIGS / name / "config.json").read_text())
+        assert raw["rope_scaling"] == {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        }
+        assert raw["rope_theta"] == 500000.0 and raw["max_position_embeddings"] == 131072
+        config = AutoConfig.from_pretrained(CONFIGS / name)
+        rope = getattr(config, "rope_parameters", None) or config.rope_scaling
+        assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0

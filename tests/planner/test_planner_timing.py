@@ -1,0 +1,311 @@
+"""The planner's model statistics, hardware table and step-time model (one process, no GPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import CONFIGS
+from transformers import AutoModelForCausalLM
+
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.adapters.lora import LoraOptions, apply_lora
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
+from lightning_plugins.planner.hardware import GIB, GPUS, Cluster, cluster_from, parse_bytes
+from lightning_plugins.planner.model_stats import (
+    PlannerError,
+    _from_meta_layer,
+    load_model_config,
+    model_stats,
+    shipped_configs,
+)
+from lightning_plugins.planner.calibration import CALIBRATION, VALIDATION, calibration_table, fit_efficiencies
+from lightning_plugins.planner.timing import KERNELS, estimate_step_time
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "recipes" / "tiny" / "model"
+
+
+def _meta_numel(config) -> int:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------- model_stats
+
+
+def test_every_shipped_config_is_found():
+    assert {"Llama-3.1-8B", "Llama-3.1-70B", "Llama-3.1-405B", "Qwen3-32B"} <= set(shipped_configs())
+
+
+@pytest.mark.parametrize("name", [*shipped_configs(), str(TINY)])
+def test_total_params_equal_the_meta_built_model(name):
+    config = load_model_config(name)
+    stats = model_stats(config)
+    assert stats.total_params == _meta_numel(config)
+    # The one-layer meta count (used for unregistered model types) agrees with the closed form, part by part.
+    assert _from_meta_layer(config) == stats
+
+
+@pytest.mark.parametrize("name", ["llama_tied", "qwen2", "qwen3", "gemma"])
+def test_total_params_of_other_families(name):
+    config = CONFIGS[name]()
+    assert model_stats(config).total_params == _meta_numel(config)
+    assert model_stats(config).tied_embeddings == bool(config.tie_word_embeddings)
+
+
+def test_load_model_config_accepts_a_file_a_directory_and_a_shipped_name():
+    by_name = load_model_config("Llama-3.1-8B")
+    by_dir = load_model_config(ROOT / "recipes" / "configs" / "Llama-3.1-8B")
+    by_file = load_model_config(ROOT / "recipes" / "configs" / "Llama-3.1-8B" / "config.json")
+    assert by_name.to_dict() == by_dir.to_dict() == by_file.to_dict()
+    assert by_name.num_hidden_layers == 32
+
+
+def test_load_model_config_names_the_spec_and_the_fix():
+    with pytest.raises(PlannerError, match="not found") as err:
+        load_model_config("no-such-org/no-such-model")
+    message = str(err.value)
+    assert "'no-such-org/no-such-model'" in message
+    assert "Llama-3.1-8B" in message and "config.json" in message
+
+
+@pytest.mark.parametrize(
+    ("config_name", "targets", "r"), [("Llama-3.1-8B", None, 16), ("Qwen3-32B", ("q_proj", "v_proj", "down_proj"), 8)]
+)
+def test_lora_params_per_layer_match_peft(config_name, targets, r):
+    config = load_model_config(config_name)
+    small = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": 2, "layer_types": None})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(small)
+    peft_model = apply_lora(model, LoraOptions(r=r, target_modules=targets))
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert model_stats(config).lora_params_per_layer(targets, r) * 2 == trainable
+
+
+def test_lora_params_hand_count():
+    # Llama-3.1-8B, r=16, default targets: r x (in + out) for q, k, v, o (4096->4096, 4096->1024 twice, 4096->4096)
+    # and gate, up, down (4096 <-> 14336).
+    expected = 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
+    assert model_stats(load_model_config("Llama-3.1-8B")).lora_params_per_layer(None, 16) == expected == 1_310_720
+    with pytest.raises(PlannerError, match="w_in"):
+        model_stats(load_model_config("Llama-3.1-8B")).lora_params_per_layer(("w_in",), 16)
+
+
+def test_flops_per_token_by_hand():
+    """Llama-3.1-8B at 8192 tokens, derived from the architecture (not from the code):
+
+    per layer, matmul weights: q 4096x4096 + k 4096x1024 + v 4096x1024 + o 4096x4096 + gate/up/down 3 x 4096x14336
+      = 2 x 16,777,216 + 2 x 4,194,304 + 3 x 58,720,256 = 218,103,808
+    N = 32 x 218,103,808 + lm_head 128,256 x 4096 = 6,979,321,856 + 525,336,576 = 7,504,658,432
+    attention forward per token = 4 x layers x heads x head_dim x seq = 4 x 32 x 32 x 128 x 8192
+    training = 3 x forward: 6N + 12 x 32 x 4096 x 8192 = 45,027,950,592 + 12,884,901,888 = 57,912,852,480
+    LoRA/QLoRA (frozen base, no weight gradients): 4N + the same attention = 30,018,633,728 + 12,884,901,888
+    """
+    stats = model_stats(load_model_config("Llama-3.1-8B"))
+    assert stats.matmul_params == 7_504_658_432
+    assert stats.flops_per_token(8192) == 57_912_852_480
+    assert stats.flops_per_token(8192, trainable="lora") == 30_018_633_728 + 12_884_901_888
+    # torchtitan's own count: 6 x (params - embedding) + 12 x l x h x q x t (it keeps the norms: 0.004% more).
+    torchtitan = 6 * (stats.total_params - stats.embedding_params) + 12 * 32 * 32 * 128 * 8192
+    assert stats.flops_per_token(8192) == pytest.approx(torchtitan, rel=1e-4)
+    with pytest.raises(PlannerError, match="trainable"):
+        stats.flops_per_token(8192, trainable="half")
+
+
+# ---------------------------------------------------------------------------------------------- hardware
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("80GiB", 80 * GIB),
+        ("80GB", 80 * 10**9),
+        ("80G", 80 * GIB),
+        ("80 gib", 80 * GIB),
+        ("24", 24 * GIB),
+        (80, 80 * GIB),
+        (79.5, int(79.5 * GIB)),
+        (85_899_345_920, 85_899_345_920),
+        ("1.5TiB", int(1.5 * 2**40)),
+        ("512MiB", 512 * 2**20),
+    ],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["eighty", "80 GiBs", "-80GB", "0", True, None, "80XB"])
+def test_parse_bytes_errors_name_the_input_and_the_fix(text):
+    with pytest.raises(PlannerError) as err:
+        parse_bytes(text)
+    assert repr(text) in str(err.value)
+    assert "80GiB" in str(err.value)
+
+
+def test_cluster_from():
+    cluster = cluster_from("h100", gpus=64, gpu_memory="80GiB")
+    assert cluster.gpu is GPUS["H100"] and cluster.nodes == 8 and cluster.memory == 80 * GIB
+    assert cluster_from("A100-40GB").memory == 40 * GIB
+    assert cluster_from("H200", gpus=4).nodes == 1
+    assert {"H100", "H200", "A100", "A100-40GB", "MI300X", "L40S", "RTX4090"} <= set(GPUS)
+    with pytest.raises(PlannerError, match="'H900'") as err:
+        cluster_from("H900")
+    assert "H100" in str(err.value) and "MI300X" in str(err.value)
+    with pytest.raises(PlannerError, match="gpus=12 .*multiple of 8"):
+        cluster_from("H100", gpus=12)
+    with pytest.raises(PlannerError, match="nvlink_speed"):
+        cluster_from("H100", nvlink_speed=1)
+    with pytest.raises(PlannerError, match="mfu"):
+        cluster_from("H100", mfu=1.5)
+
+
+# ---------------------------------------------------------------------------------------------- step time
+
+
+def _step(model="Llama-3.1-8B", gpus=8, layout=None, options=None, memory=None, cluster=None, **kwargs):
+    layout = (layout or ParallelLayout()).resolve(gpus)
+    cluster = cluster or cluster_from("H100", gpus=gpus)
+    kwargs = {"seq_len": 4096, "micro_batch_size": 1, **kwargs}
+    kwargs.setdefault("global_batch_size", layout.dp_size * kwargs["micro_batch_size"])
+    return estimate_step_time(
+        load_model_config(model), layout, options or ParallelOptions(), memory or MemoryOptions(), cluster, **kwargs
+    )
+
+
+@pytest.mark.parametrize("run", CALIBRATION, ids=lambda run: run["name"])
+def test_calibration_run_is_reproduced_within_25_percent(run):
+    (row,) = calibration_table((run,))
+    assert 0.75 <= row["ratio"] <= 1.25, row
+
+
+def test_the_issue_anchors_are_calibrated():
+    required = [row["name"] for row in calibration_table() if row["required"]]
+    assert len(required) == 4
+    for fragment in (
+        "8B FSDP8, 8 H100",
+        "70B FSDP32 x TP8",
+        "405B FSDP8 x TP8 x PP8 interleaved",
+        "TP8 x PP16 x DP128",
+    ):
+        assert any(fragment in name for name in required), fragment
+
+
+@pytest.mark.parametrize("run", VALIDATION, ids=lambda run: run["name"])
+def test_runs_outside_the_fit_are_reproduced_within_25_percent(run):
+    (row,) = calibration_table((run,))
+    assert 0.75 <= row["ratio"] <= 1.25, row
+
+
+def test_kernel_efficiencies_are_the_fit_of_the_calibration():
+    """The constants in KERNELS are what the calibration runs imply (one per class, geometric mean)."""
+    fitted = fit_efficiencies()
+    assert set(fitted) == set(KERNELS)
+    for name, efficiency in fitted.items():
+        assert KERNELS[name].efficiency == pytest.approx(efficiency, rel=0.01), name
+
+
+def test_fsdp_communication_by_hand():
+    # 8B, FSDP over the 8 GPUs of one node: per step two all-gathers (forward, and backward after resharding)
+    # and one reduce-scatter of all parameters in bf16, each moving 7/8 of them per GPU over 360 GB/s NVLink.
+    step = _step(seq_len=4096)
+    params = 8_030_261_248
+    assert step.comm_s["fsdp"] == pytest.approx(7 / 8 * (2 * params * 2 + params * 2) / 360e9, rel=1e-9)
+    assert any("NVLink 360 GB/s" in line for line in step.assumptions)
+    # Across two nodes the same group runs over the NICs (40 GB/s per GPU), and over 16 ranks.
+    wide = _step(gpus=16)
+    assert wide.comm_s["fsdp"] == pytest.approx(15 / 16 * 6 * params / 40e9, rel=1e-9)
+    assert any("inter-node 40 GB/s" in line for line in wide.assumptions)
+
+
+def test_tensor_parallel_communication_by_hand():
+    # 70B, TP8 on one node, 1 x 4096 tokens: per layer forward 2 all-gathers + 2 reduce-scatters of the
+    # activations (4096 x 8192 x 2 bytes), each moving 7/8 of them; backward the same; plus the embedding output
+    # and lm_head input (forward and backward): 80 x 8 + 4 collectives at 360 GB/s.
+    step = _step("Llama-3.1-70B", layout=ParallelLayout(tp_size=8))
+    act = 4096 * 8192 * 2
+    assert step.comm_s["tp"] == pytest.approx((80 * 8 + 4) * 7 / 8 * act / 360e9, rel=1e-9)
+    assert step.exposed_s["tp"] == step.comm_s["tp"]
+
+
+def test_more_microbatches_shrink_the_bubble():
+    layout = ParallelLayout(pp_size=8)
+
+    def bubble(schedule, m, **extra):
+        options = ParallelOptions(pp_schedule=schedule, pp_microbatches=m, **extra)
+        return _step("Llama-3.1-70B", layout=layout, options=options, micro_batch_size=m).bubble
+
+    one_f_one_b = [bubble("1f1b", m) for m in (8, 16, 32, 64)]
+    assert one_f_one_b == sorted(one_f_one_b, reverse=True)
+    assert one_f_one_b[0] == pytest.approx(7 / 15, rel=0.02)  # (p - 1) / (m + p - 1)
+    assert bubble("interleaved_1f1b", 8) < one_f_one_b[0]
+    assert bubble("zbv_zero_bubble", 16) == 0
+
+
+def test_checkpointing_offload_and_methods_cost_what_they_should():
+    full_ac = _step(memory=MemoryOptions(activation_checkpointing="full")).step_s
+    selective = _step(memory=MemoryOptions(activation_checkpointing="selective")).step_s
+    every_2 = _step(memory=MemoryOptions(activation_checkpointing="selective", every_n_layers=2)).step_s
+    none = _step().step_s
+    assert none < selective < every_2 < full_ac
+    assert _step(memory=MemoryOptions(cpu_offload=True)).step_s > none
+    lora = _step(method="lora", lora=LoraOptions()).step_s
+    qlora = _step(method="qlora", lora=LoraOptions(quantize="nf4")).step_s
+    assert lora < none and lora < qlora
+
+
+def test_a_bigger_cluster_gives_more_tokens_per_second():
+    totals = []
+    for gpus in (8, 16, 64, 256):
+        step = _step("Llama-3.1-70B", gpus=gpus, layout=ParallelLayout(tp_size=8), micro_batch_size=2)
+        totals.append(step.tokens_per_s_per_gpu * gpus)
+    assert totals == sorted(totals)
+
+
+def test_hsdp_and_context_parallel_are_counted():
+    hsdp = _step(gpus=64, layout=ParallelLayout(dp_replicate_size=8))
+    assert hsdp.comm_s["dp_replicate"] > 0 and hsdp.comm_s["fsdp"] > 0
+    for backend in ("ring", "ulysses"):
+        cp = _step(layout=ParallelLayout(cp_size=4), options=ParallelOptions(cp_backend=backend), seq_len=32768)
+        assert cp.comm_s["cp"] > 0
+    assert json.loads(json.dumps(hsdp.as_dict()))["step_s"] == hsdp.step_s
+
+
+def test_mfu_is_model_flops_over_peak():
+    step = _step(seq_len=8192)
+    flops = model_stats(load_model_config("Llama-3.1-8B")).flops_per_token(8192)
+    assert step.mfu == pytest.approx(step.tokens_per_s_per_gpu * flops / 989.4e12)
+    assert math.isclose(replace(step).step_s, step.step_s)
+    override = _step(seq_len=8192, cluster=Cluster(GPUS["H100"], gpus=8, mfu=0.5))
+    assert override.efficiency == 0.5 and override.step_s < step.step_s
+
+
+def test_step_time_errors_name_the_fix():
+    config, cluster = load_model_config("Llama-3.1-8B"), cluster_from("H100", gpus=8)
+    options, memory = ParallelOptions(), MemoryOptions()
+    common = {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 8}
+    with pytest.raises(PlannerError, match=r"layout.resolve\(8\)"):
+        estimate_step_time(config, ParallelLayout(), options, memory, cluster, **common)
+    with pytest.raises(PlannerError, match="16 ranks .* 8 GPUs"):
+        estimate_step_time(config, ParallelLayout().resolve(16), options, memory, cluster, **common)
+    layout = ParallelLayout().resolve(8)
+    with pytest.raises(PlannerError, match="method='dora'"):
+        estimate_step_time(config, layout, options, memory, cluster, **common, method="dora")
+    with pytest.raises(PlannerError, match="method='lora'"):
+        estimate_step_time(config, layout, options, memory, cluster, **common, lora=LoraOptions())
+    with pytest.raises(PlannerError, match="global_batch_size >= 16"):
+        estimate_step_time(config, layout, options, memory, cluster, **{**common, "micro_batch_size": 2})
+    with pytest.raises(PlannerError, match="kernels='tpu'"):
+        estimate_step_time(config, layout, options, memory, cluster, **common, kernels="tpu")
+    with pytest.raises(PlannerError, match="tp_size=16 .*num_key_value_heads"):
+        estimate_step_time(
+            config, ParallelLayout(tp_size=16).resolve(16), options, memory, cluster_from(gpus=16), **common
+        )
+    pp = ParallelLayout(pp_size=4).resolve(8)
+    with pytest.raises(PlannerError, match="multiple of 4"):
+        estimate_step_time(config, pp, options, memory, cluster, **{**common, "micro_batch_size": 2})

@@ -1,0 +1,172 @@
+"""Bad input gets one clear error naming the file and what to do; nothing is written over, nothing is half-loaded,
+nothing is unpickled beyond plain data, no remote code runs unasked. One process, no launched world."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lightning_plugins.checkpoint.checks import CheckpointError, check_resume_path, reads_checkpoint
+from lightning_plugins.checkpoint.load import checkpoint_index, load_sharded_safetensors
+from lightning_plugins.recipe.schema import RecipeError, load_recipe
+
+TINY = Path(__file__).parents[2] / "recipes" / "tiny"
+RECIPE = TINY / "full_tp2.yaml"
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.fixture
+def checkpoints(tmp_path: Path) -> Path:
+    """``checkpoints/step=2.ckpt`` (complete), ``step=4.ckpt.partial`` (an interrupted save)."""
+    root = tmp_path / "checkpoints"
+    dcp.save({"model": {"w": torch.randn(4, 4), "b": torch.randn(4)}}, checkpoint_id=root / "step=2.ckpt")
+    shutil.copytree(root / "step=2.ckpt", root / "step=4.ckpt.partial")
+    (root / "step=4.ckpt.partial" / ".metadata").unlink()
+    return root
+
+
+def test_resume_path_missing_partial_or_incomplete(checkpoints: Path) -> None:
+    with pytest.raises(
+        CheckpointError, match=r"step=9.ckpt: no such checkpoint\. Complete checkpoints next to it: step=2"
+    ):
+        check_resume_path(checkpoints / "step=9.ckpt")
+    with pytest.raises(CheckpointError, match=r"step=4.ckpt.partial is an incomplete checkpoint.*step=2.ckpt"):
+        check_resume_path(checkpoints / "step=4.ckpt.partial")
+    (checkpoints / "step=6.ckpt").mkdir()
+    with pytest.raises(CheckpointError, match=r"step=6.ckpt is not a complete distributed checkpoint.*no .metadata"):
+        check_resume_path(checkpoints / "step=6.ckpt")
+    assert check_resume_path(checkpoints / "step=2.ckpt") == checkpoints / "step=2.ckpt"
+
+
+@pytest.mark.parametrize("door", ["lightning", "accelerate"])
+def test_cli_refuses_a_bad_resume_before_starting(door: str, checkpoints: Path, capsys: pytest.CaptureFixture) -> None:
+    if door == "lightning":
+        from lightning_plugins.cli import main
+    else:
+        from lightning_plugins.accelerate.__main__ import main
+    argv = ["finetune"] if door == "lightning" else ["--layout.tp_size=1"]  # in-process: a world of one
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, str(RECIPE), "--resume", str(checkpoints / "step=4.ckpt.partial")])
+    said = str(stop.value.code) if door == "lightning" else capsys.readouterr().err
+    assert stop.value.code != 0 and "step=4.ckpt.partial is an incomplete checkpoint" in said, said
+
+
+@reads_checkpoint
+def _load(state: dict, path: Path) -> None:  # a door's loader: its second argument is the checkpoint
+    dcp.load(state, checkpoint_id=path)
+
+
+def test_truncated_checkpoint_is_named_and_left_alone(checkpoints: Path) -> None:
+    path = checkpoints / "step=2.ckpt"
+    data = next(path.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:40])
+    before = _digest(path)
+    with pytest.raises(CheckpointError, match=r"step=2.ckpt cannot be read: it is corrupted or truncated"):
+        _load({"model": {"w": torch.zeros(4, 4), "b": torch.zeros(4)}}, path)
+    assert _digest(path) == before
+
+
+def test_checkpoint_of_another_shape_or_model(checkpoints: Path) -> None:
+    path = checkpoints / "step=2.ckpt"
+    with pytest.raises(CheckpointError, match=r"written for a different model or shape \(ValueError: Size mismatch"):
+        _load({"model": {"w": torch.zeros(8, 4), "b": torch.zeros(4)}}, path)
+    with pytest.raises(CheckpointError, match=r"different model or shape \(RuntimeError: Missing key.*model.lm_head"):
+        _load({"model": {"w": torch.zeros(4, 4), "lm_head": torch.zeros(4)}}, path)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model saved in several safetensors shards with an index."""
+    out = tmp_path_factory.mktemp("sharded")
+    AutoModelForCausalLM.from_pretrained(TINY / "model").save_pretrained(out, max_shard_size="300KB")
+    assert len(list(out.glob("*.safetensors"))) > 1
+    return out
+
+
+def _on_meta(config: AutoConfig) -> torch.nn.Module:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_hf_directory_with_a_missing_shard(sharded: Path, tmp_path: Path) -> None:
+    broken = shutil.copytree(sharded, tmp_path / "broken")
+    shard = sorted(broken.glob("*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"model.safetensors.index.json names 1 shard\(s\).*{shard.name}"):
+        checkpoint_index(broken)
+
+
+def test_hf_weights_of_another_shape_or_truncated_load_nothing(sharded: Path, tmp_path: Path) -> None:
+    config = AutoConfig.from_pretrained(sharded)
+    wider = AutoConfig.from_pretrained(sharded, intermediate_size=config.intermediate_size * 2)
+    model = _on_meta(wider)
+    with pytest.raises(ValueError, match=r"tensor\(s\) of another shape than the model.*mlp.*different model"):
+        load_sharded_safetensors(model, sharded)
+    assert all(p.is_meta for p in model.parameters())  # nothing half-loaded
+    broken = shutil.copytree(sharded, tmp_path / "truncated")
+    shard = sorted(broken.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    model = _on_meta(config)
+    with pytest.raises(ValueError, match=rf"{shard.name} cannot be read as safetensors.*truncated or corrupted"):
+        load_sharded_safetensors(model, broken)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_peft_model_on_the_meta_device_is_refused_with_the_fix(sharded: Path) -> None:
+    from lightning_plugins.parallel.layout import LayoutError
+    from lightning_plugins.adapters.lora import LoraOptions, apply_lora
+
+    model = apply_lora(_on_meta(AutoConfig.from_pretrained(sharded)), LoraOptions(r=4))
+    with pytest.raises(LayoutError, match=r"peft \(LoRA\) model on the meta device.*from_pretrained.*get_peft_model"):
+        load_sharded_safetensors(model.base_model.model, sharded)
+    assert all(p.is_meta for p in model.parameters())  # nothing half-loaded
+
+
+class _Payload:
+    def __reduce__(self) -> tuple:
+        return (Path.write_text, (Path(_Payload.target), "ran"))
+
+
+def test_accelerate_state_is_not_unpickled(checkpoints: Path, tmp_path: Path) -> None:
+    """A checkpoint's state file holding a pickled callable is refused, never run (weights_only loading)."""
+    from lightning_plugins.accelerate.state import STATE_FILE, load_training_state
+
+    _Payload.target = str(tmp_path / "marker")
+    path = checkpoints / "step=2.ckpt"
+    torch.save({"step": _Payload()}, path / STATE_FILE, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_training_state(None, path)
+    assert not (tmp_path / "marker").exists()
+
+
+def test_no_remote_code_unless_the_recipe_says_so(tmp_path: Path) -> None:
+    from lightning_plugins.recipe.build import build_model
+
+    model = shutil.copytree(TINY / "model", tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_custom.CustomConfig"}
+    (model / "config.json").write_text(json.dumps(config))
+    marker = tmp_path / "ran"
+    (model / "configuration_custom.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+        "from transformers import LlamaConfig\n\n\nclass CustomConfig(LlamaConfig):\n    pass\n"
+    )
+    # A known architecture: transformers' own code builds it, the shipped code is ignored.
+    built, _ = build_model(load_recipe(RECIPE, [f"model.path={model}"]))
+    assert type(built.config).__name__ == "LlamaConfig" and not marker.exists()
+    # An architecture only the shipped code knows: refused, naming the key that allows it.
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "custom-llama"}))
+    with pytest.raises(RecipeError, match=r"ships its own Python code.*model.trust_remote_code: true"):
+        load_recipe(RECIPE, [f"model.path={model}"])
+    assert not marker.exists()

@@ -1,0 +1,35 @@
+"""`Trainer(strategy=ParallelismStrategy(...))` matches a one-process run; DCP resume continues exactly; a NaN loss in
+the user's own module skips that step (``on_nonfinite="skip"``) as if its batches had never come.
+
+Lightning re-launches a script per rank, so each world is one script run that checks several cases
+(see tests/scripts/trainer_parity.py for the cases and the reference).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _world import run_script
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "trainer_parity.py"
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_trainer_matches_one_process_and_resumes(devices: int, tmp_path: Path) -> None:
+    results = run_script(SCRIPT, tmp_path, "--devices", str(devices))
+    resume = results.pop("resume")
+    skip = results.pop("skip", None)
+    assert results, "no case ran"
+    for name, case in results.items():
+        assert case["steps"] == 5, name
+        assert case["loss_diff"] <= TOL, (name, case)
+        assert case["weight_diff"] <= TOL, (name, case)
+        assert case["logged_diff"] == 0.0, (name, case)  # the logged loss is the global one on every rank
+    assert resume["checkpoint_is_dir"] and not resume["partial_left"], resume
+    assert resume["resumed_steps"] == 2, resume
+    assert resume["loss_diff"] <= TOL and resume["weight_diff"] <= TOL, resume
+    if devices == 2:  # the user's own module: the strategy's non-finite guard skips the step its NaN loss was in
+        assert skip is not None and skip["skipped"] == 1 and skip["steps"] == 5, skip
+        assert skip["loss_diff"] <= TOL and skip["weight_diff"] <= TOL, skip
