@@ -36,7 +36,8 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
 # The engine slices the flattened mesh dimensions it builds (`dp`, `dp_cp`, ...) from the root mesh on purpose.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
 
-from lightning_plugins.parallel.layout import LayoutError, ParallelLayout  # noqa: E402
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.errors import LayoutError  # noqa: E402
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions  # noqa: E402
 from lightning_plugins.parallel import parallelize  # noqa: E402
 

@@ -111,9 +111,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         _verify(args.checkpoint)
     elif args.command == "finetune":
-        from lightning_plugins.recipe.schema import RecipeError, load_recipe
+        from lightning_plugins.recipe.schema import load_recipe
+        from lightning_plugins.errors import RecipeError
 
-        from lightning_plugins.checkpoint.checks import CheckpointError, check_resume_path
+        from lightning_plugins.checkpoint.checks import check_resume_path
+        from lightning_plugins.errors import CheckpointError
 
         try:
             recipe = load_recipe(args.recipe, [*_overrides(extra, finetune), *reset_overrides(args)])
@@ -128,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         from lightning_plugins.recipe.preflight import check_here
         from lightning_plugins.recipe.diff import check_resume
         from lightning_plugins.checkpoint.resume_choice import handed_down_resume
-        from lightning_plugins.run.lock import RunLockError, take_run_lock
+        from lightning_plugins.run.lock import take_run_lock
+        from lightning_plugins.errors import RunLockError
 
         launching, lock = is_launcher_rank(), None
         try:
@@ -144,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 lock.release()
             sys.exit(f"error: {err}")
         from lightning_plugins.data import DataError
-        from lightning_plugins.run.nonfinite import NonFiniteError
+        from lightning_plugins.errors import NonFiniteError
 
         try:  # the data is read on rank 0 before the other ranks start: a bad record stops it alone, at once
             result = run_finetune(recipe, resume=resume)
@@ -186,7 +189,7 @@ def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 def _verify(checkpoint: str) -> None:
     from pathlib import Path
 
-    from lightning_plugins.checkpoint.checks import CheckpointError
+    from lightning_plugins.errors import CheckpointError
     from lightning_plugins.checkpoint.integrity import MANIFEST, verify_checkpoint
 
     if not Path(checkpoint).is_dir():
@@ -203,7 +206,7 @@ def _verify(checkpoint: str) -> None:
 def _tiny(args: argparse.Namespace, overrides: list[str]) -> None:
     from pathlib import Path
 
-    from lightning_plugins.recipe.schema import RecipeError
+    from lightning_plugins.errors import RecipeError
     from lightning_plugins.recipe.tiny import shrink_recipe
 
     source = Path(args.recipe)

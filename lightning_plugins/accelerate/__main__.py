@@ -33,14 +33,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     args, extra = parser.parse_known_args(argv)
 
     from lightning_plugins.accelerate.settings import describe_launch, launched_world
-    from lightning_plugins.checkpoint.checks import CheckpointError, check_resume_path
+    from lightning_plugins.checkpoint.checks import check_resume_path
+    from lightning_plugins.errors import CheckpointError
     from lightning_plugins.data import DataError
-    from lightning_plugins.run.faults import RankFailure, explain_timeout, is_collective_timeout, is_peer_gone
-    from lightning_plugins.parallel.layout import LayoutError
-    from lightning_plugins.run.nonfinite import NonFiniteError
+    from lightning_plugins.run.faults import explain_timeout, is_collective_timeout, is_peer_gone
+    from lightning_plugins.errors import RankFailure
+    from lightning_plugins.errors import LayoutError
+    from lightning_plugins.errors import NonFiniteError
     from lightning_plugins.recipe.preflight import check_here
-    from lightning_plugins.recipe.schema import RecipeError, load_recipe
-    from lightning_plugins.run.lock import RunLockError, take_run_lock
+    from lightning_plugins.recipe.schema import load_recipe
+    from lightning_plugins.errors import RecipeError
+    from lightning_plugins.run.lock import take_run_lock
+    from lightning_plugins.errors import RunLockError
     from lightning_plugins.recipe.build import latest_checkpoint
 
     local, nodes = launched_world()

@@ -38,7 +38,7 @@ from lightning_plugins.accelerate.settings import (
 from lightning_plugins.accelerate.state import load_training_state, save_training_state
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.run.faults import join_timeout, set_collective_timeout
-from lightning_plugins.parallel.layout import LayoutError
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.adapters.lora import peft_model_around
 from lightning_plugins.checkpoint.load import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions, with_settings

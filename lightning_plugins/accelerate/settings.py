@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.errors import LayoutError
 
 #: ``ParallelLayout`` field -> the variable ``accelerate launch`` exports for the config's ``parallelism_config_*`` key.
 LAUNCH_SIZE_VARIABLES = {

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_plugins.parallel.layout import LayoutError
+from lightning_plugins.errors import LayoutError
 
 if TYPE_CHECKING:
     from peft import PeftModel

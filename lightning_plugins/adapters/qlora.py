@@ -42,7 +42,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.errors import LayoutError
 
 if TYPE_CHECKING:
     from torchao.quantization import NF4Tensor

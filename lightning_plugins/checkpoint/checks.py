@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import re
+from lightning_plugins.errors import CheckpointError
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,10 +25,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 _MISMATCH = re.compile(r"Size mismatch|Missing key|Unexpected key|shape|dtype mismatch", re.IGNORECASE)
 _CHECKPOINT_NAME = re.compile(r"^step=(\d+)\.ckpt$")
 T = TypeVar("T")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from; the message names the path and a fix."""
 
 
 def _complete_neighbours(path: Path) -> str:

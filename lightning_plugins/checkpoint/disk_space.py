@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_plugins.errors import CheckpointWriteError
 from torch.distributed.tensor import DTensor
 
 #: The errors that mean "this disk will not take the checkpoint" (not a bug to report as a traceback).
@@ -34,10 +35,6 @@ DISK_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, 
 #: DCP's bytes around each item it stores (its torch.save framing: 1.37 KiB per item, measured on the tiny model's
 #: 84 tensors x 2 shards and 252 pickled optimizer settings).
 _FRAMING = 1536
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written where it was asked to be; the message names the path, needed and free bytes."""
 
 
 def _sizes(state: Any, prefix: str, plain: dict[str, int]) -> float:

@@ -40,7 +40,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_plugins.checkpoint.checks import CheckpointError
+from lightning_plugins.errors import CheckpointError
 from lightning_plugins.checkpoint.export_info import (
     EXPORT_DIR,
     ExportError,

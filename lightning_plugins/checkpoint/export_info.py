@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from lightning_plugins.errors import ExportError
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,6 @@ from torch import nn
 #: The sub-directory of a checkpoint where the doors keep what export needs besides the weights.
 EXPORT_DIR = "export"
 _INFO = "export.json"
-
-
-class ExportError(ValueError):
-    """A checkpoint that cannot be exported as asked; the message names the file or key and the fix."""
 
 
 _TOKENIZERS: dict[str, Any] = {}
@@ -43,7 +40,7 @@ def save_export_info(
     from lightning_plugins.adapters.lora import lora_layers
     from lightning_plugins.parallel.families import find_hf_model
 
-    from lightning_plugins.parallel.layout import LayoutError
+    from lightning_plugins.errors import LayoutError
 
     try:
         hf = find_hf_model(module, "save_export_info")

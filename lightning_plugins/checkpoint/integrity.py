@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_plugins.checkpoint.checks import CheckpointError
+from lightning_plugins.errors import CheckpointError
 
 #: The manifest inside a published checkpoint.
 MANIFEST = "checksums.json"

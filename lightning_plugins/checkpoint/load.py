@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.parallel import mesh_of, parallelize
 

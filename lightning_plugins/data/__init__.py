@@ -20,7 +20,8 @@ Modules:
 * :mod:`~lightning_plugins.data.tiny`: the tiny assets shipped in ``recipes/tiny`` and :func:`exact_match`.
 """
 
-from lightning_plugins.data.config import IGNORE_INDEX, DataConfig, DataError
+from lightning_plugins.data.config import IGNORE_INDEX, DataConfig
+from lightning_plugins.errors import DataError
 from lightning_plugins.data.dataset import build_dataset
 from lightning_plugins.data.encoding import encode_chat, encode_prompt_completion
 from lightning_plugins.data.loading import read_jsonl

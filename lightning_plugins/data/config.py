@@ -4,6 +4,7 @@ data module raises, and the label value and record types they share."""
 from __future__ import annotations
 
 import re
+from lightning_plugins.errors import DataError
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final, Literal, Union
@@ -17,10 +18,6 @@ Example = dict[str, list[int]]
 
 _FORMATS = ("auto", "prompt_completion", "chat")
 _TRUNCATIONS = ("truncate", "error")
-
-
-class DataError(ValueError):
-    """A dataset input that cannot be used; the message names the file, line or key, and a fix."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import random
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_plugins.data.config import DataConfig, DataError, _existing, hub_dataset
+from lightning_plugins.data.config import DataConfig, _existing, hub_dataset
+from lightning_plugins.errors import DataError
 from lightning_plugins.data.encoding import _ENCODERS, _fit
 from lightning_plugins.data.loading import _quiet_datasets, _Source
 from lightning_plugins.data.packing import _packed_dataset

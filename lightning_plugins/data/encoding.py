@@ -15,7 +15,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from lightning_plugins.data.config import IGNORE_INDEX, DataConfig, DataError, Example
+from lightning_plugins.data.config import IGNORE_INDEX, DataConfig, Example
+from lightning_plugins.errors import DataError
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 

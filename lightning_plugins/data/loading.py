@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lightning_plugins.data.config import DataError, PathLike, Record, hub_dataset
+from lightning_plugins.data.config import PathLike, Record, hub_dataset
+from lightning_plugins.errors import DataError
 from lightning_plugins.data.encoding import _messages, _text
 
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_plugins.data.config import IGNORE_INDEX, DataConfig, DataError, Example
+from lightning_plugins.data.config import IGNORE_INDEX, DataConfig, Example
+from lightning_plugins.errors import DataError
 
 def first_fit(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
     """Greedy first fit: each sample, in order, goes into the first row with room; samples are never split.

@@ -10,7 +10,8 @@ from typing import Any, Final
 
 import torch
 
-from lightning_plugins.data.config import DataConfig, DataError, Example, PathLike, Record
+from lightning_plugins.data.config import DataConfig, Example, PathLike, Record
+from lightning_plugins.errors import DataError
 from lightning_plugins.data.encoding import _eos, _fit, _messages, _text, encode_prompt_completion
 from lightning_plugins.data.loading import read_jsonl
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_plugins.parallel.layout import MESH_DIM_NAMES, LayoutError, ParallelLayout
+from lightning_plugins.parallel.layout import MESH_DIM_NAMES, ParallelLayout
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.adapters.lora import hf_model_of
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.adapters.qlora import check_quantized

@@ -24,7 +24,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 from lightning_plugins.parallel import offload
-from lightning_plugins.parallel.layout import LayoutError
+from lightning_plugins.errors import LayoutError
 
 MODES = ("none", "full", "selective")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_plugins.parallel.layout import LayoutError
+from lightning_plugins.errors import LayoutError
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,10 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_plugins.parallel.teardown import track_mesh
+from lightning_plugins.errors import LayoutError
 
 #: Mesh dimension names, outermost to innermost.
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
-class LayoutError(ValueError):
-    """A layout that cannot work for this world size or model; the message names the fix."""
 
 
 @dataclass(frozen=True)

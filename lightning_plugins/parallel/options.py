@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from lightning_plugins.parallel.layout import LayoutError
+from lightning_plugins.errors import LayoutError
 
 #: Context-parallel attention backends.
 CP_BACKENDS = ("ulysses", "ring")

@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lightning_plugins.parallel.layout import LayoutError
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
 
 # The dimension of attention heads in the [batch, seq, heads, head_dim] tensors that q/k norms see.

@@ -11,7 +11,8 @@ The command line is ``lightning-plugins plan`` (``command``). Nothing here impor
 
 from lightning_plugins.planner.dryrun import RankMemory, dry_run
 from lightning_plugins.planner.hardware import GPUS, Cluster, cluster_from, parse_bytes
-from lightning_plugins.planner.model_stats import PlannerError, load_model_config, model_stats
+from lightning_plugins.planner.model_stats import load_model_config, model_stats
+from lightning_plugins.errors import PlannerError
 from lightning_plugins.planner.report import Plan, plan
 from lightning_plugins.planner.search import search
 from lightning_plugins.planner.timing import StepTime, estimate_step_time

@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, overrides: list[str]) -> int:
     """Run the command; returns the exit status."""
-    from lightning_plugins.planner.model_stats import PlannerError
-    from lightning_plugins.recipe.schema import RecipeError
+    from lightning_plugins.errors import PlannerError
+    from lightning_plugins.errors import RecipeError
 
     try:
         if args.calibration:
@@ -88,7 +88,8 @@ def _check_recipe(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _search(args: argparse.Namespace) -> int:
     from lightning_plugins.adapters.lora import LoraOptions
-    from lightning_plugins.planner.model_stats import PlannerError, load_model_config
+    from lightning_plugins.planner.model_stats import load_model_config
+    from lightning_plugins.errors import PlannerError
     from lightning_plugins.planner.plot import layout_label, plot_plans
     from lightning_plugins.planner.report import plan
     from lightning_plugins.planner.search import search

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_plugins.planner.model_stats import PlannerError
+from lightning_plugins.errors import PlannerError
 
 __all__ = ["GPU", "GPUS", "Cluster", "cluster_from", "parse_bytes"]
 

@@ -9,6 +9,7 @@ shipped config); other model types are counted from one decoder layer built on t
 from __future__ import annotations
 
 import warnings
+from lightning_plugins.errors import PlannerError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,10 +21,6 @@ __all__ = ["ModelStats", "PlannerError", "load_model_config", "model_stats", "sh
 
 #: Training methods the planner models: all weights, LoRA on a dense base, LoRA on an NF4 base.
 TRAINABLE = ("full", "lora", "qlora")
-
-
-class PlannerError(ValueError):
-    """A planner input that cannot work; the message names it and the fix."""
 
 
 def _configs_dir() -> Path:

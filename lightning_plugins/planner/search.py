@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.planner.dryrun import (
@@ -31,7 +32,8 @@ from lightning_plugins.planner.dryrun import (
     with_optimizer_offload,
 )
 from lightning_plugins.planner.hardware import Cluster
-from lightning_plugins.planner.model_stats import PlannerError, model_stats
+from lightning_plugins.planner.model_stats import model_stats
+from lightning_plugins.errors import PlannerError
 from lightning_plugins.planner.report import DEFAULT_MARGIN, Plan, step_time
 from lightning_plugins.planner.timing import StepTime
 from lightning_plugins.planner.workload import Workload

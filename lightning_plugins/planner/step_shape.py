@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.options import ParallelOptions
 from lightning_plugins.planner.hardware import Cluster
-from lightning_plugins.planner.model_stats import ModelStats, PlannerError
+from lightning_plugins.planner.model_stats import ModelStats
+from lightning_plugins.errors import PlannerError
 
 
 @dataclass(frozen=True)

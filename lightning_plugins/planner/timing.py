@@ -46,7 +46,8 @@ from lightning_plugins.planner.assumptions import (
     step_assumptions,
 )
 from lightning_plugins.planner.hardware import Cluster
-from lightning_plugins.planner.model_stats import NF4_BYTES_PER_PARAM, ModelStats, PlannerError, model_stats
+from lightning_plugins.planner.model_stats import NF4_BYTES_PER_PARAM, ModelStats, model_stats
+from lightning_plugins.errors import PlannerError
 from lightning_plugins.planner.step_shape import StepShape
 
 __all__ = [

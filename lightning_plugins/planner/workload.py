@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
-from lightning_plugins.planner.model_stats import PlannerError
+from lightning_plugins.errors import PlannerError
 
 #: Training methods: all weights, LoRA adapters on a dense base, LoRA adapters on an NF4 base.
 METHODS = ("full", "lora", "qlora")

@@ -163,7 +163,7 @@ def latest_checkpoint(output_dir: str | Path, say: Callable[[str], None] | None 
     :func:`~lightning_plugins.checkpoint.integrity.verify_checkpoint`) is skipped, and ``say`` (a door's rank-zero printer) is
     told which and why. The doors call it on one rank and every rank follows (:mod:`lightning_plugins.checkpoint.resume_choice`).
     """
-    from lightning_plugins.checkpoint.checks import CheckpointError
+    from lightning_plugins.errors import CheckpointError
     from lightning_plugins.checkpoint.integrity import say_unverified, verify_checkpoint
 
     candidates = (Path(output_dir) / "checkpoints").glob("step=*")

@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from lightning_plugins.recipe.schema import Recipe, RecipeError
+from lightning_plugins.recipe.schema import Recipe
+from lightning_plugins.errors import RecipeError
+from lightning_plugins.errors import ResumeMismatch
 
 if TYPE_CHECKING:
     import torch
@@ -62,10 +64,6 @@ RULES: dict[str, tuple[Kind, str]] = {
     "train.resume_reset_optimizer": ("control", ""),
     "hardware": ("applied", ""),
 }
-
-
-class ResumeMismatch(RecipeError):
-    """A resume refused: the recipe differs from the checkpoint's where continuing would be silently wrong."""
 
 
 @dataclass(frozen=True)

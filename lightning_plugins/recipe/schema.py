@@ -28,14 +28,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lightning_plugins.data import DataConfig
-from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.run.perf import ProfileOptions
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot run; the message names the file, the key and a fix."""
+from lightning_plugins.errors import RecipeError
 
 
 class _Section(BaseModel):
@@ -476,7 +474,8 @@ def _model_config(model_path: str, trust_remote_code: bool = False) -> Any:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    from lightning_plugins.planner.model_stats import PlannerError, load_model_config
+    from lightning_plugins.planner.model_stats import load_model_config
+    from lightning_plugins.errors import PlannerError
 
     try:
         return load_model_config(model_path)

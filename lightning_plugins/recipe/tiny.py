@@ -23,7 +23,8 @@ import yaml
 
 from lightning_plugins.data.tiny import tiny_assets
 from lightning_plugins.parallel.layout import ParallelLayout
-from lightning_plugins.recipe.schema import Recipe, RecipeError, _apply_override, load_recipe
+from lightning_plugins.recipe.schema import Recipe, _apply_override, load_recipe
+from lightning_plugins.errors import RecipeError
 
 #: CPU processes at most: each parallel dimension of the recipe is kept at 2 ranks within this world.
 MAX_TINY_WORLD = 4
@@ -101,7 +102,8 @@ def shrink_recipe(path: str | Path, out_dir: str | Path, *, steps: int = 20, ove
     Raises:
         RecipeError: for a recipe that does not validate, naming the file and the key.
     """
-    from lightning_plugins.planner.model_stats import PlannerError, load_model_config
+    from lightning_plugins.planner.model_stats import load_model_config
+    from lightning_plugins.errors import PlannerError
 
     path, out = Path(path), Path(out_dir)
     recipe = load_recipe(path, overrides)

@@ -21,6 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
+from lightning_plugins.errors import RankFailure
 
 #: The directory (set by the launcher, inherited by every rank it starts) where failing ranks leave their cause.
 FAILURES_ENV = "LIGHTNING_PLUGINS_FAILURES"
@@ -32,10 +33,6 @@ _TIMEOUT_MARKERS = ("Timed out", "timed out", "Watchdog caught collective operat
 
 #: The least time ranks wait for each other to join the process group (torch's default process-group timeout).
 JOIN_TIMEOUT = timedelta(minutes=30)
-
-
-class RankFailure(RuntimeError):
-    """A rank of the job failed; the message names it (rank, pid) and the cause."""
 
 
 def join_timeout(timeout: timedelta | None) -> timedelta:

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import uuid
+from lightning_plugins.errors import RunLockError
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -37,10 +38,6 @@ LOCK_NAME = "run.lock"
 HEARTBEAT_S = 30.0
 #: A lock of another host untouched for this long (seconds) belongs to a run that is gone.
 STALE_AFTER_S = 300.0
-
-
-class RunLockError(RuntimeError):
-    """The output directory is held by another run that is still alive."""
 
 
 def _process_start(pid: int) -> str | None:

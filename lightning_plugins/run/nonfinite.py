@@ -36,14 +36,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_plugins.parallel.layout import LayoutError
+from lightning_plugins.errors import LayoutError
+from lightning_plugins.errors import NonFiniteError
 
 #: What the guard does with a non-finite step (the recipe's ``train.on_nonfinite``).
 Policy = Literal["stop", "skip"]
-
-
-class NonFiniteError(RuntimeError):
-    """Training met a non-finite loss, gradient norm or weight; the message names the step, the ranks and the fix."""
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from typing_extensions import override
 
-from lightning_plugins.parallel.layout import LayoutError
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.strategies.parallelism import ParallelismStrategy
 
 

@@ -52,7 +52,7 @@ from lightning_plugins.run.faults import (
     recorded_failure,
     summarize,
 )
-from lightning_plugins.run.nonfinite import NonFiniteError
+from lightning_plugins.errors import NonFiniteError
 from lightning_plugins.run.preemption import PREEMPTED_EXIT
 
 if TYPE_CHECKING:

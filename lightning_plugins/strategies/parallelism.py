@@ -30,7 +30,8 @@ from lightning_plugins.checkpoint.disk_space import check_room, writing_checkpoi
 from lightning_plugins.checkpoint.export_info import save_export_info
 from lightning_plugins.run.faults import join_timeout, set_collective_timeout
 from lightning_plugins.checkpoint.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
-from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.adapters.lora import peft_model_around
 from lightning_plugins.checkpoint.load import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
 from lightning_plugins.parallel import families as models

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_plugins.parallel.layout import LayoutError
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.strategies.parallelism import ParallelismStrategy
 
 __all__ = ["PipelineParallelStrategy"]

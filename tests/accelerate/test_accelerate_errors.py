@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_accelerate_launch import ROOT, TINY, accelerate_launch
 
-from lightning_plugins.parallel.layout import LayoutError
+from lightning_plugins.errors import LayoutError
 
 CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 DEEPSPEED_FILES = sorted((ROOT / "accelerate_configs" / "deepspeed").glob("*.json"))

@@ -161,7 +161,7 @@ def _run_cases(
     import torch.distributed as dist
 
     from lightning_plugins.accelerate import ParallelAccelerator
-    from lightning_plugins.parallel.layout import LayoutError
+    from lightning_plugins.errors import LayoutError
 
     for name, case in cases.items():
         sizes = {k: case[k] for k in ("tp_size", "pp_size", "cp_size", "dp_shard_size") if k in case}

@@ -24,9 +24,10 @@ from _world import free_port, run_command
 
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.cli import main
-from lightning_plugins.checkpoint.disk_space import CheckpointWriteError, check_room, checkpoint_bytes, writing_checkpoint
+from lightning_plugins.checkpoint.disk_space import check_room, checkpoint_bytes, writing_checkpoint
+from lightning_plugins.errors import CheckpointWriteError
 from lightning_plugins.checkpoint.export import export_checkpoint
-from lightning_plugins.checkpoint.export_info import ExportError
+from lightning_plugins.errors import ExportError
 from lightning_plugins.checkpoint.integrity import MANIFEST, _HashingStream
 from lightning_plugins.checkpoint.resume import publish
 from lightning_plugins.recipe.build import latest_checkpoint

@@ -14,9 +14,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lightning_plugins.checkpoint.checks import CheckpointError, check_resume_path, reads_checkpoint
+from lightning_plugins.checkpoint.checks import check_resume_path, reads_checkpoint
+from lightning_plugins.errors import CheckpointError
 from lightning_plugins.checkpoint.load import checkpoint_index, load_sharded_safetensors
-from lightning_plugins.recipe.schema import RecipeError, load_recipe
+from lightning_plugins.recipe.schema import load_recipe
+from lightning_plugins.errors import RecipeError
 
 TINY = Path(__file__).parents[2] / "recipes" / "tiny"
 RECIPE = TINY / "full_tp2.yaml"
@@ -124,7 +126,7 @@ def test_hf_weights_of_another_shape_or_truncated_load_nothing(sharded: Path, tm
 
 
 def test_a_peft_model_on_the_meta_device_is_refused_with_the_fix(sharded: Path) -> None:
-    from lightning_plugins.parallel.layout import LayoutError
+    from lightning_plugins.errors import LayoutError
     from lightning_plugins.adapters.lora import LoraOptions, apply_lora
 
     model = apply_lora(_on_meta(AutoConfig.from_pretrained(sharded)), LoraOptions(r=4))

@@ -13,7 +13,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from lightning_plugins.data import DataConfig, DataError, build_dataset
-from lightning_plugins.recipe.schema import RecipeError, load_recipe
+from lightning_plugins.recipe.schema import load_recipe
+from lightning_plugins.errors import RecipeError
 
 TINY = Path(__file__).parents[2] / "recipes" / "tiny"
 RECIPE = TINY / "full_tp2.yaml"

@@ -8,7 +8,8 @@ import pytest
 import yaml
 
 from lightning_plugins.cli import main
-from lightning_plugins.recipe.schema import RecipeError, load_recipe
+from lightning_plugins.recipe.schema import load_recipe
+from lightning_plugins.errors import RecipeError
 from lightning_plugins.recipe.build import lr_lambda
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").rglob("*.yaml"))

@@ -18,7 +18,8 @@ import torch
 from _world import free_port, run_command, run_world
 
 from lightning_plugins.run.faults import describe_exit, is_collective_timeout
-from lightning_plugins.recipe.schema import RecipeError, load_recipe
+from lightning_plugins.recipe.schema import load_recipe
+from lightning_plugins.errors import RecipeError
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"

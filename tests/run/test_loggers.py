@@ -25,7 +25,8 @@ from _world import free_port, run_command
 
 from lightning_plugins.run.manifest import PACKAGES, attach_manifest, write_manifest
 from lightning_plugins.recipe.preflight import check_here
-from lightning_plugins.recipe.schema import Recipe, RecipeError, load_recipe
+from lightning_plugins.recipe.schema import Recipe, load_recipe
+from lightning_plugins.errors import RecipeError
 from lightning_plugins.run.record import hyperparameters, mlflow_tracking_uri, wandb_offline
 
 ROOT = Path(__file__).parents[2]

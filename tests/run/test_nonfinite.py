@@ -22,8 +22,9 @@ import pytest
 import torch
 from _world import free_port, run_command, run_world
 
-from lightning_plugins.parallel.layout import LayoutError
-from lightning_plugins.run.nonfinite import NonFiniteError, NonFiniteGuard, check_finite_weights, training_state
+from lightning_plugins.errors import LayoutError
+from lightning_plugins.run.nonfinite import NonFiniteGuard, check_finite_weights, training_state
+from lightning_plugins.errors import NonFiniteError
 from lightning_plugins.recipe.plots import merge_metrics
 
 ROOT = Path(__file__).parents[2]

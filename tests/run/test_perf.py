@@ -22,7 +22,8 @@ from _world import free_port, run_command
 
 from lightning_plugins.run.perf import PerfMonitor, ProfileOptions
 from lightning_plugins.run.profile_summary import WINDOW, Event, classify, collective_name, summarize
-from lightning_plugins.recipe.schema import RecipeError, load_recipe
+from lightning_plugins.recipe.schema import load_recipe
+from lightning_plugins.errors import RecipeError
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"

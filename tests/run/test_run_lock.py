@@ -24,7 +24,8 @@ import pytest
 from _world import free_port, run_command
 
 from lightning_plugins.checkpoint.resume_choice import RESUME_ENV, check_same_decision
-from lightning_plugins.run.lock import LOCK_NAME, RunLockError, take_run_lock
+from lightning_plugins.run.lock import LOCK_NAME, take_run_lock
+from lightning_plugins.errors import RunLockError
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"

@@ -54,7 +54,7 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, backend:
     Raises:
         LayoutError: naming the violated constraint and a setting that works.
     """
-    from lightning_plugins.parallel.layout import LayoutError
+    from lightning_plugins.errors import LayoutError
 
     if backend not in BACKENDS:
         raise LayoutError(f"Unknown context-parallel backend {backend!r}; use one of {BACKENDS}.")

@@ -63,7 +63,7 @@ def apply_context_parallel(model: Any, layers: Any, cp_mesh: Any, backend: str =
     """
     from transformers import AttentionInterface
 
-    from lightning_plugins.parallel.layout import LayoutError
+    from lightning_plugins.errors import LayoutError
 
     if backend not in BACKENDS:
         raise LayoutError(f"Unknown context-parallel backend {backend!r}; use one of {BACKENDS}.")

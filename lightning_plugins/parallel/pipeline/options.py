@@ -20,7 +20,8 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from lightning_plugins.parallel.layout import LayoutError, ParallelLayout
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.families import FAMILIES
 
 

@@ -28,7 +28,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_plugins.parallel.layout import LayoutError
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.grad import total_grad_norm
 from lightning_plugins.parallel.loss import IGNORE_INDEX, next_token_targets
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, stages_of_rank
