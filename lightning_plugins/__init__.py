@@ -37,9 +37,9 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
 
 from lightning_plugins.parallel.layout import ParallelLayout
-from lightning_plugins.errors import LayoutError  # noqa: E402
+from lightning_plugins.errors import LayoutError, OptionsError  # noqa: E402
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions  # noqa: E402
 from lightning_plugins.parallel import parallelize  # noqa: E402
 
-__all__ = ["LayoutError", "MemoryOptions", "ParallelLayout", "ParallelOptions", "parallelize"]
+__all__ = ["LayoutError", "MemoryOptions", "OptionsError", "ParallelLayout", "ParallelOptions", "parallelize"]
 __version__ = "0.1.0"

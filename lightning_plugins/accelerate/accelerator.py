@@ -39,10 +39,11 @@ from lightning_plugins.accelerate.state import load_training_state, save_trainin
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.run.faults import join_timeout, set_collective_timeout
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.parallel.layout import ParallelLayout, given_sizes
 from lightning_plugins.adapters.lora import peft_model_around
 from lightning_plugins.checkpoint.load import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions, with_settings
-from lightning_plugins.parallel import clip_grad_norm_, mesh_of, parallelize, pipeline_of
+from lightning_plugins.parallel import check_settings, clip_grad_norm_, mesh_of, parallelize, pipeline_of
 from lightning_plugins.parallel.teardown import release_at_exit, release_process_groups
 from lightning_plugins.parallel.families import find_hf_model
 
@@ -72,6 +73,8 @@ class ParallelAccelerator(Accelerator):
     data-parallel layouts are then valid) and every method is Accelerate's.
 
     Args:
+        layout: The parallel sizes as one :class:`~lightning_plugins.ParallelLayout`; the size keywords below
+            override its fields.
         tp_size: Tensor-parallel ranks.
         pp_size: Pipeline stages.
         cp_size: Context-parallel ranks.
@@ -100,12 +103,13 @@ class ParallelAccelerator(Accelerator):
 
     def __init__(
         self,
+        *,
+        layout: ParallelLayout | None = None,
         tp_size: int | None = None,
         pp_size: int | None = None,
         cp_size: int | None = None,
         dp_shard_size: int | None = None,
         dp_replicate_size: int | None = None,
-        *,
         options: ParallelOptions | None = None,
         memory: MemoryOptions | None = None,
         load_from: str | Path | None = None,
@@ -116,8 +120,10 @@ class ParallelAccelerator(Accelerator):
         owner = type(self).__name__
         settings = {name: kwargs.pop(name) for name in list(kwargs) if name in _SETTINGS}
         self.options, self.memory = with_settings(owner, options, memory, **settings)
-        sizes = {"tp_size": tp_size, "pp_size": pp_size, "cp_size": cp_size, "dp_shard_size": dp_shard_size,
-                 "dp_replicate_size": dp_replicate_size}  # fmt: skip
+        sizes = given_sizes(
+            layout, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, dp_shard_size=dp_shard_size,
+            dp_replicate_size=dp_replicate_size,
+        )
         deepspeed = kwargs.get("deepspeed_plugin") or kwargs.get("deepspeed_plugins")
         self.builtin = builtin_path(deepspeed, kwargs.get("fsdp_plugin"))
         parallelism_config = None if self.builtin else kwargs.pop("parallelism_config", None)
@@ -130,6 +136,8 @@ class ParallelAccelerator(Accelerator):
             raise LayoutError(f"{owner}: the layout does not fit the world started by {where}. {err}") from None
         if self.builtin:
             check_builtin(owner, self.layout, self.builtin)
+        else:
+            check_settings(self.layout, self.options, self.memory)
         self.load_from = load_from
         self.async_checkpoint = async_checkpoint
         self.recipe_record = recipe_record

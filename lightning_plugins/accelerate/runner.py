@@ -61,10 +61,8 @@ class Progress:
 
 def make_accelerator(recipe: Recipe) -> ParallelAccelerator:
     """The recipe's layout and settings; the scheduler is stepped by the loop, once per optimizer step."""
-    layout = recipe.layout
     return ParallelAccelerator(
-        layout.tp_size, layout.pp_size, layout.cp_size, layout.dp_shard_size, layout.dp_replicate_size,
-        options=recipe.parallel, memory=recipe.memory,
+        layout=recipe.layout, options=recipe.parallel, memory=recipe.memory,
         load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,
         async_checkpoint=recipe.train.async_checkpoint, recipe_record=recipe.to_yaml(),
         cpu=recipe.hardware.accelerator == "cpu" or not torch.cuda.is_available(),

@@ -20,11 +20,12 @@ from lightning_plugins.adapters.qlora import check_quantized
 from lightning_plugins.checkpoint.save_pretrained import install_save_pretrained
 from lightning_plugins.parallel.families import ModelFamily, check_supported, decoder_layers, family_for
 from lightning_plugins.parallel.activation import apply_activation_checkpointing
-from lightning_plugins.parallel.context import apply_context_parallel, check_context_parallel, context_parallel_batch
+from lightning_plugins.parallel.checks import check_settings
+from lightning_plugins.parallel.context import apply_context_parallel, context_parallel_batch
 from lightning_plugins.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
 from lightning_plugins.parallel.grad import clip_grad_norm_, reduce_partial_state, total_grad_norm
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
-from lightning_plugins.parallel.pipeline import PipelineOptions, apply_pipeline_parallel, check_pipeline_layout, pipeline_of
+from lightning_plugins.parallel.pipeline import PipelineOptions, apply_pipeline_parallel, pipeline_of
 from lightning_plugins.parallel.tensor import apply_tensor_parallel
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "reduce_partial_state",
     "check_same_settings",
     "check_parallelizable",
+    "check_settings",
     "context_parallel_batch",
 ]
 
@@ -139,21 +141,12 @@ def check_parallelizable(
         The resolved pipeline options when ``layout.pp_size > 1``, else ``None``.
 
     Raises:
-        LayoutError: naming the violated constraint and a setting that works.
+        LayoutError: for sizes that do not fit the model; OptionsError: for settings that do not
+            (:func:`~lightning_plugins.parallel.checks.check_settings`); both name a setting that works.
     """
-    config = getattr(model, "config", None)
     check_supported(model)
-    layout.validate(config)
+    pipeline_options = check_settings(layout, options, memory, getattr(model, "config", None))
     check_quantized(model, layout)
-    pipeline_options = None
-    if layout.pp_size > 1:
-        pipeline_options = check_pipeline_layout(layout, config, options.pipeline)
-    check_context_parallel(config, layout.cp_size, layout.tp_size, options.cp_backend)
-    if memory.uses_fsdp_policy and layout.fsdp_size == 1:
-        raise LayoutError(
-            "cpu_offload, param_dtype and reduce_dtype are FSDP2 options and need at least 2 data-parallel ranks"
-            " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, use a precision plugin instead."
-        )
     return pipeline_options
 
 

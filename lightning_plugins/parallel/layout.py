@@ -19,9 +19,9 @@ from lightning_plugins.errors import LayoutError
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    """Sizes of the five parallel dimensions.
+    """Sizes of the five parallel dimensions, given by name (``ParallelLayout(tp_size=2, dp_shard_size=-1)``).
 
     Args:
         pp_size: Pipeline stages.
@@ -159,7 +159,7 @@ class ParallelLayout:
         """Read the sizes back from a mesh built by :meth:`build_mesh` (missing names count as size 1)."""
         names = mesh.mesh_dim_names or ()
         sizes = {name: mesh.size(names.index(name)) if name in names else 1 for name in MESH_DIM_NAMES}
-        return cls(*(sizes[name] for name in MESH_DIM_NAMES))
+        return cls(**{f"{name}_size": sizes[name] for name in MESH_DIM_NAMES})
 
     def _require_resolved(self) -> None:
         if self.dp_shard_size == -1:
@@ -175,6 +175,28 @@ class ParallelLayout:
         # Head counts are powers of two far more often than not: suggest the largest such divisor.
         tp = max(t for t in _divisors(world_size) if t <= self.tp_size and t & (t - 1) == 0)
         return f"ParallelLayout(tp_size={tp}, dp_shard_size=-1)"
+
+
+#: The size fields of :class:`ParallelLayout`, in mesh order.
+SIZE_NAMES = tuple(f"{name}_size" for name in MESH_DIM_NAMES)
+
+
+def given_sizes(layout: ParallelLayout | None = None, **sizes: int | None) -> dict[str, int | None]:
+    """The sizes a door was given: each size keyword that is not ``None``, else ``layout``'s, else ``None``.
+
+    Lets a door take a whole :class:`ParallelLayout` (``layout=``), its sizes by name (``tp_size=2``), or both (the
+    keywords override the layout's fields); one construction path for every door.
+
+    Args:
+        layout: A layout given whole, or ``None``.
+        **sizes: ``pp_size``, ``dp_replicate_size``, ``dp_shard_size``, ``cp_size``, ``tp_size`` (``None``: not given).
+    """
+    return {name: sizes.get(name) if sizes.get(name) is not None else getattr(layout, name, None) for name in SIZE_NAMES}
+
+
+def layout_of(layout: ParallelLayout | None = None, **sizes: int | None) -> ParallelLayout:
+    """The layout of :func:`given_sizes` (sizes given nowhere keep :class:`ParallelLayout`'s defaults)."""
+    return ParallelLayout(**{name: value for name, value in given_sizes(layout, **sizes).items() if value is not None})
 
 
 def _divisors(n: int) -> list[int]:

@@ -11,7 +11,52 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from lightning_plugins.errors import LayoutError
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from lightning_plugins.errors import OptionsError
+
+@dataclass(frozen=True)
+class _Schedule:
+    cls: type
+    multi: bool  # several stages per rank
+    v_shape: bool  # stage s on rank s for s < pp, then back: rank 0 holds the first and the last stage
+    split_backward: bool = False  # input and weight gradients in separate passes (zero bubble)
+
+
+#: Schedule names accepted by ``pp_schedule``.
+SCHEDULES: dict[str, _Schedule] = {
+    "gpipe": _Schedule(ScheduleGPipe, multi=False, v_shape=False),
+    "1f1b": _Schedule(Schedule1F1B, multi=False, v_shape=False),
+    "interleaved_1f1b": _Schedule(ScheduleInterleaved1F1B, multi=True, v_shape=False),
+    "looped_bfs": _Schedule(ScheduleLoopedBFS, multi=True, v_shape=False),
+    "interleaved_zero_bubble": _Schedule(ScheduleInterleavedZeroBubble, multi=True, v_shape=False, split_backward=True),
+    "zbv_zero_bubble": _Schedule(ScheduleZBVZeroBubble, multi=True, v_shape=True, split_backward=True),
+    "dualpipev": _Schedule(ScheduleDualPipeV, multi=True, v_shape=True, split_backward=True),
+}
+
+
+def check_schedule(pp_schedule: Any) -> str:
+    """The pipeline schedule's name, in lower case.
+
+    Raises:
+        OptionsError: for a name that is not in :data:`SCHEDULES`, naming those that are.
+    """
+    name = pp_schedule.lower() if isinstance(pp_schedule, str) else pp_schedule
+    if name not in SCHEDULES:
+        raise OptionsError(
+            f"pp_schedule={pp_schedule!r} is not a known pipeline schedule. Use one of {sorted(SCHEDULES)}"
+            " (e.g. pp_schedule='1f1b')."
+        )
+    return name
+
 
 #: Context-parallel attention backends.
 CP_BACKENDS = ("ulysses", "ring")
@@ -44,28 +89,15 @@ class ParallelOptions:
     pp_stages_per_rank: int | None = None
 
     def __post_init__(self) -> None:
-        from lightning_plugins.parallel.pipeline import SCHEDULES
-
         if self.cp_backend not in CP_BACKENDS:
-            raise LayoutError(
+            raise OptionsError(
                 f"cp_backend={self.cp_backend!r} is not a context-parallel backend; use one of {CP_BACKENDS}."
             )
-        if self.pp_schedule not in SCHEDULES:
-            raise LayoutError(
-                f"pp_schedule={self.pp_schedule!r} is not a known pipeline schedule. Use one of {sorted(SCHEDULES)}"
-                " (e.g. pp_schedule='1f1b')."
-            )
+        object.__setattr__(self, "pp_schedule", check_schedule(self.pp_schedule))
         for name in ("pp_microbatches", "pp_stages_per_rank"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
-                raise LayoutError(f"{name} must be a positive integer or None, got {value!r}.")
-
-    @property
-    def pipeline(self) -> Any:
-        """The pipeline part as :class:`lightning_plugins.parallel.pipeline.PipelineOptions` (unresolved)."""
-        from lightning_plugins.parallel.pipeline import PipelineOptions
-
-        return PipelineOptions(self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank)
+                raise OptionsError(f"{name} must be a positive integer or None, got {value!r}.")
 
 
 @dataclass(frozen=True)
@@ -103,7 +135,7 @@ class MemoryOptions:
 
     def __post_init__(self) -> None:
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
-            raise LayoutError(
+            raise OptionsError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of {CHECKPOINTING_MODES}."
             )
         if self.every_n_layers is not None and (
@@ -111,20 +143,20 @@ class MemoryOptions:
             or not isinstance(self.every_n_layers, int)
             or self.every_n_layers < 1
         ):
-            raise LayoutError(
+            raise OptionsError(
                 f"every_n_layers={self.every_n_layers!r} needs activation_checkpointing='selective' and a positive integer."
             )
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if isinstance(value, str) and value not in DTYPE_NAMES:
-                raise LayoutError(
+                raise OptionsError(
                     f"Unknown dtype {name}={value!r} for mixed precision; use one of {sorted(DTYPE_NAMES)}."
                 )
         for name in ("optimizer_offload", "activation_offload"):
             if not isinstance(getattr(self, name), bool):
-                raise LayoutError(f"{name} must be true or false, got {getattr(self, name)!r}.")
+                raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}.")
         if self.optimizer_offload and self.cpu_offload:
-            raise LayoutError(
+            raise OptionsError(
                 "optimizer_offload and cpu_offload cannot be combined: cpu_offload (FSDP2's CPUOffloadPolicy) already"
                 " keeps the sharded parameters, gradients and optimizer state on the host and steps there. Keep"
                 " cpu_offload alone to free the most GPU memory, or optimizer_offload alone to keep the parameters"
@@ -149,13 +181,13 @@ def with_settings(
     (``TensorParallelStrategy(sequence_parallel=False, activation_checkpointing="full")``).
 
     Raises:
-        LayoutError: for a keyword that is no field of either object, naming the ones that are.
+        OptionsError: for a keyword that is no field of either object, naming the ones that are.
     """
     options, memory = options or ParallelOptions(), memory or MemoryOptions()
     names = {type(options): {f.name for f in fields(options)}, type(memory): {f.name for f in fields(memory)}}
     unknown = sorted(set(settings) - names[type(options)] - names[type(memory)])
     if unknown:
-        raise LayoutError(
+        raise OptionsError(
             f"{owner} got unknown setting(s) {unknown}. Settings are the fields of ParallelOptions"
             f" {sorted(names[type(options)])} and MemoryOptions {sorted(names[type(memory)])}."
         )

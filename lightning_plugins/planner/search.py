@@ -151,7 +151,9 @@ def candidate_workloads(
                     continue
                 for replicate in _replicas(dp, tp * cp, per_node):
                     try:
-                        layout = ParallelLayout(pp, replicate, dp // replicate, cp, tp).resolve(gpus)
+                        layout = ParallelLayout(
+                            pp_size=pp, dp_replicate_size=replicate, dp_shard_size=dp // replicate, cp_size=cp, tp_size=tp
+                        ).resolve(gpus)
                         layout.validate(config)
                     except LayoutError:
                         continue

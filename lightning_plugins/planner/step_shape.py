@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_plugins.parallel.layout import ParallelLayout
-from lightning_plugins.errors import LayoutError
+from lightning_plugins.errors import LayoutError, OptionsError
 from lightning_plugins.parallel.options import ParallelOptions
 from lightning_plugins.planner.hardware import Cluster
 from lightning_plugins.planner.model_stats import ModelStats
@@ -70,11 +70,11 @@ class StepShape:
         m, v, schedule, split_backward = 1, 1, "", False
         stage_layers: tuple[tuple[int, bool, bool], ...] = ((stats.num_layers, True, True),)
         if layout.pp_size > 1:
-            from lightning_plugins.parallel.pipeline import layer_ranges, stages_of_rank
+            from lightning_plugins.parallel.pipeline import PipelineOptions, layer_ranges, stages_of_rank
 
             try:
-                pipe = options.pipeline.resolve(layout.pp_size, stats.num_layers)
-            except LayoutError as err:
+                pipe = PipelineOptions.of(options).resolve(layout.pp_size, stats.num_layers)
+            except (LayoutError, OptionsError) as err:
                 raise PlannerError(str(err)) from None
             m, v, schedule, split_backward = (
                 pipe.microbatches,

@@ -74,7 +74,9 @@ class Workload:
         """The resolved pipeline options (schedule, micro-batches, stages per rank), or ``None`` without PP."""
         if self.layout.pp_size == 1:
             return None
-        return self.options.pipeline.resolve(self.layout.pp_size, self.config.num_hidden_layers)
+        from lightning_plugins.parallel.pipeline import PipelineOptions
+
+        return PipelineOptions.of(self.options).resolve(self.layout.pp_size, self.config.num_hidden_layers)
 
     def with_layers(self, num_layers: int) -> Workload:
         """The same workload on a copy of the model config with ``num_layers`` decoder layers."""

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lightning_plugins.data import DataConfig
 from lightning_plugins.parallel.layout import ParallelLayout
-from lightning_plugins.errors import LayoutError
+from lightning_plugins.errors import LayoutError, OptionsError
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.run.perf import ProfileOptions
@@ -397,17 +397,13 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             " model.path at an HF checkpoint directory (config.json, tokenizer and weights) or a hub id."
         ) from None
     if config is not None:
-        from lightning_plugins.parallel.context import check_context_parallel
-        from lightning_plugins.parallel.pipeline import check_pipeline_layout
+        from lightning_plugins.parallel.checks import check_settings
 
         try:
-            layout.validate(config)
-            if layout.pp_size > 1:
-                check_pipeline_layout(layout, config, recipe.parallel.pipeline)
-            check_context_parallel(config, layout.cp_size, layout.tp_size, recipe.parallel.cp_backend)
+            check_settings(layout, recipe.parallel, recipe.memory, config)
             if layout.tp_size > 1:
                 _check_tensor_plan(config)
-        except LayoutError as err:
+        except (LayoutError, OptionsError) as err:
             raise RecipeError(f"{path}: layout/parallel do not fit model {recipe.model.path}: {err}") from None
         if recipe.lora is not None:
             from lightning_plugins.adapters.lora import check_lora_targets
@@ -426,7 +422,9 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             f" train.global_batch_size={good}, or change train.micro_batch_size."
         )
     if layout.pp_size > 1:
-        micro = recipe.parallel.pipeline.resolve(layout.pp_size).microbatches
+        from lightning_plugins.parallel.pipeline import PipelineOptions
+
+        micro = PipelineOptions.of(recipe.parallel).resolve(layout.pp_size).microbatches
         if recipe.train.micro_batch_size % micro:
             raise RecipeError(
                 f"{path}: train.micro_batch_size={recipe.train.micro_batch_size} must divide into"

@@ -23,6 +23,7 @@ import yaml
 
 from lightning_plugins.data.tiny import tiny_assets
 from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.parallel.pipeline import PipelineOptions
 from lightning_plugins.recipe.schema import Recipe, _apply_override, load_recipe
 from lightning_plugins.errors import RecipeError
 
@@ -113,7 +114,7 @@ def shrink_recipe(path: str | Path, out_dir: str | Path, *, steps: int = 20, ove
         raise RecipeError(f"{path}: model.path: {err}") from None
     layout = tiny_layout(recipe.layout)
     stages = layout.pp_size * (
-        recipe.parallel.pipeline.resolve(layout.pp_size).stages_per_rank if layout.pp_size > 1 else 1
+        PipelineOptions.of(recipe.parallel).resolve(layout.pp_size).stages_per_rank if layout.pp_size > 1 else 1
     )
     out.mkdir(parents=True, exist_ok=True)
     _write_model(tiny_config(config, max(2, stages)), out / "model", recipe.train.seed)
@@ -152,7 +153,7 @@ def _tiny_settings(recipe: Recipe, layout: ParallelLayout, steps: int, out: Path
     world = layout.tp_size * layout.pp_size * layout.cp_size * max(1, layout.dp_shard_size) * layout.dp_replicate_size
     micro = max(recipe.train.micro_batch_size, TINY_MICRO_BATCH)  # a few rows: a loss that falls step on step
     if layout.pp_size > 1:  # what the pipeline splits: a multiple of its micro-batches
-        pieces = recipe.parallel.pipeline.resolve(layout.pp_size).microbatches
+        pieces = PipelineOptions.of(recipe.parallel).resolve(layout.pp_size).microbatches
         micro = -(-micro // pieces) * pieces
     dp = max(1, layout.dp_shard_size) * layout.dp_replicate_size
     settings: dict[str, Any] = {

@@ -21,22 +21,18 @@ class ContextParallelStrategy(ParallelismStrategy):
 
     Args:
         cp_size: Context-parallel ranks; ``"auto"`` uses every process of a node.
-        backend: ``"ulysses"`` (all-to-all from sequence- to head-sharded around attention; the query
+        cp_backend: ``"ulysses"`` (all-to-all from sequence- to head-sharded around attention; the query
             heads per tensor-parallel rank must divide by ``cp_size``) or ``"ring"`` (K/V passed around
             the ring with an online softmax; no head constraint).
-        **kwargs: Any option of :class:`ParallelismStrategy` (``tp_size``, ``dp_shard_size``, ...).
+        **kwargs: Any option of :class:`ParallelismStrategy` (``layout``, ``tp_size``, ``dp_shard_size``, ...).
     """
 
     strategy_name = "context_parallel"
 
-    def __init__(self, cp_size: int | Literal["auto"] = "auto", backend: str = "ulysses", **kwargs: Any) -> None:
-        if "cp_backend" in kwargs:
-            raise LayoutError(
-                f"{type(self).__name__} takes the context-parallel attention as `backend`, not `cp_backend`."
-            )
+    def __init__(self, *, cp_size: int | Literal["auto"] = "auto", cp_backend: str = "ulysses", **kwargs: Any) -> None:
         if cp_size != "auto" and (not isinstance(cp_size, int) or cp_size < 1):
             raise LayoutError(f"{type(self).__name__}: cp_size must be a positive integer or 'auto', got {cp_size!r}.")
-        super().__init__(cp_size=1 if cp_size == "auto" else cp_size, cp_backend=backend, **kwargs)
+        super().__init__(cp_size=1 if cp_size == "auto" else cp_size, cp_backend=cp_backend, **kwargs)
         self._auto_cp = cp_size == "auto"
 
     @override

@@ -30,7 +30,7 @@ from lightning_plugins.checkpoint.disk_space import check_room, writing_checkpoi
 from lightning_plugins.checkpoint.export_info import save_export_info
 from lightning_plugins.run.faults import join_timeout, set_collective_timeout
 from lightning_plugins.checkpoint.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
-from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.parallel.layout import ParallelLayout, layout_of
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.adapters.lora import peft_model_around
 from lightning_plugins.checkpoint.load import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
@@ -40,6 +40,7 @@ from lightning_plugins.run.nonfinite import NonFiniteGuard, Policy, check_finite
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import (
     check_parallelizable,
+    check_settings,
     check_same_settings,
     clip_grad_norm_,
     mesh_of,
@@ -73,6 +74,8 @@ class ParallelismStrategy(ModelParallelStrategy):
     itself keeps the settings it chose.
 
     Args:
+        layout: The parallel sizes as one :class:`~lightning_plugins.ParallelLayout`; the size keywords below
+            override its fields (each is 1 when given nowhere, ``dp_shard_size`` -1).
         tp_size: Tensor-parallel ranks.
         pp_size: Pipeline ranks. With ``pp_size > 1`` the model's forward in ``training_step`` runs
             forward and backward of the whole batch through the pipeline (Lightning's backward is then
@@ -117,12 +120,13 @@ class ParallelismStrategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        tp_size: int = 1,
-        pp_size: int = 1,
-        cp_size: int = 1,
-        dp_shard_size: int = -1,
-        dp_replicate_size: int = 1,
         *,
+        layout: ParallelLayout | None = None,
+        tp_size: int | None = None,
+        pp_size: int | None = None,
+        cp_size: int | None = None,
+        dp_shard_size: int | None = None,
+        dp_replicate_size: int | None = None,
         options: ParallelOptions | None = None,
         memory: MemoryOptions | None = None,
         load_from: str | Path | None = None,
@@ -142,14 +146,19 @@ class ParallelismStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.layout = ParallelLayout(pp_size, dp_replicate_size, dp_shard_size, cp_size, tp_size)
-        if pp_size > 1 and not save_distributed_checkpoint:
+        self.layout = layout_of(
+            layout, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, dp_shard_size=dp_shard_size,
+            dp_replicate_size=dp_replicate_size,
+        )
+        if self.layout.pp_size > 1 and not save_distributed_checkpoint:
             raise LayoutError(
                 f"{type(self).__name__} writes sharded (DCP) checkpoints only under pipeline parallelism: each rank"
                 " holds different stages, so no rank can write the full model. Keep save_distributed_checkpoint=True"
                 " and export to HF format from the sharded checkpoint."
             )
         self.options, self.memory = with_settings(type(self).__name__, options, memory, **settings)
+        # What needs no world size and no model fails now, before Trainer(...) launches any process.
+        check_settings(self.layout, self.options, self.memory)
         self.load_from = load_from
         self.async_checkpoint = async_checkpoint
         self.recipe_record = recipe_record

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.strategies.parallelism import ParallelismStrategy
 
 __all__ = ["PipelineParallelStrategy"]
@@ -20,41 +21,28 @@ class PipelineParallelStrategy(ParallelismStrategy):
     optimizer holds only its stages' parameters; gradient clipping uses the norm over all stages.
 
     Requirements: batches carry ``input_ids`` and ``labels`` (``attention_mask``/``position_ids``
-    optional); the per-rank batch size divides into ``microbatches``; the model returns no logits.
+    optional); the per-rank batch size divides into ``pp_microbatches``; the model returns no logits.
     Fixed-length padding avoids rebuilding the stages for every new sequence length.
 
     Args:
-        pp_size: Pipeline ranks.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
-            ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or ``"dualpipev"``.
-        microbatches: Micro-batches per step; ``None`` takes the number of stages.
-        stages_per_rank: ``None`` takes 1, or 2 for interleaved and V-shaped schedules.
-        **kwargs: Any option of :class:`ParallelismStrategy` (``tp_size``, ``dp_shard_size``, ...).
+        pp_size: Pipeline ranks (at least 2); ``None`` takes ``layout``'s, or 2.
+        layout: The parallel sizes as one :class:`~lightning_plugins.ParallelLayout` (``pp_size`` overrides its own).
+        **kwargs: Any option of :class:`ParallelismStrategy` (``tp_size``, ``dp_shard_size``, ...), among them the
+            pipeline's :class:`~lightning_plugins.ParallelOptions` fields: ``pp_schedule`` (``"gpipe"``, ``"1f1b"``,
+            ``"interleaved_1f1b"``, ``"looped_bfs"``, ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or
+            ``"dualpipev"``), ``pp_microbatches`` (``None`` takes the number of stages) and ``pp_stages_per_rank``
+            (``None`` takes 1, or 2 for interleaved and V-shaped schedules).
     """
 
     strategy_name = "pipeline_parallel"
 
-    def __init__(
-        self,
-        pp_size: int = 2,
-        schedule: str = "1f1b",
-        microbatches: int | None = None,
-        stages_per_rank: int | None = None,
-        **kwargs: Any,
-    ) -> None:
-        if any(key.startswith("pp_") for key in kwargs):
-            raise LayoutError(
-                f"{type(self).__name__} takes the pipeline options as `schedule`, `microbatches` and"
-                f" `stages_per_rank`, not {sorted(k for k in kwargs if k.startswith('pp_'))}."
-            )
+    def __init__(self, *, pp_size: int | None = None, layout: ParallelLayout | None = None, **kwargs: Any) -> None:
+        if pp_size is None:
+            pp_size = 2 if layout is None else layout.pp_size
         if not isinstance(pp_size, int) or pp_size < 2:
             raise LayoutError(
                 f"{type(self).__name__}: pp_size must be an integer >= 2, got {pp_size!r}. For pp_size=1 use"
                 " ParallelismStrategy (or TensorParallelStrategy)."
             )
-        super().__init__(
-            pp_size=pp_size, pp_schedule=schedule, pp_microbatches=microbatches, pp_stages_per_rank=stages_per_rank,
-            **kwargs,
-        )
-        # Fail on a bad schedule or micro-batch count now, before Trainer(...) launches any process.
-        self.pipeline_options = self.options.pipeline.resolve(pp_size)
+        # The schedule and micro-batch count are checked here (ParallelismStrategy), before Trainer(...) launches.
+        super().__init__(pp_size=pp_size, layout=layout, **kwargs)

@@ -126,13 +126,9 @@ def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
     from lightning_plugins.strategies.loggers import RecordRun, recipe_loggers
     from lightning_plugins.strategies.perf import PerfCallback
 
-    layout, train = recipe.layout, recipe.train
+    train = recipe.train
     strategy = ParallelismStrategy(
-        layout.tp_size,
-        layout.pp_size,
-        layout.cp_size,
-        layout.dp_shard_size,
-        layout.dp_replicate_size,
+        layout=recipe.layout,
         options=recipe.parallel,
         memory=recipe.memory,
         load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,

@@ -21,7 +21,7 @@ class TensorParallelStrategy(ParallelismStrategy):
 
     strategy_name = "tensor_parallel"
 
-    def __init__(self, tp_size: int | Literal["auto"] = "auto", **kwargs: Any) -> None:
+    def __init__(self, *, tp_size: int | Literal["auto"] = "auto", **kwargs: Any) -> None:
         super().__init__(tp_size=1 if tp_size == "auto" else tp_size, **kwargs)
         self._auto_tp = tp_size == "auto"
 

@@ -9,7 +9,7 @@ from tiny_models import tiny_model
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from lightning_plugins import LayoutError, MemoryOptions, ParallelLayout, parallelize
+from lightning_plugins import LayoutError, MemoryOptions, OptionsError, ParallelLayout, parallelize
 from lightning_plugins.parallel.families import family_for
 
 
@@ -91,17 +91,17 @@ def test_model_already_wrapped_in_ddp(one_rank: None) -> None:
 
 
 def test_fsdp_options_need_data_ranks(one_rank: None) -> None:
-    with pytest.raises(LayoutError, match="cpu_offload, param_dtype and reduce_dtype are FSDP2 options"):
+    with pytest.raises(OptionsError, match="cpu_offload, param_dtype and reduce_dtype are FSDP2 options"):
         parallelize(tiny_model("llama"), ParallelLayout(), memory=MemoryOptions(cpu_offload=True))
 
 
 def test_unknown_mixed_precision_dtype(fake_world: int) -> None:
-    with pytest.raises(LayoutError, match="Unknown dtype param_dtype='fp8'.*bf16"):
+    with pytest.raises(OptionsError, match="Unknown dtype param_dtype='fp8'.*bf16"):
         parallelize(tiny_model("llama"), ParallelLayout(tp_size=2), memory=MemoryOptions(param_dtype="fp8"))
 
 
 def test_unknown_activation_checkpointing(fake_world: int) -> None:
-    with pytest.raises(LayoutError, match="activation_checkpointing='some' is not one of"):
+    with pytest.raises(OptionsError, match="activation_checkpointing='some' is not one of"):
         parallelize(tiny_model("llama"), ParallelLayout(tp_size=2), memory=MemoryOptions(activation_checkpointing="some"))
 
 

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_plugins import LayoutError, MemoryOptions, ParallelLayout, parallelize
+from lightning_plugins import MemoryOptions, OptionsError, ParallelLayout, parallelize
 from lightning_plugins.parallel import offload
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora, hf_model_of
 from lightning_plugins.parallel.offload import HostOffloadOptimizer, offload_optimizer
@@ -233,9 +233,9 @@ def test_offload_levers_train_exactly_as_without_them(tmp_path: Path) -> None:
 
 
 def test_optimizer_offload_refuses_cpu_offload() -> None:
-    with pytest.raises(LayoutError, match="optimizer_offload and cpu_offload cannot be combined"):
+    with pytest.raises(OptionsError, match="optimizer_offload and cpu_offload cannot be combined"):
         MemoryOptions(optimizer_offload=True, cpu_offload=True)
-    with pytest.raises(LayoutError, match="activation_offload must be true or false"):
+    with pytest.raises(OptionsError, match="activation_offload must be true or false"):
         MemoryOptions(activation_offload="yes")  # type: ignore[arg-type]
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tiny_models import tiny_model
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, parallelize
+from lightning_plugins import LayoutError, OptionsError, ParallelLayout, ParallelOptions, parallelize
 from lightning_plugins.parallel.pipeline import PipelineOptions, layer_ranges, stages_of_rank
 from lightning_plugins.strategies import ParallelismStrategy, PipelineParallelStrategy
 
@@ -25,7 +25,7 @@ def fake_world():
 
 
 def test_unknown_schedule(fake_world: int) -> None:
-    with pytest.raises(LayoutError, match=r"pp_schedule='zero_bubble' is not a known pipeline schedule\. Use one of"):
+    with pytest.raises(OptionsError, match=r"pp_schedule='zero_bubble' is not a known pipeline schedule\. Use one of"):
         parallelize(tiny_model("llama_4l"), ParallelLayout(pp_size=2), ParallelOptions(pp_schedule="zero_bubble"))
 
 
@@ -43,26 +43,26 @@ def test_interleaved_with_too_few_layers(fake_world: int) -> None:
 
 
 def test_fewer_microbatches_than_stages_for_1f1b() -> None:
-    with pytest.raises(LayoutError, match=r"'1f1b' needs at least as many micro-batches as pipeline stages: .*2 < 4"):
+    with pytest.raises(OptionsError, match=r"'1f1b' needs at least as many micro-batches as pipeline stages: .*2 < 4"):
         PipelineOptions("1f1b", microbatches=2).resolve(4)
 
 
 def test_interleaved_microbatches_not_a_multiple_of_pp() -> None:
-    with pytest.raises(LayoutError, match=r"rounds of pp_size=4: pp_microbatches=6 must be a positive multiple of 4"):
+    with pytest.raises(OptionsError, match=r"rounds of pp_size=4: pp_microbatches=6 must be a positive multiple of 4"):
         PipelineOptions("interleaved_1f1b", microbatches=6).resolve(4)
 
 
 def test_microbatches_must_be_positive() -> None:
-    with pytest.raises(LayoutError, match="pp_microbatches must be a positive integer, got 0"):
+    with pytest.raises(OptionsError, match="pp_microbatches must be a positive integer, got 0"):
         PipelineOptions("gpipe", microbatches=0).resolve(2)
 
 
 def test_stages_per_rank_must_fit_the_schedule() -> None:
-    with pytest.raises(LayoutError, match="'1f1b' runs one stage per rank.*interleaved_1f1b"):
+    with pytest.raises(OptionsError, match="'1f1b' runs one stage per rank.*interleaved_1f1b"):
         PipelineOptions("1f1b", stages_per_rank=2).resolve(2)
-    with pytest.raises(LayoutError, match="'zbv_zero_bubble' is V-shaped and needs exactly 2 stages per rank"):
+    with pytest.raises(OptionsError, match="'zbv_zero_bubble' is V-shaped and needs exactly 2 stages per rank"):
         PipelineOptions("zbv_zero_bubble", stages_per_rank=3).resolve(2)
-    with pytest.raises(LayoutError, match="'interleaved_1f1b' interleaves several stages per rank.*>= 2"):
+    with pytest.raises(OptionsError, match="'interleaved_1f1b' interleaves several stages per rank.*>= 2"):
         PipelineOptions("interleaved_1f1b", stages_per_rank=1).resolve(2)
 
 
@@ -70,30 +70,30 @@ def test_pipeline_with_context_parallel_checks_the_attention(fake_world: int) ->
     """PP x CP composes (parity in test_pipeline_parity.py); the context-parallel checks still apply to it."""
     model = tiny_model("llama_4l")
     model.config.attention_dropout = 0.1
-    with pytest.raises(LayoutError, match="Ring attention has no attention dropout.*backend='ulysses'"):
+    with pytest.raises(OptionsError, match="Ring attention has no attention dropout.*backend='ulysses'"):
         parallelize(model, ParallelLayout(pp_size=2, cp_size=2), ParallelOptions(cp_backend="ring"))
 
 
 @pytest.mark.parametrize("layout", [ParallelLayout(pp_size=2), ParallelLayout(pp_size=2, cp_size=2)], ids=["dp", "cp"])
 def test_tied_embedding_on_one_rank_with_fsdp(fake_world: int, layout: ParallelLayout) -> None:
     # FSDP2 shards each stage over the data ranks, and over the context-parallel ranks too.
-    with pytest.raises(LayoutError, match="tied embedding.*two FSDP2 stage modules.*interleaved_1f1b"):
+    with pytest.raises(OptionsError, match="tied embedding.*two FSDP2 stage modules.*interleaved_1f1b"):
         parallelize(
             tiny_model("llama_tied_4l"), layout, ParallelOptions(pp_schedule="zbv_zero_bubble", pp_microbatches=2)
         )
 
 
 def test_strategy_refuses_bad_options_at_construction() -> None:
-    with pytest.raises(LayoutError, match="pp_schedule='bogus' is not a known pipeline schedule"):
-        PipelineParallelStrategy(pp_size=2, schedule="bogus")
+    with pytest.raises(OptionsError, match="pp_schedule='bogus' is not a known pipeline schedule"):
+        PipelineParallelStrategy(pp_size=2, pp_schedule="bogus")
     with pytest.raises(LayoutError, match="pp_size must be an integer >= 2.*ParallelismStrategy"):
         PipelineParallelStrategy(pp_size=1)
     with pytest.raises(LayoutError, match="sharded \\(DCP\\) checkpoints only"):
         PipelineParallelStrategy(pp_size=2, save_distributed_checkpoint=False)
     with pytest.raises(LayoutError, match="ParallelismStrategy writes sharded \\(DCP\\) checkpoints only"):
         ParallelismStrategy(pp_size=2, tp_size=2, save_distributed_checkpoint=False)
-    with pytest.raises(LayoutError, match="`schedule`, `microbatches` and `stages_per_rank`"):
-        PipelineParallelStrategy(pp_size=2, pp_schedule="gpipe")
+    with pytest.raises(OptionsError, match="PipelineParallelStrategy got unknown setting\\(s\\) \\['schedule'\\]"):
+        PipelineParallelStrategy(pp_size=2, schedule="gpipe")
 
 
 def test_stage_placement_and_layer_split() -> None:

@@ -50,8 +50,8 @@ class SeesShards(FineTune):
 
 CASES = {
     4: [
-        ("ulysses cp2 x dp2", lambda: ContextParallelStrategy(cp_size=2, backend="ulysses"), 2),
-        ("ring cp4", lambda: ContextParallelStrategy(cp_size=4, backend="ring"), 1),
+        ("ulysses cp2 x dp2", lambda: ContextParallelStrategy(cp_size=2, cp_backend="ulysses"), 2),
+        ("ring cp4", lambda: ContextParallelStrategy(cp_size=4, cp_backend="ring"), 1),
         ("ParallelismStrategy ring cp2 x tp2", lambda: ParallelismStrategy(cp_size=2, tp_size=2, cp_backend="ring"), 1),
     ],
 }

@@ -48,8 +48,8 @@ FIRST_STEPS, SECOND_STEPS, PROMPT, NEW_TOKENS = 3, 2, 6, 4
 
 CASES = [  # name, strategy factory, data-parallel ranks, whether `generate` works
     ("tp2", lambda: TensorParallelStrategy(tp_size=2, timeout=TIMEOUT), 1, True),
-    ("pp2", lambda: PipelineParallelStrategy(pp_size=2, schedule="1f1b", timeout=TIMEOUT), 1, False),
-    ("cp2", lambda: ContextParallelStrategy(cp_size=2, backend="ulysses", timeout=TIMEOUT), 1, False),
+    ("pp2", lambda: PipelineParallelStrategy(pp_size=2, pp_schedule="1f1b", timeout=TIMEOUT), 1, False),
+    ("cp2", lambda: ContextParallelStrategy(cp_size=2, cp_backend="ulysses", timeout=TIMEOUT), 1, False),
     ("fsdp2", lambda: ParallelismStrategy(dp_shard_size=2, timeout=TIMEOUT), 2, True),
 ]
 

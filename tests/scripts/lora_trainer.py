@@ -49,9 +49,9 @@ CASES = {  # name: (strategy factory, data-parallel ranks)
             1,
         ),
         "fsdp2": (lambda: ParallelismStrategy(dp_shard_size=2, timeout=TIMEOUT), 2),
-        "pp2": (lambda: PipelineParallelStrategy(pp_size=2, schedule="1f1b", timeout=TIMEOUT), 1),
-        "cp2 ulysses": (lambda: ContextParallelStrategy(cp_size=2, backend="ulysses", timeout=TIMEOUT), 1),
-        "cp2 ring": (lambda: ContextParallelStrategy(cp_size=2, backend="ring", timeout=TIMEOUT), 1),
+        "pp2": (lambda: PipelineParallelStrategy(pp_size=2, pp_schedule="1f1b", timeout=TIMEOUT), 1),
+        "cp2 ulysses": (lambda: ContextParallelStrategy(cp_size=2, cp_backend="ulysses", timeout=TIMEOUT), 1),
+        "cp2 ring": (lambda: ContextParallelStrategy(cp_size=2, cp_backend="ring", timeout=TIMEOUT), 1),
     },
     4: {
         "tp2 x fsdp2": (lambda: ParallelismStrategy(tp_size=2, dp_shard_size=2, timeout=TIMEOUT), 2),

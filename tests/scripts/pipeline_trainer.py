@@ -55,30 +55,25 @@ def reference(model: torch.nn.Module, data: list[dict], dp: int, val: list[dict]
 RING = {"cp_backend": "ring"}
 CASES = {
     2: [
-        ("llama 1f1b", "llama_4l", {"schedule": "1f1b"}),
-        ("llama gpipe m4", "llama_4l", {"schedule": "gpipe", "microbatches": 4}),
-        ("qwen3 interleaved_1f1b", "qwen3_4l", {"schedule": "interleaved_1f1b", "microbatches": 2}),
-        ("llama tied zbv", "llama_tied_4l", {"schedule": "zbv_zero_bubble", "microbatches": 2}),
-        ("llama tied 1f1b", "llama_tied_4l", {"schedule": "1f1b"}),
+        ("llama 1f1b", "llama_4l", {"pp_schedule": "1f1b"}),
+        ("llama gpipe m4", "llama_4l", {"pp_schedule": "gpipe", "pp_microbatches": 4}),
+        ("qwen3 interleaved_1f1b", "qwen3_4l", {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}),
+        ("llama tied zbv", "llama_tied_4l", {"pp_schedule": "zbv_zero_bubble", "pp_microbatches": 2}),
+        ("llama tied 1f1b", "llama_tied_4l", {"pp_schedule": "1f1b"}),
     ],
     4: [
-        ("llama pp2 x tp2 1f1b", "llama_4l", {"schedule": "1f1b", "tp_size": 2}),
-        ("llama pp2 x fsdp2 interleaved_1f1b", "llama_4l", {"schedule": "interleaved_1f1b", "microbatches": 2}),
+        ("llama pp2 x tp2 1f1b", "llama_4l", {"pp_schedule": "1f1b", "tp_size": 2}),
+        ("llama pp2 x fsdp2 interleaved_1f1b", "llama_4l", {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}),
         # Context-parallel stages through the general door (the batches are sharded along the sequence).
-        ("ParallelismStrategy pp2 x cp2 ring 1f1b", "llama_4l", {"schedule": "1f1b", "cp_size": 2, **RING}),
+        ("ParallelismStrategy pp2 x cp2 ring 1f1b", "llama_4l", {"pp_schedule": "1f1b", "cp_size": 2, **RING}),
     ],
 }
 
-_PIPELINE_OPTIONS = ("schedule", "microbatches", "stages_per_rank")
-
-
 def make_strategy(options: dict) -> ParallelismStrategy:
-    """``PipelineParallelStrategy(pp_size=2, ...)``; with ``cp_size``, ``ParallelismStrategy`` and ``pp_*`` names."""
+    """``PipelineParallelStrategy(pp_size=2, ...)``; with ``cp_size``, ``ParallelismStrategy`` (same ``pp_*`` names)."""
     if "cp_size" not in options:
         return PipelineParallelStrategy(pp_size=2, **options)
-    pipeline = {f"pp_{k}": v for k, v in options.items() if k in _PIPELINE_OPTIONS}
-    rest = {k: v for k, v in options.items() if k not in _PIPELINE_OPTIONS}
-    return ParallelismStrategy(pp_size=2, **pipeline, **rest)
+    return ParallelismStrategy(pp_size=2, **options)
 
 
 #: Cases that also stop at an epoch's end with a DCP checkpoint and resume (a tied embedding saves one

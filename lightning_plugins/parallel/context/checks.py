@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_plugins.errors import LayoutError, OptionsError
 from lightning_plugins.parallel.options import CP_BACKENDS
 
 BACKENDS = CP_BACKENDS
@@ -52,12 +53,11 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, backend:
         backend: ``"ulysses"`` or ``"ring"``.
 
     Raises:
-        LayoutError: naming the violated constraint and a setting that works.
+        LayoutError: when Ulysses cannot split the heads over ``cp_size`` ranks.
+        OptionsError: for an unknown backend, or ring attention with attention dropout; both name a setting that works.
     """
-    from lightning_plugins.errors import LayoutError
-
     if backend not in BACKENDS:
-        raise LayoutError(f"Unknown context-parallel backend {backend!r}; use one of {BACKENDS}.")
+        raise OptionsError(f"Unknown context-parallel backend {backend!r}; use one of {BACKENDS}.")
     if cp_size == 1:
         return
     if config is None:
@@ -78,7 +78,7 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, backend:
             ) from None
     dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if backend == "ring" and dropout > 0:
-        raise LayoutError(
+        raise OptionsError(
             f"Ring attention has no attention dropout, but config.attention_dropout={dropout}. Set it to 0.0 or use"
             " backend='ulysses'."
         )

@@ -10,44 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
-
-from lightning_plugins.parallel.layout import ParallelLayout
-from lightning_plugins.errors import LayoutError
+from lightning_plugins.errors import LayoutError, OptionsError
 from lightning_plugins.parallel.families import FAMILIES
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.parallel.options import SCHEDULES, ParallelOptions, _Schedule, check_schedule
 
-
-@dataclass(frozen=True)
-class _Schedule:
-    cls: type
-    multi: bool  # several stages per rank
-    v_shape: bool  # stage s on rank s for s < pp, then back: rank 0 holds the first and the last stage
-    split_backward: bool = False  # input and weight gradients in separate passes (zero bubble)
-
-
-#: Schedule names accepted by ``pp_schedule``.
-SCHEDULES: dict[str, _Schedule] = {
-    "gpipe": _Schedule(ScheduleGPipe, multi=False, v_shape=False),
-    "1f1b": _Schedule(Schedule1F1B, multi=False, v_shape=False),
-    "interleaved_1f1b": _Schedule(ScheduleInterleaved1F1B, multi=True, v_shape=False),
-    "looped_bfs": _Schedule(ScheduleLoopedBFS, multi=True, v_shape=False),
-    "interleaved_zero_bubble": _Schedule(ScheduleInterleavedZeroBubble, multi=True, v_shape=False, split_backward=True),
-    "zbv_zero_bubble": _Schedule(ScheduleZBVZeroBubble, multi=True, v_shape=True, split_backward=True),
-    "dualpipev": _Schedule(ScheduleDualPipeV, multi=True, v_shape=True, split_backward=True),
-}
+__all__ = ["SCHEDULES", "PipelineOptions", "check_pipeline_layout", "layer_ranges", "stages_of_rank"]
 
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """How the pipeline runs.
+    """How the pipeline runs: the pipeline fields of :class:`~lightning_plugins.ParallelOptions`, resolved here.
+
+    Build it with :meth:`of` from the ``ParallelOptions`` a user gives (``pp_schedule``, ``pp_microbatches``,
+    ``pp_stages_per_rank``); :meth:`resolve` fills in the defaults for a pipeline size and model.
 
     Args:
         schedule: One of :data:`SCHEDULES` (``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ...).
@@ -60,30 +36,31 @@ class PipelineOptions:
     microbatches: int | None = None
     stages_per_rank: int | None = None
 
+    @classmethod
+    def of(cls, options: ParallelOptions) -> PipelineOptions:
+        """The pipeline part of ``options`` (unresolved)."""
+        return cls(options.pp_schedule, options.pp_microbatches, options.pp_stages_per_rank)
+
     def resolve(self, pp_size: int, num_layers: int | None = None) -> PipelineOptions:
-        """Fill in the defaults and check every constraint; raises :class:`LayoutError` naming the fix."""
-        name = self.schedule.lower() if isinstance(self.schedule, str) else self.schedule
-        if name not in SCHEDULES:
-            raise LayoutError(
-                f"pp_schedule={self.schedule!r} is not a known pipeline schedule. Use one of {sorted(SCHEDULES)}"
-                " (e.g. pp_schedule='1f1b')."
-            )
+        """Fill in the defaults and check every constraint; raises :class:`OptionsError` (:class:`LayoutError` for too many
+        stages for the model's layers) naming the fix."""
+        name = check_schedule(self.schedule)
         spec = SCHEDULES[name]
         v = self.stages_per_rank if self.stages_per_rank is not None else (2 if spec.multi else 1)
         if not isinstance(v, int) or v < 1:
-            raise LayoutError(f"pp_stages_per_rank must be a positive integer, got {v!r}.")
+            raise OptionsError(f"pp_stages_per_rank must be a positive integer, got {v!r}.")
         if not spec.multi and v != 1:
-            raise LayoutError(
+            raise OptionsError(
                 f"pp_schedule={name!r} runs one stage per rank, but pp_stages_per_rank={v}. Use pp_stages_per_rank=1,"
                 " or an interleaved schedule (e.g. pp_schedule='interleaved_1f1b') for several stages per rank."
             )
         if spec.v_shape and v != 2:
-            raise LayoutError(
+            raise OptionsError(
                 f"pp_schedule={name!r} is V-shaped and needs exactly 2 stages per rank, got pp_stages_per_rank={v}."
                 " Use pp_stages_per_rank=2."
             )
         if spec.multi and not spec.v_shape and v < 2:
-            raise LayoutError(
+            raise OptionsError(
                 f"pp_schedule={name!r} interleaves several stages per rank, but pp_stages_per_rank={v}. Use"
                 " pp_stages_per_rank >= 2, or pp_schedule='1f1b' for one stage per rank."
             )
@@ -103,14 +80,14 @@ class PipelineOptions:
             )
         m = self.microbatches if self.microbatches is not None else stages
         if not isinstance(m, int) or m < 1:
-            raise LayoutError(f"pp_microbatches must be a positive integer, got {m!r}.")
+            raise OptionsError(f"pp_microbatches must be a positive integer, got {m!r}.")
         if name in ("1f1b", "dualpipev") and m < stages:
-            raise LayoutError(
+            raise OptionsError(
                 f"pp_schedule={name!r} needs at least as many micro-batches as pipeline stages: pp_microbatches={m} <"
                 f" {stages} stages. Use pp_microbatches >= {stages} (more micro-batches also shrink the bubble)."
             )
         if spec.multi and name != "dualpipev" and (m < pp_size or m % pp_size):
-            raise LayoutError(
+            raise OptionsError(
                 f"pp_schedule={name!r} runs micro-batches in rounds of pp_size={pp_size}: pp_microbatches={m} must be a"
                 f" positive multiple of {pp_size}. Use e.g. pp_microbatches={max(1, m // pp_size) * pp_size}."
             )
@@ -154,7 +131,7 @@ def check_pipeline_layout(layout: ParallelLayout, config: Any, options: Pipeline
     resolved = options.resolve(layout.pp_size, getattr(config, "num_hidden_layers", None))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied and resolved.spec.v_shape and layout.fsdp_size > 1:
-        raise LayoutError(
+        raise OptionsError(
             f"pp_schedule={resolved.schedule!r} puts the first and the last stage on one rank, where a tied embedding"
             " would be one parameter in two FSDP2 stage modules. Use pp_schedule='interleaved_1f1b' (or another"
             " looped schedule) for this tied-embedding model with data or context parallelism (FSDP2 shards each"

@@ -1,0 +1,61 @@
+"""``check_settings``: every check of a layout and its settings that needs neither weights nor a collective, once.
+
+The recipe (at load), :func:`~lightning_plugins.parallelize`, the Lightning strategies (at construction and
+before the process group exists), the Accelerate door and the planner all call this one function, so a setting
+is refused by the same check, with the same message, whichever way it came in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_plugins.errors import OptionsError
+from lightning_plugins.parallel.context.checks import check_context_parallel
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
+from lightning_plugins.parallel.pipeline.options import PipelineOptions, check_pipeline_layout
+
+__all__ = ["check_settings"]
+
+
+def check_settings(
+    layout: ParallelLayout, options: ParallelOptions, memory: MemoryOptions, config: Any | None = None
+) -> PipelineOptions | None:
+    """Check a layout with its parallel and memory options, against a model config when given.
+
+    In order: the sizes against the config (:meth:`ParallelLayout.validate`), the pipeline schedule and
+    micro-batches, context parallelism, and the memory levers that need FSDP2. Field-level checks ran when the
+    objects were built (``ParallelLayout``, ``ParallelOptions`` and ``MemoryOptions`` refuse bad values themselves).
+
+    Args:
+        layout: The parallel sizes; before it is resolved (``dp_shard_size=-1``) only what does not depend on the
+            world size is checked (a door at construction, before it knows the world).
+        options: How each dimension is applied.
+        memory: The memory levers.
+        config: A ``transformers.PretrainedConfig`` (or an object with its attribute names); ``None`` checks what
+            needs no model.
+
+    Returns:
+        The resolved pipeline options when ``layout.pp_size > 1``, else ``None``.
+
+    Raises:
+        LayoutError: for sizes that do not fit the model.
+        OptionsError: for settings that do not fit the layout or the model; both name the fix.
+    """
+    resolved = layout.dp_shard_size != -1
+    if resolved:
+        layout.validate(config)
+    pipeline = None
+    if layout.pp_size > 1:
+        pipeline = PipelineOptions.of(options)
+        if config is not None and resolved:
+            pipeline = check_pipeline_layout(layout, config, pipeline)
+        else:
+            pipeline = pipeline.resolve(layout.pp_size)
+    check_context_parallel(config, layout.cp_size, layout.tp_size, options.cp_backend)
+    if resolved and memory.uses_fsdp_policy and layout.fsdp_size == 1:
+        raise OptionsError(
+            "cpu_offload, param_dtype and reduce_dtype are FSDP2 options and need at least 2 data-parallel ranks"
+            " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, use a precision plugin instead."
+        )
+    return pipeline
