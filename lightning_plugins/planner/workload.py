@@ -10,7 +10,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lightning_plugins.parallel.layout import ParallelLayout
-from lightning_plugins.errors import LayoutError
+from lightning_plugins.errors import LayoutError, OptionsError
+from lightning_plugins.parallel.checks import check_settings
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.errors import PlannerError
@@ -52,8 +53,8 @@ class Workload:
         if self.layout.dp_shard_size == -1:
             raise PlannerError("Workload needs a resolved layout: call `layout.resolve(world_size)` first.")
         try:
-            self.layout.validate(self.config)
-        except LayoutError as err:
+            check_settings(self.layout, self.options, self.memory, self.config)
+        except (LayoutError, OptionsError) as err:
             raise PlannerError(str(err)) from None
         if self.global_batch_size is None:
             object.__setattr__(self, "global_batch_size", self.micro_batch_size * self.layout.dp_size)
