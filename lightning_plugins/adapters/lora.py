@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_plugins.errors import LayoutError
+from lightning_plugins.errors import OptionsError
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -72,23 +72,23 @@ class LoraOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
-            raise LayoutError(f"lora r={self.r!r} must be a positive integer (the adapter rank, e.g. 8, 16 or 64).")
+            raise OptionsError(f"lora r={self.r!r} must be a positive integer (the adapter rank, e.g. 8, 16 or 64).")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 < self.alpha < math.inf:
-            raise LayoutError(
+            raise OptionsError(
                 f"lora alpha={self.alpha!r} must be a positive number (commonly 2 x r, e.g. alpha=32 for r=16)."
             )
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise LayoutError(f"lora dropout={self.dropout!r} must be in [0, 1) (0 disables it; 0.05 is common).")
+            raise OptionsError(f"lora dropout={self.dropout!r} must be in [0, 1) (0 disables it; 0.05 is common).")
         if self.target_modules is not None:
             names = (self.target_modules,) if isinstance(self.target_modules, str) else tuple(self.target_modules)
             if not names or not all(isinstance(n, str) and n.strip() for n in names):
-                raise LayoutError(
+                raise OptionsError(
                     f"lora target_modules={self.target_modules!r} must be a non-empty list of module names (e.g."
                     " ['q_proj', 'v_proj']), or left out for the attention and MLP projections."
                 )
             object.__setattr__(self, "target_modules", names)  # a tuple: the options stay hashable
         if self.quantize not in QUANTIZE:
-            raise LayoutError(f"lora quantize={self.quantize!r} is not one of {QUANTIZE} ('nf4' for QLoRA).")
+            raise OptionsError(f"lora quantize={self.quantize!r} is not one of {QUANTIZE} ('nf4' for QLoRA).")
 
 
 def hf_model_of(model: nn.Module) -> nn.Module:
@@ -147,18 +147,18 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> PeftModel:
         The ``PeftModel``; only its adapters require gradients.
 
     Raises:
-        LayoutError: for a model that is already a peft model or already parallelized, and for target
+        OptionsError: for a model that is already a peft model or already parallelized, and for target
             modules that name nothing in the model (naming the linear layers it has).
     """
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if isinstance(model, PeftModel) or any(True for _ in lora_layers(model)):
-        raise LayoutError(
+        raise OptionsError(
             f"apply_lora: {type(model).__name__} already has LoRA adapters. Pass the bare transformers model, or"
             " parallelize the PeftModel you built as it is."
         )
     if any(isinstance(param, DTensor) for param in model.parameters()):
-        raise LayoutError(
+        raise OptionsError(
             "apply_lora: the model is already parallelized (it holds DTensor parameters); adapters added now would"
             " be built with the local shapes. Apply LoRA first, then `lightning_plugins.parallelize`."
         )
@@ -188,7 +188,7 @@ def check_lora_targets(config: Any, options: LoraOptions) -> None:
     """Check ``options.target_modules`` against a model config before any weight is loaded (on the meta device).
 
     Raises:
-        LayoutError: naming the targets that match nothing and the model's linear layers.
+        OptionsError: naming the targets that match nothing and the model's linear layers.
     """
     from transformers import AutoModelForCausalLM
 
@@ -206,7 +206,7 @@ def _default_targets(model: nn.Module) -> tuple[str, ...]:
         family = family_for(model, tensor_parallel=False)
     names = tuple(dict.fromkeys(path.rpartition(".")[2] for path in (*family.colwise, *family.rowwise)))
     if not names:
-        raise LayoutError(
+        raise OptionsError(
             f"apply_lora: model type {family.name!r} has no known attention/MLP projections. Name the modules to"
             f" adapt: LoraOptions(target_modules=[...]) from its linear layers {_linear_names(model)}."
         )
@@ -218,7 +218,7 @@ def _check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
     names = [name for name, _ in model.named_modules()]
     missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
     if missing:
-        raise LayoutError(
+        raise OptionsError(
             f"apply_lora: target_modules {missing} name no module of {type(model).__name__}. Its linear layers are"
             f" {_linear_names(model)}; use some of those (e.g. lora.target_modules: [q_proj, v_proj])."
         )

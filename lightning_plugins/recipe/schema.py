@@ -410,7 +410,7 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
 
             try:
                 check_lora_targets(config, recipe.lora)
-            except LayoutError as err:
+            except OptionsError as err:
                 raise RecipeError(f"{path}: lora.target_modules: {err}") from None
     recipe = recipe.model_copy(update={"layout": layout})
     per_step = recipe.train.micro_batch_size * layout.dp_size

@@ -35,7 +35,7 @@ from torch._C._distributed_c10d import _get_work_registry_size
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from transformers import AutoModelForCausalLM
 
-from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, parallelize
+from lightning_plugins import LayoutError, OptionsError, ParallelLayout, ParallelOptions, parallelize
 from lightning_plugins.checkpoint.live_export import export_hf
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora, trainable_parameters
 from lightning_plugins.parallel.options import with_settings
@@ -278,7 +278,7 @@ def _errors_in_world(world_size: int) -> dict[str, str]:
     try:
         apply_lora(parallelize(tiny_model("llama"), ParallelLayout(tp_size=world_size)), LoraOptions())
         errors["lora_after_parallelize"] = ""
-    except LayoutError as err:
+    except OptionsError as err:
         errors["lora_after_parallelize"] = str(err)
     return errors
 
@@ -367,12 +367,12 @@ def test_unsplittable_adapters_are_refused_under_tensor_parallelism() -> None:
     ],
 )
 def test_bad_lora_options(settings: dict, match: str) -> None:
-    with pytest.raises(LayoutError, match=match):
+    with pytest.raises(OptionsError, match=match):
         LoraOptions(**settings)
 
 
 def test_target_modules_naming_nothing_are_refused_naming_the_linears() -> None:
-    with pytest.raises(LayoutError, match=r"target_modules \['qkv_proj'\] name no module of LlamaForCausalLM") as err:
+    with pytest.raises(OptionsError, match=r"target_modules \['qkv_proj'\] name no module of LlamaForCausalLM") as err:
         apply_lora(tiny_model("llama"), LoraOptions(target_modules=("q_proj", "qkv_proj")))
     assert "'down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj'" in str(err.value), err.value
 
@@ -387,7 +387,7 @@ def test_default_targets_are_the_projections_and_only_adapters_train() -> None:
     assert len(trainable) == 2 * PROJECTIONS * 2 and all(p.requires_grad for p in trainable)
     names = {n for n, _ in model.named_parameters()}
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {n for n in names if "lora_" in n}
-    with pytest.raises(LayoutError, match="already has LoRA adapters"):
+    with pytest.raises(OptionsError, match="already has LoRA adapters"):
         apply_lora(model, LoraOptions())
 
 
