@@ -81,6 +81,22 @@ def test_layout_that_does_not_fit_the_world_fails_before_any_process_group(monke
     assert not dist.is_initialized()
 
 
+def test_layout_and_settings_given_whole_are_checked_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from lightning_plugins import OptionsError, ParallelLayout
+    from lightning_plugins.accelerate import ParallelAccelerator
+
+    _world(monkeypatch, 2)
+    with pytest.raises(LayoutError, match=r"does not fit the world started by .*2 processes.*tp_size=4"):
+        ParallelAccelerator(layout=ParallelLayout(tp_size=4), cpu=True)
+    with pytest.raises(OptionsError, match=r"'1f1b' needs at least as many micro-batches .*pp_microbatches=1 < 2"):
+        ParallelAccelerator(layout=ParallelLayout(pp_size=2), pp_microbatches=1, cpu=True)
+    with pytest.raises(TypeError, match="positional"):
+        ParallelAccelerator(2)  # type: ignore[misc]
+    assert not dist.is_initialized()
+
+
 def test_recipe_that_does_not_fit_the_launch_names_both_files(tmp_path: Path) -> None:
     proc = accelerate_launch(TINY / "full_pp2.yaml", tmp_path / "out", "--layout.tp_size=2", expected=1)
     message = proc.stderr
