@@ -151,7 +151,7 @@ def _mark_schedule_end(schedule: Any) -> None:
 def _measure(p: int, layer_s: float, steps: int) -> list[dict]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, parallelize
+    from lightning_plugins import LayoutError, OptionsError, ParallelLayout, ParallelOptions, parallelize
     from lightning_plugins.parallel import pipeline_of
 
     rows = []
@@ -167,7 +167,7 @@ def _measure(p: int, layer_s: float, steps: int) -> list[dict]:
                 model.model.layers[index] = SleepLayer(layer_s)
             try:
                 model = parallelize(model, ParallelLayout(pp_size=p), ParallelOptions(pp_schedule=schedule, pp_microbatches=m))
-            except LayoutError as err:
+            except (LayoutError, OptionsError) as err:  # the schedule does not fit p or m
                 rows.append({"schedule": schedule, "p": p, "m": m, "skipped": str(err).split(".")[0]})
                 continue
             pipeline = pipeline_of(model)

@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from lightning_plugins.data import DataError
     from lightning_plugins.run.faults import explain_timeout, is_collective_timeout, is_peer_gone
     from lightning_plugins.errors import RankFailure
-    from lightning_plugins.errors import LayoutError
+    from lightning_plugins.errors import LayoutError, OptionsError
     from lightning_plugins.errors import NonFiniteError
     from lightning_plugins.recipe.preflight import check_here
     from lightning_plugins.recipe.schema import load_recipe
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         result = run_recipe(recipe, resume=resume)
-    except (LayoutError, DataError) as err:  # every rank reads the same data: all stop here, before any collective
+    except (LayoutError, OptionsError, DataError) as err:  # every rank reads the same data: all stop before any collective
         _fail(f"{args.recipe}: {err}")
     except NonFiniteError as err:  # every rank stops alike
         _fail(str(err))

@@ -9,6 +9,7 @@ DeepSpeed or FSDP path keeps that path, which shards data-parallel ranks only.
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ LAUNCH_SIZE_VARIABLES = {
     "dp_shard_size": "PARALLELISM_CONFIG_DP_SHARD_SIZE",
     "dp_replicate_size": "PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
 }
-_DEFAULT_SIZES = {"pp_size": 1, "dp_replicate_size": 1, "dp_shard_size": -1, "cp_size": 1, "tp_size": 1}
+_DEFAULT_SIZES = {f.name: f.default for f in fields(ParallelLayout)}
 
 
 def launch_config_file() -> str | None:
