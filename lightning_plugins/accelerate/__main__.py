@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     try:
         result = run_recipe(recipe, resume=resume)
-    except (LayoutError, OptionsError, DataError) as err:  # every rank reads the same data: all stop before any collective
+    except (LayoutError, OptionsError, DataError) as err:  # every rank reads the same data: all stop here
         _fail(f"{args.recipe}: {err}")
     except NonFiniteError as err:  # every rank stops alike
         _fail(str(err))

@@ -191,7 +191,8 @@ def given_sizes(layout: ParallelLayout | None = None, **sizes: int | None) -> di
         layout: A layout given whole, or ``None``.
         **sizes: ``pp_size``, ``dp_replicate_size``, ``dp_shard_size``, ``cp_size``, ``tp_size`` (``None``: not given).
     """
-    return {name: sizes.get(name) if sizes.get(name) is not None else getattr(layout, name, None) for name in SIZE_NAMES}
+    given = {name: value for name, value in sizes.items() if value is not None}
+    return {name: given.get(name, getattr(layout, name, None)) for name in SIZE_NAMES}
 
 
 def layout_of(layout: ParallelLayout | None = None, **sizes: int | None) -> ParallelLayout:

@@ -151,9 +151,8 @@ def candidate_workloads(
                     continue
                 for replicate in _replicas(dp, tp * cp, per_node):
                     try:
-                        layout = ParallelLayout(
-                            pp_size=pp, dp_replicate_size=replicate, dp_shard_size=dp // replicate, cp_size=cp, tp_size=tp
-                        ).resolve(gpus)
+                        sizes = {"pp_size": pp, "dp_replicate_size": replicate, "cp_size": cp, "tp_size": tp}
+                        layout = ParallelLayout(**sizes, dp_shard_size=dp // replicate).resolve(gpus)
                         layout.validate(config)
                     except LayoutError:
                         continue

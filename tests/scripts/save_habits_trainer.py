@@ -31,7 +31,9 @@ from lightning_plugins.strategies import (  # noqa: E402
 STEPS, LOCAL_BATCH = 3, 2
 CASES = {  # name: (strategy, model family, LoRA, data-parallel ranks)
     "tp2": (lambda: TensorParallelStrategy(tp_size=2, timeout=TIMEOUT), "llama", False, 1),
-    "pp2 tied": (lambda: PipelineParallelStrategy(pp_size=2, pp_schedule="1f1b", timeout=TIMEOUT), "llama_tied", False, 1),
+    "pp2 tied": (
+        lambda: PipelineParallelStrategy(pp_size=2, pp_schedule="1f1b", timeout=TIMEOUT), "llama_tied", False, 1
+    ),
     "cp2 ring": (lambda: ContextParallelStrategy(cp_size=2, cp_backend="ring", timeout=TIMEOUT), "qwen2", False, 1),
     "fsdp2": (lambda: ParallelismStrategy(dp_shard_size=2, timeout=TIMEOUT), "llama", False, 2),
     "lora pp2": (lambda: PipelineParallelStrategy(pp_size=2, pp_schedule="1f1b", timeout=TIMEOUT), "llama", True, 1),

@@ -42,8 +42,12 @@ class PipelineOptions:
         return cls(options.pp_schedule, options.pp_microbatches, options.pp_stages_per_rank)
 
     def resolve(self, pp_size: int, num_layers: int | None = None) -> PipelineOptions:
-        """Fill in the defaults and check every constraint; raises :class:`OptionsError` (:class:`LayoutError` for too many
-        stages for the model's layers) naming the fix."""
+        """Fill in the defaults and check every constraint.
+
+        Raises:
+            OptionsError: for a schedule, stage or micro-batch count that does not fit; LayoutError: for more stages
+                than the model has layers; both name the fix.
+        """
         name = check_schedule(self.schedule)
         spec = SCHEDULES[name]
         v = self.stages_per_rank if self.stages_per_rank is not None else (2 if spec.multi else 1)
