@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from lightning_plugins.adapters.lora import PEFT_PREFIX
 from lightning_plugins.errors import CheckpointError
 from lightning_plugins.checkpoint.export_info import (
     EXPORT_DIR,
@@ -56,8 +57,6 @@ from lightning_plugins.checkpoint.safetensors_io import SafetensorsDirectory, Te
 
 __all__ = ["EXPORT_DIR", "ExportError", "export_checkpoint", "save_export_info"]
 
-#: peft's key prefix for the transformers model inside a ``PeftModel``.
-_PEFT_PREFIX = "base_model.model."
 _DEFAULT_SHARD = 5 * 2**30
 
 
@@ -346,7 +345,7 @@ def _write_adapters(
             parts = key[len(prefix) :].split(".")
             if adapter in parts:
                 parts.remove(adapter)  # peft's file keys carry no adapter name
-                keys[_PEFT_PREFIX + ".".join(parts)] = key
+                keys[PEFT_PREFIX + ".".join(parts)] = key
         extra = sorted(
             key for key in tensors if key.startswith(prefix) and f".{adapter}." in key and ".lora_" not in key
         )
