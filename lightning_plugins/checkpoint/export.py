@@ -45,11 +45,11 @@ from lightning_plugins.errors import CheckpointError
 from lightning_plugins.checkpoint.export_info import (
     EXPORT_DIR,
     ExportError,
-    _adapter_configs,
-    _config,
-    _read_info,
-    _write_config,
-    _write_tokenizer,
+    adapter_configs,
+    export_config,
+    read_export_info,
+    write_config,
+    write_tokenizer,
     save_export_info,
 )
 from lightning_plugins.checkpoint.integrity import say_unverified, verify_checkpoint
@@ -111,9 +111,9 @@ def export_checkpoint(
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"{out} exists and is not empty: choose another directory, or pass --force to replace it.")
-    info = _read_info(ckpt)
+    info = read_export_info(ckpt)
     source = str(model) if model is not None else info.get("model_path") or None
-    config = _config(ckpt, model, source)
+    config = export_config(ckpt, model, source)
     reader = _Reader(ckpt)
     tensors = {
         key: md
@@ -137,8 +137,8 @@ def export_checkpoint(
             else:
                 specs, produce = _full(reader, tensors, prefix, names, ckpt)
             _write_shards(specs, produce, partial, max_shard_size)
-            _write_config(ckpt, model, config, partial)
-        _write_tokenizer(ckpt, model, partial)
+            write_config(ckpt, model, config, partial)
+        write_tokenizer(ckpt, model, partial)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -238,7 +238,7 @@ def _merged(
             f" {source!r}, not a local directory. Pass it with --model DIR."
         )
     base = SafetensorsDirectory(source)
-    configs = _adapter_configs(ckpt, info)
+    configs = adapter_configs(ckpt, info)
     active = info.get("active_adapters") or (["default"] if "default" in configs else sorted(configs))
     deltas: dict[str, list[tuple[str, str, float, bool]]] = {}  # weight name -> (A key, B key, scaling, fan_in_fan_out)
     for adapter in active:
@@ -338,7 +338,7 @@ def _write_adapters(
     reader: _Reader, tensors: dict, prefix: str, adapted: list[str], info: dict, ckpt: Path, directory: Path
 ) -> None:
     """peft's layout: ``default`` at the top, any other adapter in a sub-directory of its name."""
-    configs = _adapter_configs(ckpt, info)
+    configs = adapter_configs(ckpt, info)
     for adapter, config in configs.items():
         keys = {}
         for key in adapted:
