@@ -43,7 +43,7 @@ from lightning_plugins.parallel.offload import offload_optimizer  # noqa: E402
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions  # noqa: E402
 from lightning_plugins.checkpoint.load import from_pretrained  # noqa: E402
 from lightning_plugins.checkpoint.live_export import export_hf  # noqa: E402
-from lightning_plugins.checkpoint.save_pretrained import full_state_dict  # noqa: E402
+from lightning_plugins.parallel.save_pretrained import full_state_dict  # noqa: E402
 
 __all__ = [
     "LayoutError",

@@ -97,7 +97,7 @@ def test_accelerate_save_pretrained_with_get_state_dict(tmp_path: Path) -> None:
 def _refusals(rank: int, world_size: int, root: str) -> None:
     from lightning_plugins import ParallelLayout, ParallelOptions, parallelize
     from lightning_plugins.checkpoint.live_export import export_hf
-    from lightning_plugins.checkpoint.save_pretrained import full_state_dict
+    from lightning_plugins.parallel.save_pretrained import full_state_dict
 
     pipelined = parallelize(tiny_model("llama"), ParallelLayout(pp_size=2), ParallelOptions(pp_microbatches=2))
     with pytest.raises(ValueError, match=r"on rank 0 lacks 11 of the model's 21 entries \(under pipeline parallelism"):
@@ -137,7 +137,7 @@ def _compositions(rank: int, world_size: int, root: str) -> None:
 
     from lightning_plugins import ParallelLayout, ParallelOptions, parallelize
     from lightning_plugins.checkpoint.live_export import export_hf
-    from lightning_plugins.checkpoint.save_pretrained import full_state_dict
+    from lightning_plugins.parallel.save_pretrained import full_state_dict
 
     options = ParallelOptions(pp_microbatches=2)
     cases = {  # name: (model, layout, who writes)
