@@ -115,7 +115,8 @@ def _measure(args: argparse.Namespace, cp: int, backend: str, seq: int) -> dict[
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(args), dtype=torch.float32)
-    model = parallelize(model, ParallelLayout(cp_size=cp).resolve(cp), ParallelOptions(cp_backend=backend))
+    options = ParallelOptions(cp_backend=backend) if cp > 1 else ParallelOptions()  # cp=1: plain SDPA
+    model = parallelize(model, ParallelLayout(cp_size=cp).resolve(cp), options)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     generator = torch.Generator().manual_seed(seq)
     ids = torch.randint(0, args.vocab, (1, seq), generator=generator)
