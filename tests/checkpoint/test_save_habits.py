@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from _saved import check_saved, differing
 from _world import run_script, run_world
-from test_accelerate_parity import ACCUM, _prepared, _run, build
+from _accelerate_loop import ACCUM, build, prepared, run_loop
 from tiny_models import make_batch, tiny_model
 from torch.distributed.tensor import DTensor
 
@@ -67,8 +67,8 @@ def _accelerate_cases(rank: int, world_size: int, root: str) -> None:
         sizes = {k: case[k] for k in ("tp_size", "pp_size", "cp_size", "dp_shard_size") if k in case}
         settings = {**sizes, **case.get("settings", {})}
         accelerator = ParallelAccelerator(**settings, cpu=True, gradient_accumulation_steps=ACCUM)
-        model, optimizer, loader, scheduler = _prepared(accelerator, build(case), shuffle=False)
-        _run(accelerator, model, optimizer, loader, scheduler)
+        model, optimizer, loader, scheduler = prepared(accelerator, build(case), shuffle=False)
+        run_loop(accelerator, model, optimizer, loader, scheduler)
         saved, exported = f"{root}/{name} saved", f"{root}/{name} exported"
         state = accelerator.get_state_dict(model)
         if accelerator.is_main_process:  # the full state dict, every stage, under the names of one process
