@@ -43,8 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
-
+from _harness import spawn_world  # the benchmarks' folder is on sys.path (run as a script)
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.checkpoint.resume import publish, save_rng
 
@@ -126,27 +125,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _rank_entry(rank: int, world: int, port: int, layers: int, directory: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = save_load(layers, Path(directory), rank, world)
-        if rank == 0:
-            Path(out).write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+def _rank_entry(rank: int, world: int, layers: int, directory: str, out: str) -> None:
+    result = save_load(layers, Path(directory), rank, world)
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
 
 
 def save_load_world(layers: int, directory: Path, world: int) -> dict[str, float]:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     out = directory.with_suffix(".json")
-    mp.start_processes(
-        _rank_entry, args=(world, port, layers, str(directory), str(out)), nprocs=world, start_method="spawn"
-    )
+    spawn_world(_rank_entry, world, world, layers, str(directory), str(out), threads=None)
     return json.loads(out.read_text())
 
 

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -32,24 +31,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _harness import spawn_world, tiny_llama  # the benchmarks' folder is on sys.path (run as a script)
 
 MIB = 2**20
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=2 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        vocab_size=args.vocab,
-        max_position_embeddings=max(args.seqs),
-        attn_implementation="sdpa",
-    )
+    return tiny_llama(args.hidden, args.layers, args.heads, args.kv_heads, args.vocab, max(args.seqs), 2 * args.hidden)
 
 
 def analytical_bytes(backend: str, cp: int, seq: int, args: argparse.Namespace, elem: int = 4) -> int:
@@ -126,7 +115,8 @@ def _measure(args: argparse.Namespace, cp: int, backend: str, seq: int) -> dict[
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(args), dtype=torch.float32)
-    model = parallelize(model, ParallelLayout(cp_size=cp).resolve(cp), ParallelOptions(cp_backend=backend))
+    options = ParallelOptions(cp_backend=backend) if cp > 1 else ParallelOptions()  # cp=1: plain SDPA
+    model = parallelize(model, ParallelLayout(cp_size=cp).resolve(cp), options)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     generator = torch.Generator().manual_seed(seq)
     ids = torch.randint(0, args.vocab, (1, seq), generator=generator)
@@ -170,27 +160,15 @@ def _measure(args: argparse.Namespace, cp: int, backend: str, seq: int) -> dict[
     }
 
 
-def _rank(rank: int, cp: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cp))
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=cp)
-    try:
-        rows = []
-        for backend in ("ulysses", "ring") if cp > 1 else ("sdpa",):
-            for seq in args.seqs:
-                rows.append(_measure(args, cp, backend, seq))
-                if rank == 0:
-                    print(json.dumps(rows[-1]), flush=True)
-        if rank == 0:
-            Path(out).write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _rank(rank: int, cp: int, args: argparse.Namespace, out: str) -> None:
+    rows = []
+    for backend in ("ulysses", "ring") if cp > 1 else ("sdpa",):
+        for seq in args.seqs:
+            rows.append(_measure(args, cp, backend, seq))
+            if rank == 0:
+                print(json.dumps(rows[-1]), flush=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -228,7 +206,7 @@ def main() -> None:
     for cp in args.cps:
         with tempfile.TemporaryDirectory() as tmp:
             out = str(Path(tmp, "rows.json"))
-            mp.start_processes(_rank, args=(cp, _free_port(), args, out), nprocs=cp, start_method="spawn")
+            spawn_world(_rank, cp, cp, args, out, threads=args.threads)
             rows += json.loads(Path(out).read_text())
     elapsed = time.perf_counter() - start
     cpu = platform.processor() or platform.machine()

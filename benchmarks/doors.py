@@ -42,7 +42,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -53,13 +52,12 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import spawn_world  # noqa: E402
 from tensor_parallel import (  # noqa: E402
     CommCounter,
     Options,
-    _free_port,
     _version,
     build_config,
     build_variant,
@@ -170,20 +168,9 @@ def build(name: str, rank: int, checkpoint: str, opts: Options) -> Door:
     return _from_tp_benchmark({"engine": "ours_sp_lp", "anchor": "hf_tp"}[name], rank, checkpoint, opts)
 
 
-def worker(rank: int, port: int, opts: Options, checkpoint: str, outdir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1",
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps(_measure(rank, opts, checkpoint)))
-    except BaseException:
-        Path(outdir, f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+def worker(rank: int, opts: Options, checkpoint: str, outdir: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(_measure(rank, opts, checkpoint)))
 
 
 def _measure(rank: int, opts: Options, checkpoint: str) -> dict[str, Any]:
@@ -321,13 +308,7 @@ def main(argv: list[str] | None = None) -> None:
             del model
         outdir = Path(tmp, "out")
         outdir.mkdir()
-        try:
-            worker_args = (_free_port(), opts, str(Path(tmp, "model")), str(outdir))
-            mp.start_processes(worker, args=worker_args, nprocs=WORLD, start_method="spawn")
-        except Exception:
-            for err in sorted(outdir.glob("*.error")):
-                print(err.read_text(), file=sys.stderr)
-            raise
+        spawn_world(worker, WORLD, opts, str(Path(tmp, "model")), str(outdir), errors=outdir)
         results = [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(WORLD)]
     elapsed = time.perf_counter() - start
     command = "python " + " ".join([os.path.relpath(sys.argv[0])] + (sys.argv[1:] if argv is None else argv))

@@ -32,17 +32,16 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tensor_parallel import Options, _free_port, build_config, make_batches, peak_step_allocation  # noqa: E402
+from _harness import spawn_world  # noqa: E402
+from tensor_parallel import Options, build_config, make_batches, peak_step_allocation  # noqa: E402
 
 WORLD = 2
 METHODS = ("full", "lora", "qlora")
@@ -127,17 +126,8 @@ def measure(rank: int, opts: Options) -> list[dict[str, Any]]:
     return rows
 
 
-def worker(rank: int, port: int, opts: Options, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps(measure(rank, opts)))
-    except BaseException:
-        Path(outdir, f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+def worker(rank: int, opts: Options, outdir: str) -> None:
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(measure(rank, opts)))
 
 
 def report(opts: Options, ranks: list[list[dict]], command: str, elapsed: float) -> str:
@@ -172,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     opts = replace(Options(), layers=args.layers, seq=args.seq, steps=args.steps, warmup=1)
     start = time.time()
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(worker, args=(_free_port(), opts, outdir), nprocs=WORLD, start_method="spawn")
+        spawn_world(worker, WORLD, opts, outdir, errors=outdir)
         ranks = [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(WORLD)]
     table = report(opts, ranks, "python benchmarks/finetune_methods.py " + " ".join(argv or sys.argv[1:]), time.time() - start)
     print(table)

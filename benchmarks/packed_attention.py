@@ -54,10 +54,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from context_parallel import _free_port  # noqa: E402  (the CP benchmark this one extends)
+from _harness import spawn_world  # noqa: E402
 
 #: name -> (mean tokens, lognormal sigma, where the numbers come from); mu follows from the mean and sigma.
 MIXES: dict[str, tuple[float, float, str]] = {
@@ -220,21 +219,15 @@ def _measure(args: argparse.Namespace, mix: str, seq: int) -> dict[str, Any]:
     return row
 
 
-def _rank(rank: int, cp: int, port: int, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(cp))
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=cp)
-    try:
-        rows = []
-        for seq in args.seqs:
-            for mix in args.mixes:
-                rows.append(_measure(args, mix, seq))
-                if rank == 0:
-                    print(json.dumps(rows[-1]), flush=True)
-        if rank == 0:
-            Path(out).write_text(json.dumps(rows))
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, cp: int, args: argparse.Namespace, out: str) -> None:
+    rows = []
+    for seq in args.seqs:
+        for mix in args.mixes:
+            rows.append(_measure(args, mix, seq))
+            if rank == 0:
+                print(json.dumps(rows[-1]), flush=True)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -293,7 +286,7 @@ def main() -> None:
     for cp in args.cps:
         with tempfile.TemporaryDirectory() as tmp:
             out = str(Path(tmp, "rows.json"))
-            mp.start_processes(_rank, args=(cp, _free_port(), args, out), nprocs=cp, start_method="spawn")
+            spawn_world(_rank, cp, cp, args, out, threads=args.threads)
             rows += json.loads(Path(out).read_text())
     elapsed, load_end = time.perf_counter() - start, os.getloadavg()
     cpu = platform.processor() or platform.machine()

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import time
 import weakref
 from typing import Any
@@ -33,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from _harness import spawn_world  # the benchmarks' folder is on sys.path (run as a script)
 
 LAYERS = 8  # the same model for every layout: p=2 -> 4 layers per stage (2 interleaved), p=4 -> 2 (1)
 ACT_BYTES = 1 << 20  # activation saved per layer and micro-batch
@@ -207,23 +207,11 @@ def _measure(p: int, layer_s: float, steps: int) -> list[dict]:
     return rows
 
 
-def _entry(rank: int, p: int, port: int, layer_s: float, steps: int, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=p)
+def _entry(rank: int, p: int, layer_s: float, steps: int, queue: Any) -> None:
     _time_p2p_waits()
-    try:
-        rows = _measure(p, layer_s, steps)
-        if rank == 0:
-            queue.put(rows)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    rows = _measure(p, layer_s, steps)
+    if rank == 0:
+        queue.put(rows)
 
 
 def main() -> None:
@@ -237,8 +225,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     for p in args.pp:
         queue = ctx.SimpleQueue()
-        worker_args = (p, _free_port(), args.layer_ms / 1000, args.steps, queue)
-        mp.start_processes(_entry, args=worker_args, nprocs=p, start_method="spawn")
+        spawn_world(_entry, p, p, args.layer_ms / 1000, args.steps, queue)
         rows += queue.get()
     print(
         "| schedule | p | v | m | theory | idle, mean | idle per rank | layer share, mean | step (ms)"

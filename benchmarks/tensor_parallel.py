@@ -65,12 +65,10 @@ import contextlib
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -81,7 +79,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # weight-loading bar
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from _harness import spawn_world, tiny_llama  # noqa: E402  (the benchmarks' folder is on sys.path: run as a script)
 
 WORLD = 2
 
@@ -341,19 +340,10 @@ def make_batches(opts: Options, count: int) -> list[dict[str, torch.Tensor]]:
 
 
 def build_config(opts: Options) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=opts.hidden,
-        intermediate_size=opts.intermediate,
-        num_hidden_layers=opts.layers,
-        num_attention_heads=opts.heads,
-        num_key_value_heads=opts.kv_heads,
-        vocab_size=opts.vocab,
-        max_position_embeddings=opts.seq,
-        attn_implementation="sdpa",
+    return tiny_llama(
+        opts.hidden, opts.layers, opts.heads, opts.kv_heads, opts.vocab, opts.seq, opts.intermediate,
         tie_word_embeddings=False,
-    )
+    )  # fmt: skip
 
 
 @dataclass
@@ -408,20 +398,9 @@ def build_variant(name: str, rank: int, checkpoint: str, opts: Options) -> Varia
     return Variant(name, model, optimizer, threads=2 if name == "single_2t" else 1)
 
 
-def worker(rank: int, port: int, opts: Options, checkpoint: str, outdir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        result = _measure(rank, opts, checkpoint)
-        Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
-    except BaseException:
-        Path(outdir, f"rank{rank}.error").write_text(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+def worker(rank: int, opts: Options, checkpoint: str, outdir: str) -> None:
+    result = _measure(rank, opts, checkpoint)
+    Path(outdir, f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def _measure(rank: int, opts: Options, checkpoint: str) -> dict[str, Any]:
@@ -644,12 +623,6 @@ def _version(package: str) -> str:
         return "?"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 _SIZE_FIELDS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq", "batch", "warmup", "steps")
 
 
@@ -686,17 +659,7 @@ def main(argv: list[str] | None = None) -> None:
             del model
         outdir = Path(tmp, "out")
         outdir.mkdir()
-        try:
-            mp.start_processes(
-                worker,
-                args=(_free_port(), opts, str(Path(tmp, "model")), str(outdir)),
-                nprocs=WORLD,
-                start_method="spawn",
-            )
-        except Exception:
-            for err in sorted(outdir.glob("*.error")):
-                print(err.read_text(), file=sys.stderr)
-            raise
+        spawn_world(worker, WORLD, opts, str(Path(tmp, "model")), str(outdir), errors=outdir)
         results = [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(WORLD)]
     elapsed = time.perf_counter() - start
     command = "python " + " ".join([os.path.relpath(sys.argv[0])] + (sys.argv[1:] if argv is None else argv))

@@ -36,10 +36,26 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
 # The engine slices the flattened mesh dimensions it builds (`dp`, `dp_cp`, ...) from the root mesh on purpose.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
 
-from lightning_plugins.parallel.layout import ParallelLayout
-from lightning_plugins.errors import LayoutError, OptionsError  # noqa: E402
-from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions  # noqa: E402
+from lightning_plugins.errors import LayoutError, LightningPluginsError, OptionsError  # noqa: E402
 from lightning_plugins.parallel import parallelize  # noqa: E402
+from lightning_plugins.parallel.layout import ParallelLayout  # noqa: E402
+from lightning_plugins.parallel.offload import offload_optimizer  # noqa: E402
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions  # noqa: E402
+from lightning_plugins.checkpoint.load import from_pretrained  # noqa: E402
+from lightning_plugins.checkpoint.live_export import export_hf  # noqa: E402
+from lightning_plugins.parallel.save_pretrained import full_state_dict  # noqa: E402
 
-__all__ = ["LayoutError", "MemoryOptions", "OptionsError", "ParallelLayout", "ParallelOptions", "parallelize"]
+__all__ = [
+    "LayoutError",
+    "LightningPluginsError",
+    "MemoryOptions",
+    "OptionsError",
+    "ParallelLayout",
+    "ParallelOptions",
+    "export_hf",
+    "from_pretrained",
+    "full_state_dict",
+    "offload_optimizer",
+    "parallelize",
+]
 __version__ = "0.1.0"

@@ -9,26 +9,8 @@ import sys
 from collections.abc import Sequence
 
 
-def _overrides(extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
-    """``--section.key=value`` or ``--section.key value`` arguments as ``section.key=value`` strings."""
-    overrides, rest = [], list(extra)
-    while rest:
-        arg = rest.pop(0)
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            parser.error(
-                f"unrecognized argument {arg!r}: recipe overrides look like --section.key=value (e.g. --lora.r=32)"
-            )
-        if "=" in arg:
-            overrides.append(arg[2:])
-        elif rest:
-            overrides.append(f"{arg[2:]}={rest.pop(0)}")
-        else:
-            parser.error(f"{arg} needs a value (e.g. {arg}=VALUE)")
-    return overrides
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    from lightning_plugins.recipe.diff import add_reset_argument, reset_overrides
+    from lightning_plugins.recipe.launch import add_recipe_arguments, recipe_overrides
 
     parser = argparse.ArgumentParser(prog="lightning-plugins", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -46,12 +28,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "finetune",
         help="fine-tune as a recipe YAML says (overrides: --section.key=value, e.g. --lora.r=32 --train.max_steps=200)",
     )
-    finetune.add_argument("recipe", help="the recipe file, e.g. recipes/tiny/lora_tp2.yaml")
-    finetune.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
-    finetune.add_argument(
-        "--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)"
-    )
-    add_reset_argument(finetune)
+    add_recipe_arguments(finetune, "recipes/tiny/lora_tp2.yaml")
     plan = commands.add_parser(
         "plan",
         help="check a recipe's layout at real size (memory per GPU, step time), or search the layouts of a model",
@@ -99,9 +76,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.command == "plan":
         from lightning_plugins.planner.command import main as plan_main
 
-        sys.exit(plan_main(args, _overrides(extra, plan)))
+        sys.exit(plan_main(args, recipe_overrides(extra, plan)))
     elif args.command == "tiny":
-        _tiny(args, _overrides(extra, tiny))
+        _tiny(args, recipe_overrides(extra, tiny))
     elif args.command == "export":
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -111,55 +88,49 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         _verify(args.checkpoint)
     elif args.command == "finetune":
-        from lightning_plugins.recipe.schema import load_recipe
-        from lightning_plugins.errors import RecipeError
+        _finetune(args, extra, finetune)
 
-        from lightning_plugins.checkpoint.checks import check_resume_path
-        from lightning_plugins.errors import CheckpointError
 
-        try:
-            recipe = load_recipe(args.recipe, [*_overrides(extra, finetune), *reset_overrides(args)])
-            if args.resume is not None:
-                check_resume_path(args.resume)
-        except (RecipeError, CheckpointError) as err:
-            sys.exit(f"error: {err}")
-        if args.print_config:
-            print(recipe.to_yaml(), end="")
-            return
-        from lightning_plugins.strategies.runner import _say, is_launcher_rank, run_finetune
-        from lightning_plugins.recipe.preflight import check_here
-        from lightning_plugins.recipe.diff import check_resume
-        from lightning_plugins.checkpoint.resume_choice import handed_down_resume
-        from lightning_plugins.run.lock import take_run_lock
-        from lightning_plugins.errors import RunLockError
+def _finetune(args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser) -> None:
+    """``lightning-plugins finetune``: the shared prelude (:mod:`lightning_plugins.recipe.launch`), then the run."""
+    from lightning_plugins.errors import CheckpointError, RecipeError, RunLockError
+    from lightning_plugins.recipe.launch import claim_run, load_run_recipe, say
 
-        launching, lock = is_launcher_rank(), None
-        try:
-            check_here(recipe, args.recipe)
-            # One run per output directory, taken by the rank that starts the others (before any is started).
-            if launching and _global_rank() == 0:
-                lock = take_run_lock(recipe.train.output_dir)
-            # One resume decision per job: the launching rank's, handed down to the ranks it starts.
-            resume = args.resume or handed_down_resume(recipe.train.output_dir, _say if launching else None, launching)
-            recipe = check_resume(recipe, resume, _say if launching else None)
-        except (RecipeError, RunLockError) as err:
-            if lock is not None:  # now: the caller may go on (a test, a notebook)
-                lock.release()
-            sys.exit(f"error: {err}")
-        from lightning_plugins.data import DataError
-        from lightning_plugins.errors import NonFiniteError
+    try:
+        recipe = load_run_recipe(args, extra, parser)
+    except (RecipeError, CheckpointError) as err:
+        sys.exit(f"error: {err}")
+    if args.print_config:
+        print(recipe.to_yaml(), end="")
+        return
+    from lightning_plugins.checkpoint.resume_choice import handed_down_resume
+    from lightning_plugins.strategies.runner import is_launcher_rank, run_finetune
 
-        try:  # the data is read on rank 0 before the other ranks start: a bad record stops it alone, at once
-            result = run_finetune(recipe, resume=resume)
-        except DataError as err:
-            sys.exit(f"error: {args.recipe}: {err}")
-        except NonFiniteError as err:  # every rank stops alike; the launcher's says why
-            sys.exit(f"error: {err}" if is_launcher_rank() else 1)
-        finally:
-            if lock is not None:
-                lock.release()
-        if result and is_launcher_rank():
-            print("\n".join(f"{key}: {value}" for key, value in result.items()))
+    launching = is_launcher_rank()
+    said = say if launching else None
+    try:
+        # One run per output directory, taken by the rank that starts the others (before any is started). One resume
+        # decision per job: the launching rank's, handed down to the ranks it starts.
+        recipe, resume, lock = claim_run(
+            recipe, args.recipe, args.resume, take_lock=launching and _global_rank() == 0, say=said,
+            decide=lambda: handed_down_resume(recipe.train.output_dir, said, launching),
+        )  # fmt: skip
+    except (RecipeError, RunLockError) as err:
+        sys.exit(f"error: {err}")
+    from lightning_plugins.data import DataError
+    from lightning_plugins.errors import NonFiniteError
+
+    try:  # the data is read on rank 0 before the other ranks start: a bad record stops it alone, at once
+        result = run_finetune(recipe, resume=resume)
+    except DataError as err:
+        sys.exit(f"error: {args.recipe}: {err}")
+    except NonFiniteError as err:  # every rank stops alike; the launcher's says why
+        sys.exit(f"error: {err}" if is_launcher_rank() else 1)
+    finally:
+        if lock is not None:
+            lock.release()
+    if result and is_launcher_rank():
+        print("\n".join(f"{key}: {value}" for key, value in result.items()))
 
 
 def _global_rank() -> int:

@@ -60,3 +60,10 @@ class RankFailure(LightningPluginsError, RuntimeError):
 
 class NonFiniteError(LightningPluginsError, RuntimeError):
     """Training met a non-finite loss, gradient norm or weight; the message names the step, the ranks and the fix."""
+
+
+def summarize(error: BaseException, limit: int = 400) -> str:
+    """``Type: first line of the message`` (shortened to ``limit`` characters)."""
+    text = str(error).strip().splitlines()
+    line = f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -20,58 +20,42 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 @record  # under torchrun (`accelerate launch`): the launcher's failure summary quotes this rank's exception
 def main(argv: Sequence[str] | None = None) -> None:
-    from lightning_plugins.cli import _overrides
-    from lightning_plugins.recipe.diff import add_reset_argument, check_resume, reset_overrides
+    from lightning_plugins.recipe.launch import add_recipe_arguments
 
     parser = argparse.ArgumentParser(prog="python -m lightning_plugins.accelerate", description=__doc__)
-    parser.add_argument("recipe", help="the recipe file, e.g. recipes/tiny/full_tp2.yaml")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
-    parser.add_argument(
-        "--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)"
-    )
-    add_reset_argument(parser)
+    add_recipe_arguments(parser, "recipes/tiny/full_tp2.yaml")
     args, extra = parser.parse_known_args(argv)
 
     from lightning_plugins.accelerate.settings import describe_launch, launched_world
-    from lightning_plugins.checkpoint.checks import check_resume_path
-    from lightning_plugins.errors import CheckpointError
+    from lightning_plugins.checkpoint import resume_choice
     from lightning_plugins.data import DataError
+    from lightning_plugins.errors import (
+        CheckpointError, LayoutError, NonFiniteError, OptionsError, RankFailure, RecipeError, RunLockError,
+    )  # fmt: skip
+    from lightning_plugins.recipe.launch import claim_run, load_run_recipe, say
     from lightning_plugins.run.faults import explain_timeout, is_collective_timeout, is_peer_gone
-    from lightning_plugins.errors import RankFailure
-    from lightning_plugins.errors import LayoutError, OptionsError
-    from lightning_plugins.errors import NonFiniteError
-    from lightning_plugins.recipe.preflight import check_here
-    from lightning_plugins.recipe.schema import load_recipe
-    from lightning_plugins.errors import RecipeError
-    from lightning_plugins.run.lock import take_run_lock
-    from lightning_plugins.errors import RunLockError
-    from lightning_plugins.recipe.build import latest_checkpoint
 
     local, nodes = launched_world()
     try:
-        world = [f"hardware.devices={local}", f"hardware.nodes={nodes}"]
-        recipe = load_recipe(args.recipe, [*_overrides(extra, parser), *reset_overrides(args), *world])
+        recipe = load_run_recipe(args, extra, parser, [f"hardware.devices={local}", f"hardware.nodes={nodes}"])
     except RecipeError as err:
         _fail(f"{err}\n(under accelerate launch the world is the one started by {describe_launch()}; it replaces the"
               " recipe's hardware.devices x hardware.nodes)")  # fmt: skip
+    except CheckpointError as err:
+        _fail(str(err))
     if args.print_config:
         print(recipe.to_yaml(), end="")
         return
     first = _rank() == 0
-    lock = None
+    said = say if first else None
     try:
-        check_here(recipe, args.recipe)
-        if args.resume is not None:
-            check_resume_path(args.resume)
-        if first:  # one run per output directory (torchrun stops the others)
-            lock = take_run_lock(recipe.train.output_dir)
-        say = _say if first else None
-        # Every rank checks the recipe against what it finds; the run follows rank 0's choice and reading (run_recipe).
-        resume = args.resume or latest_checkpoint(recipe.train.output_dir, say)
-        recipe = check_resume(recipe, resume, say)
+        # One run per output directory (torchrun stops the others). Every rank checks the recipe against what it
+        # finds; the run follows rank 0's choice and reading (run_recipe).
+        recipe, resume, lock = claim_run(
+            recipe, args.recipe, args.resume, take_lock=first, say=said,
+            decide=lambda: resume_choice.latest_checkpoint(recipe.train.output_dir, said),
+        )  # fmt: skip
     except (RecipeError, CheckpointError, RunLockError) as err:
-        if lock is not None:  # now: the caller may go on (a test, a notebook)
-            lock.release()
         _fail(str(err))
     from lightning_plugins.accelerate.runner import run_recipe  # (after the checks: it imports the training stack)
 
@@ -98,10 +82,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def _fail(message: str) -> None:

@@ -400,7 +400,7 @@ class ParallelAccelerator(Accelerator):
         the others, as Accelerate's FSDP gives); every rank calls it. For ``save_pretrained(..., state_dict=...)``."""
         if self.builtin:
             return super().get_state_dict(model, unwrap)
-        from lightning_plugins.checkpoint.save_pretrained import full_state_dict
+        from lightning_plugins.parallel.save_pretrained import full_state_dict
 
         return full_state_dict(self.unwrap_model(model) if unwrap else model)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -27,23 +26,18 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_plugins.accelerate.accelerator import ParallelAccelerator
 from lightning_plugins.accelerate.metrics import recipe_trackers
 from lightning_plugins.accelerate.state import _broadcast
-from lightning_plugins.run.manifest import attach_manifest, write_manifest
+from lightning_plugins.checkpoint import resume_choice
+from lightning_plugins.checkpoint.resume_choice import CHECKPOINT_NAME, LATEST, agreed_resume
+from lightning_plugins.recipe.build import build_loaders, build_model, make_optimizer
+from lightning_plugins.recipe.diff import reset_optimizer
+from lightning_plugins.recipe.finish import check_exportable, export_dir, export_trained, write_results
+from lightning_plugins.recipe.meter import ThroughputMeter
+from lightning_plugins.recipe.schema import Recipe
+from lightning_plugins.run.manifest import write_manifest
 from lightning_plugins.run.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.run.perf import PerfMonitor
 from lightning_plugins.run.preemption import Preemption
-from lightning_plugins.recipe.schema import Recipe
-from lightning_plugins.recipe.diff import reset_optimizer
-from lightning_plugins.checkpoint.resume_choice import LATEST, agreed_resume
 from lightning_plugins.run.record import hyperparameters, project_name
-from lightning_plugins.recipe.build import (
-    CHECKPOINT_NAME,
-    build_loaders,
-    build_model,
-    input_tokens,
-    latest_checkpoint,
-    make_optimizer,
-    model_flops_utilization,
-)
 
 
 @dataclass
@@ -109,7 +103,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     preemption = Preemption(train.preempt_signals, watch_parent="TORCHELASTIC_RUN_ID" in os.environ)
     preemption.install()
     guard = NonFiniteGuard(
-        train.on_nonfinite, train.max_skipped_steps, lambda: latest_checkpoint(out), accelerator.builtin == "DeepSpeed"
+        train.on_nonfinite, train.max_skipped_steps, lambda: resume_choice.latest_checkpoint(out), accelerator.builtin == "DeepSpeed"
     )
     set_seed(train.seed)
     model, tokenizer = build_model(recipe, on_meta=accelerator.builtin is None)
@@ -133,10 +127,9 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
             reset_optimizer(optimizer, schedule, model, recipe, total, progress.step)
 
     main = accelerator.is_main_process
-    layout = accelerator.layout
     bar = tqdm(total=total, initial=progress.step, disable=not main, desc="train", dynamic_ncols=True)
     last: dict[str, float] = {}
-    tokens, clock, norm = 0, time.perf_counter(), None
+    meter, norm = ThroughputMeter(num_params, accelerator.layout), None
     perf = PerfMonitor(out, train.log_every, train.profile, straggler_ratio=train.straggler_ratio,
                        sample=train.perf_sample, cuda=accelerator.device.type == "cuda", say=bar.write)  # fmt: skip
     model.train()
@@ -145,7 +138,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
         while progress.step < total:
             epoch = train_loader.iteration
             for batch in train_loader:
-                tokens += input_tokens(batch)
+                meter.count(batch)
                 with accelerator.accumulate(model):
                     loss = model(**batch).loss
                     guard.observe_loss(loss)
@@ -166,18 +159,8 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
                 bar.update(1)
                 bar.set_postfix({k.split("/")[0] + " loss": f"{v:.3f}" for k, v in last.items() if k.endswith("loss")})
                 if progress.step % train.log_every == 0:
-                    rates = torch.tensor(float(tokens), device=accelerator.device)
-                    dist.all_reduce(rates)  # every rank counts what it runs; TP and PP peers run the same tokens
-                    now = time.perf_counter()
-                    rate = rates.item() / (layout.tp_size * layout.pp_size) / (now - clock)
-                    clock, tokens = now, 0
-                    row = {"train/loss": last["train/loss"], "train/lr": optimizer.param_groups[0]["lr"]}
-                    row["train/tokens_per_s"] = rate
-                    if norm is not None:
-                        row["train/grad_norm"] = float(norm)
-                    mfu = model_flops_utilization(rate, num_params, dist.get_world_size())
-                    if mfu is not None:
-                        row["train/mfu"] = mfu
+                    lr, world = optimizer.param_groups[0]["lr"], dist.get_world_size()
+                    row = {"train/loss": last["train/loss"], **meter.row(lr, norm, world, accelerator.device)}
                     row.update(sampled)
                     accelerator.log({**row, "epoch": epoch}, step=progress.step - 1)  # on the main process
                 end_of_epoch = accelerator.gradient_state.end_of_dataloader
@@ -207,7 +190,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     perf.close()
     preemption.uninstall()
     bar.close()
-    check_finite_weights(training_state(model.parameters()), f"export to {out}", progress.step)
+    check_exportable(model.parameters(), recipe, progress.step)
     return _finish(accelerator, model, tokenizer, recipe, ckpt, last)
 
 
@@ -245,17 +228,12 @@ def _finish(
     last: dict[str, float],
 ) -> dict[str, Any]:
     """Export (HF directory, or peft adapter and merged weights), merge the metrics, draw the loss curve."""
-    from lightning_plugins.checkpoint.live_export import export_hf
-
-    out = Path(recipe.train.output_dir)
     unwrapped = accelerator.unwrap_model(model)
-    target = out / ("adapter" if recipe.lora else "hf")
     if accelerator.builtin is None:
-        written = {"model": export_hf(unwrapped, target, tokenizer)}
-        if recipe.lora is not None and recipe.train.merge_lora:
-            written["merged"] = export_hf(unwrapped, out / "merged", tokenizer, merge=True)
+        written = export_trained(unwrapped, tokenizer, recipe)
     else:  # Accelerate's DeepSpeed/FSDP gather the full state dict themselves
         state = accelerator.get_state_dict(model)
+        target = export_dir(recipe)
         if accelerator.is_main_process:
             unwrapped.save_pretrained(target, state_dict=state, safe_serialization=True)
             tokenizer.save_pretrained(target)
@@ -265,9 +243,4 @@ def _finish(
         tracker.finish()
     if not accelerator.is_main_process:
         return {}
-    from lightning_plugins.recipe.plots import merge_metrics, plot_losses
-
-    attach_manifest(out, written.values())
-    written["metrics"] = merge_metrics(out / "logs", out / "metrics.csv")
-    written["loss_curve"] = plot_losses(written["metrics"], out / "loss_curve.png")
-    return {**written, "resumed_from": ckpt, **last}
+    return write_results(recipe, written, ckpt, last)

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from peft import PeftModel
 
 __all__ = [
+    "PEFT_PREFIX",
     "LoraOptions",
     "apply_lora",
     "check_lora_targets",
@@ -42,6 +43,9 @@ __all__ = [
     "peft_model_around",
     "trainable_parameters",
 ]
+
+#: peft's key prefix for the transformers model inside a ``PeftModel`` (``base_model.model.<name>``).
+PEFT_PREFIX = "base_model.model."
 
 QUANTIZE = ("none", "nf4")
 

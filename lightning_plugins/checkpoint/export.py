@@ -40,15 +40,16 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from lightning_plugins.adapters.lora import PEFT_PREFIX
 from lightning_plugins.errors import CheckpointError
 from lightning_plugins.checkpoint.export_info import (
     EXPORT_DIR,
     ExportError,
-    _adapter_configs,
-    _config,
-    _read_info,
-    _write_config,
-    _write_tokenizer,
+    adapter_configs,
+    export_config,
+    read_export_info,
+    write_config,
+    write_tokenizer,
     save_export_info,
 )
 from lightning_plugins.checkpoint.integrity import say_unverified, verify_checkpoint
@@ -56,8 +57,6 @@ from lightning_plugins.checkpoint.safetensors_io import SafetensorsDirectory, Te
 
 __all__ = ["EXPORT_DIR", "ExportError", "export_checkpoint", "save_export_info"]
 
-#: peft's key prefix for the transformers model inside a ``PeftModel``.
-_PEFT_PREFIX = "base_model.model."
 _DEFAULT_SHARD = 5 * 2**30
 
 
@@ -112,9 +111,9 @@ def export_checkpoint(
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"{out} exists and is not empty: choose another directory, or pass --force to replace it.")
-    info = _read_info(ckpt)
+    info = read_export_info(ckpt)
     source = str(model) if model is not None else info.get("model_path") or None
-    config = _config(ckpt, model, source)
+    config = export_config(ckpt, model, source)
     reader = _Reader(ckpt)
     tensors = {
         key: md
@@ -138,8 +137,8 @@ def export_checkpoint(
             else:
                 specs, produce = _full(reader, tensors, prefix, names, ckpt)
             _write_shards(specs, produce, partial, max_shard_size)
-            _write_config(ckpt, model, config, partial)
-        _write_tokenizer(ckpt, model, partial)
+            write_config(ckpt, model, config, partial)
+        write_tokenizer(ckpt, model, partial)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -239,7 +238,7 @@ def _merged(
             f" {source!r}, not a local directory. Pass it with --model DIR."
         )
     base = SafetensorsDirectory(source)
-    configs = _adapter_configs(ckpt, info)
+    configs = adapter_configs(ckpt, info)
     active = info.get("active_adapters") or (["default"] if "default" in configs else sorted(configs))
     deltas: dict[str, list[tuple[str, str, float, bool]]] = {}  # weight name -> (A key, B key, scaling, fan_in_fan_out)
     for adapter in active:
@@ -339,14 +338,14 @@ def _write_adapters(
     reader: _Reader, tensors: dict, prefix: str, adapted: list[str], info: dict, ckpt: Path, directory: Path
 ) -> None:
     """peft's layout: ``default`` at the top, any other adapter in a sub-directory of its name."""
-    configs = _adapter_configs(ckpt, info)
+    configs = adapter_configs(ckpt, info)
     for adapter, config in configs.items():
         keys = {}
         for key in adapted:
             parts = key[len(prefix) :].split(".")
             if adapter in parts:
                 parts.remove(adapter)  # peft's file keys carry no adapter name
-                keys[_PEFT_PREFIX + ".".join(parts)] = key
+                keys[PEFT_PREFIX + ".".join(parts)] = key
         extra = sorted(
             key for key in tensors if key.startswith(prefix) and f".{adapter}." in key and ".lora_" not in key
         )

@@ -85,12 +85,14 @@ def _source_tokenizer(source: str) -> Any:
     return _TOKENIZERS[source]
 
 
-def _read_info(ckpt: Path) -> dict[str, Any]:
+def read_export_info(ckpt: Path) -> dict[str, Any]:
+    """What the checkpoint ``ckpt`` recorded for its export (``{}`` when it recorded nothing)."""
     path = ckpt / EXPORT_DIR / _INFO
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _config(ckpt: Path, model: str | Path | None, source: str | None) -> Any:
+def export_config(ckpt: Path, model: str | Path | None, source: str | None) -> Any:
+    """The model config an export of ``ckpt`` writes: from ``model`` when given, else the one the checkpoint recorded."""
     from transformers import AutoConfig
 
     recorded = ckpt / EXPORT_DIR / "config"
@@ -106,7 +108,8 @@ def _config(ckpt: Path, model: str | Path | None, source: str | None) -> Any:
         raise ExportError(f"cannot read the model config from {where}: {err}") from None
 
 
-def _adapter_configs(ckpt: Path, info: dict) -> dict[str, Any]:
+def adapter_configs(ckpt: Path, info: dict) -> dict[str, Any]:
+    """The peft config of each adapter the checkpoint ``ckpt`` holds, by adapter name."""
     from peft import PeftConfig
 
     root = ckpt / EXPORT_DIR / "adapters"
@@ -119,7 +122,8 @@ def _adapter_configs(ckpt: Path, info: dict) -> dict[str, Any]:
     return {name: PeftConfig.from_pretrained(str(root / name)) for name in names}
 
 
-def _write_config(ckpt: Path, model: str | Path | None, config: Any, directory: Path) -> None:
+def write_config(ckpt: Path, model: str | Path | None, config: Any, directory: Path) -> None:
+    """Write ``config`` (the exported model's) into ``directory``."""
     config = copy.deepcopy(config)
     config.save_pretrained(directory)
     recorded = ckpt / EXPORT_DIR / "config" / "generation_config.json"
@@ -129,7 +133,8 @@ def _write_config(ckpt: Path, model: str | Path | None, config: Any, directory: 
         shutil.copy(Path(model) / "generation_config.json", directory / "generation_config.json")
 
 
-def _write_tokenizer(ckpt: Path, model: str | Path | None, directory: Path) -> None:
+def write_tokenizer(ckpt: Path, model: str | Path | None, directory: Path) -> None:
+    """Write the tokenizer (``model``'s, else the one the checkpoint recorded) into ``directory`` when there is one."""
     recorded = ckpt / EXPORT_DIR / "tokenizer"
     if model is None and recorded.is_dir():
         for path in recorded.iterdir():

@@ -12,8 +12,6 @@ during training is DCP through the doors, see the strategies.)
 
 from __future__ import annotations
 
-import copy
-import logging
 import os
 import shutil
 from collections.abc import Callable
@@ -23,15 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed._state_dict_utils import _gather_state_dict
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from lightning_plugins.adapters.lora import hf_model_of, lora_layers
+from lightning_plugins.adapters.lora import PEFT_PREFIX, hf_model_of, lora_layers
+from lightning_plugins.parallel.gather import collect_stages, full_on_leader, stage_leader
+from lightning_plugins.parallel.save_pretrained import save_adapters, save_model
 
 __all__ = ["export_hf"]
-
-#: peft's key prefix for the transformers model inside a ``PeftModel`` (``base_model.model.<name>``).
-_PEFT_PREFIX = "base_model.model."
 
 
 def export_hf(model: nn.Module, out_dir: str | Path, tokenizer: Any | None = None, *, merge: bool = False) -> Path:
@@ -66,14 +62,14 @@ def export_hf(model: nn.Module, out_dir: str | Path, tokenizer: Any | None = Non
         # peft picks each adapter's entries by visiting its layers (whatever requires_grad says: set_adapter
         # freezes the inactive ones); only those are gathered.
         picked = {name: _adapter_entries(hf, sharded, name) for name in hf.peft_config}
-        state = _collect_stages(hf, _full_on_leader(hf, picked))
-        _write_atomically(out_dir, lambda tmp: _save_adapters(hf, state, tmp), tokenizer)
+        state = collect_stages(hf, full_on_leader(hf, picked))
+        _write_atomically(out_dir, lambda tmp: save_adapters(hf, state, tmp), tokenizer)
     else:
-        state = _full_on_leader(hf, sharded)
+        state = full_on_leader(hf, sharded)
         if merge and state:
             state = _merge_adapters(hf, state)
-        state = _collect_stages(hf, state)
-        _write_atomically(out_dir, lambda tmp: _save_model(hf, state, tmp), tokenizer)
+        state = collect_stages(hf, state)
+        _write_atomically(out_dir, lambda tmp: save_model(hf, state, tmp), tokenizer)
     return Path(out_dir)
 
 
@@ -98,73 +94,7 @@ def _write_atomically(out_dir: str | Path, write: Callable[[Path], None], tokeni
 # ------------------------------------------------------------------------------------------------ gathering
 
 
-def _mesh(model: nn.Module) -> Any:
-    from lightning_plugins.parallel import mesh_of
-
-    return mesh_of(model)
-
-
-def _stage_leader(model: nn.Module) -> int:
-    """The global rank that collects this pipeline stage's full tensors (its first rank; rank 0 without PP)."""
-    mesh = _mesh(model)
-    if mesh is None:
-        return 0
-    coordinate = mesh.get_coordinate()
-    return int(mesh.mesh[(coordinate[0], *[0] * (mesh.ndim - 1))])
-
-
-def _full_on_leader(model: nn.Module, sharded: dict[str, Any]) -> dict[str, Any]:
-    """The full (unsharded) CPU tensors of a (nested) state dict on the stage leader; ``{}`` elsewhere.
-
-    Every rank gathers each DTensor with the ranks that share it (``full_tensor``); only the leader keeps it.
-    """
-    # DTensor logs a warning for every TP x FSDP2 weight it gathers in two steps; for an export that is fine.
-    redistribute_log = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = redistribute_log.level
-    redistribute_log.setLevel(logging.ERROR)
-    try:
-        # torch's own full-state-dict gatherer (what get_model_state_dict uses), told which rank keeps the result.
-        leader = (_stage_leader(model),) if dist.is_initialized() else ()
-        return _gather_state_dict(sharded, cpu_offload=True, ranks_only=leader)
-    finally:
-        redistribute_log.setLevel(level)
-
-
-def _collect_stages(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0 receives every pipeline stage leader's part; without pipeline parallelism, nothing moves.
-
-    Parts are merged key by key (one level down for per-adapter dictionaries).
-    """
-    mesh = _mesh(model)
-    if mesh is None or mesh["pp"].size() == 1:
-        return state
-    if dist.get_rank() != _stage_leader(model):
-        return {}
-    # The leaders are the pipeline group of rank 0 (every other coordinate 0).
-    parts: list[Any] | None = [None] * mesh["pp"].size() if dist.get_rank() == 0 else None
-    dist.gather_object(state, parts, dst=0, group=mesh["pp"].get_group())
-    merged: dict[str, Any] = {}
-    for part in parts or []:
-        for key, value in part.items():
-            if isinstance(value, dict):
-                merged.setdefault(key, {}).update(value)
-            else:
-                merged[key] = value
-    return merged
-
-
 # -------------------------------------------------------------------------------------------------- writing
-
-
-def _save_model(model: nn.Module, state: dict[str, Tensor], directory: str | Path, **options: Any) -> None:
-    """transformers' own ``save_pretrained`` of ``model`` with the full ``state`` (and the caller's ``options``)."""
-    # The class's method: `parallelize` replaced the instance's by the collective one (lightning_plugins.checkpoint.save_pretrained).
-    type(model).save_pretrained(model, directory, state_dict=state, **options)
-    # transformers records the class it saves from; a pipelined model's class is our subclass of it.
-    hf_class = next(cls for cls in type(model).__mro__ if cls.__module__.startswith("transformers."))
-    if model.config.architectures != [hf_class.__name__]:
-        model.config.architectures = [hf_class.__name__]
-        model.config.save_pretrained(directory)
 
 
 def _adapter_entries(model: nn.Module, state: dict[str, Tensor], adapter: str) -> dict[str, Tensor]:
@@ -172,28 +102,7 @@ def _adapter_entries(model: nn.Module, state: dict[str, Tensor], adapter: str) -
     from peft.utils import get_peft_model_state_dict
 
     entries = get_peft_model_state_dict(model, state_dict=state, adapter_name=adapter, save_embedding_layers=False)
-    return {_PEFT_PREFIX + key: value for key, value in entries.items()}
-
-
-def _save_adapters(
-    model: nn.Module, weights: dict[str, dict[str, Tensor]], directory: Path, *, safe_serialization: bool = True
-) -> None:
-    """peft's adapter layout for each adapter in ``weights``: ``default`` at the top, any other adapter in a
-    sub-directory of its name (``safe_serialization=False``: ``adapter_model.bin``, as peft writes it)."""
-    from safetensors.torch import save_file
-
-    for name in weights:
-        config = model.peft_config[name]
-        target = directory if name == "default" else directory / name
-        target.mkdir(parents=True, exist_ok=True)
-        tensors = {key: value.contiguous() for key, value in weights[name].items()}
-        if safe_serialization:
-            save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
-        else:
-            torch.save(tensors, target / "adapter_model.bin")
-        saved = copy.deepcopy(config)
-        saved.inference_mode = True
-        saved.save_pretrained(str(target))
+    return {PEFT_PREFIX + key: value for key, value in entries.items()}
 
 
 # -------------------------------------------------------------------------------------------------- merging

@@ -8,16 +8,44 @@ collective timeout. Framework-free: the doors hand in how their ranks talk.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from lightning_plugins.recipe import build
 
 #: ``resume=LATEST``: resume from the newest intact checkpoint in the output directory, if any (decided once per job).
 LATEST = "latest"
 #: How the Lightning door's launching rank hands its decision to the ranks it starts (they inherit its environment).
 RESUME_ENV = "LIGHTNING_PLUGINS_RESUME_FROM"
+#: Checkpoint directories are named after the optimizer step they were written at.
+CHECKPOINT_NAME = "step={step}"
+_CHECKPOINT = re.compile(r"^step=(\d+)\.ckpt$")
+
+
+def latest_checkpoint(output_dir: str | Path, say: Callable[[str], None] | None = None) -> Path | None:
+    """The newest intact checkpoint in ``output_dir/checkpoints`` (partial ones never count).
+
+    A newer one that is damaged (a file missing, truncated or changed: see
+    :func:`~lightning_plugins.checkpoint.integrity.verify_checkpoint`) is skipped, and ``say`` (a door's rank-zero
+    printer) is told which and why. The doors call it on one rank and every rank follows (:func:`agreed_resume`,
+    :func:`handed_down_resume`).
+    """
+    from lightning_plugins.errors import CheckpointError
+    from lightning_plugins.checkpoint.integrity import say_unverified, verify_checkpoint
+
+    candidates = (Path(output_dir) / "checkpoints").glob("step=*")
+    found = sorted(((int(m.group(1)), p) for p in candidates if (m := _CHECKPOINT.match(p.name))), reverse=True)
+    for _, path in found:
+        try:
+            verified = verify_checkpoint(path)
+        except CheckpointError as error:
+            if say is not None:
+                say(f"Skipping {path.name} for auto-resume: {error}")
+            continue
+        if not verified and say is not None:
+            say_unverified(path, say)
+        return path
+    return None
 
 
 def agreed_resume(
@@ -36,7 +64,7 @@ def agreed_resume(
         broadcast: Returns rank 0's object on every rank (every rank calls it once).
     """
     if _rank() == 0 and choice == LATEST:
-        choice = build.latest_checkpoint(output_dir, say)
+        choice = latest_checkpoint(output_dir, say)
     chosen = broadcast(None if choice is None else str(choice))
     return None if chosen is None else Path(chosen)
 
@@ -51,7 +79,7 @@ def handed_down_resume(output_dir: str | Path, say: Callable[[str], None] | None
     if not launching and RESUME_ENV in os.environ:
         handed = os.environ[RESUME_ENV]
         return Path(handed) if handed else None
-    choice = build.latest_checkpoint(output_dir, say)
+    choice = latest_checkpoint(output_dir, say)
     os.environ[RESUME_ENV] = "" if choice is None else str(choice)
     return choice
 

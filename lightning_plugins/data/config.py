@@ -102,10 +102,11 @@ def _resolved(key: str, value: str, base_dir: Path) -> str:
     local = Path(value).expanduser()
     if not (local if local.is_absolute() else base_dir / local).exists() and hub_dataset(value) is not None:
         return value
-    return str(_existing(key, value, base_dir))
+    return str(existing_path(key, value, base_dir))
 
 
-def _existing(key: str, value: str, base_dir: Path | None = None) -> Path:
+def existing_path(key: str, value: str, base_dir: Path | None = None) -> Path:
+    """The path ``value`` of setting ``key`` (relative to ``base_dir`` when given), which must exist: else a clear error."""
     path = Path(value).expanduser()
     if base_dir is not None and not path.is_absolute():
         path = base_dir / path

@@ -7,13 +7,13 @@ import random
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_plugins.data.config import DataConfig, _existing, hub_dataset
+from lightning_plugins.data.config import DataConfig, existing_path, hub_dataset
 from lightning_plugins.errors import DataError
-from lightning_plugins.data.encoding import _ENCODERS, _fit
-from lightning_plugins.data.loading import _quiet_datasets, _Source
-from lightning_plugins.data.packing import _packed_dataset
+from lightning_plugins.data.encoding import ENCODERS, fit_to_length
+from lightning_plugins.data.loading import quiet_datasets, Source
+from lightning_plugins.data.packing import packed_dataset
 
-def _detect_format(config: DataConfig, source: _Source) -> str:
+def _detect_format(config: DataConfig, source: Source) -> str:
     columns = set(source.dataset.column_names)
     if config.format != "auto":
         needed = {"chat": {"messages"}, "prompt_completion": {"prompt", "completion"}}[config.format]
@@ -55,13 +55,13 @@ def build_dataset(config: DataConfig, tokenizer: Any, split: Literal["train", "e
     key = "eval" if split == "eval" and config.eval is not None else "train"
     value = getattr(config, key)
     hub = not Path(value).expanduser().exists() and hub_dataset(value) is not None
-    source = _Source(value if hub else _existing(key, value), key)
+    source = Source(value if hub else existing_path(key, value), key)
     fmt = _detect_format(config, source)
     dataset, indices = source.dataset, None
     if config.eval is None and config.eval_fraction > 0:
         indices = _held_out(dataset.num_rows, config)[split == "eval"]
         dataset = dataset.select(indices)
-    encode = _ENCODERS[fmt]
+    encode = ENCODERS[fmt]
     seen = {"longest": 0, "tokens": 0}  # for the message when truncation leaves nothing
 
     def tokenize(batch: dict[str, list], rows: list[int]) -> dict[str, list]:
@@ -71,7 +71,7 @@ def build_dataset(config: DataConfig, tokenizer: Any, split: Literal["train", "e
                 encoded = encode({k: v[j] for k, v in batch.items()}, tokenizer)
                 seen["longest"] = max(seen["longest"], len(encoded["input_ids"]))
                 seen["tokens"] += len(encoded["input_ids"])
-                example = _fit(encoded, config)
+                example = fit_to_length(encoded, config)
             except DataError as err:
                 raise DataError(f"{source.where(row if indices is None else indices[row])}: {err}") from None
             if example is not None:
@@ -79,7 +79,7 @@ def build_dataset(config: DataConfig, tokenizer: Any, split: Literal["train", "e
                 out["labels"].append(example["labels"])
         return out
 
-    with _quiet_datasets():
+    with quiet_datasets():
         dataset = dataset.map(
             tokenize,
             batched=True,
@@ -97,7 +97,7 @@ def build_dataset(config: DataConfig, tokenizer: Any, split: Literal["train", "e
             " shorten the prompts."
         )
     if config.packing:
-        dataset = _packed_dataset(dataset, config.max_seq_len)
+        dataset = packed_dataset(dataset, config.max_seq_len)
     return dataset
 
 

@@ -21,7 +21,8 @@ from lightning_plugins.errors import DataError
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def _text(record: Mapping[str, Any], key: str) -> str:
+def text_field(record: Mapping[str, Any], key: str) -> str:
+    """The string field ``key`` of ``record``, or a clear error naming it and what it holds instead."""
     value = record.get(key)
     if not isinstance(value, str):
         got = "missing (or null)" if value is None else f"a {type(value).__name__}"
@@ -35,19 +36,21 @@ def encode_prompt_completion(record: Mapping[str, Any], tokenizer: Any) -> Examp
     Raises:
         DataError: if ``prompt`` or ``completion`` is not a string.
     """
-    prompt, completion = _text(record, "prompt"), _text(record, "completion")
+    prompt, completion = text_field(record, "prompt"), text_field(record, "completion")
     prompt_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-    completion_ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"]) + [_eos(tokenizer)]
+    completion_ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"]) + [require_eos_id(tokenizer)]
     return {"input_ids": prompt_ids + completion_ids, "labels": [IGNORE_INDEX] * len(prompt_ids) + completion_ids}
 
 
-def _eos(tokenizer: Any) -> int:
+def require_eos_id(tokenizer: Any) -> int:
+    """The tokenizer's ``eos_token_id``, or a clear error when it has none."""
     if tokenizer.eos_token_id is None:
         raise DataError(f"The tokenizer {tokenizer.name_or_path!r} has no eos_token_id; set one in its tokenizer_config.json.")
     return tokenizer.eos_token_id
 
 
-def _messages(record: Mapping[str, Any]) -> list[dict[str, str]]:
+def messages_field(record: Mapping[str, Any]) -> list[dict[str, str]]:
+    """The ``messages`` of a chat record (a non-empty list of ``{'role', 'content'}``), or a clear error."""
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
         raise DataError("field 'messages' must be a non-empty list of {'role', 'content'} objects.")
@@ -57,7 +60,7 @@ def _messages(record: Mapping[str, Any]) -> list[dict[str, str]]:
             raise DataError(f"messages[{turn}] must be an object with 'role' and 'content'.")
         for key in ("role", "content"):
             try:
-                _text(message, key)
+                text_field(message, key)
             except DataError as err:
                 raise DataError(f"messages[{turn}]: {err}") from None
         clean.append({k: v for k, v in message.items() if v is not None})  # arrow fills absent keys with null
@@ -73,7 +76,7 @@ def encode_chat(record: Mapping[str, Any], tokenizer: Any) -> Example:
         DataError: for malformed messages, a tokenizer without chat template, or a template whose
             rendering of a conversation's prefix is not a prefix of its full rendering.
     """
-    messages = _messages(record)
+    messages = messages_field(record)
     template = tokenizer.chat_template
     if not template:
         raise DataError(
@@ -123,13 +126,13 @@ def _assistant_mask_from_prefixes(messages: list[dict[str, str]], tokenizer: Any
     return list(encoded["input_ids"]), mask
 
 
-_ENCODERS: dict[str, Callable[[Mapping[str, Any], Any], Example]] = {
+ENCODERS: dict[str, Callable[[Mapping[str, Any], Any], Example]] = {
     "prompt_completion": encode_prompt_completion,
     "chat": encode_chat,
 }
 
 
-def _fit(example: Example, config: DataConfig) -> Example | None:
+def fit_to_length(example: Example, config: DataConfig) -> Example | None:
     """Applies ``max_seq_len``: truncate (``None`` if nothing supervised is left) or a clear error."""
     n = len(example["input_ids"])
     if n > config.max_seq_len:

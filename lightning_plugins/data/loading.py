@@ -15,13 +15,13 @@ from typing import Any
 
 from lightning_plugins.data.config import PathLike, Record, hub_dataset
 from lightning_plugins.errors import DataError
-from lightning_plugins.data.encoding import _messages, _text
+from lightning_plugins.data.encoding import messages_field, text_field
 
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
 
 @contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
+def quiet_datasets() -> Iterator[None]:
     """No progress bars and no error logs of ``datasets`` while we load: our own errors say it better."""
     from datasets.utils import logging as ds_logging
 
@@ -103,7 +103,7 @@ def _where(path: Path, line_no: int, index: int) -> str:
     return f"{path}:{line_no}" if line_no else f"{path} record {index + 1}"
 
 
-class _Source:
+class Source:
     """A loaded file or hub dataset: its ``datasets.Dataset`` and where each record came from, for error messages.
 
     ``path`` is an existing local path, or a hub dataset id (``owner/name[:split]``, a ``str``)."""
@@ -127,7 +127,7 @@ class _Source:
         import datasets
 
         path = self.path
-        with _quiet_datasets():
+        with quiet_datasets():
             if isinstance(path, str):
                 loaded = self._load_hub(path)
             elif path.is_dir():
@@ -193,7 +193,7 @@ class _Source:
             raise DataError(f"data.{self.key}: {self.path} holds no records.")
         for index, record in enumerate(records):
             try:
-                _messages(record) if "messages" in record else (_text(record, "prompt"), _text(record, "completion"))
+                messages_field(record) if "messages" in record else (text_field(record, "prompt"), text_field(record, "completion"))
             except DataError as bad:
                 raise DataError(f"{self.where(index)}: {bad}") from None
         fields = ("messages",) if "messages" in records[0] else ("prompt", "completion")

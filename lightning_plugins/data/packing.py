@@ -82,7 +82,8 @@ def pack_examples(examples: Sequence[Mapping[str, Sequence[int]]], max_seq_len: 
     return rows
 
 
-def _packed_dataset(dataset: Any, max_seq_len: int) -> Any:
+def packed_dataset(dataset: Any, max_seq_len: int) -> Any:
+    """``dataset`` (tokenized examples) packed into rows of ``max_seq_len`` tokens, as a ``datasets.Dataset``."""
     import datasets
 
     samples = [{"input_ids": ids, "labels": labels} for ids, labels in zip(dataset["input_ids"], dataset["labels"])]

@@ -12,7 +12,7 @@ import torch
 
 from lightning_plugins.data.config import DataConfig, Example, PathLike, Record
 from lightning_plugins.errors import DataError
-from lightning_plugins.data.encoding import _eos, _fit, _messages, _text, encode_prompt_completion
+from lightning_plugins.data.encoding import require_eos_id, fit_to_length, messages_field, text_field, encode_prompt_completion
 from lightning_plugins.data.loading import read_jsonl
 
 TINY_DIR: Final[Path] = Path(__file__).resolve().parents[2] / "recipes" / "tiny"
@@ -90,7 +90,7 @@ def load_prompt_completion(path: PathLike | Iterable[Record], tokenizer: Any, ma
     examples = []
     for i, record in enumerate(_as_records(path)):
         try:
-            example = _fit(encode_prompt_completion(record, tokenizer), config)
+            example = fit_to_length(encode_prompt_completion(record, tokenizer), config)
         except DataError as err:
             raise DataError(f"record {i + 1}: {err}") from None
         if example is not None:
@@ -101,8 +101,8 @@ def load_prompt_completion(path: PathLike | Iterable[Record], tokenizer: Any, ma
 def _prompt_and_reference(record: Mapping[str, Any], tokenizer: Any) -> tuple[list[int], str]:
     """Generation prompt ids and the reference answer: the completion, or a chat's last assistant turn."""
     if "messages" not in record:
-        return list(tokenizer(_text(record, "prompt"), add_special_tokens=True)["input_ids"]), _text(record, "completion")
-    messages = _messages(record)
+        return list(tokenizer(text_field(record, "prompt"), add_special_tokens=True)["input_ids"]), text_field(record, "completion")
+    messages = messages_field(record)
     if messages[-1]["role"] != "assistant":
         raise DataError("exact_match scores a chat record's last message, which must be the assistant's.")
     prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True, return_dict=True)
@@ -132,7 +132,7 @@ def exact_match(
     records = _as_records(path_or_records)[:limit]
     if not records:
         return 0.0
-    eos_id = _eos(tokenizer)
+    eos_id = require_eos_id(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     device = next(model.parameters()).device
     was_training = model.training

@@ -17,13 +17,14 @@ from lightning_plugins.errors import LayoutError
 from lightning_plugins.adapters.lora import hf_model_of
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.adapters.qlora import check_quantized
-from lightning_plugins.checkpoint.save_pretrained import install_save_pretrained
 from lightning_plugins.parallel.families import ModelFamily, check_supported, decoder_layers, family_for
 from lightning_plugins.parallel.activation import apply_activation_checkpointing
 from lightning_plugins.parallel.checks import check_settings
 from lightning_plugins.parallel.context import apply_context_parallel, context_parallel_batch
 from lightning_plugins.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
 from lightning_plugins.parallel.grad import clip_grad_norm_, reduce_partial_state, total_grad_norm
+from lightning_plugins.parallel.mesh import attach_mesh, data_mesh, fsdp_mesh, mesh_of
+from lightning_plugins.parallel.save_pretrained import install_save_pretrained
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
 from lightning_plugins.parallel.pipeline import PipelineOptions, apply_pipeline_parallel, pipeline_of
 from lightning_plugins.parallel.tensor import apply_tensor_parallel
@@ -43,7 +44,6 @@ __all__ = [
     "context_parallel_batch",
 ]
 
-_MESH_ATTR = "_lightning_plugins_mesh"
 _SETTINGS_ATTR = "_lightning_plugins_settings"
 
 
@@ -72,7 +72,7 @@ def parallelize(
         rank's stages and ``model(**batch)`` runs forward and backward of the whole batch through the
         pipeline (see :func:`pipeline_of` and :mod:`lightning_plugins.parallel.pipeline`). Its ``save_pretrained``
         (and that of the ``PeftModel`` given) is collective: called on every rank, it writes the trained weights
-        whole (see :mod:`lightning_plugins.checkpoint.save_pretrained`).
+        whole (see :mod:`lightning_plugins.parallel.save_pretrained`).
 
     Raises:
         LayoutError: for any invalid combination, before any collective runs.
@@ -95,7 +95,7 @@ def parallelize(
         _parallelize_pipeline(model, family, mesh, pipeline_options, options, memory)
         _refuse_generate(model, "pipeline parallelism (each rank holds only some decoder layers)")
         install_save_pretrained(model)
-        setattr(model, _MESH_ATTR, mesh)
+        attach_mesh(model, mesh)
         setattr(model, _SETTINGS_ATTR, (options, memory))
         return model
 
@@ -124,7 +124,7 @@ def parallelize(
         )
     model.loss_function = ParallelCausalLMLoss(data_mesh(mesh))
     install_save_pretrained(model)
-    setattr(model, _MESH_ATTR, mesh)
+    attach_mesh(model, mesh)
     setattr(model, _SETTINGS_ATTR, (options, memory))
     return model
 
@@ -210,11 +210,6 @@ def _refuse_generate(model: nn.Module, reason: str) -> None:
     model.generate = generate  # type: ignore[method-assign]
 
 
-def mesh_of(model: nn.Module) -> DeviceMesh | None:
-    """The mesh ``parallelize`` applied to ``model`` (``None`` if it was not parallelized)."""
-    return getattr(model, _MESH_ATTR, None)
-
-
 def check_same_settings(
     model: nn.Module,
     layout: ParallelLayout,
@@ -241,20 +236,6 @@ def check_same_settings(
             f" {layout}, {options}, {memory} is asked for. A layout cannot be changed in place: build the model"
             " again (or reload it from a checkpoint) and parallelize the fresh one, or keep the first layout."
         )
-
-
-def data_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
-    """Ranks that hold different tokens (data replicas, shards and context shards), or ``None``."""
-    return mesh["dp_cp"] if mesh["dp_cp"].size() > 1 else None
-
-
-def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
-    """FSDP2's mesh: 1-D ``dp_shard_cp``, 2-D ``(dp_replicate, dp_shard_cp)`` for HSDP, or ``None``."""
-    if mesh["dp_cp"].size() == 1:
-        return None
-    if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard_cp"]
-    return mesh["dp_shard_cp"]
 
 
 def _resolve(layout: ParallelLayout | DeviceMesh) -> ParallelLayout:

@@ -24,7 +24,9 @@ from torch.distributed.pipelining import (
 from lightning_plugins.errors import OptionsError
 
 @dataclass(frozen=True)
-class _Schedule:
+class ScheduleSpec:
+    """What the engine needs to know of a pipeline schedule: torch's class and how it places stages."""
+
     cls: type
     multi: bool  # several stages per rank
     v_shape: bool  # stage s on rank s for s < pp, then back: rank 0 holds the first and the last stage
@@ -32,14 +34,14 @@ class _Schedule:
 
 
 #: Schedule names accepted by ``pp_schedule``.
-SCHEDULES: dict[str, _Schedule] = {
-    "gpipe": _Schedule(ScheduleGPipe, multi=False, v_shape=False),
-    "1f1b": _Schedule(Schedule1F1B, multi=False, v_shape=False),
-    "interleaved_1f1b": _Schedule(ScheduleInterleaved1F1B, multi=True, v_shape=False),
-    "looped_bfs": _Schedule(ScheduleLoopedBFS, multi=True, v_shape=False),
-    "interleaved_zero_bubble": _Schedule(ScheduleInterleavedZeroBubble, multi=True, v_shape=False, split_backward=True),
-    "zbv_zero_bubble": _Schedule(ScheduleZBVZeroBubble, multi=True, v_shape=True, split_backward=True),
-    "dualpipev": _Schedule(ScheduleDualPipeV, multi=True, v_shape=True, split_backward=True),
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec(ScheduleGPipe, multi=False, v_shape=False),
+    "1f1b": ScheduleSpec(Schedule1F1B, multi=False, v_shape=False),
+    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, multi=True, v_shape=False),
+    "looped_bfs": ScheduleSpec(ScheduleLoopedBFS, multi=True, v_shape=False),
+    "interleaved_zero_bubble": ScheduleSpec(ScheduleInterleavedZeroBubble, multi=True, v_shape=False, split_backward=True),
+    "zbv_zero_bubble": ScheduleSpec(ScheduleZBVZeroBubble, multi=True, v_shape=True, split_backward=True),
+    "dualpipev": ScheduleSpec(ScheduleDualPipeV, multi=True, v_shape=True, split_backward=True),
 }
 
 

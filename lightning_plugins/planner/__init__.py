@@ -9,7 +9,8 @@
 The command line is ``lightning-plugins plan`` (``command``). Nothing here imports lightning or accelerate.
 """
 
-from lightning_plugins.planner.dryrun import RankMemory, dry_run
+from lightning_plugins.planner.dryrun import dry_run
+from lightning_plugins.planner.rank_memory import RankMemory
 from lightning_plugins.planner.hardware import GPUS, Cluster, cluster_from, parse_bytes
 from lightning_plugins.planner.model_stats import load_model_config, model_stats
 from lightning_plugins.errors import PlannerError

@@ -145,7 +145,7 @@ def _candidate_dict(candidate: Any) -> dict[str, Any]:
 
 
 def _table(found: list[Any], cluster: Any) -> str:
-    from lightning_plugins.planner.dryrun import PEAK_CATEGORIES
+    from lightning_plugins.planner.rank_memory import PEAK_CATEGORIES
     from lightning_plugins.planner.plot import layout_label
 
     gib = 2**30

@@ -28,10 +28,9 @@ measured step serves a workload with and without them (the layout search relies 
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -49,6 +48,7 @@ from lightning_plugins.planner.fake_step import (
 )
 from lightning_plugins.planner.forked import forked
 from lightning_plugins.planner.measure import StepMemTracker
+from lightning_plugins.planner.rank_memory import RankMemory, with_offload, with_optimizer_offload, worst_interval
 from lightning_plugins.planner.workload import Workload
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -56,56 +56,6 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: interval's peak is linear in the layers from 4 on (at 2 the head's backward still overlaps the last layer's);
 #: every shipped recipe's peak is the same (0.05 GiB) as from 8 and 16, at half the cost.
 MEASURED_LAYERS = (4, 8)
-#: Categories of a peak, in report order.
-PEAK_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "other")
-
-
-@dataclass
-class RankMemory:
-    """Memory of one kind of rank, in bytes.
-
-    Attributes:
-        kind: ``"every rank"``, or ``"first stage"`` / ``"middle stages"`` / ``"last stage"`` under PP.
-        rank: The global rank measured.
-        layers: Decoder layers this rank holds.
-        state: Resident ``parameters``, ``gradients`` and ``optimizer`` bytes counted from the sharded tensors.
-        peak: GPU bytes by category at the moment of the step's peak (:data:`PEAK_CATEGORIES`), and ``total``.
-        host: Bytes this rank keeps in host memory at most: offloaded state (CPU or optimizer offload) plus the
-            most activations offloaded at once (activation offload).
-        activations_per_layer: Measured bytes one decoder layer adds to the peak (all micro-batches in flight).
-        notes: What is modelled rather than measured.
-        intervals: The peak of each interval of the step (the last one the optimizer step), by category, before
-            the levers that only move state (CPU and optimizer offload): :attr:`peak` is the largest once they
-            are applied.
-    """
-
-    kind: str
-    rank: int
-    layers: int
-    state: dict[str, int]
-    peak: dict[str, int]
-    host: int = 0
-    activations_per_layer: int = 0
-    notes: list[str] = field(default_factory=list)
-    intervals: list[dict[str, int]] = field(default_factory=list, repr=False)
-
-    @property
-    def total(self) -> int:
-        return self.peak["total"]
-
-    def as_dict(self) -> dict:
-        return {
-            "kind": self.kind,
-            "rank": self.rank,
-            "layers": self.layers,
-            "state": dict(self.state),
-            "peak": dict(self.peak),
-            "host": self.host,
-            "activations_per_layer": self.activations_per_layer,
-            "notes": list(self.notes),
-        }
-
-
 def dry_run(workload: Workload) -> list[RankMemory]:
     """The memory of every kind of rank of ``workload`` (see the module docstring); no GPU, no network.
 
@@ -177,7 +127,7 @@ def _rank_memory(
         )
     if dense is not None:
         _as_nf4(report, workload, dense)
-    report.peak = _worst(report.intervals)
+    report.peak = worst_interval(report.intervals)
     if workload.memory.activation_offload:
         report.notes.append(
             f"activation offload measured: the step ran with the offload hooks, {offloaded / 2**30:.2f} GiB of saved"
@@ -412,11 +362,6 @@ def _folded(peak: dict[str, int]) -> dict[str, int]:
     return peak
 
 
-def _worst(intervals: list[dict[str, int]]) -> dict[str, int]:
-    """The step's peak: the interval whose peak is largest."""
-    return dict(max(intervals, key=lambda peak: peak["total"]))
-
-
 def _fewer_microbatches(workload: Workload) -> Workload:
     """The same pipeline with as many micro-batches as stages (of the same size), when that leaves the peak as it is.
 
@@ -451,58 +396,3 @@ def _as_nf4(report: RankMemory, workload: Workload, dense: dict[str, int]) -> No
         f" plus one dequantized weight ({largest / 2**20:.0f} MiB) as a temporary; FSDP2's gathered copies stay"
         " counted dense (torchao gathers the 4-bit data: an over-estimate)"
     )
-
-
-def with_optimizer_offload(report: RankMemory) -> None:
-    """Optimizer offload: the optimizer state lives on the host, with a copy of the trainable parameters and a
-    buffer for their gradients, and the optimizer step leaves nothing on the GPU. The step's peak is taken again
-    over the intervals without them."""
-    state = report.state
-    report.host += state["optimizer"] + 2 * state["gradients"]  # state, parameter copies, gradient buffers
-    intervals = [dict(peak) for peak in report.intervals]
-    for peak in intervals:
-        peak["total"] -= peak["optimizer"]
-        peak["optimizer"] = 0
-    step = intervals[-1]  # the optimizer step: AdamW's temporaries were on the GPU, the host's step has none
-    step["total"] -= step["temporaries"]
-    step["temporaries"] = 0
-    report.peak = _worst(intervals)
-    report.notes.append(
-        "optimizer offload modelled: AdamW state on the host with a copy of the trainable parameters and"
-        " gradients; the optimizer step's GPU temporaries dropped"
-    )
-
-
-def with_offload(report: RankMemory) -> None:
-    """FSDP2 CPU offload: sharded parameters, gradients and optimizer state live on the host."""
-    state = report.state
-    report.host += sum(state.values())
-    moved = {
-        "parameters": min(report.peak["parameters"], state["parameters"]),
-        "gradients": min(report.peak["gradients"], state["gradients"]),
-        "optimizer": report.peak["optimizer"],
-    }
-    for key, nbytes in moved.items():
-        report.peak[key] -= nbytes
-    report.peak["total"] -= sum(moved.values())
-    report.notes.append("CPU offload modelled: sharded parameters, gradients and AdamW state counted on the host")
-
-
-def korthikanti_activations(workload: Workload, layers: int, *, flash: bool = True) -> int:
-    """Closed-form saved activations of ``layers`` decoder layers for one micro-batch (Korthikanti et al. 2022).
-
-    ``sbh(34 + 5as/h)`` bytes per layer in 16-bit, divided by ``t`` with tensor + sequence parallelism,
-    ``2sbh`` (``/t`` with SP) with full recomputation; flash/SDPA attention drops the ``5as/h`` term; ``s`` is
-    the sequence shard a context-parallel rank holds. GPT-style: no SwiGLU, no GQA, no fp32 norms.
-    """
-    layout, config = workload.layout, workload.config
-    pipeline = workload.pipeline
-    b = workload.micro_batch_size // (pipeline.microbatches if pipeline is not None else 1)
-    s, h, a, t = workload.seq_len // layout.cp_size, config.hidden_size, config.num_attention_heads, layout.tp_size
-    sp = t > 1 and workload.options.sequence_parallel
-    if workload.memory.activation_checkpointing == "full":
-        per_layer = 2 * s * b * h / (t if sp else 1)
-    else:
-        attention = 0 if flash else 5 * a * s / h
-        per_layer = s * b * h * (34 + attention) / t if sp else s * b * h * (10 + 24 / t + attention / t)
-    return math.ceil(per_layer * layers)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_plugins.planner.dryrun import PEAK_CATEGORIES
+from lightning_plugins.planner.rank_memory import PEAK_CATEGORIES
 from lightning_plugins.planner.report import Plan
 from lightning_plugins.planner.workload import Workload
 

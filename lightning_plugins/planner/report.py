@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_plugins.planner.dryrun import PEAK_CATEGORIES, RankMemory, dry_runs, korthikanti_activations
+from lightning_plugins.planner.dryrun import dry_runs
+from lightning_plugins.planner.rank_memory import PEAK_CATEGORIES, RankMemory, korthikanti_activations
 from lightning_plugins.planner.hardware import Cluster
 from lightning_plugins.planner.timing import StepTime, estimate_step_time
 from lightning_plugins.planner.workload import Workload

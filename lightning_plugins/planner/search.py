@@ -24,13 +24,8 @@ from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
-from lightning_plugins.planner.dryrun import (
-    RankMemory,
-    dry_run,
-    korthikanti_activations,
-    with_offload,
-    with_optimizer_offload,
-)
+from lightning_plugins.planner.dryrun import dry_run
+from lightning_plugins.planner.rank_memory import RankMemory, korthikanti_activations, with_offload, with_optimizer_offload
 from lightning_plugins.planner.hardware import Cluster
 from lightning_plugins.planner.model_stats import model_stats
 from lightning_plugins.errors import PlannerError

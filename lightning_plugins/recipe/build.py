@@ -7,8 +7,6 @@ trains the same way through either.
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +18,6 @@ from lightning_plugins.recipe.schema import Recipe
 from lightning_plugins.checkpoint.resume import ResumableDataLoader, loader_generator
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: Checkpoint directories are named after the optimizer step they were written at.
-CHECKPOINT_NAME = "step={step}"
-_CHECKPOINT = re.compile(r"^step=(\d+)\.ckpt$")
 #: Dense bf16 peak FLOP/s of common GPUs, for MFU.
 _PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
@@ -154,31 +149,6 @@ def batches_per_rank(recipe: Recipe, samples: int) -> int:
 def total_steps(recipe: Recipe, batches_per_epoch: int) -> int:
     """Optimizer steps of the whole run: ``train.max_steps``, or the epochs' (a short last window steps too)."""
     return recipe.train.max_steps or recipe.train.epochs * math.ceil(batches_per_epoch / recipe.accumulation)
-
-
-def latest_checkpoint(output_dir: str | Path, say: Callable[[str], None] | None = None) -> Path | None:
-    """The newest intact checkpoint in ``output_dir/checkpoints`` (partial ones never count).
-
-    A newer one that is damaged (a file missing, truncated or changed: see
-    :func:`~lightning_plugins.checkpoint.integrity.verify_checkpoint`) is skipped, and ``say`` (a door's rank-zero printer) is
-    told which and why. The doors call it on one rank and every rank follows (:mod:`lightning_plugins.checkpoint.resume_choice`).
-    """
-    from lightning_plugins.errors import CheckpointError
-    from lightning_plugins.checkpoint.integrity import say_unverified, verify_checkpoint
-
-    candidates = (Path(output_dir) / "checkpoints").glob("step=*")
-    found = sorted(((int(m.group(1)), p) for p in candidates if (m := _CHECKPOINT.match(p.name))), reverse=True)
-    for _, path in found:
-        try:
-            verified = verify_checkpoint(path)
-        except CheckpointError as error:
-            if say is not None:
-                say(f"Skipping {path.name} for auto-resume: {error}")
-            continue
-        if not verified and say is not None:
-            say_unverified(path, say)
-        return path
-    return None
 
 
 def input_tokens(batch: dict[str, torch.Tensor]) -> int:

@@ -272,7 +272,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
             f"{path}: a recipe is a mapping of sections (model, data, layout, ...), got {type(raw).__name__}."
         )
     for override in overrides:
-        _apply_override(raw, override, path)
+        apply_override(raw, override, path)
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as err:
@@ -280,7 +280,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return _check(_resolve_paths(recipe, path), path)
 
 
-def _apply_override(raw: dict, override: str, path: Path) -> None:
+def apply_override(raw: dict, override: str, path: Path) -> None:
     key, sep, value = override.partition("=")
     if not sep or not key:
         raise RecipeError(f"{path}: override {override!r} is not `section.key=value` (e.g. --lora.r=32).")

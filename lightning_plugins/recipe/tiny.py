@@ -24,7 +24,7 @@ import yaml
 from lightning_plugins.data.tiny import tiny_assets
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.pipeline import PipelineOptions
-from lightning_plugins.recipe.schema import Recipe, _apply_override, load_recipe
+from lightning_plugins.recipe.schema import Recipe, apply_override, load_recipe
 from lightning_plugins.errors import RecipeError
 
 #: CPU processes at most: each parallel dimension of the recipe is kept at 2 ranks within this world.
@@ -120,7 +120,7 @@ def shrink_recipe(path: str | Path, out_dir: str | Path, *, steps: int = 20, ove
     _write_model(tiny_config(config, max(2, stages)), out / "model", recipe.train.seed)
     raw = yaml.safe_load(path.read_text())
     for override in overrides:  # the user's overrides, then the twin's own settings
-        _apply_override(raw, override, path)
+        apply_override(raw, override, path)
     _apply(raw, _tiny_settings(recipe, layout, steps, out))
     target = out / "recipe.yaml"
     header = f"# The tiny twin of {path} (lightning-plugins tiny): same family, layout kinds, method and levers.\n"

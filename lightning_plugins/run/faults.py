@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
-from lightning_plugins.errors import RankFailure
+from lightning_plugins.errors import RankFailure, summarize
 
 #: The directory (set by the launcher, inherited by every rank it starts) where failing ranks leave their cause.
 FAILURES_ENV = "LIGHTNING_PLUGINS_FAILURES"
@@ -58,13 +58,6 @@ def describe_exit(returncode: int) -> str:
             name = f"signal {-returncode}"
         return f"was killed by {name}"
     return f"exited with code {returncode}"
-
-
-def summarize(error: BaseException, limit: int = 400) -> str:
-    """``Type: first line of the message`` (shortened to ``limit`` characters)."""
-    text = str(error).strip().splitlines()
-    line = f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def record_failure(rank: int, error: BaseException) -> None:

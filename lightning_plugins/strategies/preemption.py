@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
 from lightning_plugins.run.preemption import Preemption
-from lightning_plugins.recipe.build import CHECKPOINT_NAME
+from lightning_plugins.checkpoint.resume_choice import CHECKPOINT_NAME
 
 
 class PreemptionCallback(Callback):

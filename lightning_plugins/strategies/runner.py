@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,21 +23,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from typing_extensions import override
 
-from lightning_plugins.run.manifest import attach_manifest
-from lightning_plugins.run.nonfinite import check_finite_weights, training_state
-from lightning_plugins.recipe.schema import Recipe
+from lightning_plugins.checkpoint.resume_choice import CHECKPOINT_NAME, LATEST, handed_down_resume
+from lightning_plugins.recipe.build import batches_per_rank, build_loaders, build_model, make_optimizer, total_steps
 from lightning_plugins.recipe.diff import reset_optimizer
-from lightning_plugins.checkpoint.resume_choice import LATEST, handed_down_resume
-from lightning_plugins.recipe.build import (
-    CHECKPOINT_NAME,
-    batches_per_rank,
-    build_loaders,
-    build_model,
-    input_tokens,
-    make_optimizer,
-    model_flops_utilization,
-    total_steps,
-)
+from lightning_plugins.recipe.finish import check_exportable, export_trained, write_results
+from lightning_plugins.recipe.launch import say
+from lightning_plugins.recipe.meter import ThroughputMeter
+from lightning_plugins.recipe.schema import Recipe
 
 
 class RecipeModule(L.LightningModule):
@@ -52,11 +42,11 @@ class RecipeModule(L.LightningModule):
         # Known before fit: `trainer.estimated_stepping_batches` would set up the training loader before a
         # checkpoint is restored, and Lightning would then never give the loader its saved position.
         self.total_steps = total_steps
-        self._num_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
-        self._tokens, self._logged_step, self._clock = 0, -1, time.perf_counter()
+        self._meter = ThroughputMeter(sum(p.numel() for p in model.parameters()), recipe.layout)  # before sharding
+        self._logged_step = -1
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        self._tokens += input_tokens(batch)
+        self._meter.count(batch)
         loss = self.model(**batch).loss
         self.log("train/loss", loss, prog_bar=True)
         return loss
@@ -73,20 +63,9 @@ class RecipeModule(L.LightningModule):
         if step == self._logged_step or step % self.recipe.train.log_every:
             return
         self._logged_step = step
-        layout = self.recipe.layout
-        tokens = torch.tensor(float(self._tokens))
-        torch.distributed.all_reduce(tokens)  # every rank counts what it runs; TP and PP peers run the same tokens
-        now = time.perf_counter()
-        rate = tokens.item() / (layout.tp_size * layout.pp_size) / (now - self._clock)
-        self._clock, self._tokens = now, 0
-        metrics = {"train/lr": self.trainer.optimizers[0].param_groups[0]["lr"], "train/tokens_per_s": rate}
+        lr = self.trainer.optimizers[0].param_groups[0]["lr"]
         norm = getattr(self.trainer.strategy, "grad_norm", None)
-        if norm is not None:
-            metrics["train/grad_norm"] = float(norm)
-        mfu = model_flops_utilization(rate, self._num_params, self.trainer.world_size)
-        if mfu is not None:
-            metrics["train/mfu"] = mfu
-        self.log_dict(metrics, rank_zero_only=True)
+        self.log_dict(self._meter.row(lr, norm, self.trainer.world_size), rank_zero_only=True)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -187,8 +166,6 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str
     Returns:
         On global rank 0: the paths written (``model``, ``metrics``, ``loss_curve``) and the final losses.
     """
-    from lightning_plugins.checkpoint.live_export import export_hf
-
     L.seed_everything(recipe.train.seed, verbose=False)
     model, tokenizer = build_model(recipe)
     train_loader, eval_loader = build_loaders(recipe, tokenizer)
@@ -198,25 +175,13 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str
     ckpt = resume
     if resume == LATEST:  # the launching rank decides for the ranks it starts (other nodes': the strategy checks)
         launching = is_launcher_rank()
-        ckpt = handed_down_resume(recipe.train.output_dir, _say if launching else None, launching)
+        ckpt = handed_down_resume(recipe.train.output_dir, say if launching else None, launching)
     trainer.fit(module, train_loader, eval_loader, ckpt_path=ckpt)
-    out = Path(recipe.train.output_dir)
-    check_finite_weights(training_state(module.model.parameters()), f"export to {out}", trainer.global_step)
-    written = {"model": export_hf(module.model, out / ("adapter" if recipe.lora else "hf"), tokenizer)}
-    if recipe.lora is not None and recipe.train.merge_lora:
-        written["merged"] = export_hf(module.model, out / "merged", tokenizer, merge=True)
+    check_exportable(module.model.parameters(), recipe, trainer.global_step)
+    written = export_trained(module.model, tokenizer, recipe)
     if not trainer.is_global_zero:
         return {}
-    from lightning_plugins.recipe.plots import merge_metrics, plot_losses
-
-    attach_manifest(out, written.values())
-    written["metrics"] = merge_metrics(out / "logs", out / "metrics.csv")
-    written["loss_curve"] = plot_losses(written["metrics"], out / "loss_curve.png")
-    return {**written, "resumed_from": ckpt, **{k: float(v) for k, v in trainer.callback_metrics.items()}}
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    return write_results(recipe, written, ckpt, {k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
 def is_launcher_rank() -> bool:

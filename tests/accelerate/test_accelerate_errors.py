@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_accelerate_launch import ROOT, TINY, accelerate_launch
+from _launch import ROOT, TINY, accelerate_launch
 
 from lightning_plugins.errors import LayoutError
 

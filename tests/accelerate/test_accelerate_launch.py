@@ -8,40 +8,20 @@ from __future__ import annotations
 import csv
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _world import free_port, run_command
+from _launch import ROOT, TINY, accelerate_launch, clean_stdout
+from _world import run_command
 
-ROOT = Path(__file__).parents[2]
-TINY = ROOT / "recipes" / "tiny"
-CONFIG = ROOT / "accelerate_configs" / "cpu_2proc.yaml"
 STEPS = 6
 SHORT = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_every=3", "--train.checkpoint_every=2",
          "--optim.warmup_steps=2"]  # fmt: skip
 #: The tiny recipes each door runs, compared step by step.
 COMPARED = ["full_tp2.yaml", "full_pp2.yaml", "full_cp2.yaml"]
 COLUMNS = ("train/loss", "train/lr", "train/grad_norm", "val/loss")
-
-
-def accelerate_launch(
-    recipe: Path, out: Path, *extra: str, config: Path = CONFIG, launch: tuple[str, ...] = (), expected: int | None = 0
-) -> subprocess.CompletedProcess:
-    """``accelerate launch --config_file CONFIG [options] -m lightning_plugins.accelerate RECIPE [overrides]``, ended with
-    status ``expected`` (``None``: any) and no rank crashed (:func:`_world.run_command`)."""
-    launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config), *launch]
-    command = [*launcher, "--main_process_port", str(free_port()), "-m", "lightning_plugins.accelerate", str(recipe),
-               f"--train.output_dir={out}", *extra]  # fmt: skip
-    return run_command(command, cwd=ROOT, expected=expected)
-
-
-def _ok(proc: subprocess.CompletedProcess) -> str:
-    """The run's standard output, after checking its console is clean (how it ended is checked by run_command)."""
-    assert "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
-    return proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +31,7 @@ def lightning(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lightning")
     runs = [[str(TINY / recipe), f"--train.output_dir={root / recipe}", *SHORT] for recipe in COMPARED]
     chain = ROOT / "tests" / "scripts" / "finetune_chain.py"
-    _ok(run_command([sys.executable, str(chain), json.dumps(runs)], cwd=ROOT))
+    clean_stdout(run_command([sys.executable, str(chain), json.dumps(runs)], cwd=ROOT))
     return {recipe: root / recipe for recipe in COMPARED}
 
 
@@ -86,7 +66,7 @@ def _exports_like(checkpoint: Path, reference: Path, out: Path) -> None:
 @pytest.mark.parametrize("recipe", COMPARED)
 def test_accelerate_launch_matches_the_lightning_door(lightning: dict[str, Path], tmp_path: Path, recipe: str) -> None:
     out = tmp_path / "accelerate"
-    stdout = _ok(accelerate_launch(TINY / recipe, out, *SHORT))
+    stdout = clean_stdout(accelerate_launch(TINY / recipe, out, *SHORT))
     assert f"model: {out / 'hf'}" in stdout and (out / "loss_curve.png").stat().st_size > 1000
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
     _exports_like(out / "checkpoints" / "step=6.ckpt", out / "hf", tmp_path / "export")
@@ -95,7 +75,7 @@ def test_accelerate_launch_matches_the_lightning_door(lightning: dict[str, Path]
         # from PP=2 (each rank its stage) to TP=2 (DTensor shards of every weight and its optimizer state).
         shutil.rmtree(out / "checkpoints" / "step=6.ckpt")
         tp2 = ["--layout.pp_size=1", "--layout.tp_size=2"]
-        stdout = _ok(accelerate_launch(TINY / recipe, out, *SHORT, *tp2))
+        stdout = clean_stdout(accelerate_launch(TINY / recipe, out, *SHORT, *tp2))
         assert f"resumed_from: {out / 'checkpoints' / 'step=4.ckpt'}" in stdout, stdout
         assert (out / "logs" / "version_1" / "metrics.csv").is_file()
         # The training trajectory is the PP=2 run's. The held-out loss is not compared: on the same weights the

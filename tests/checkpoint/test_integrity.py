@@ -30,7 +30,7 @@ from lightning_plugins.checkpoint.export import export_checkpoint
 from lightning_plugins.errors import ExportError
 from lightning_plugins.checkpoint.integrity import MANIFEST, _HashingStream
 from lightning_plugins.checkpoint.resume import publish
-from lightning_plugins.recipe.build import latest_checkpoint
+from lightning_plugins.checkpoint.resume_choice import latest_checkpoint
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"

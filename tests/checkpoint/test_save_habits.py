@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from _saved import check_saved, differing
 from _world import run_script, run_world
-from test_accelerate_parity import ACCUM, _prepared, _run, build
+from _accelerate_loop import ACCUM, build, prepared, run_loop
 from tiny_models import make_batch, tiny_model
 from torch.distributed.tensor import DTensor
 
@@ -67,8 +67,8 @@ def _accelerate_cases(rank: int, world_size: int, root: str) -> None:
         sizes = {k: case[k] for k in ("tp_size", "pp_size", "cp_size", "dp_shard_size") if k in case}
         settings = {**sizes, **case.get("settings", {})}
         accelerator = ParallelAccelerator(**settings, cpu=True, gradient_accumulation_steps=ACCUM)
-        model, optimizer, loader, scheduler = _prepared(accelerator, build(case), shuffle=False)
-        _run(accelerator, model, optimizer, loader, scheduler)
+        model, optimizer, loader, scheduler = prepared(accelerator, build(case), shuffle=False)
+        run_loop(accelerator, model, optimizer, loader, scheduler)
         saved, exported = f"{root}/{name} saved", f"{root}/{name} exported"
         state = accelerator.get_state_dict(model)
         if accelerator.is_main_process:  # the full state dict, every stage, under the names of one process
@@ -97,7 +97,7 @@ def test_accelerate_save_pretrained_with_get_state_dict(tmp_path: Path) -> None:
 def _refusals(rank: int, world_size: int, root: str) -> None:
     from lightning_plugins import ParallelLayout, ParallelOptions, parallelize
     from lightning_plugins.checkpoint.live_export import export_hf
-    from lightning_plugins.checkpoint.save_pretrained import full_state_dict
+    from lightning_plugins.parallel.save_pretrained import full_state_dict
 
     pipelined = parallelize(tiny_model("llama"), ParallelLayout(pp_size=2), ParallelOptions(pp_microbatches=2))
     with pytest.raises(ValueError, match=r"on rank 0 lacks 11 of the model's 21 entries \(under pipeline parallelism"):
@@ -137,7 +137,7 @@ def _compositions(rank: int, world_size: int, root: str) -> None:
 
     from lightning_plugins import ParallelLayout, ParallelOptions, parallelize
     from lightning_plugins.checkpoint.live_export import export_hf
-    from lightning_plugins.checkpoint.save_pretrained import full_state_dict
+    from lightning_plugins.parallel.save_pretrained import full_state_dict
 
     options = ParallelOptions(pp_microbatches=2)
     cases = {  # name: (model, layout, who writes)

@@ -35,8 +35,8 @@ from lightning_plugins.parallel.context import (
     ulysses_attention,
     unshard_sequence_load_balanced,
 )
-from lightning_plugins.parallel.context.sharding import BALANCE_CHUNK, _sequence_positions
-from lightning_plugins.parallel.context.tiles import _active_block, _row_tiles
+from lightning_plugins.parallel.context.sharding import BALANCE_CHUNK, sequence_positions
+from lightning_plugins.parallel.context.tiles import active_block, row_tiles
 
 CP_SIZES = (1, 2, 4)
 WORLD_SIZE = 4
@@ -179,7 +179,7 @@ def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
         positions = load_balanced_indices(seq, cp_rank, cp)
         shard = functools.partial(shard_sequence_load_balanced, dim=2, cp_rank=cp_rank, cp_size=cp)
     else:
-        positions = _sequence_positions(seq, cp_rank, cp, load_balanced=False)
+        positions = sequence_positions(seq, cp_rank, cp, load_balanced=False)
         shard = lambda t: t.chunk(cp, dim=2)[cp_rank]  # noqa: E731
     local = [shard(t).detach().requires_grad_() for t in (q, k, v)]
     if case.kernel == "ring":
@@ -347,11 +347,11 @@ def _ring_work(
     """Per rank: the pairs its queries attend and the score entries ring attention computes (blocks' tiles)."""
     attended, computed = [], []
     for rank in range(cp):
-        q_pos, pairs, area = _sequence_positions(seq, rank, cp, load_balanced), 0, 0
+        q_pos, pairs, area = sequence_positions(seq, rank, cp, load_balanced), 0, 0
         local_starts = None if starts is None else starts[q_pos][None]
         for source in range(cp):
-            block = _active_block(q_pos, _sequence_positions(seq, source, cp, load_balanced), True, None, local_starts)
-            for rows, cols, mask in [] if block is None else _row_tiles(block, query_tile, 1):
+            block = active_block(q_pos, sequence_positions(seq, source, cp, load_balanced), True, None, local_starts)
+            for rows, cols, mask in [] if block is None else row_tiles(block, query_tile, 1):
                 box = (rows.stop - rows.start) * (cols.stop - cols.start)
                 area += box
                 pairs += box if mask is None else int(mask.sum())

@@ -15,7 +15,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions
 from lightning_plugins.adapters.lora import LoraOptions
-from lightning_plugins.planner import dryrun
+from lightning_plugins.planner import dryrun, rank_memory
 from lightning_plugins.planner.dryrun import dry_run, resident_state
 from lightning_plugins.planner.workload import Workload
 
@@ -163,7 +163,7 @@ def test_dry_run_predicts_the_peak_of_real_runs() -> None:
             truth["other"] += truth.pop("buffers")
             where = f"{name} {predicted.kind}: predicted {predicted.peak}, measured {truth}"
             assert predicted.total == pytest.approx(truth["total"], rel=0.10), where
-            distance = sum(abs(predicted.peak[k] - truth[k]) for k in dryrun.PEAK_CATEGORIES)
+            distance = sum(abs(predicted.peak[k] - truth[k]) for k in rank_memory.PEAK_CATEGORIES)
             assert distance <= 0.15 * truth["total"], where
             for key in ("parameters", "optimizer"):
                 assert predicted.peak[key] == pytest.approx(truth[key], rel=0.01), where

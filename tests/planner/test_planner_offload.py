@@ -15,7 +15,8 @@ import pytest
 from transformers import LlamaConfig
 
 from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions
-from lightning_plugins.planner.dryrun import dry_run, with_optimizer_offload
+from lightning_plugins.planner.dryrun import dry_run
+from lightning_plugins.planner.rank_memory import with_optimizer_offload
 from lightning_plugins.planner.hardware import cluster_from
 from lightning_plugins.planner.model_stats import load_model_config
 from lightning_plugins.planner.search import _memory_levers, estimate_peak

@@ -168,7 +168,7 @@ def test_both_doors_stop_on_bad_data_with_one_line_before_any_collective(tmp_pat
     import sys
 
     from _world import run_command
-    from test_accelerate_launch import ROOT, accelerate_launch
+    from _launch import ROOT, accelerate_launch
 
     path = _lines(tmp_path / "bad.jsonl", json.dumps(GOOD), b'{"prompt": "\xe9=", "completion": "x"}')
     bad = [f"--data.train={path}", "--data.eval=null"]

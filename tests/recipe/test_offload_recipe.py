@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from test_accelerate_launch import TINY, _ok, accelerate_launch
+from _launch import TINY, accelerate_launch, clean_stdout
 
 STEPS = 6
 SHORT = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_every=3", "--train.checkpoint_every=2",
@@ -27,12 +27,12 @@ def _losses(metrics: Path) -> dict[int, float]:
 
 def test_optimizer_offload_recipe_trains_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    _ok(accelerate_launch(TINY / "full_tp2.yaml", out, *SHORT))
+    clean_stdout(accelerate_launch(TINY / "full_tp2.yaml", out, *SHORT))
     first = _losses(out / "metrics.csv")
     assert sorted(first) == list(range(STEPS)) and first[STEPS - 1] < 0.8 * first[0], first
     shutil.copy(out / "metrics.csv", tmp_path / "uninterrupted.csv")
     shutil.rmtree(out / "checkpoints" / f"step={STEPS}.ckpt")  # stopped after the checkpoint of step 4
-    stdout = _ok(accelerate_launch(TINY / "full_tp2.yaml", out, *SHORT))
+    stdout = clean_stdout(accelerate_launch(TINY / "full_tp2.yaml", out, *SHORT))
     assert f"resumed_from: {out / 'checkpoints' / 'step=4.ckpt'}" in stdout, stdout
     resumed = _losses(out / "logs" / "version_1" / "metrics.csv")
     assert sorted(resumed) == [4, 5], resumed

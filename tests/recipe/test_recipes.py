@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from _world import free_port, run_command
-from test_accelerate_launch import ROOT, _ok
+from _launch import ROOT, clean_stdout
 
 from lightning_plugins.planner.report import plan_recipes
 from lightning_plugins.recipe.schema import load_recipe
@@ -144,7 +144,7 @@ def test_every_recipe_trains_tiny_through_the_door(twins: dict[str, Path], door:
             proc = run_command([*launch, str(script), door, *paths], cwd=ROOT, timeout=1200)
         else:
             proc = run_command([sys.executable, str(script), door, *paths], cwd=ROOT, timeout=1200)
-        _ok(proc)
+        clean_stdout(proc)
     problems = []
     for fingerprint, name in unique.items():
         losses = _losses(twins[name].parent / "run" / door / "metrics.csv")

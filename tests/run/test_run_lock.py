@@ -85,7 +85,7 @@ def test_the_lock_is_released_however_the_run_ends(tmp_path: Path) -> None:
     procs = {}
     for ending in endings:
         # The module alone (framework-free), not the package, which imports torch.
-        module = ROOT / "lightning_plugins" / "run_lock.py"
+        module = ROOT / "lightning_plugins" / "run" / "lock.py"
         script = textwrap.dedent(f"""
             import importlib.util, sys, time
             spec = importlib.util.spec_from_file_location("run_lock", {str(module)!r})

@@ -36,12 +36,12 @@ def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
-def _checkpoint_appears(runner: Any, source: Path) -> None:
-    """Wrap ``latest_checkpoint`` (where the runner and the engine look it up): after rank 0 looked, ``source`` is
-    copied in; any other rank that looks does so once it is there."""
-    from lightning_plugins.recipe import build
+def _checkpoint_appears(source: Path) -> None:
+    """Wrap ``latest_checkpoint`` (where both doors look it up, :mod:`lightning_plugins.checkpoint.resume_choice`):
+    after rank 0 looked, ``source`` is copied in; any other rank that looks does so once it is there."""
+    from lightning_plugins.checkpoint import resume_choice
 
-    look = build.latest_checkpoint
+    look = resume_choice.latest_checkpoint
 
     def latest_checkpoint(output_dir: str | Path, *args: Any, **kwargs: Any) -> Any:
         marker = Path(output_dir) / "appeared"
@@ -56,8 +56,7 @@ def _checkpoint_appears(runner: Any, source: Path) -> None:
             marker.touch()
         return found
 
-    build.latest_checkpoint = latest_checkpoint
-    runner.latest_checkpoint = latest_checkpoint
+    resume_choice.latest_checkpoint = latest_checkpoint
 
 
 def _second_run(runner: Any, command: list[str]) -> None:
@@ -80,7 +79,7 @@ def main() -> None:
     door, *argv = sys.argv[1:]
     runner = runner_of(door)
     if os.environ.get(APPEARS):
-        _checkpoint_appears(runner, Path(os.environ[APPEARS]))
+        _checkpoint_appears(Path(os.environ[APPEARS]))
     if os.environ.get(SECOND):
         _second_run(runner, json.loads(os.environ[SECOND]))
     run_door(door, argv)

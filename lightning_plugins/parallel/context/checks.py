@@ -10,7 +10,8 @@ from lightning_plugins.parallel.options import CP_BACKENDS
 BACKENDS = CP_BACKENDS
 
 
-def _check_gqa(num_heads: int, num_kv_heads: int) -> None:
+def check_gqa(num_heads: int, num_kv_heads: int) -> None:
+    """A clear error unless the query heads split evenly over the key/value heads (grouped-query attention)."""
     if num_heads % num_kv_heads != 0:
         raise ValueError(
             f"Grouped-query attention needs the query heads ({num_heads}) to be a multiple of the key/value "
@@ -34,7 +35,7 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, cp_size: int) -> None
         ValueError: When the query heads are not divisible by ``cp_size`` (key/value heads need not be:
             they are repeated until they are), or are not a multiple of the key/value heads.
     """
-    _check_gqa(num_heads, num_kv_heads)
+    check_gqa(num_heads, num_kv_heads)
     if num_heads % cp_size != 0:
         raise ValueError(
             f"Ulysses context parallelism splits attention heads across the cp group, so the query heads "

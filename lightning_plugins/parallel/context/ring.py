@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_plugins.parallel.context.checks import _check_gqa
-from lightning_plugins.parallel.context.sharding import _sequence_positions
-from lightning_plugins.parallel.context.tiles import _active_block, _row_tiles
+from lightning_plugins.parallel.context.checks import check_gqa
+from lightning_plugins.parallel.context.sharding import sequence_positions
+from lightning_plugins.parallel.context.tiles import active_block, row_tiles
 
 # p2p tags keep the K/V ring and the dK/dV ring apart where a backend matches messages by tag (gloo);
 # NCCL ignores tags and matches by posting order, which is the same on every rank.
@@ -118,7 +118,7 @@ class _RingAttention(torch.autograd.Function):
         b, hq, s, d = q.shape
         hkv = k.shape[1]
         acc = _accumulation_dtype(q.dtype)
-        positions = functools.partial(_sequence_positions, s * size, cp_size=size, load_balanced=load_balanced)
+        positions = functools.partial(sequence_positions, s * size, cp_size=size, load_balanced=load_balanced)
         q_pos = positions(rank)
 
         q5 = q.to(acc).reshape(b, hkv, hq // hkv, s, d)
@@ -128,10 +128,10 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             # Start moving the next block before computing on this one, so communication overlaps compute.
             works, kv_next = _ring_shift(kv, group, _KV_TAG) if step < size - 1 else ([], kv)
-            block = _active_block(q_pos, positions((rank - step) % size), causal, valid_len, document_starts)
+            block = active_block(q_pos, positions((rank - step) % size), causal, valid_len, document_starts)
             if block is not None:
                 k_blk, v_blk = (kv[i, :, :, block.col_start : block.col_end].to(acc) for i in (0, 1))
-                for rows, cols, mask in _row_tiles(block, query_tile, b * hq):
+                for rows, cols, mask in row_tiles(block, query_tile, b * hq):
                     block_out, block_lse = _attend_block(
                         q5[..., rows, :], k_blk[..., cols, :], v_blk[..., cols, :], scale, mask
                     )
@@ -154,7 +154,7 @@ class _RingAttention(torch.autograd.Function):
         b, hq, s, d = q.shape
         hkv = k.shape[1]
         acc = lse.dtype
-        positions = functools.partial(_sequence_positions, s * size, cp_size=size, load_balanced=ctx.load_balanced)
+        positions = functools.partial(sequence_positions, s * size, cp_size=size, load_balanced=ctx.load_balanced)
         q_pos = positions(rank)
 
         q5 = q.to(acc).reshape(b, hkv, hq // hkv, s, d)
@@ -169,11 +169,11 @@ class _RingAttention(torch.autograd.Function):
             works, kv_next = _ring_shift(kv, group, _KV_TAG) if step < size - 1 else ([], kv)
             grad_kv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
             k_pos = positions((rank - step) % size)
-            block = _active_block(q_pos, k_pos, ctx.causal, ctx.valid_len, ctx.document_starts)
+            block = active_block(q_pos, k_pos, ctx.causal, ctx.valid_len, ctx.document_starts)
             if block is not None:
                 k_blk, v_blk = (kv[i, :, :, block.col_start : block.col_end].to(acc) for i in (0, 1))
                 grad_blk = grad_kv[:, :, :, block.col_start : block.col_end]
-                for rows, cols, mask in _row_tiles(block, ctx.query_tile, b * hq):
+                for rows, cols, mask in row_tiles(block, ctx.query_tile, b * hq):
                     grad_q_blk, grad_k_blk, grad_v_blk = _attend_block_backward(
                         q5[..., rows, :],
                         k_blk[..., cols, :],
@@ -258,7 +258,7 @@ def ring_attention(
             f"ring_attention takes this rank's shard of q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} "
             "as [batch, heads, local_seq, head_dim], with equal batch, local_seq and head_dim."
         )
-    _check_gqa(q.shape[1], k.shape[1])
+    check_gqa(q.shape[1], k.shape[1])
     if load_balanced and q.shape[2] % 2 != 0:
         raise ValueError(
             f"The load-balanced layout holds two equal chunks per rank, but the local sequence length "

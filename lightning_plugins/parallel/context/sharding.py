@@ -87,7 +87,7 @@ def load_balanced_indices(seq_len: int, cp_rank: int, cp_size: int) -> Tensor:
     return _balanced_positions(seq_len, cp_rank, cp_size).clone()
 
 
-def _sequence_positions(seq_len: int, cp_rank: int, cp_size: int, load_balanced: bool) -> Tensor:
+def sequence_positions(seq_len: int, cp_rank: int, cp_size: int, load_balanced: bool) -> Tensor:
     """Global positions of one rank's shard, for either layout (sorted ascending in both).
 
     Real tensors also under a ``FakeTensorMode`` (the planner's dry run): they depend on nothing but the sizes, and

@@ -1,8 +1,8 @@
 """Which query/key pairs ring attention computes: a block's active box and its query-row tiles.
 
 Ring attention (:mod:`.ring`) attends this rank's queries to one K/V block at a time. Here is what it computes of
-each: :func:`_active_block` boxes a block to the rows and keys that can attend (``None`` when none can), and
-:func:`_row_tiles` cuts the box into tiles of query rows, each boxed to the keys it attends and carrying its own
+each: :func:`active_block` boxes a block to the rows and keys that can attend (``None`` when none can), and
+:func:`row_tiles` cuts the box into tiles of query rows, each boxed to the keys it attends and carrying its own
 small mask, so the temporaries stay bounded whatever the local length. Causal tiles stop at the last key their
 last query attends; in packed rows each tile holds whole documents (a long one is cut into tiles), so short
 documents cost what they attend, not a tile's square.
@@ -39,7 +39,7 @@ class _Block(NamedTuple):
     documents: Optional[_Documents] = None  # packed rows: each tile is boxed and masked by document
 
 
-def _active_block(
+def active_block(
     q_pos: Tensor, k_pos: Tensor, causal: bool, valid_len: Optional[int], starts: Optional[Tensor] = None
 ) -> Optional[_Block]:
     """The box of query rows x key columns that can attend, or ``None`` when the block is fully masked.
@@ -47,8 +47,8 @@ def _active_block(
     Positions are sorted within a shard in both layouts, so the rows that attend anything form a
     contiguous range and the keys that are attended form a prefix: slicing to that box skips the
     masked work (with a single segment of the load-balanced layout, off-diagonal causal blocks shrink to a
-    half; with several, the causal tiles of :func:`_row_tiles` skip it). With packed rows (``starts``) a query attends only its own document, so the box narrows further,
-    tile by tile (:func:`_row_tiles`), and a block that holds none of a query's document is skipped.
+    half; with several, the causal tiles of :func:`row_tiles` skip it). With packed rows (``starts``) a query attends only its own document, so the box narrows further,
+    tile by tile (:func:`row_tiles`), and a block that holds none of a query's document is skipped.
 
     The positions are real tensors (:func:`_sequence_positions`), read outside any ``FakeTensorMode``.
     """
@@ -115,7 +115,7 @@ def _tile_starts(row_start: int, row_end: int, tile: int) -> range:
     return range(row_start, row_end, tile)
 
 
-def _row_tiles(
+def row_tiles(
     block: _Block, query_tile: Optional[int], batch_heads: int
 ) -> Iterator[tuple[slice, slice, Optional[Tensor]]]:
     """Query-row tiles of an active block: (rows, keys, mask), the keys relative to the block's first key.

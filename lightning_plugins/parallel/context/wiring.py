@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_plugins.parallel.context.checks import BACKENDS
-from lightning_plugins.parallel.context.sharding import _sequence_positions
+from lightning_plugins.parallel.context.sharding import sequence_positions
 from lightning_plugins.parallel.context.ring import ring_attention
 from lightning_plugins.parallel.context.ulysses import ulysses_attention
 
@@ -162,7 +162,7 @@ def _document_starts(position_ids: Optional[Tensor], group: dist.ProcessGroup, l
     if position_ids is None:
         return None
     size = dist.get_world_size(group)
-    index = _sequence_positions(local_len * size, dist.get_rank(group), cp_size=size, load_balanced=True)
+    index = sequence_positions(local_len * size, dist.get_rank(group), cp_size=size, load_balanced=True)
     positions = position_ids.detach().to("cpu", torch.long)
     return torch.minimum((index - positions).clamp(min=0), index)
 

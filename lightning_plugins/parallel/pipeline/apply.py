@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
 from lightning_plugins.parallel.pipeline.options import PipelineOptions
-from lightning_plugins.parallel.pipeline.runtime import Pipeline, _Tie
+from lightning_plugins.parallel.pipeline.runtime import Pipeline, TiedEmbedding
 from lightning_plugins.parallel.pipeline.split import split_into_stages, tied_pair_group
 
 _PIPELINE_ATTR = "_lightning_plugins_pipeline"
@@ -83,9 +83,9 @@ def apply_pipeline_parallel(
     if group is not None:
         num_stages = mesh["pp"].size() * (options.stages_per_rank or 1)
         if 0 in stages and num_stages - 1 not in stages:
-            tie = _Tie(_param_name(model, model.get_input_embeddings().weight), group, counted=True)
+            tie = TiedEmbedding(_param_name(model, model.get_input_embeddings().weight), group, counted=True)
         elif num_stages - 1 in stages and 0 not in stages:
-            tie = _Tie(_param_name(model, model.get_output_embeddings().weight), group, counted=False)
+            tie = TiedEmbedding(_param_name(model, model.get_output_embeddings().weight), group, counted=False)
     pipeline = Pipeline(model, stages, options, mesh, tie=tie, param_dtype=param_dtype)
     setattr(model, _PIPELINE_ATTR, pipeline)
     model.__class__ = _pipelined_class(type(model))

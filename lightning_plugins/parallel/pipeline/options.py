@@ -13,7 +13,7 @@ from typing import Any
 from lightning_plugins.errors import LayoutError, OptionsError
 from lightning_plugins.parallel.families import FAMILIES
 from lightning_plugins.parallel.layout import ParallelLayout
-from lightning_plugins.parallel.options import SCHEDULES, ParallelOptions, _Schedule, check_schedule
+from lightning_plugins.parallel.options import SCHEDULES, ParallelOptions, ScheduleSpec, check_schedule
 
 __all__ = ["SCHEDULES", "PipelineOptions", "check_pipeline_layout", "layer_ranges", "stages_of_rank"]
 
@@ -98,7 +98,7 @@ class PipelineOptions:
         return replace(self, schedule=name, microbatches=m, stages_per_rank=v)
 
     @property
-    def spec(self) -> _Schedule:
+    def spec(self) -> ScheduleSpec:
         return SCHEDULES[self.schedule]
 
 

@@ -32,11 +32,11 @@ from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.grad import total_grad_norm
 from lightning_plugins.parallel.loss import IGNORE_INDEX, next_token_targets
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, stages_of_rank
-from lightning_plugins.parallel.pipeline.stage import StageModule, _identity_loss
+from lightning_plugins.parallel.pipeline.stage import StageModule, identity_loss
 
 
 @dataclass
-class _Tie:
+class TiedEmbedding:
     """A tied input/output embedding whose two copies live on different ranks."""
 
     param_name: str
@@ -60,7 +60,7 @@ class Pipeline:
         stages: dict[int, StageModule],
         options: PipelineOptions,
         mesh: DeviceMesh,
-        tie: _Tie | None = None,
+        tie: TiedEmbedding | None = None,
         param_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
@@ -252,10 +252,10 @@ class Pipeline:
         spec = self.options.spec
         m = self.options.microbatches
         if not spec.multi:
-            return spec.cls(stages[0], n_microbatches=m, loss_fn=_identity_loss, scale_grads=False)
+            return spec.cls(stages[0], n_microbatches=m, loss_fn=identity_loss, scale_grads=False)
         if not train:
             return _ForwardOnlyMulti(stages, m, self._stage_to_rank())
-        return spec.cls(stages, n_microbatches=m, loss_fn=_identity_loss, scale_grads=False)
+        return spec.cls(stages, n_microbatches=m, loss_fn=identity_loss, scale_grads=False)
 
     def _stage_to_rank(self) -> dict[int, int]:
         pp_size = self.pp_mesh.size()
@@ -294,7 +294,7 @@ class _ForwardOnlyMulti(_PipelineScheduleRuntime):
     """
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int, stage_to_rank: dict[int, int]) -> None:
-        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=_identity_loss, scale_grads=False)
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=identity_loss, scale_grads=False)
         self.stage_index_to_group_rank = dict(stage_to_rank)
         for stage in self._stages:
             stage.stage_index_to_group_rank = self.stage_index_to_group_rank

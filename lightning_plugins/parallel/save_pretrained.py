@@ -5,7 +5,7 @@ pipeline stages, so the library's own ``model.save_pretrained(out_dir)`` fails o
 pipeline parallelism writes one stage's weights. ``parallelize`` therefore installs :func:`save_pretrained` on
 the model it parallelized (the transformers model and the peft ``PeftModel`` around it): every rank calls it, as
 the HF and Accelerate habit is, and the trained tensors are gathered with the export machinery of
-:mod:`lightning_plugins.checkpoint.live_export` (each DTensor by the ranks that share it, pipeline stages collected on rank
+:mod:`lightning_plugins.parallel.gather` (each DTensor by the ranks that share it, pipeline stages collected on rank
 0). The writing rank then hands them to transformers' own ``save_pretrained`` with all of the caller's options;
 for a ``PeftModel`` it writes the adapter directory with ``export_hf``'s writer, the adapters picked and named by
 peft on each stage (peft picks by visiting the layers, which a pipeline stage has only some of), plus peft's
@@ -23,6 +23,7 @@ swapped in atomically as ``export_hf`` does.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import types
@@ -32,21 +33,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from lightning_plugins.checkpoint.live_export import _collect_stages, _full_on_leader, _save_adapters, _save_model, _stage_leader
-from lightning_plugins.run.faults import summarize
 from lightning_plugins.adapters.lora import hf_model_of
+from lightning_plugins.errors import summarize
+from lightning_plugins.parallel.gather import collect_stages, full_on_leader, stage_leader
 
-__all__ = ["full_state_dict", "install_save_pretrained", "save_pretrained"]
+__all__ = ["full_state_dict", "install_save_pretrained", "save_adapters", "save_model", "save_pretrained"]
 
 #: What to do instead, ending every refusal.
 _INSTEAD = (
     " Leave state_dict out: `save_pretrained(out_dir, is_main_process=...)` called on every rank gathers the trained"
-    " weights from all ranks itself. Or pass the full state dict that `lightning_plugins.checkpoint.save_pretrained.full_state_dict(model)`"
+    " weights from all ranks itself. Or pass the full state dict that `lightning_plugins.parallel.save_pretrained.full_state_dict(model)`"
     " (`ParallelAccelerator.get_state_dict(model)`) returns on rank 0 when every rank calls it, and let rank 0 write"
     " (is_main_process=True there). `lightning_plugins.checkpoint.live_export.export_hf(model, out_dir)` writes the same files."
 )
@@ -106,7 +108,7 @@ def save_pretrained(model: nn.Module, *args: Any, **kwargs: Any) -> None:
         )
     own, files = _entries_to_save(model, options)
     # The ranks of a pipeline stage hold the same entries (shards of the same global shapes): its leader tells them.
-    leader = dist.get_rank() == _stage_leader(hf_model_of(model))
+    leader = dist.get_rank() == stage_leader(hf_model_of(model))
     view = _View(bool(options.get("is_main_process", True)), _describe(own) if leader else {}, _describe(given),
                  files if leader else None)  # fmt: skip
     views: list[Any] = [None] * dist.get_world_size()
@@ -256,7 +258,7 @@ def _not_full(state: dict | None, expected: dict, *, sharded: bool = False) -> s
 def _gather(model: nn.Module, entries: dict[str, Any]) -> dict[str, Any]:
     """``entries`` whole, on rank 0 (``{}`` elsewhere): DTensors gathered, pipeline stages collected."""
     hf = hf_model_of(model)
-    return _collect_stages(hf, _full_on_leader(hf, entries))
+    return collect_stages(hf, full_on_leader(hf, entries))
 
 
 def _deliver(state: dict[str, Any], writers: list[int]) -> dict[str, Any]:
@@ -280,7 +282,7 @@ def _write(model: nn.Module, options: dict[str, Any], state: dict[str, Any], vie
     directory = options.pop("save_directory")
     if hf_model_of(model) is model:  # transformers' own, with the caller's options
         with _writes_on_this_rank(model):
-            _save_model(model, state, directory, **options)
+            save_model(model, state, directory, **options)
         return
     weights: dict[str, dict[str, Tensor]] = {}
     for view in views:  # every stage's adapter entries, named as peft names them
@@ -288,7 +290,7 @@ def _write(model: nn.Module, options: dict[str, Any], state: dict[str, Any], vie
             weights.setdefault(adapter, {}).update({key: state[name] for key, name in names.items()})
     os.makedirs(directory, exist_ok=True)
     model.create_or_update_model_card(directory)
-    _save_adapters(model, weights, Path(directory), safe_serialization=options.get("safe_serialization", True))
+    save_adapters(model, weights, Path(directory), safe_serialization=options.get("safe_serialization", True))
 
 
 @contextmanager
@@ -302,3 +304,38 @@ def _writes_on_this_rank(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         del model.should_save_on_this_rank
+
+
+# ------------------------------------------------------------------------------------------- the writers
+
+
+def save_model(model: nn.Module, state: dict[str, Tensor], directory: str | Path, **options: Any) -> None:
+    """transformers' own ``save_pretrained`` of ``model`` with the full ``state`` (and the caller's ``options``)."""
+    # The class's method: `parallelize` replaced the instance's by the collective one.
+    type(model).save_pretrained(model, directory, state_dict=state, **options)
+    # transformers records the class it saves from; a pipelined model's class is our subclass of it.
+    hf_class = next(cls for cls in type(model).__mro__ if cls.__module__.startswith("transformers."))
+    if model.config.architectures != [hf_class.__name__]:
+        model.config.architectures = [hf_class.__name__]
+        model.config.save_pretrained(directory)
+
+
+def save_adapters(
+    model: nn.Module, weights: dict[str, dict[str, Tensor]], directory: Path, *, safe_serialization: bool = True
+) -> None:
+    """peft's adapter layout for each adapter in ``weights``: ``default`` at the top, any other adapter in a
+    sub-directory of its name (``safe_serialization=False``: ``adapter_model.bin``, as peft writes it)."""
+    from safetensors.torch import save_file
+
+    for name in weights:
+        config = model.peft_config[name]
+        target = directory if name == "default" else directory / name
+        target.mkdir(parents=True, exist_ok=True)
+        tensors = {key: value.contiguous() for key, value in weights[name].items()}
+        if safe_serialization:
+            save_file(tensors, str(target / "adapter_model.safetensors"), metadata={"format": "pt"})
+        else:
+            torch.save(tensors, target / "adapter_model.bin")
+        saved = copy.deepcopy(config)
+        saved.inference_mode = True
+        saved.save_pretrained(str(target))

@@ -1,0 +1,153 @@
+"""The package's structure, checked statically (every module parsed with ``ast``, nothing imported).
+
+* The engine (``parallel/`` and ``adapters/``) imports nothing from the rest of the package but ``errors``.
+* The import graph between modules is acyclic, counting imports inside functions (``TYPE_CHECKING`` blocks,
+  which never run, aside).
+* No module imports another module's private (``_name``) names.
+* Every exception class of the package derives from :class:`lightning_plugins.errors.LightningPluginsError`
+  (``Preempted`` aside: it is a ``SystemExit``).
+* No file is over 500 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+from functools import cache
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_plugins"
+ENGINE = ("lightning_plugins.parallel", "lightning_plugins.adapters")
+ENGINE_MAY_IMPORT = ENGINE + ("lightning_plugins.errors",)
+MAX_LINES = 500
+NOT_OURS_TO_WRAP = {"lightning_plugins.run.preemption.Preempted"}  # a SystemExit: ends the process quietly
+
+
+def _name_of(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@cache
+def _modules() -> dict[str, tuple[Path, ast.Module]]:
+    return {_name_of(path): (path, ast.parse(path.read_text(), str(path))) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node that can run: the bodies of ``if TYPE_CHECKING:`` blocks left out."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                yield child
+                yield from _runtime_nodes(child)
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+@cache
+def _imports() -> dict[str, list[tuple[str, str | None, int]]]:
+    """Per module: (imported module, imported name or None, line) of every import of the package's own modules."""
+    modules = _modules()
+    found: dict[str, list[tuple[str, str | None, int]]] = {}
+    for module, (path, tree) in modules.items():
+        rows = found.setdefault(module, [])
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in _runtime_nodes(tree):
+            if isinstance(node, ast.Import):
+                rows += [(alias.name, None, node.lineno) for alias in node.names if alias.name in modules]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if target not in modules:
+                    continue
+                for alias in node.names:
+                    submodule = f"{target}.{alias.name}"
+                    rows.append((submodule, None, node.lineno) if submodule in modules else (target, alias.name, node.lineno))
+    return found
+
+
+def test_the_engine_imports_nothing_outside_it():
+    wrong = [
+        f"{module}:{line} imports {target}"
+        for module, rows in _imports().items()
+        if module.startswith(ENGINE)
+        for target, _, line in rows
+        if not target.startswith(ENGINE_MAY_IMPORT)
+    ]
+    assert not wrong, "The engine (parallel/, adapters/) must not import the rest of the package:\n" + "\n".join(wrong)
+
+
+def test_the_import_graph_is_acyclic():
+    graph = {module: sorted({target for target, _, _ in rows if target != module}) for module, rows in _imports().items()}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in graph.get(module, []):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "Import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_no_private_names_are_imported_across_modules():
+    wrong = [
+        f"{module}:{line} imports {name} from {target}"
+        for module, rows in _imports().items()
+        for target, name, line in rows
+        if name is not None and name.startswith("_") and not name.startswith("__") and target != module
+    ]
+    assert not wrong, "Give these a public name (and a docstring), or move them to where they are used:\n" + "\n".join(wrong)
+
+
+def _is_builtin_exception(name: str) -> bool:
+    value = getattr(builtins, name, None)
+    return isinstance(value, type) and issubclass(value, BaseException)
+
+
+def test_every_exception_derives_from_the_package_base():
+    classes: dict[str, list[str]] = {}  # class name -> names of its bases (the last part of a dotted base)
+    where: dict[str, str] = {}
+    for module, (_, tree) in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = [ast.unparse(base).rpartition(".")[2] for base in node.bases]
+                where[node.name] = f"{module}.{node.name}"
+
+    @cache
+    def is_exception(name: str) -> bool:
+        if _is_builtin_exception(name) or name.endswith(("Error", "Exception")) and name not in classes:
+            return True
+        return any(is_exception(base) for base in classes.get(name, []) if base != name)
+
+    @cache
+    def is_ours(name: str) -> bool:
+        return name == "LightningPluginsError" or any(is_ours(base) for base in classes.get(name, []) if base != name)
+
+    wrong = [
+        where[name]
+        for name in classes
+        if is_exception(name) and not is_ours(name) and where[name] not in NOT_OURS_TO_WRAP
+    ]
+    assert "LightningPluginsError" in classes
+    assert not wrong, "Exceptions must derive from lightning_plugins.errors.LightningPluginsError:\n" + "\n".join(wrong)
+
+
+def test_no_file_is_over_the_limit():
+    long = {
+        str(path.relative_to(PACKAGE.parent)): n
+        for path, _ in _modules().values()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"Files over {MAX_LINES} lines (split them, one idea each): {long}"
