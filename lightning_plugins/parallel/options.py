@@ -12,13 +12,14 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.parallel.dtypes import MIXED_PRECISION_DTYPES
 
 #: Context-parallel attention backends.
 CP_BACKENDS = ("ulysses", "ring")
 #: Activation checkpointing modes.
 CHECKPOINTING_MODES = ("none", "full", "selective")
 #: dtype names accepted for FSDP2 mixed precision.
-DTYPE_NAMES = ("fp32", "float32", "bf16", "bfloat16")
+DTYPE_NAMES = tuple(MIXED_PRECISION_DTYPES)
 
 
 @dataclass(frozen=True)
