@@ -27,7 +27,8 @@ from lightning_plugins.accelerate.accelerator import ParallelAccelerator
 from lightning_plugins.accelerate.metrics import recipe_trackers
 from lightning_plugins.accelerate.state import _broadcast
 from lightning_plugins.checkpoint import resume_choice
-from lightning_plugins.checkpoint.resume_choice import CHECKPOINT_NAME, LATEST, agreed_resume
+from lightning_plugins.checkpoint.checks import CHECKPOINT_NAME
+from lightning_plugins.checkpoint.resume_choice import LATEST, agreed_resume
 from lightning_plugins.recipe.build import build_loaders, build_model, make_optimizer
 from lightning_plugins.recipe.diff import reset_optimizer
 from lightning_plugins.recipe.finish import check_exportable, export_dir, export_trained, write_results

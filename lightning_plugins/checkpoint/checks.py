@@ -23,7 +23,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 #: What DCP's planner says when the saved tensors do not fit the model being loaded into.
 _MISMATCH = re.compile(r"Size mismatch|Missing key|Unexpected key|shape|dtype mismatch", re.IGNORECASE)
-_CHECKPOINT_NAME = re.compile(r"^step=(\d+)\.ckpt$")
+#: Checkpoint directories are named after the optimizer step they were written at (``step=N.ckpt``).
+CHECKPOINT_NAME = "step={step}"
+#: A checkpoint directory's name; group 1 is the step.
+CHECKPOINT_DIR = re.compile(r"^step=(\d+)\.ckpt$")
 T = TypeVar("T")
 
 
@@ -32,7 +35,7 @@ def _complete_neighbours(path: Path) -> str:
     found = sorted(
         (int(m.group(1)), p.name)
         for p in path.parent.glob("step=*.ckpt")
-        if (m := _CHECKPOINT_NAME.match(p.name)) and (p / ".metadata").is_file() and p != path
+        if (m := CHECKPOINT_DIR.match(p.name)) and (p / ".metadata").is_file() and p != path
     )
     return f" Complete checkpoints next to it: {', '.join(name for _, name in found)}." if found else ""
 

@@ -8,18 +8,18 @@ collective timeout. Framework-free: the doors hand in how their ranks talk.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from lightning_plugins.checkpoint.checks import CHECKPOINT_DIR
+from lightning_plugins.checkpoint.integrity import say_unverified, verify_checkpoint
+from lightning_plugins.errors import CheckpointError
 
 #: ``resume=LATEST``: resume from the newest intact checkpoint in the output directory, if any (decided once per job).
 LATEST = "latest"
 #: How the Lightning door's launching rank hands its decision to the ranks it starts (they inherit its environment).
 RESUME_ENV = "LIGHTNING_PLUGINS_RESUME_FROM"
-#: Checkpoint directories are named after the optimizer step they were written at.
-CHECKPOINT_NAME = "step={step}"
-_CHECKPOINT = re.compile(r"^step=(\d+)\.ckpt$")
 
 
 def latest_checkpoint(output_dir: str | Path, say: Callable[[str], None] | None = None) -> Path | None:
@@ -30,11 +30,8 @@ def latest_checkpoint(output_dir: str | Path, say: Callable[[str], None] | None 
     printer) is told which and why. The doors call it on one rank and every rank follows (:func:`agreed_resume`,
     :func:`handed_down_resume`).
     """
-    from lightning_plugins.errors import CheckpointError
-    from lightning_plugins.checkpoint.integrity import say_unverified, verify_checkpoint
-
     candidates = (Path(output_dir) / "checkpoints").glob("step=*")
-    found = sorted(((int(m.group(1)), p) for p in candidates if (m := _CHECKPOINT.match(p.name))), reverse=True)
+    found = sorted(((int(m.group(1)), p) for p in candidates if (m := CHECKPOINT_DIR.match(p.name))), reverse=True)
     for _, path in found:
         try:
             verified = verify_checkpoint(path)

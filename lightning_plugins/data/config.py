@@ -7,10 +7,9 @@ import re
 from lightning_plugins.errors import DataError
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Final, Literal, Union
+from typing import Any, Literal, Union
 
-IGNORE_INDEX: Final[int] = -100
-"""Label value ignored by ``torch.nn.CrossEntropyLoss`` (and HF models)."""
+from lightning_plugins.parallel.loss import IGNORE_INDEX
 
 PathLike = Union[str, Path]
 Record = dict[str, Any]

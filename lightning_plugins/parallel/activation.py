@@ -25,8 +25,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from lightning_plugins.parallel import offload
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.parallel.options import CHECKPOINTING_MODES
 
-MODES = ("none", "full", "selective")
 
 # Outputs kept by op-level selective checkpointing: the matmuls and attention (the expensive ops);
 # norms, activations and elementwise ops are recomputed.
@@ -65,8 +65,8 @@ def apply_activation_checkpointing(
     Raises:
         LayoutError: for an unknown mode, a bad N, or layers that cannot checkpoint themselves.
     """
-    if mode not in MODES:
-        raise LayoutError(f"activation_checkpointing={mode!r} is not one of {MODES}.")
+    if mode not in CHECKPOINTING_MODES:
+        raise LayoutError(f"activation_checkpointing={mode!r} is not one of {CHECKPOINTING_MODES}.")
     if every_n_layers is not None and (mode != "selective" or every_n_layers < 1):
         raise LayoutError(
             f"every_n_layers={every_n_layers!r} needs activation_checkpointing='selective' and a positive integer."

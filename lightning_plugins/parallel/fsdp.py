@@ -8,8 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_plugins.errors import LayoutError
-
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+from lightning_plugins.parallel.dtypes import MIXED_PRECISION_DTYPES
 
 
 def mixed_precision_policy(param_dtype: str | torch.dtype | None, reduce_dtype: str | torch.dtype | None) -> MixedPrecisionPolicy:
@@ -18,9 +17,10 @@ def mixed_precision_policy(param_dtype: str | torch.dtype | None, reduce_dtype: 
     def as_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
         if value is None or isinstance(value, torch.dtype):
             return value
-        if value not in _DTYPES:
-            raise LayoutError(f"Unknown dtype {value!r} for mixed precision; use one of {sorted(_DTYPES)}.")
-        return _DTYPES[value]
+        if value not in MIXED_PRECISION_DTYPES:
+            names = sorted(MIXED_PRECISION_DTYPES)
+            raise LayoutError(f"Unknown dtype {value!r} for mixed precision; use one of {names}.")
+        return MIXED_PRECISION_DTYPES[value]
 
     return MixedPrecisionPolicy(param_dtype=as_dtype(param_dtype), reduce_dtype=as_dtype(reduce_dtype))
 

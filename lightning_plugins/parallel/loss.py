@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+#: Label value ignored by ``torch.nn.CrossEntropyLoss`` (and HF models): padding, prompts, masked tokens.
 IGNORE_INDEX = -100
 
 

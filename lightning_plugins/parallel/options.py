@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (
 )
 
 from lightning_plugins.errors import OptionsError
+from lightning_plugins.parallel.dtypes import MIXED_PRECISION_DTYPES
 
 @dataclass(frozen=True)
 class ScheduleSpec:
@@ -65,7 +66,7 @@ CP_BACKENDS = ("ulysses", "ring")
 #: Activation checkpointing modes.
 CHECKPOINTING_MODES = ("none", "full", "selective")
 #: dtype names accepted for FSDP2 mixed precision.
-DTYPE_NAMES = ("fp32", "float32", "bf16", "bfloat16")
+DTYPE_NAMES = tuple(MIXED_PRECISION_DTYPES)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,33 @@ from lightning_plugins.planner.hardware import GPUS, Cluster
 from lightning_plugins.planner.model_stats import model_stats
 from lightning_plugins.planner.timing import KERNELS, StepTime, estimate_step_time, torchtitan_op_sac
 
+#: What torchtitan's Llama-3.1-8B FSDP runs share (Tables 1 and 3: local batch 2, selective op-level AC).
+_TORCHTITAN_8B_FSDP: dict[str, Any] = {
+    "model": "Llama-3.1-8B",
+    "seq_len": 8192,
+    "micro_batch_size": 2,
+    "memory": {"activation_checkpointing": "selective", "param_dtype": "bf16", "reduce_dtype": "fp32"},
+    "recompute": "torchtitan_op_sac",
+}
+#: What torchtitan's two 3D Llama-3.1-405B runs share (Table 5: they differ in the pipeline schedule only).
+_TORCHTITAN_405B_3D: dict[str, Any] = {
+    "model": "Llama-3.1-405B",
+    "gpus": 512,
+    "layout": {"pp_size": 8, "dp_shard_size": 8, "tp_size": 8},
+    "seq_len": 8192,
+    "micro_batch_size": 32,
+    "global_batch_size": 256,
+    "memory": {
+        "activation_checkpointing": "full",
+        "param_dtype": "bf16",
+        "reduce_dtype": "fp32",
+        "reshard_after_forward": False,
+    },
+    "kernels": "compile_float8",
+    "async_tp": True,
+    "source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 5 (3D, compile + Float8 + AsyncTP)",
+}
+
 #: Published runs with the settings they were run with. Sources:
 #: torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` (H100 96 GB HBM2e at 500 W, 8 per node, 400 Gb/s
 #: RDMA per GPU; seq_len 8192 from its ``train_configs/llama3_*.toml`` at commit 9dec370, AdamW, FSDP2 bf16
@@ -26,14 +53,10 @@ from lightning_plugins.planner.timing import KERNELS, StepTime, estimate_step_ti
 CALIBRATION: tuple[dict[str, Any], ...] = (
     {
         "name": "torchtitan Llama-3.1-8B FSDP8, 8 H100",
-        "model": "Llama-3.1-8B",
+        **_TORCHTITAN_8B_FSDP,
         "gpus": 8,
         "layout": {"dp_shard_size": 8},
-        "seq_len": 8192,
-        "micro_batch_size": 2,
         "global_batch_size": 16,
-        "memory": {"activation_checkpointing": "selective", "param_dtype": "bf16", "reduce_dtype": "fp32"},
-        "recompute": "torchtitan_op_sac",
         "kernels": "bf16",
         "published_tokens_per_s_per_gpu": 5762,
         "required": True,
@@ -41,28 +64,20 @@ CALIBRATION: tuple[dict[str, Any], ...] = (
     },
     {
         "name": "torchtitan Llama-3.1-8B FSDP128, 128 H100",
-        "model": "Llama-3.1-8B",
+        **_TORCHTITAN_8B_FSDP,
         "gpus": 128,
         "layout": {"dp_shard_size": 128},
-        "seq_len": 8192,
-        "micro_batch_size": 2,
         "global_batch_size": 256,
-        "memory": {"activation_checkpointing": "selective", "param_dtype": "bf16", "reduce_dtype": "fp32"},
-        "recompute": "torchtitan_op_sac",
         "kernels": "bf16",
         "published_tokens_per_s_per_gpu": 5605,
         "source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 3 (FSDP, eager, selective op AC)",
     },
     {
         "name": "torchtitan Llama-3.1-8B FSDP8, 8 H100, compile + float8",
-        "model": "Llama-3.1-8B",
+        **_TORCHTITAN_8B_FSDP,
         "gpus": 8,
         "layout": {"dp_shard_size": 8},
-        "seq_len": 8192,
-        "micro_batch_size": 2,
         "global_batch_size": 16,
-        "memory": {"activation_checkpointing": "selective", "param_dtype": "bf16", "reduce_dtype": "fp32"},
-        "recompute": "torchtitan_op_sac",
         "kernels": "compile_float8",
         "published_tokens_per_s_per_gpu": 8532,
         "source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1 (FSDP + torch.compile + Float8)",
@@ -83,44 +98,16 @@ CALIBRATION: tuple[dict[str, Any], ...] = (
     },
     {
         "name": "torchtitan Llama-3.1-405B FSDP8 x TP8 x PP8 1F1B, 512 H100",
-        "model": "Llama-3.1-405B",
-        "gpus": 512,
-        "layout": {"pp_size": 8, "dp_shard_size": 8, "tp_size": 8},
+        **_TORCHTITAN_405B_3D,
         "options": {"pp_schedule": "1f1b", "pp_microbatches": 8},
-        "seq_len": 8192,
-        "micro_batch_size": 32,
-        "global_batch_size": 256,
-        "memory": {
-            "activation_checkpointing": "full",
-            "param_dtype": "bf16",
-            "reduce_dtype": "fp32",
-            "reshard_after_forward": False,
-        },
-        "kernels": "compile_float8",
-        "async_tp": True,
         "published_tokens_per_s_per_gpu": 100,
-        "source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 5 (3D, compile + Float8 + AsyncTP)",
     },
     {
         "name": "torchtitan Llama-3.1-405B FSDP8 x TP8 x PP8 interleaved 1F1B, 512 H100",
-        "model": "Llama-3.1-405B",
-        "gpus": 512,
-        "layout": {"pp_size": 8, "dp_shard_size": 8, "tp_size": 8},
+        **_TORCHTITAN_405B_3D,
         "options": {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 8, "pp_stages_per_rank": 2},
-        "seq_len": 8192,
-        "micro_batch_size": 32,
-        "global_batch_size": 256,
-        "memory": {
-            "activation_checkpointing": "full",
-            "param_dtype": "bf16",
-            "reduce_dtype": "fp32",
-            "reshard_after_forward": False,
-        },
-        "kernels": "compile_float8",
-        "async_tp": True,
         "published_tokens_per_s_per_gpu": 128,
         "required": True,
-        "source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 5 (3D, compile + Float8 + AsyncTP)",
     },
     *(
         {

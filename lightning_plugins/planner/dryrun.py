@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_plugins.parallel.dtypes import DTYPES
 from lightning_plugins.planner.fake_step import (
     default_dtype,
     fake_world,
@@ -51,7 +52,6 @@ from lightning_plugins.planner.measure import StepMemTracker
 from lightning_plugins.planner.rank_memory import RankMemory, with_offload, with_optimizer_offload, worst_interval
 from lightning_plugins.planner.workload import Workload
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Decoder layers per rank of the two measured copies of a model whose ranks hold more than the second. Each
 #: interval's peak is linear in the layers from 4 on (at 2 the head's backward still overlaps the last layer's);
 #: every shipped recipe's peak is the same (0.05 GiB) as from 8 and 16, at half the cost.
@@ -165,7 +165,7 @@ def build_parallel_model(workload: Workload) -> nn.Module:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            workload.config, dtype=_DTYPES[workload.dtype], attn_implementation=workload.attn_implementation
+            workload.config, dtype=DTYPES[workload.dtype], attn_implementation=workload.attn_implementation
         )
     model.config.use_cache = False
     model.train()
@@ -244,7 +244,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
         static_pipeline_shapes(),
         one_row_tile_only(),
         unpacked_rows(),
-        default_dtype(_DTYPES[workload.dtype]),
+        default_dtype(DTYPES[workload.dtype]),
         host_device("meta"),  # offloaded activations: tracked on the meta device, apart from the GPU's
     ):
         model = build_parallel_model(workload)
@@ -386,7 +386,7 @@ def _as_nf4(report: RankMemory, workload: Workload, dense: dict[str, int]) -> No
     config = workload.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     largest = max(config.intermediate_size, config.num_attention_heads * head_dim) * config.hidden_size
-    largest = largest * _DTYPES[workload.dtype].itemsize // workload.layout.tp_size
+    largest = largest * DTYPES[workload.dtype].itemsize // workload.layout.tp_size
     for peak in report.intervals:
         peak["parameters"] -= saved
         peak["temporaries"] += largest

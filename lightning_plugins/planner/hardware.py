@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_plugins.errors import PlannerError
 
-__all__ = ["GPU", "GPUS", "Cluster", "cluster_from", "parse_bytes"]
+__all__ = ["GPU", "GPUS", "Cluster", "cluster_from", "parse_bytes", "peak_flops"]
 
 GIB = 2**30
 MIB = 2**20
@@ -42,6 +42,7 @@ class GPU:
 
 # Sources: NVIDIA H100 / H200 / A100 / L40S / L40 / RTX A6000 datasheets and the Ada (RTX 4090) whitepaper
 # (dense bf16 = half the "with sparsity" figure; the 4090 and A6000 figures are bf16 with fp32 accumulate);
+# (A10G: the A10 datasheet's 125 TFLOPS dense bf16, 24 GB GDDR6: 23028 MiB, PCIe 4.0 without NVLink);
 # AMD Instinct MI300X datasheet (1307.4 TFLOPS dense bf16, 192 GB HBM3, 7 Infinity Fabric links of 64 GB/s).
 # Memory: the MiB total nvidia-smi reports (H100 SXM 80GB: 81559 MiB; H200: 143771 MiB; A100: 81920/40960 MiB;
 # L40S/L40: 46068 MiB; RTX 4090: 24564 MiB; RTX A6000: 49140 MiB), MI300X: 192 GiB (datasheet).
@@ -61,9 +62,21 @@ GPUS: dict[str, GPU] = {
         GPU("L40", 46068 * MIB, 181.05e12, 20e9, 25e9),
         GPU("A6000", 49140 * MIB, 154.8e12, 20e9, 25e9),
         GPU("RTX4090", 24564 * MIB, 165.2e12, 20e9, 25e9),
+        GPU("A10G", 23028 * MIB, 125e12, 20e9, 25e9),
     )
 }
 _ALIASES = {"H100-80GB": "H100", "H100-SXM": "H100", "H200-141GB": "H200", "A100-80GB": "A100", "RTX-4090": "RTX4090"}
+
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak (FLOP/s) of the GPU ``torch.cuda.get_device_name()`` calls ``device_name``, for MFU.
+
+    The first :data:`GPUS` entry whose name ``device_name`` contains (``"NVIDIA H100 80GB HBM3"`` is an H100);
+    ``None`` for a GPU the table does not know.
+    """
+    return next((gpu.peak_flops for name, gpu in GPUS.items() if name in device_name), None)
+
 
 #: Host memory of one node when not given: 2 TiB, what an 8-GPU HGX/DGX H100 or H200 node carries (DGX H100: 2 TB).
 DEFAULT_HOST_MEMORY = 2 * 2**40

@@ -212,6 +212,22 @@ def _shape(config: Any) -> tuple[int, int, int, int, int, int, int]:
     return h, layers, heads, kv_heads, head_dim, config.intermediate_size, config.vocab_size
 
 
+def _stats(config: Any, **counts: Any) -> ModelStats:
+    """:class:`ModelStats` with the shape read from ``config`` and the parameter ``counts`` found either way."""
+    h, layers, heads, kv_heads, head_dim, ffn, vocab = _shape(config)
+    return ModelStats(
+        hidden_size=h,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=ffn,
+        vocab_size=vocab,
+        model_type=str(config.model_type),
+        **counts,
+    )
+
+
 def _family_targets(family: Any) -> tuple[str, ...]:
     """The last name component of a family's column- and row-parallel projections (``lora._default_targets``)."""
     return tuple(dict.fromkeys(path.rpartition(".")[2] for path in (*family.colwise, *family.rowwise)))
@@ -220,7 +236,7 @@ def _family_targets(family: Any) -> tuple[str, ...]:
 def _closed_form(config: Any) -> ModelStats:
     from lightning_plugins.parallel.families import FAMILIES
 
-    h, layers, heads, kv_heads, head_dim, ffn, vocab = _shape(config)
+    h, _, heads, kv_heads, head_dim, ffn, vocab = _shape(config)
     q, kv = heads * head_dim, kv_heads * head_dim
     linears = (
         ("q_proj", h, q),
@@ -242,21 +258,14 @@ def _closed_form(config: Any) -> ModelStats:
     head_norms = 2 * head_dim if config.model_type == "qwen3" else 0
     layer = sum(i * o for _, i, o in linears) + biases + 2 * h + head_norms
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    return ModelStats(
-        hidden_size=h,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=ffn,
-        vocab_size=vocab,
+    return _stats(
+        config,
         tied_embeddings=tied,
         embedding_params=vocab * h,
         layer_params=layer,
         norm_params=h,
         head_params=0 if tied else vocab * h,
         linears=linears,
-        model_type=config.model_type,
         lora_targets=_family_targets(FAMILIES[config.model_type]),
     )
 
@@ -298,22 +307,14 @@ def _from_meta_layer(config: Any) -> ModelStats:
         for name, m in layer.named_modules()
         if isinstance(m, nn.Linear)
     )
-    h, layers, heads, kv_heads, head_dim, ffn, vocab = _shape(config)
-    return ModelStats(
-        hidden_size=h,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=ffn,
-        vocab_size=vocab,
+    return _stats(
+        config,
         tied_embeddings=tied,
         embedding_params=embedding_params,
         layer_params=layer_params,
         norm_params=total - embedding_params - layer_params - head_params,
         head_params=head_params,
         linears=linears,
-        model_type=str(config.model_type),
         lora_targets=targets,
     )
 

@@ -6,9 +6,8 @@ from pathlib import Path
 
 from lightning_plugins.planner.rank_memory import PEAK_CATEGORIES
 from lightning_plugins.planner.report import Plan
+from lightning_plugins.planner.hardware import GIB
 from lightning_plugins.planner.workload import Workload
-
-GIB = 2**30
 
 
 def plot_plans(plans: list[Plan], path: str | Path, *, labels: list[str] | None = None) -> Path:

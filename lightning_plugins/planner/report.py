@@ -12,13 +12,12 @@ from typing import Any
 
 from lightning_plugins.planner.dryrun import dry_runs
 from lightning_plugins.planner.rank_memory import PEAK_CATEGORIES, RankMemory, korthikanti_activations
-from lightning_plugins.planner.hardware import Cluster
+from lightning_plugins.planner.hardware import GIB, Cluster
 from lightning_plugins.planner.timing import StepTime, estimate_step_time
 from lightning_plugins.planner.workload import Workload
 
 #: Share of each GPU's memory kept free: the CUDA context, NCCL buffers and allocator fragmentation.
 DEFAULT_MARGIN = 0.10
-GIB = 2**30
 
 
 @dataclass

@@ -46,7 +46,7 @@ from lightning_plugins.planner.assumptions import (
     step_assumptions,
 )
 from lightning_plugins.planner.hardware import Cluster
-from lightning_plugins.planner.model_stats import NF4_BYTES_PER_PARAM, ModelStats, model_stats
+from lightning_plugins.planner.model_stats import NF4_BYTES_PER_PARAM, TRAINABLE, ModelStats, model_stats
 from lightning_plugins.errors import PlannerError
 from lightning_plugins.planner.step_shape import StepShape
 
@@ -58,8 +58,6 @@ __all__ = [
     "estimate_step_time",
     "torchtitan_op_sac",
 ]
-
-METHODS = ("full", "lora", "qlora")
 
 
 
@@ -405,8 +403,8 @@ def torchtitan_op_sac(stats: ModelStats) -> float:
 
 
 def _method(method: str, lora: Any | None) -> tuple[str, Any | None]:
-    if method not in METHODS:
-        raise PlannerError(f"method={method!r} is not one of {METHODS}.")
+    if method not in TRAINABLE:
+        raise PlannerError(f"method={method!r} is not one of {TRAINABLE}.")
     if method == "full":
         if lora is not None:
             raise PlannerError(

@@ -16,9 +16,6 @@ from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.errors import PlannerError
 
-#: Training methods: all weights, LoRA adapters on a dense base, LoRA adapters on an NF4 base.
-METHODS = ("full", "lora", "qlora")
-
 
 @dataclass(frozen=True)
 class Workload:

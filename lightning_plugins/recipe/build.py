@@ -13,13 +13,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_plugins.parallel.dtypes import DTYPES
 from lightning_plugins.parallel.offload import offload_optimizer
+from lightning_plugins.planner.hardware import peak_flops
 from lightning_plugins.recipe.schema import Recipe
 from lightning_plugins.checkpoint.resume import ResumableDataLoader, loader_generator
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: Dense bf16 peak FLOP/s of common GPUs, for MFU.
-_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
 def lr_lambda(step: int, total: int, warmup: int, scheduler: str, min_ratio: float) -> float:
@@ -65,7 +64,7 @@ def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Modul
     tokenizer = AutoTokenizer.from_pretrained(spec.path, **remote)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    kwargs = {"dtype": _DTYPES[spec.dtype], "attn_implementation": spec.attn_implementation}
+    kwargs = {"dtype": DTYPES[spec.dtype], "attn_implementation": spec.attn_implementation}
     if on_meta and recipe.lora is None and Path(spec.path).is_dir():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path, **remote), **kwargs, **remote)
@@ -161,6 +160,5 @@ def model_flops_utilization(tokens_per_s: float, num_params: int, world_size: in
     """MFU (6 x params FLOPs per token) against the GPUs' dense bf16 peak; ``None`` on CPU or an unknown GPU."""
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    peak = next((flops for key, flops in _PEAK_FLOPS.items() if key in name), None)
+    peak = peak_flops(torch.cuda.get_device_name())
     return None if peak is None else 6 * num_params * tokens_per_s / (peak * world_size)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_plugins.run.perf import PerfMonitor, ProfileOptions
+from lightning_plugins.strategies.step_end import StepEndCallback
 
 
-class PerfCallback(Callback):
+class PerfCallback(StepEndCallback):
     """Profiles ``train.profile``'s optimizer steps and samples the last step of every ``log_every`` window
     (:class:`~lightning_plugins.run.perf.PerfMonitor`); the ``perf/*`` metrics are logged with the step's others.
     ``ParallelismStrategy`` adds it to every ``fit`` given a ``perf`` setting (:func:`add_perf`).
@@ -34,30 +33,26 @@ class PerfCallback(Callback):
         sample: bool = True,
         straggler_ratio: float = 1.25,
     ) -> None:
+        super().__init__()
         self.output_dir, self.log_every, self.profile = output_dir, log_every, profile
         self.sample, self.straggler_ratio = sample, straggler_ratio
         self._monitor: PerfMonitor | None = None
-        self._step = -1
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         cuda = trainer.strategy.root_device.type == "cuda"
         self._monitor = PerfMonitor(
             self.output_dir, self.log_every, self.profile, straggler_ratio=self.straggler_ratio, sample=self.sample,
             cuda=cuda,
         )  # fmt: skip
-        self._step = trainer.global_step
         total = trainer.max_steps if trainer.max_steps > 0 else trainer.estimated_stepping_batches
         self._monitor.begin(self._step, int(total))
 
     @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        step = trainer.global_step
-        if self._monitor is None or step == self._step:  # inside an accumulation window
+    def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        if self._monitor is None:
             return
-        self._step = step
         metrics = self._monitor.step_end(step)
         if metrics:
             pl_module.log_dict(metrics, rank_zero_only=True)
@@ -65,13 +60,10 @@ class PerfCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._close()
+        self.release()
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._close()
-
-    def _close(self) -> None:
+    def release(self) -> None:
         if self._monitor is not None:
             self._monitor.close()
             self._monitor = None

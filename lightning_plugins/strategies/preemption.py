@@ -7,14 +7,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lightning_plugins.run.preemption import Preemption
-from lightning_plugins.checkpoint.resume_choice import CHECKPOINT_NAME
+from lightning_plugins.checkpoint.checks import CHECKPOINT_NAME
+from lightning_plugins.strategies.step_end import StepEndCallback
 
 
-class PreemptionCallback(Callback):
+class PreemptionCallback(StepEndCallback):
     """On a preemption signal (or, in a rank a launcher started, the launcher's death), every rank finishes its
     optimizer step, the ``ModelCheckpoint`` writes ``step=N.ckpt`` (the one auto-resume picks), and the run exits with
     :data:`~lightning_plugins.run.preemption.PREEMPTED_EXIT` at the next hook (after Lightning has logged the step).
@@ -31,26 +32,22 @@ class PreemptionCallback(Callback):
     """
 
     def __init__(self, signals: Sequence[str], launched: bool) -> None:
+        super().__init__()
         self.signals, self.launched = list(signals), launched
         self._preemption: Preemption | None = None
-        self._step = -1
         self._stopping = False
         self._saved: Path | None = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         self._preemption = Preemption(self.signals, watch_parent=self.launched)
         self._preemption.install()
-        self._step = trainer.global_step
 
     @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        step = trainer.global_step
-        if self._preemption is None or step == self._step:  # inside an accumulation window
+    def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> None:
+        if self._preemption is None:
             return
-        self._step = step
         if not self._preemption.agree(trainer.strategy.root_device):
             return
         checkpoint = trainer.checkpoint_callback
@@ -74,7 +71,7 @@ class PreemptionCallback(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop_if_preempted(trainer)
-        self._uninstall()
+        self.release()
 
     def _stop_if_preempted(self, trainer: pl.Trainer) -> None:
         if not self._stopping or self._preemption is None:
@@ -84,10 +81,7 @@ class PreemptionCallback(Callback):
         self._preemption.finish(trainer.global_step, self._saved)
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._uninstall()
-
-    def _uninstall(self) -> None:
+    def release(self) -> None:
         if self._preemption is not None:
             self._preemption.uninstall()
             self._preemption = None

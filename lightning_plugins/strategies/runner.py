@@ -23,7 +23,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, RichProgressBar
 from typing_extensions import override
 
-from lightning_plugins.checkpoint.resume_choice import CHECKPOINT_NAME, LATEST, handed_down_resume
+from lightning_plugins.checkpoint.checks import CHECKPOINT_NAME
+from lightning_plugins.checkpoint.resume_choice import LATEST, handed_down_resume
 from lightning_plugins.recipe.build import batches_per_rank, build_loaders, build_model, make_optimizer, total_steps
 from lightning_plugins.recipe.diff import reset_optimizer
 from lightning_plugins.recipe.finish import check_exportable, export_trained, write_results

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
-from lightning_plugins.planner.hardware import GIB, GPUS, Cluster, cluster_from, parse_bytes
+from lightning_plugins.planner.hardware import GIB, GPUS, Cluster, cluster_from, parse_bytes, peak_flops
 from lightning_plugins.planner.model_stats import (
     PlannerError,
     _from_meta_layer,
@@ -146,6 +146,14 @@ def test_parse_bytes_errors_name_the_input_and_the_fix(text):
         parse_bytes(text)
     assert repr(text) in str(err.value)
     assert "80GiB" in str(err.value)
+
+
+def test_peak_flops_reads_torch_device_names():
+    """MFU's peak is the planner's table, found by the name ``torch.cuda.get_device_name()`` gives."""
+    assert peak_flops("NVIDIA H100 80GB HBM3") == GPUS["H100"].peak_flops
+    assert peak_flops("NVIDIA L40S") == GPUS["L40S"].peak_flops != GPUS["L40"].peak_flops
+    assert peak_flops("NVIDIA A10G") == 125e12 and peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("Tesla T4") is None
 
 
 def test_cluster_from():

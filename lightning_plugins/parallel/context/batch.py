@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_plugins.parallel.loss import IGNORE_INDEX
 from lightning_plugins.parallel.context.sharding import shard_sequence_load_balanced
 
 # Keys of a batch that hold one entry per sequence position and that sharding knows how to split.
@@ -31,7 +32,7 @@ def shard_batch_for_context_parallel(
     *,
     pad_to_multiple_of: Optional[int] = None,
     pad_token_id: int = 0,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> dict[str, Any]:
     """This rank's load-balanced shard of a full-sequence causal-LM batch.
 

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_plugins.parallel.loss import IGNORE_INDEX
+
 #: Tokens in one chunk of the load-balanced layout (see the module docstring). Smaller chunks balance packed rows
 #: of shorter documents; larger ones keep more of each short document on one rank. Measured in
 #: ``benchmarks/packed_attention.py`` (RESULTS.md, "Packed rows under context parallelism").
@@ -174,7 +176,7 @@ def pad_for_context_parallel(
     pad_id: int,
     *,
     load_balanced: bool = True,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> ContextParallelBatch:
     """Pad a batch at the end of its sequence so that context parallelism can split it evenly.
 

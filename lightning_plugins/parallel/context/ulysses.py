@@ -52,27 +52,18 @@ def _head_to_seq(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     return received.transpose(0, 1).reshape(b, size * h, s // size, d)
 
 
-class _SeqToHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _seq_to_head(x, group)
+class _AllToAll(torch.autograd.Function):
+    """:func:`_seq_to_head` (``to_heads``) or :func:`_head_to_seq`, differentiable: each one's backward is the other."""
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup, to_heads: bool) -> Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_head if to_heads else _head_to_seq)(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         # The all-to-all is a permutation of data across ranks; its adjoint is the inverse permutation.
-        return _head_to_seq(grad, ctx.group), None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _head_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _seq_to_head(grad, ctx.group), None
+        return (_head_to_seq if ctx.to_heads else _seq_to_head)(grad, ctx.group), None, None
 
 
 def seq_to_head(x: Tensor, group: Optional[dist.ProcessGroup] = None) -> Tensor:
@@ -88,7 +79,7 @@ def seq_to_head(x: Tensor, group: Optional[dist.ProcessGroup] = None) -> Tensor:
     Returns:
         This rank's head shard over the whole sequence.
     """
-    return _SeqToHead.apply(x, group if group is not None else dist.group.WORLD)
+    return _AllToAll.apply(x, group if group is not None else dist.group.WORLD, True)
 
 
 def head_to_seq(x: Tensor, group: Optional[dist.ProcessGroup] = None) -> Tensor:
@@ -101,7 +92,7 @@ def head_to_seq(x: Tensor, group: Optional[dist.ProcessGroup] = None) -> Tensor:
     Returns:
         This rank's sequence shard with all heads.
     """
-    return _HeadToSeq.apply(x, group if group is not None else dist.group.WORLD)
+    return _AllToAll.apply(x, group if group is not None else dist.group.WORLD, False)
 
 
 def _repeat_kv_for_cp(x: Tensor, cp_size: int) -> Tensor:
