@@ -11,14 +11,8 @@ How a causal LM becomes a pipeline:
   only its stages' layers (under their original names, so ``model.layers.5`` stays ``model.layers.5``
   and checkpoints map across layouts), the embedding if it holds the first stage, the final norm and
   ``lm_head`` if it holds the last.
-* **Stages.** A :class:`StageModule` runs one stage. It recomputes the causal mask and the rotary
-  embeddings from the sequence length, attention mask and position ids. Those, and the labels, are
-  chunked by the schedule and handed to every stage locally: all ranks of one pipeline read the same
-  batch, so only hidden states (and their gradients) travel between ranks.
-* **Loss.** The last stage turns each micro-batch's token-loss *sum* into its share of the global
-  token mean: ``sum x data_ranks x loss_scale / valid tokens of the whole batch over all data ranks``.
-  Schedules run with ``scale_grads=False``, so the accumulated gradient is exactly the one process
-  averaging over the whole batch would get (FSDP2 then averages over the data ranks).
+* **Stages and loss.** Each stage recomputes its masks and rotary embeddings locally, so only hidden states
+  travel between ranks; the last stage returns its share of the global token mean (see :mod:`.stage`).
 * **Shapes** are given to ``PipelineStage`` up front (static mode): no metadata-inference pass runs.
   A new (micro-batch, sequence) shape rebuilds the stages; padding to a fixed length avoids that.
 * **Tied embeddings.** When the first and last stage live on different ranks, each keeps a copy of the
