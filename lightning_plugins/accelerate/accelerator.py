@@ -39,10 +39,10 @@ from lightning_plugins.accelerate.state import load_training_state, save_trainin
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.run.faults import join_timeout, set_collective_timeout
 from lightning_plugins.errors import LayoutError
-from lightning_plugins.adapters.lora import peft_model_around
-from lightning_plugins.checkpoint.load import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
+from lightning_plugins.checkpoint.load import is_on_meta, parallelize_and_load
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions, with_settings
-from lightning_plugins.parallel import clip_grad_norm_, mesh_of, parallelize, pipeline_of
+from lightning_plugins.parallel import clip_grad_norm_, mesh_of, pipeline_of
+from lightning_plugins.parallel.pipeline.runtime import GradHandOff
 from lightning_plugins.parallel.teardown import release_at_exit, release_process_groups
 from lightning_plugins.parallel.families import find_hf_model
 
@@ -135,8 +135,7 @@ class ParallelAccelerator(Accelerator):
         self.recipe_record = recipe_record
         self._saver = AsyncCheckpointer()
         self.device_mesh = None
-        self._pipeline_grads: list[tuple[Tensor, Tensor | None]] | None = None
-        self._held_grads: list[Tensor | None] | None = None
+        self._grads = GradHandOff()  # under pipeline parallelism: the gradients the model call computed
         # Parameters that parallelizing replaced (id -> parameter): an optimizer still holding one would train nothing.
         self._replaced: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         if self.builtin:
@@ -195,7 +194,8 @@ class ParallelAccelerator(Accelerator):
         owner = type(self).__name__
         hf_model = find_hf_model(model, owner)
         if mesh_of(hf_model) is not None:  # prepared before (or by the user): parallelize checks the settings
-            parallelize(peft_model_around(model, hf_model), self.device_mesh, self.options, self.memory)
+            parallelize_and_load(model, hf_model, self.device_mesh, self.options, self.memory,
+                                 load_from=self.load_from, owner=owner, device=self.device)  # fmt: skip
             return
         if any(opt.state for opt in optimizers):
             raise LayoutError(
@@ -206,9 +206,10 @@ class ParallelAccelerator(Accelerator):
         names = {id(p): _canonical(name) for name, p in model.named_parameters(remove_duplicate=False)}
         if not is_on_meta(hf_model) and not all(_on(p.device, self.device) for p in model.parameters()):
             model.to(self.device)  # only when needed: `.to` on torchao NF4 weights leaves views FSDP2 cannot shard
-        parallelize(peft_model_around(model, hf_model), self.device_mesh, self.options, self.memory)
-        if is_on_meta(hf_model):
-            load_sharded_safetensors(hf_model, checkpoint_dir_of(hf_model, self.load_from, type(self).__name__), self.device)
+        parallelize_and_load(
+            model, hf_model, self.device_mesh, self.options, self.memory,
+            load_from=self.load_from, owner=owner, device=self.device,
+        )  # fmt: skip
         params = {_canonical(name): p for name, p in model.named_parameters(remove_duplicate=False)}
         self._replaced.update((id(p), p) for p in before if params.get(names[id(p)]) is not p)
         for optimizer in optimizers:
@@ -303,36 +304,23 @@ class ParallelAccelerator(Accelerator):
         pipeline = self._pipeline()
         # Accelerate's backward divides the loss by the accumulation steps; the schedule differentiates inside.
         pipeline.loss_scale = 1.0 / self.gradient_accumulation_steps
-        params = [p for p in module.parameters() if p.requires_grad]
-        self._held_grads = [p.grad for p in params]
-        for param in params:
-            param.grad = None
+        self._grads.hold(module)
 
     def _take_pipeline_grads(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """After a training call under PP: keep the schedule's gradients for ``backward``; restore the earlier ones."""
-        if self._held_grads is None:
-            return
-        params = [p for p in module.parameters() if p.requires_grad]
-        self._pipeline_grads = [(p, p.grad) for p in params]
-        for param, grad in zip(params, self._held_grads):
-            param.grad = grad
-        self._held_grads = None
+        self._grads.take()
 
     @override
     def backward(self, loss: Tensor, **kwargs: Any) -> None:
         """Backward of ``loss``; under pipeline parallelism, add the gradients the model call already computed."""
         if self.builtin or self.layout.pp_size == 1:
             return super().backward(loss, **kwargs)
-        grads, self._pipeline_grads = self._pipeline_grads, None
-        if grads is None:
+        if not self._grads.add():
             raise RuntimeError(
                 f"{type(self).__name__}.backward under pipeline parallelism adds the gradients that the model call"
                 " computed (the schedule runs forward and backward together): call it once after each training-mode"
                 " model call, with that call's loss."
             )
-        for param, grad in grads:
-            if grad is not None:
-                param.grad = grad if param.grad is None else param.grad.add_(grad)
         return None
 
     @override
@@ -341,11 +329,8 @@ class ParallelAccelerator(Accelerator):
         if self.builtin:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         self.unscale_gradients()
-        parameters = list(parameters)
-        pipeline = self._pipeline()
-        if pipeline is not None:  # counts a tied embedding held by the first and the last stage once
-            return pipeline.clip_grad_norm_(parameters, max_norm, norm_type)
-        return clip_grad_norm_(parameters, max_norm, norm_type, pp_mesh=self.device_mesh["pp"])
+        pp_mesh = self.device_mesh["pp"]
+        return clip_grad_norm_(parameters, max_norm, norm_type, pp_mesh=pp_mesh, pipeline=self._pipeline())
 
     # ----------------------------------------------------------------------------------------------- gathering
 

@@ -32,8 +32,7 @@ from lightning_plugins.run.faults import join_timeout, set_collective_timeout
 from lightning_plugins.checkpoint.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.errors import LayoutError
-from lightning_plugins.adapters.lora import peft_model_around
-from lightning_plugins.checkpoint.load import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
+from lightning_plugins.checkpoint.load import parallelize_and_load
 from lightning_plugins.parallel import families as models
 from lightning_plugins.parallel.families import check_supported
 from lightning_plugins.run.nonfinite import NonFiniteGuard, Policy, check_finite_weights, training_state
@@ -43,11 +42,11 @@ from lightning_plugins.parallel import (
     check_same_settings,
     clip_grad_norm_,
     mesh_of,
-    parallelize,
     pipeline_of,
     reduce_partial_state,
 )
 from lightning_plugins.parallel.context import context_parallel_batch
+from lightning_plugins.parallel.pipeline.runtime import GradHandOff
 from lightning_plugins.recipe.diff import record_recipe
 from lightning_plugins.strategies.perf import PerfCallback, add_perf
 from lightning_plugins.strategies.preemption import add_preemption
@@ -156,6 +155,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         self.preempt_signals = list(preempt_signals)
         self.perf = perf
         self._saver = AsyncCheckpointer()
+        self._grads = GradHandOff()  # under pipeline parallelism: the gradients the model call computed
         #: The global gradient norm of the last optimizer step, before clipping (``None`` before the first).
         self.grad_norm: torch.Tensor | None = None
         self._norm_step = -1  # the optimizer step (1-based) `grad_norm` belongs to
@@ -287,22 +287,20 @@ class ParallelismStrategy(ModelParallelStrategy):
         model = self._hf_model(built=True)
         assert model is not None
         self._check_model(model)
-        checkpoint = checkpoint_dir_of(model, self.load_from, type(self).__name__) if is_on_meta(model) else None
-        if mesh_of(model) is None:
-            parallelize(peft_model_around(self.lightning_module, model), self.device_mesh, self.options, self.memory)
+        apply = mesh_of(model) is None  # else the module's `configure_model` parallelized it: only load
+        parallelize_and_load(
+            self.lightning_module, model, self.device_mesh, self.options, self.memory,
+            load_from=self.load_from, owner=type(self).__name__, device=self.root_device, apply=apply,
+        )  # fmt: skip
+        if apply:
             _PARALLELIZED.add(model)
-        if checkpoint is not None:
-            load_sharded_safetensors(model, checkpoint, self.root_device)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         parameters = self.precision_plugin.main_params(optimizer)
-        pipeline = self._pipeline()
         assert self.lightning_module is not None
         self._norm_step = self.lightning_module.trainer.global_step + 1
-        if pipeline is not None:  # counts a tied embedding held by the first and the last stage once
-            self.grad_norm = pipeline.clip_grad_norm_(parameters, clip_val)
-            return
-        self.grad_norm = clip_grad_norm_(parameters, clip_val, pp_mesh=self.device_mesh["pp"])
+        pipeline = self._pipeline()
+        self.grad_norm = clip_grad_norm_(parameters, clip_val, pp_mesh=self.device_mesh["pp"], pipeline=pipeline)
 
     def _check_step(self, optimizer: Optimizer) -> None:
         """After the gradients are reduced and clipped, before the optimizer steps: the non-finite guard's decision.
@@ -351,16 +349,11 @@ class ParallelismStrategy(ModelParallelStrategy):
         # Lightning zeroes gradients *after* training_step (before backward) at the start of an
         # accumulation window: keep this batch's gradients aside and add them in `backward`, as
         # Lightning's own backward would.
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        held = [p.grad for p in params]
-        for param in params:
-            param.grad = None
+        self._grads.hold(self.lightning_module)
         try:
             return super().training_step(*args, **kwargs)
         finally:
-            self._pipeline_grads = [(p, p.grad) for p in params]
-            for param, grad in zip(params, held):
-                param.grad = grad
+            self._grads.take()
 
     @override
     def backward(
@@ -372,13 +365,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        for param, grad in getattr(self, "_pipeline_grads", []):
-            if grad is not None:
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad += grad
-        self._pipeline_grads = []
+        self._grads.add()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
