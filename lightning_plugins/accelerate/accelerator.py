@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import fields
@@ -35,15 +34,15 @@ from lightning_plugins.accelerate.settings import (
     launched_world,
     merge_sizes,
 )
-from lightning_plugins.accelerate.state import load_training_state, save_training_state
+from lightning_plugins.accelerate.state import load_training_state, next_state_dir, numbered_states, save_training_state
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.run.faults import join_timeout, set_collective_timeout
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.layout import ParallelLayout, given_sizes
-from lightning_plugins.adapters.lora import peft_model_around
-from lightning_plugins.checkpoint.load import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
+from lightning_plugins.checkpoint.load import is_on_meta, parallelize_and_load
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions, with_settings
-from lightning_plugins.parallel import check_settings, clip_grad_norm_, mesh_of, parallelize, pipeline_of
+from lightning_plugins.parallel import check_settings, clip_grad_norm_, mesh_of, pipeline_of
+from lightning_plugins.parallel.pipeline.runtime import GradHandOff
 from lightning_plugins.parallel.teardown import release_at_exit, release_process_groups
 from lightning_plugins.parallel.families import find_hf_model
 
@@ -143,8 +142,7 @@ class ParallelAccelerator(Accelerator):
         self.recipe_record = recipe_record
         self._saver = AsyncCheckpointer()
         self.device_mesh = None
-        self._pipeline_grads: list[tuple[Tensor, Tensor | None]] | None = None
-        self._held_grads: list[Tensor | None] | None = None
+        self._grads = GradHandOff()  # under pipeline parallelism: the gradients the model call computed
         # Parameters that parallelizing replaced (id -> parameter): an optimizer still holding one would train nothing.
         self._replaced: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         if self.builtin:
@@ -203,7 +201,8 @@ class ParallelAccelerator(Accelerator):
         owner = type(self).__name__
         hf_model = find_hf_model(model, owner)
         if mesh_of(hf_model) is not None:  # prepared before (or by the user): parallelize checks the settings
-            parallelize(peft_model_around(model, hf_model), self.device_mesh, self.options, self.memory)
+            parallelize_and_load(model, hf_model, self.device_mesh, self.options, self.memory,
+                                 load_from=self.load_from, owner=owner, device=self.device)  # fmt: skip
             return
         if any(opt.state for opt in optimizers):
             raise LayoutError(
@@ -214,9 +213,10 @@ class ParallelAccelerator(Accelerator):
         names = {id(p): _canonical(name) for name, p in model.named_parameters(remove_duplicate=False)}
         if not is_on_meta(hf_model) and not all(_on(p.device, self.device) for p in model.parameters()):
             model.to(self.device)  # only when needed: `.to` on torchao NF4 weights leaves views FSDP2 cannot shard
-        parallelize(peft_model_around(model, hf_model), self.device_mesh, self.options, self.memory)
-        if is_on_meta(hf_model):
-            load_sharded_safetensors(hf_model, checkpoint_dir_of(hf_model, self.load_from, type(self).__name__), self.device)
+        parallelize_and_load(
+            model, hf_model, self.device_mesh, self.options, self.memory,
+            load_from=self.load_from, owner=owner, device=self.device,
+        )  # fmt: skip
         params = {_canonical(name): p for name, p in model.named_parameters(remove_duplicate=False)}
         self._replaced.update((id(p), p) for p in before if params.get(names[id(p)]) is not p)
         for optimizer in optimizers:
@@ -311,36 +311,23 @@ class ParallelAccelerator(Accelerator):
         pipeline = self._pipeline()
         # Accelerate's backward divides the loss by the accumulation steps; the schedule differentiates inside.
         pipeline.loss_scale = 1.0 / self.gradient_accumulation_steps
-        params = [p for p in module.parameters() if p.requires_grad]
-        self._held_grads = [p.grad for p in params]
-        for param in params:
-            param.grad = None
+        self._grads.hold(module)
 
     def _take_pipeline_grads(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """After a training call under PP: keep the schedule's gradients for ``backward``; restore the earlier ones."""
-        if self._held_grads is None:
-            return
-        params = [p for p in module.parameters() if p.requires_grad]
-        self._pipeline_grads = [(p, p.grad) for p in params]
-        for param, grad in zip(params, self._held_grads):
-            param.grad = grad
-        self._held_grads = None
+        self._grads.take()
 
     @override
     def backward(self, loss: Tensor, **kwargs: Any) -> None:
         """Backward of ``loss``; under pipeline parallelism, add the gradients the model call already computed."""
         if self.builtin or self.layout.pp_size == 1:
             return super().backward(loss, **kwargs)
-        grads, self._pipeline_grads = self._pipeline_grads, None
-        if grads is None:
+        if not self._grads.add():
             raise RuntimeError(
                 f"{type(self).__name__}.backward under pipeline parallelism adds the gradients that the model call"
                 " computed (the schedule runs forward and backward together): call it once after each training-mode"
                 " model call, with that call's loss."
             )
-        for param, grad in grads:
-            if grad is not None:
-                param.grad = grad if param.grad is None else param.grad.add_(grad)
         return None
 
     @override
@@ -349,11 +336,8 @@ class ParallelAccelerator(Accelerator):
         if self.builtin:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         self.unscale_gradients()
-        parameters = list(parameters)
-        pipeline = self._pipeline()
-        if pipeline is not None:  # counts a tied embedding held by the first and the last stage once
-            return pipeline.clip_grad_norm_(parameters, max_norm, norm_type)
-        return clip_grad_norm_(parameters, max_norm, norm_type, pp_mesh=self.device_mesh["pp"])
+        pp_mesh = self.device_mesh["pp"]
+        return clip_grad_norm_(parameters, max_norm, norm_type, pp_mesh=pp_mesh, pipeline=self._pipeline())
 
     # ----------------------------------------------------------------------------------------------- gathering
 
@@ -422,7 +406,7 @@ class ParallelAccelerator(Accelerator):
         """One atomic distributed checkpoint of every prepared object, random states and data positions."""
         if self.builtin:
             return super().save_state(output_dir, safe_serialization, **kwargs)
-        path = self._next_state_dir() if self.project_configuration.automatic_checkpoint_naming else output_dir
+        path = next_state_dir(self) if self.project_configuration.automatic_checkpoint_naming else output_dir
         if path is None:
             raise ValueError(f"{type(self).__name__}.save_state needs output_dir (or automatic_checkpoint_naming).")
         saved = save_training_state(self, path, self._saver if self.async_checkpoint else None)
@@ -453,32 +437,17 @@ class ParallelAccelerator(Accelerator):
         if input_dir is None:
             if not self.project_configuration.automatic_checkpoint_naming:
                 raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
-            saved = _numbered(Path(self.project_dir) / "checkpoints")
+            saved = numbered_states(Path(self.project_dir) / "checkpoints")
             if not saved:
                 raise FileNotFoundError(f"No checkpoint in {Path(self.project_dir) / 'checkpoints'}.")
             input_dir = saved[-1]
         load_training_state(self, input_dir)
         return None
 
-    def _next_state_dir(self) -> Path:
-        """Accelerate's automatic naming: ``project_dir/checkpoints/checkpoint_<i>``, keeping ``total_limit``."""
-        root = Path(self.project_dir) / "checkpoints"
-        limit = self.project_configuration.total_limit
-        if self.is_main_process and limit is not None:
-            existing = _numbered(root)
-            for old in existing[: max(0, len(existing) + 1 - limit)]:
-                shutil.rmtree(old)
-        self.wait_for_everyone()
-        return root / f"checkpoint_{self.save_iteration}"
-
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-
-def _numbered(root: Path) -> list[Path]:
-    found = [(m.group(1), p) for p in root.glob("checkpoint_*") if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
-    return [p for _, p in sorted(found, key=lambda item: int(item[0]))]
 
 
 def _on(device: torch.device, target: torch.device) -> bool:

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_plugins.accelerate.accelerator import ParallelAccelerator
 from lightning_plugins.accelerate.metrics import recipe_trackers
-from lightning_plugins.accelerate.state import _broadcast
+from lightning_plugins.accelerate.state import broadcast_from_first
 from lightning_plugins.checkpoint import resume_choice
 from lightning_plugins.checkpoint.checks import CHECKPOINT_NAME
 from lightning_plugins.checkpoint.resume_choice import LATEST, agreed_resume
@@ -120,11 +120,11 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     model, optimizer, train_loader, schedule = accelerator.prepare(model, optimizer, train_loader, schedule)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
-    ckpt = agreed_resume(out, resume, accelerator.print, _broadcast)  # rank 0's decision, for every rank
+    ckpt = agreed_resume(out, resume, accelerator.print, broadcast_from_first)  # rank 0's decision, for every rank
     if ckpt is not None:
         accelerator.load_state(ckpt)
         # Optim settings changed on resume: a new AdamW state and schedule (rank 0's reading of its checkpoint).
-        if _broadcast(train.resume_reset_optimizer):
+        if broadcast_from_first(train.resume_reset_optimizer):
             reset_optimizer(optimizer, schedule, model, recipe, total, progress.step)
 
     main = accelerator.is_main_process

@@ -6,44 +6,36 @@ checkpoint reshards to another layout), the gradients accumulated so far when sa
 window, schedulers, the gradient-accumulation step, each data loader's position, registered custom
 objects, the gradient scaler, and every rank's random states.
 
-The directory is written under ``<name>.partial`` and renamed into place once complete, so a crash never
-leaves a half-written checkpoint under the final name (see GROUND.md: DCP over an existing directory is unsafe);
-with an :class:`~lightning_plugins.checkpoint.async_save.AsyncCheckpointer` the tensors are written in the background and
-the rename waits for them.
+The directory is written and published by the protocol both doors share
+(:func:`lightning_plugins.checkpoint.dcp.save_sharded`): under ``<name>.partial``, renamed into place once complete,
+so a crash never leaves a half-written checkpoint under the final name (see GROUND.md: DCP over an existing directory
+is unsafe); with an :class:`~lightning_plugins.checkpoint.async_save.AsyncCheckpointer` the tensors are written in the
+background and the rename waits for them.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from lightning_plugins.checkpoint import dcp
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.checkpoint.checks import reads_checkpoint
-from lightning_plugins.checkpoint.disk_space import check_room, writing_checkpoint
 from lightning_plugins.checkpoint.export_info import save_export_info
-from lightning_plugins.checkpoint.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
-from lightning_plugins.parallel import reduce_partial_state
+from lightning_plugins.checkpoint.integrity import save_checksummed, verify_on_first_rank
+from lightning_plugins.checkpoint.resume import load_rng
 from lightning_plugins.recipe.diff import record_recipe
-from lightning_plugins.checkpoint.resume import load_rng, publish, save_rng
 
 #: Non-tensor state written once (identical on every rank).
 STATE_FILE = "accelerator_state.pt"
-# One entry per parameter name: pipeline ranks hold different parameter groups (see the Lightning door).
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def save_training_state(accelerator: Any, path: str | Path, saver: AsyncCheckpointer | None = None) -> Path:
@@ -59,48 +51,32 @@ def save_training_state(accelerator: Any, path: str | Path, saver: AsyncCheckpoi
         ``path`` as a ``Path``.
     """
     path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    rank = dist.get_rank()
     if saver is not None:
-        saver.wait()  # never two saves in flight (and the previous one's .partial is not removed under it)
-    if rank == 0 and partial.exists():
-        shutil.rmtree(partial)
-    dist.barrier()
+        saver.wait()  # the state below is taken after the save in flight (if any) has copied its own
     grads = [[name for name, p in model.named_parameters() if p.grad is not None] for model in accelerator._models]
     tensors = _tensor_state(accelerator, grads)
-    needed = check_room(partial, tensors)  # a disk without room refuses it on every rank, before any write
-    with writing_checkpoint(partial, needed):  # a write failing for lack of room: named, and .partial removed
-        if saver is None:
-            dcp.save(tensors, storage_writer=ChecksummedWriter(partial))
-        else:
-            partial.mkdir(parents=True, exist_ok=True)
-        every = [None] * dist.get_world_size()  # pipeline ranks hold different parameters: name them all
-        dist.all_gather_object(every, grads)
-        save_rng(partial, rank)
-        if rank == 0:
-            save_checksummed(
-                {
-                    "step": accelerator.step,
-                    "grads": [sorted(set().union(*names)) for names in zip(*every)],
-                    "schedulers": [scheduler.state_dict() for scheduler in accelerator._schedulers],
-                    "dataloaders": [loader.position() for loader in accelerator._dataloaders],
-                    "custom": [obj.state_dict() for obj in accelerator._custom_objects],
-                    "scaler": None if accelerator.scaler is None else accelerator.scaler.state_dict(),
-                },
-                partial / STATE_FILE,
-            )
-            if accelerator._models:  # what `lightning-plugins export` needs besides the weights
-                save_export_info(partial, accelerator._models[0], _key("model", 0), accelerator.load_from)
-            if getattr(accelerator, "recipe_record", None) is not None:
-                record_recipe(partial, accelerator.recipe_record)
-        if saver is not None:  # everything but the tensors is on disk: publishing waits for them alone
-            saver.save(tensors, partial, (lambda: publish(partial, path)) if rank == 0 else None, needed)
-            return path
-        dist.barrier()
-        if rank == 0:
-            publish(partial, path)
-        dist.barrier()
-        return path
+    every: list[Any] = [None] * dist.get_world_size()  # pipeline ranks hold different parameters: name them all
+    dist.all_gather_object(every, grads)
+
+    def write_files(partial: Path) -> None:
+        save_checksummed(
+            {
+                "step": accelerator.step,
+                "grads": [sorted(set().union(*names)) for names in zip(*every)],
+                "schedulers": [scheduler.state_dict() for scheduler in accelerator._schedulers],
+                "dataloaders": [loader.position() for loader in accelerator._dataloaders],
+                "custom": [obj.state_dict() for obj in accelerator._custom_objects],
+                "scaler": None if accelerator.scaler is None else accelerator.scaler.state_dict(),
+            },
+            partial / STATE_FILE,
+        )
+        if accelerator._models:  # what `lightning-plugins export` needs besides the weights
+            save_export_info(partial, accelerator._models[0], _key("model", 0), accelerator.load_from)
+        if getattr(accelerator, "recipe_record", None) is not None:
+            record_recipe(partial, accelerator.recipe_record)
+
+    dcp.save_sharded(tensors, path, rank=dist.get_rank(), barrier=dist.barrier, write_files=write_files, saver=saver)
+    return path
 
 
 @reads_checkpoint  # a corrupted checkpoint, or one of another model, gets an error naming it and the fix
@@ -116,7 +92,7 @@ def load_training_state(accelerator: Any, path: str | Path) -> None:
     """
     path = Path(path)
     # Its files against its checksums, before any is read (rank 0 reads them; every rank stops on what it found).
-    verify_on_first_rank(path, dist.get_rank() if dist.is_initialized() else 0, _broadcast)
+    verify_on_first_rank(path, dist.get_rank() if dist.is_initialized() else 0, broadcast_from_first)
     if not (path / ".metadata").is_file() or not (path / STATE_FILE).is_file():
         raise FileNotFoundError(
             f"{path} is not a complete checkpoint written by ParallelAccelerator.save_state (no .metadata or"
@@ -131,14 +107,14 @@ def load_training_state(accelerator: Any, path: str | Path) -> None:
         for model, names in zip(accelerator._models, saved["grads"])
     ]
     state = _tensor_state(accelerator, grads)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load_tensors(state, path)
     for index, model in enumerate(accelerator._models):
         set_model_state_dict(model, state[_key("model", index)])
         for name, grad in state.get(_key("grads", index), {}).items():
             model.get_parameter(name).grad = grad
     for index, optimizer in enumerate(accelerator._optimizers):
         raw = _raw(optimizer)
-        set_optimizer_state_dict(_owner(accelerator, raw), raw, state[_key("optimizer", index)], options=_FLAT)
+        dcp.load_optimizer_state(_owner(accelerator, raw), raw, state[_key("optimizer", index)])
     for what, objects in (
         ("schedulers", accelerator._schedulers),
         ("dataloaders", accelerator._dataloaders),
@@ -171,8 +147,7 @@ def _tensor_state(accelerator: Any, grads: list[list[str]]) -> dict[str, Any]:
             state[_key("grads", index)] = {name: _saveable_grad(params[name]) for name in names}
     for index, optimizer in enumerate(accelerator._optimizers):
         raw = _raw(optimizer)
-        optimizer_state = get_optimizer_state_dict(_owner(accelerator, raw), raw, options=_FLAT)
-        state[_key("optimizer", index)] = reduce_partial_state(optimizer_state)
+        state[_key("optimizer", index)] = dcp.optimizer_state(_owner(accelerator, raw), raw)
     return state
 
 
@@ -187,7 +162,7 @@ def _saveable_grad(param: Tensor) -> Tensor:
     return grad
 
 
-def _broadcast(obj: Any) -> Any:
+def broadcast_from_first(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (``obj`` itself in one process)."""
     if not dist.is_initialized():
         return obj
@@ -214,3 +189,21 @@ def _owner(accelerator: Any, optimizer: torch.optim.Optimizer) -> nn.Module:
         f"{type(accelerator).__name__}.save_state/load_state: an optimizer updates no parameter of a prepared model;"
         " prepare the model and its optimizer together (accelerator.prepare(model, optimizer, ...))."
     )
+
+
+def numbered_states(root: Path) -> list[Path]:
+    """Accelerate's automatically named states in ``root`` (``checkpoint_<i>``), oldest first."""
+    found = [(m.group(1), p) for p in root.glob("checkpoint_*") if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
+    return [p for _, p in sorted(found, key=lambda item: int(item[0]))]
+
+
+def next_state_dir(accelerator: Any) -> Path:
+    """Accelerate's automatic naming: ``project_dir/checkpoints/checkpoint_<i>``, keeping ``total_limit``."""
+    root = Path(accelerator.project_dir) / "checkpoints"
+    limit = accelerator.project_configuration.total_limit
+    if accelerator.is_main_process and limit is not None:
+        existing = numbered_states(root)
+        for old in existing[: max(0, len(existing) + 1 - limit)]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return root / f"checkpoint_{accelerator.save_iteration}"

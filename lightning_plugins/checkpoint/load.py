@@ -206,6 +206,46 @@ def checkpoint_dir_of(model: nn.Module, load_from: str | Path | None, owner: str
     return Path(source)
 
 
+def parallelize_and_load(
+    module: nn.Module,
+    model: nn.Module,
+    mesh: DeviceMesh,
+    options: ParallelOptions | None,
+    memory: MemoryOptions | None,
+    *,
+    load_from: str | Path | None,
+    owner: str,
+    device: torch.device | str | None = None,
+    apply: bool = True,
+) -> None:
+    """Apply the layout to the HF ``model`` inside ``module``, then, when it was built on the meta device, fill this
+    rank's slices from its checkpoint: the one path both doors take to parallelize a model (meta or not).
+
+    Args:
+        module: What holds ``model`` (the LightningModule, the prepared module): a peft ``PeftModel`` in it around
+            ``model`` is what gets parallelized (see :func:`~lightning_plugins.adapters.lora.peft_model_around`).
+        model: The transformers model.
+        mesh: The door's device mesh.
+        options: How each dimension is applied.
+        memory: The memory levers.
+        load_from: The checkpoint directory of a meta-device model (default: the config's ``name_or_path``).
+        owner: Named in errors.
+        device: Where the loaded shards live (default: the mesh's device type).
+        apply: ``False`` when ``model`` is parallelized already (by the user's own code): only load.
+
+    Raises:
+        LayoutError: before anything is parallelized, when the model is on the meta device and no checkpoint
+            directory is known.
+    """
+    from lightning_plugins.adapters.lora import peft_model_around
+
+    checkpoint = checkpoint_dir_of(model, load_from, owner) if is_on_meta(model) else None
+    if apply:
+        parallelize(peft_model_around(module, model), mesh, options, memory)
+    if checkpoint is not None:
+        load_sharded_safetensors(model, checkpoint, device)
+
+
 def from_pretrained(
     checkpoint_dir: str | Path,
     layout: ParallelLayout | DeviceMesh,

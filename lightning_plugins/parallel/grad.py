@@ -59,9 +59,26 @@ def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0, pp_mes
 
 
 def clip_grad_norm_(
-    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, pp_mesh: DeviceMesh | None = None
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    pp_mesh: DeviceMesh | None = None,
+    *,
+    pipeline: Any = None,
 ) -> Tensor:
-    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before."""
+    """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before.
+
+    Args:
+        parameters: Parameters whose ``.grad`` count (plain tensors and DTensors, any meshes).
+        max_norm: The largest global norm the gradients keep.
+        norm_type: The p of the p-norm (``float("inf")`` for the max norm).
+        pp_mesh: The pipeline mesh when each stage holds different parameters, else ``None``.
+        pipeline: The model's :class:`~lightning_plugins.parallel.pipeline.runtime.Pipeline` under pipeline
+            parallelism: it clips instead (over all stages, counting a tied embedding held by the first and the last
+            stage once). Both doors dispatch their clipping here.
+    """
+    if pipeline is not None:
+        return pipeline.clip_grad_norm_(parameters, max_norm, norm_type)
     parameters = list(parameters)
     total = total_grad_norm(parameters, norm_type, pp_mesh)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

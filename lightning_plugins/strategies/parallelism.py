@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import shutil
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -11,12 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -25,18 +21,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
-from lightning_plugins.checkpoint.checks import reads_checkpoint
-from lightning_plugins.checkpoint.disk_space import check_room, writing_checkpoint
-from lightning_plugins.checkpoint.export_info import save_export_info
 from lightning_plugins.run.faults import join_timeout, set_collective_timeout
-from lightning_plugins.checkpoint.integrity import ChecksummedWriter, save_checksummed, verify_on_first_rank
 from lightning_plugins.parallel.layout import ParallelLayout, layout_of
 from lightning_plugins.errors import LayoutError
-from lightning_plugins.adapters.lora import peft_model_around
-from lightning_plugins.checkpoint.load import checkpoint_dir_of, is_on_meta, load_sharded_safetensors
+from lightning_plugins.checkpoint.load import parallelize_and_load
 from lightning_plugins.parallel import families as models
 from lightning_plugins.parallel.families import check_supported
-from lightning_plugins.run.nonfinite import NonFiniteGuard, Policy, check_finite_weights, training_state
+from lightning_plugins.run.nonfinite import NonFiniteGuard, Policy
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import (
     check_parallelizable,
@@ -44,15 +35,13 @@ from lightning_plugins.parallel import (
     check_same_settings,
     clip_grad_norm_,
     mesh_of,
-    parallelize,
     pipeline_of,
-    reduce_partial_state,
 )
 from lightning_plugins.parallel.context import context_parallel_batch
-from lightning_plugins.recipe.diff import record_recipe
+from lightning_plugins.parallel.pipeline.runtime import GradHandOff
+from lightning_plugins.strategies.checkpoint_io import ShardedCheckpoints
 from lightning_plugins.strategies.perf import PerfCallback, add_perf
 from lightning_plugins.strategies.preemption import add_preemption
-from lightning_plugins.checkpoint.resume import publish, read_rng, restore_rng, save_rng
 from lightning_plugins.checkpoint.resume_choice import check_same_decision
 from lightning_plugins.parallel.teardown import release_at_exit
 
@@ -64,7 +53,7 @@ if TYPE_CHECKING:
 _PARALLELIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-class ParallelismStrategy(ModelParallelStrategy):
+class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
     """Tensor (with sequence and loss parallel) and fully-sharded data parallelism for HF models.
 
     The strategy finds the ``transformers.PreTrainedModel`` (or peft ``PeftModel``) inside the LightningModule and
@@ -165,6 +154,7 @@ class ParallelismStrategy(ModelParallelStrategy):
         self.preempt_signals = list(preempt_signals)
         self.perf = perf
         self._saver = AsyncCheckpointer()
+        self._grads = GradHandOff()  # under pipeline parallelism: the gradients the model call computed
         #: The global gradient norm of the last optimizer step, before clipping (``None`` before the first).
         self.grad_norm: torch.Tensor | None = None
         self._norm_step = -1  # the optimizer step (1-based) `grad_norm` belongs to
@@ -296,22 +286,20 @@ class ParallelismStrategy(ModelParallelStrategy):
         model = self._hf_model(built=True)
         assert model is not None
         self._check_model(model)
-        checkpoint = checkpoint_dir_of(model, self.load_from, type(self).__name__) if is_on_meta(model) else None
-        if mesh_of(model) is None:
-            parallelize(peft_model_around(self.lightning_module, model), self.device_mesh, self.options, self.memory)
+        apply = mesh_of(model) is None  # else the module's `configure_model` parallelized it: only load
+        parallelize_and_load(
+            self.lightning_module, model, self.device_mesh, self.options, self.memory,
+            load_from=self.load_from, owner=type(self).__name__, device=self.root_device, apply=apply,
+        )  # fmt: skip
+        if apply:
             _PARALLELIZED.add(model)
-        if checkpoint is not None:
-            load_sharded_safetensors(model, checkpoint, self.root_device)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         parameters = self.precision_plugin.main_params(optimizer)
-        pipeline = self._pipeline()
         assert self.lightning_module is not None
         self._norm_step = self.lightning_module.trainer.global_step + 1
-        if pipeline is not None:  # counts a tied embedding held by the first and the last stage once
-            self.grad_norm = pipeline.clip_grad_norm_(parameters, clip_val)
-            return
-        self.grad_norm = clip_grad_norm_(parameters, clip_val, pp_mesh=self.device_mesh["pp"])
+        pipeline = self._pipeline()
+        self.grad_norm = clip_grad_norm_(parameters, clip_val, pp_mesh=self.device_mesh["pp"], pipeline=pipeline)
 
     def _check_step(self, optimizer: Optimizer) -> None:
         """After the gradients are reduced and clipped, before the optimizer steps: the non-finite guard's decision.
@@ -360,16 +348,11 @@ class ParallelismStrategy(ModelParallelStrategy):
         # Lightning zeroes gradients *after* training_step (before backward) at the start of an
         # accumulation window: keep this batch's gradients aside and add them in `backward`, as
         # Lightning's own backward would.
-        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        held = [p.grad for p in params]
-        for param in params:
-            param.grad = None
+        self._grads.hold(self.lightning_module)
         try:
             return super().training_step(*args, **kwargs)
         finally:
-            self._pipeline_grads = [(p, p.grad) for p in params]
-            for param, grad in zip(params, held):
-                param.grad = grad
+            self._grads.take()
 
     @override
     def backward(
@@ -381,167 +364,10 @@ class ParallelismStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        for param, grad in getattr(self, "_pipeline_grads", []):
-            if grad is not None:
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad += grad
-        self._pipeline_grads = []
+        self._grads.add()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """For sharded checkpoints: this rank's optimizer state, flattened to one entry per parameter name.
-
-        Pipeline ranks hold different parameters, so their ``param_groups`` differ; DCP keeps one copy of
-        a non-tensor entry per key, which would hand every rank the first rank's groups. Flattened,
-        every hyper-parameter is stored under its parameter's name and each rank reads back its own. Every
-        layout writes this one format, so a checkpoint resumes under any other layout (pipeline or not).
-        """
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        if not self._save_distributed_checkpoint:
-            return super().optimizer_state(optimizer)
-        assert self.model is not None
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return reduce_partial_state(get_optimizer_state_dict(self.model, optimizer, options=_FLAT))
-
-    @reads_checkpoint  # a corrupted checkpoint, or one of another model, gets an error naming it and the fix
-    def _load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded (DCP) checkpoint, each rank reading its slices (or its stages) whatever layout wrote it.
-
-        Lightning's loader only recognises models with DTensor parameters (with pipeline parallelism
-        alone each rank holds plain tensors of its own stages) and reads optimizer groups unflattened.
-        """
-        from lightning.fabric.strategies.model_parallel import (
-            _METADATA_FILENAME,
-            _distributed_checkpoint_load,
-            _is_sharded_checkpoint,
-        )
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        if self.layout.pp_size == 1 and not _is_sharded_checkpoint(Path(self.broadcast(checkpoint_path))):
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        assert self.model is not None
-        assert self.lightning_module is not None
-        path = Path(self.broadcast(checkpoint_path))
-        if not _is_sharded_checkpoint(path):
-            raise LayoutError(
-                f"{type(self).__name__} loads sharded (DCP) checkpoint directories, and {str(path)!r} is not one."
-                " Save with save_distributed_checkpoint=True (the default)."
-            )
-        module_state = {"state_dict": get_model_state_dict(self.model)}
-        _distributed_checkpoint_load(module_state, path)
-        strict = StateDictOptions(strict=self.lightning_module.strict_loading)
-        set_model_state_dict(self.model, module_state["state_dict"], options=strict)
-        for index, optimizer in enumerate(self.optimizers):
-            key = f"optimizer_{index}"
-            template = get_optimizer_state_dict(self.model, optimizer, options=_FLAT)
-            optimizer_state = {key: reduce_partial_state(template)}
-            _distributed_checkpoint_load(optimizer_state, path)
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optimizer_state[key], options=_FLAT)
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Write the checkpoint (and every rank's random states) next to its destination, then move it into place.
-
-        A save killed at any point leaves only ``<name>.partial`` (never loaded; removed by the next save) and
-        the previous checkpoints untouched. With ``async_checkpoint`` the sharded tensors are written in the
-        background (see :class:`~lightning_plugins.checkpoint.async_save.AsyncCheckpointer`) and the checkpoint is moved
-        into place when they are complete.
-        """
-        path = Path(self.broadcast(filepath))
-        assert self.lightning_module is not None
-        state = training_state(self.lightning_module.parameters(), self.optimizers)
-        check_finite_weights(state, f"checkpoint {path}", self.lightning_module.trainer.global_step)
-        partial = path.with_name(path.name + ".partial")
-        self.last_checkpoint = path
-        self._saver.wait()  # never two saves in flight (and the previous one's .partial is not removed under it)
-        if self.global_rank == 0 and partial.exists():
-            shutil.rmtree(partial) if partial.is_dir() else partial.unlink()
-        self.barrier()
-        if not self._save_distributed_checkpoint:
-            super().save_checkpoint(checkpoint, partial, storage_options)
-            self.barrier()
-            if self.global_rank == 0:
-                publish(partial, path)
-            self.barrier()
-            return
-        self._save_sharded(checkpoint, path, partial, storage_options)
-
-    def _save_sharded(self, checkpoint: dict[str, Any], path: Path, partial: Path, storage_options: Any) -> None:
-        """Lightning's sharded save (DCP tensors, ``meta.pt`` with the loop and data positions), plus the random states
-        and the export info, each file checksummed as it is written. With ``async_checkpoint`` the DCP part runs in
-        the background: everything else is the state at this step, written before it starts."""
-        from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME
-
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(..., storage_options=...) is not supported.")
-        tensors = {"state_dict": checkpoint.pop("state_dict")}
-        tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-        needed = check_room(partial, tensors)  # a disk without room refuses it on every rank, before any write
-        with writing_checkpoint(partial, needed):  # a write failing for lack of room: named, and .partial removed
-            partial.mkdir(parents=True, exist_ok=True)
-            save_rng(partial, self.global_rank)
-            if self.global_rank == 0:
-                save_checksummed(checkpoint, partial / _METADATA_FILENAME)
-                save_export_info(partial, self.lightning_module, "state_dict", self.load_from)
-                if self.recipe_record is not None:
-                    record_recipe(partial, self.recipe_record)
-            publish_it = (lambda: publish(partial, path)) if self.global_rank == 0 else None
-            if self.async_checkpoint:
-                self._saver.save(tensors, partial, publish_it, needed)
-                return
-            dcp.save(tensors, storage_writer=ChecksummedWriter(partial))
-            self.barrier()
-            if publish_it is not None:
-                publish_it()
-        self.barrier()
-
-    @override
-    def on_train_end(self) -> None:
-        self._saver.wait()  # the last checkpoint is complete and published before fit returns
-        super().on_train_end()
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._saver.close(failed=True)  # finish (or abandon, unpublished) a save in flight before the job ends
-        super().on_exception(exception)
-
-    @override
-    def teardown(self) -> None:
-        self._saver.close()
-        super().teardown()
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load model and optimizer (see :meth:`_load_checkpoint`); keep this rank's random states for the training
-        start (restoring them now would let setup draw from them: the run would no longer draw what it would have)."""
-        path = Path(self.broadcast(checkpoint_path))
-        if path.is_dir():  # its files against its checksums, before anything is read
-            verify_on_first_rank(path, self.global_rank, self.broadcast)
-        checkpoint = self._load_checkpoint(checkpoint_path, weights_only)
-        self.last_checkpoint = path
-        self._rng_to_restore = read_rng(path, self.global_rank) if path.is_dir() else None
-        return checkpoint
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        states, self._rng_to_restore = getattr(self, "_rng_to_restore", None), None
-        if states is not None:
-            restore_rng(states)
 
 
 def find_hf_model(module: nn.Module, owner: str) -> nn.Module:
@@ -565,12 +391,3 @@ def _check_after_closure(precision: Any, check: Callable[[Optimizer], None]) -> 
 
     precision._after_closure = checked
     precision._lightning_plugins_checked = True
-
-
-def _flat_options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
-
-
-_FLAT = _flat_options()

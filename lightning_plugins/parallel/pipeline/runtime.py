@@ -317,3 +317,49 @@ class _ForwardOnlyMulti(_PipelineScheduleRuntime):
 
 def _with_copies_of_last_row(x: Tensor, copies: int) -> Tensor:
     return torch.cat([x, x[-1:].expand(copies, *x.shape[1:])])
+
+
+class GradHandOff:
+    """The gradients one pipeline training call computed, kept apart until the door's ``backward`` adds them.
+
+    Under pipeline parallelism the model call runs forward *and* backward of every micro-batch, but the doors'
+    frameworks (Lightning, Accelerate) zero or scale gradients around their own ``backward``. Around the call,
+    :meth:`hold` sets the gradients accumulated so far aside and :meth:`take` keeps the call's own and puts the
+    earlier ones back; the door's ``backward`` then :meth:`add` s the call's gradients, as its own backward would.
+    """
+
+    def __init__(self) -> None:
+        self._params: list[Tensor] | None = None
+        self._held: list[Tensor | None] = []
+        self._taken: list[tuple[Tensor, Tensor | None]] | None = None
+
+    def hold(self, module: nn.Module) -> None:
+        """Before a training call: set the gradients of ``module``'s trainable parameters aside (now ``None``)."""
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._held = [p.grad for p in self._params]
+        for param in self._params:
+            param.grad = None
+
+    def take(self) -> None:
+        """After the call (also a failed one): keep the call's gradients for :meth:`add`; restore the held ones.
+        Nothing happens when nothing was held."""
+        if self._params is None:
+            return
+        self._taken = [(p, p.grad) for p in self._params]
+        for param, grad in zip(self._params, self._held):
+            param.grad = grad
+        self._params, self._held = None, []
+
+    def add(self) -> bool:
+        """Add the gradients :meth:`take` kept to the parameters' (accumulating); whether a call had kept any."""
+        taken, self._taken = self._taken, None
+        if taken is None:
+            return False
+        for param, grad in taken:
+            if grad is not None:
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad += grad
+        return True
+
