@@ -27,16 +27,29 @@ class PipelineParallelStrategy(ParallelismStrategy):
     Args:
         pp_size: Pipeline ranks (at least 2); ``None`` takes ``layout``'s, or 2.
         layout: The parallel sizes as one :class:`~lightning_plugins.ParallelLayout` (``pp_size`` overrides its own).
-        **kwargs: Any option of :class:`ParallelismStrategy` (``tp_size``, ``dp_shard_size``, ...), among them the
-            pipeline's :class:`~lightning_plugins.ParallelOptions` fields: ``pp_schedule`` (``"gpipe"``, ``"1f1b"``,
+        pp_schedule, pp_microbatches, pp_stages_per_rank: The pipeline's :class:`~lightning_plugins.ParallelOptions`
+            fields (``None`` keeps ``options``' own or the default): ``pp_schedule`` (``"gpipe"``, ``"1f1b"``,
             ``"interleaved_1f1b"``, ``"looped_bfs"``, ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or
             ``"dualpipev"``), ``pp_microbatches`` (``None`` takes the number of stages) and ``pp_stages_per_rank``
             (``None`` takes 1, or 2 for interleaved and V-shaped schedules).
+        **kwargs: Any option of :class:`ParallelismStrategy` (``tp_size``, ``dp_shard_size``, ...).
     """
 
     strategy_name = "pipeline_parallel"
 
-    def __init__(self, *, pp_size: int | None = None, layout: ParallelLayout | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        pp_size: int | None = None,
+        layout: ParallelLayout | None = None,
+        pp_schedule: str | None = None,
+        pp_microbatches: int | None = None,
+        pp_stages_per_rank: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        # Named here (not only through **kwargs) so that LightningCLI and jsonargparse see them; None: the default.
+        pipeline = {"pp_schedule": pp_schedule, "pp_microbatches": pp_microbatches, "pp_stages_per_rank": pp_stages_per_rank}
+        kwargs.update({key: value for key, value in pipeline.items() if value is not None})
         if pp_size is None:
             pp_size = 2 if layout is None else layout.pp_size
         if not isinstance(pp_size, int) or pp_size < 2:

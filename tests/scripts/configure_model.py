@@ -55,8 +55,8 @@ FAMILY, STEPS, LOCAL_BATCH = "llama_4l", 3, 2
 #: The strategy class, its arguments, the data-parallel ranks, and a config change the layout cannot run.
 CASES: dict[str, tuple[str, dict[str, Any], int, dict[str, Any] | None]] = {
     "tp2": ("TensorParallelStrategy", {"tp_size": 2}, 1, {"num_key_value_heads": 1}),
-    "pp2": ("PipelineParallelStrategy", {"pp_size": 2, "schedule": "1f1b"}, 1, {"num_hidden_layers": 1}),
-    "cp2": ("ContextParallelStrategy", {"cp_size": 2, "backend": "ulysses"}, 1, {"num_attention_heads": 1}),
+    "pp2": ("PipelineParallelStrategy", {"pp_size": 2, "pp_schedule": "1f1b"}, 1, {"num_hidden_layers": 1}),
+    "cp2": ("ContextParallelStrategy", {"cp_size": 2, "cp_backend": "ulysses"}, 1, {"num_attention_heads": 1}),
     "fsdp2": ("ParallelismStrategy", {"dp_shard_size": 2}, 2, None),  # any HF model fits plain FSDP2
 }
 
