@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 _COMMON = dict(
     hidden_size=32,
@@ -29,6 +39,16 @@ CONFIGS = {
     "llama_tied_4l": lambda: LlamaConfig(**{**_COMMON, "num_hidden_layers": 4}, tie_word_embeddings=True),
     "qwen3_4l": lambda: Qwen3Config(**{**_COMMON, "num_hidden_layers": 4}, head_dim=8),
     "llama_8l": lambda: LlamaConfig(**{**_COMMON, "num_hidden_layers": 8}),
+    # Mixture of experts: 4 routed experts, top-2 (Qwen2-MoE adds a shared expert and a dense layer).
+    "mixtral": lambda: MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **_COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+    ),
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1],
+    ),
+    "mixtral_4l": lambda: MixtralConfig(**{**_COMMON, "num_hidden_layers": 4}, num_local_experts=4, num_experts_per_tok=2),
 }
 
 

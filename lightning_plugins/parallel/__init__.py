@@ -19,6 +19,7 @@ from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.adapters.qlora import check_quantized
 from lightning_plugins.parallel.families import ModelFamily, check_supported, decoder_layers, family_for
 from lightning_plugins.parallel.activation import apply_activation_checkpointing
+from lightning_plugins.parallel.experts import apply_expert_parallel, expert_meshes
 from lightning_plugins.parallel.checks import check_settings
 from lightning_plugins.parallel.context import apply_context_parallel, context_parallel_batch
 from lightning_plugins.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
@@ -99,13 +100,15 @@ def parallelize(
         setattr(model, _SETTINGS_ATTR, (options, memory))
         return model
 
+    layers = decoder_layers(model, family)
+    experts = expert_meshes(mesh, resolved.ep_size) if resolved.ep_size > 1 else None
+    apply_expert_parallel(layers, experts)  # before tensor parallelism, which replicates what is left over tp
     if resolved.tp_size > 1:
         apply_tensor_parallel(
             model, family, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
         )
         if options.loss_parallel:
             model.register_forward_hook(gather_logits_without_labels, with_kwargs=True)
-    layers = decoder_layers(model, family)
     if resolved.cp_size > 1:
         apply_context_parallel(model, layers, mesh["cp"], options.cp_backend)
         _refuse_generate(model, "context parallelism (each rank holds only a shard of the sequence)")
@@ -121,6 +124,7 @@ def parallelize(
             mp_policy=mixed_precision_policy(memory.param_dtype, memory.reduce_dtype),
             offload=offload_policy(memory.cpu_offload, mesh.device_type),
             reshard_after_forward=memory.reshard_after_forward,
+            experts=experts,
         )
     model.loss_function = ParallelCausalLMLoss(data_mesh(mesh))
     install_save_pretrained(model)
@@ -160,25 +164,34 @@ def _parallelize_pipeline(
 ) -> None:
     """The same order per stage: split -> TP/SP -> CP -> AC -> FSDP2 (each stage module is its own root)."""
     tp = mesh["tp"]
-    tensor_parallel = sequence_mesh = fully_shard_stage = None
+    sequence_mesh = fully_shard_stage = None
+    experts = expert_meshes(mesh, mesh.ep_size) if mesh.ep_size > 1 else None
+
+    def split_weights(kept: nn.Module) -> None:  # the rank's part of the model, once the other stages are dropped
+        apply_expert_parallel(decoder_layers(kept, family), experts)
+        if tp.size() > 1:
+            apply_tensor_parallel(
+                kept, family, tp, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
+            )
+
     if tp.size() > 1:
-        tensor_parallel = partial(
-            apply_tensor_parallel, family=family, tp_mesh=tp, sequence_parallel=options.sequence_parallel,
-            loss_parallel=options.loss_parallel,
-        )
         sequence_mesh = tp if options.sequence_parallel and family.sequence_parallel else None
     policy = mixed_precision_policy(memory.param_dtype, memory.reduce_dtype)
     fsdp = fsdp_mesh(mesh)
     if fsdp is not None:
         fully_shard_stage = partial(
-            apply_fsdp, mesh=fsdp, mp_policy=policy, offload=offload_policy(memory.cpu_offload, mesh.device_type)
+            apply_fsdp,
+            mesh=fsdp,
+            mp_policy=policy,
+            offload=offload_policy(memory.cpu_offload, mesh.device_type),
+            experts=experts,
         )
     apply_pipeline_parallel(
         model,
         family,
         mesh,
         pipeline_options,
-        tensor_parallel=tensor_parallel,
+        split_weights=split_weights,
         sequence_mesh=sequence_mesh,
         context_parallel=(
             partial(apply_context_parallel, cp_mesh=mesh["cp"], backend=options.cp_backend)

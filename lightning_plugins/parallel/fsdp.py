@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.parallel.experts import ExpertMeshes, expert_modules
 from lightning_plugins.parallel.dtypes import MIXED_PRECISION_DTYPES
 
 
@@ -40,6 +41,7 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload: OffloadPolicy | None = None,
     reshard_after_forward: bool = True,
+    experts: ExpertMeshes | None = None,
 ) -> None:
     """Shard each decoder layer and then the root (embeddings, final norm, ``lm_head``).
 
@@ -51,10 +53,22 @@ def apply_fsdp(
         offload: ``CPUOffloadPolicy`` to keep sharded parameters and optimizer state on the CPU.
         reshard_after_forward: Free gathered parameters after forward (ZeRO-3); ``False`` keeps
             them until backward (ZeRO-2-like, more memory, fewer all-gathers).
+        experts: Under expert parallelism, the expert meshes: each experts module is its own unit, sharded over
+            ``experts.fsdp`` (the data ranks that do not split the experts). An expert's gradient sums the tokens that
+            the ``ep`` ranks sent it, so it is divided by all the data ranks, as the dense weights' are.
     """
     kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload or OffloadPolicy()}
     last = len(layers) - 1
     for index, layer in enumerate(layers):
+        keep = reshard_after_forward and index < last
+        if experts is not None:
+            for _, module in expert_modules(layer):
+                fully_shard(module, **{**kwargs, "mesh": experts.fsdp}, reshard_after_forward=keep)
+                module.set_gradient_divide_factor(float(experts.data_ranks))
+                # gloo has no pre-scaled sum: divide around a plain sum instead (torch 2.13 divides twice when the
+                # shard group is one rank, so only where it is larger).
+                shards = experts.fsdp.size(experts.fsdp.ndim - 1)
+                module.set_force_sum_reduction_for_comms(experts.fsdp.device_type == "cpu" and shards > 1)
         # The last layer's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(layer, reshard_after_forward=reshard_after_forward and index < last, **kwargs)
+        fully_shard(layer, reshard_after_forward=keep, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)

@@ -30,6 +30,9 @@ class ParallelLayout:
             ``-1`` means whatever the world size leaves after the other dimensions.
         cp_size: Ranks that split the sequence inside attention (context parallel).
         tp_size: Ranks that split weight matrices (tensor parallel).
+        ep_size: Ranks that split the routed experts of a mixture-of-experts model (expert parallel). They are
+            drawn from the ``dp_shard x cp`` ranks (innermost first), so this adds no mesh dimension: it must divide
+            ``dp_shard_size x cp_size`` and the number of experts; FSDP2 shards each expert over the rest.
     """
 
     pp_size: int = 1
@@ -37,9 +40,10 @@ class ParallelLayout:
     dp_shard_size: int = -1
     cp_size: int = 1
     tp_size: int = 1
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("pp_size", "dp_replicate_size", "cp_size", "tp_size"):
+        for name in ("pp_size", "dp_replicate_size", "cp_size", "tp_size", "ep_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"ParallelLayout: `{name}` must be a positive integer, got {value!r}.")
@@ -84,12 +88,24 @@ class ParallelLayout:
                     f" = {fixed} ({self._fixed_str()}). Use a world size that is a multiple of {fixed}, or"
                     f" smaller sizes, e.g. {self._suggest(world_size)}."
                 )
-            return replace(self, dp_shard_size=world_size // fixed)
+            return replace(self, dp_shard_size=world_size // fixed)._check_experts()
         if fixed * self.dp_shard_size != world_size:
             raise LayoutError(
                 f"pp_size x dp_replicate_size x dp_shard_size x cp_size x tp_size = {fixed * self.dp_shard_size}"
                 f" ({self._fixed_str()}, dp_shard_size={self.dp_shard_size}) must equal the world size"
                 f" {world_size}. Set dp_shard_size=-1 to use the rest, e.g. {self._suggest(world_size)}."
+            )
+        return self._check_experts()
+
+    def _check_experts(self) -> ParallelLayout:
+        shard_cp = self.dp_shard_size * self.cp_size
+        if shard_cp % self.ep_size:
+            fits = [e for e in _divisors(shard_cp) if e > 1] or [1]
+            raise LayoutError(
+                f"ep_size={self.ep_size} does not divide dp_shard_size x cp_size = {self.dp_shard_size} x"
+                f" {self.cp_size} = {shard_cp}: expert-parallel ranks are drawn from the data-parallel shard and"
+                f" context ranks. Use ep_size in {fits}, or more data-parallel ranks (e.g. ParallelLayout(ep_size="
+                f"{self.ep_size}, dp_shard_size={self.ep_size * max(1, shard_cp // self.ep_size)}, ...))."
             )
         return self
 
@@ -129,11 +145,31 @@ class ParallelLayout:
                         f" tp_size values for world size {self.world_size}: {good}, e.g."
                         f" ParallelLayout(tp_size={max(good)}, dp_shard_size=-1)."
                     )
+        self._validate_experts(config)
         layers = getattr(config, "num_hidden_layers", None)
         if layers is not None and self.pp_size > layers:
             raise LayoutError(
                 f"pp_size={self.pp_size} exceeds num_hidden_layers={layers}: each pipeline stage needs at least"
                 f" one decoder layer. Use pp_size <= {layers}."
+            )
+
+    def _validate_experts(self, config: Any) -> None:
+        from lightning_plugins.parallel.experts import num_experts
+
+        if self.ep_size == 1:
+            return
+        experts = num_experts(config)
+        kind = getattr(config, "model_type", "model")
+        if experts is None:
+            raise LayoutError(
+                f"ep_size={self.ep_size} splits the routed experts of a mixture-of-experts model, and this {kind} config"
+                " declares none (no num_local_experts / num_experts). Use ep_size=1 for a dense model."
+            )
+        if experts % self.ep_size:
+            good = [e for e in _divisors(self.dp_shard_size * self.cp_size) if experts % e == 0]
+            raise LayoutError(
+                f"ep_size={self.ep_size} does not divide the {experts} experts of this {kind} config: each"
+                f" expert-parallel rank holds the same number of whole experts. Use ep_size in {good}."
             )
 
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
@@ -152,6 +188,7 @@ class ParallelLayout:
         mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=options)
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=options)
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=options)
+        mesh.ep_size = self.ep_size  # read back by from_mesh; the expert meshes are built from it where needed
         return track_mesh(mesh)  # its cached groups are dropped when the process groups are released
 
     @classmethod
@@ -159,7 +196,7 @@ class ParallelLayout:
         """Read the sizes back from a mesh built by :meth:`build_mesh` (missing names count as size 1)."""
         names = mesh.mesh_dim_names or ()
         sizes = {name: mesh.size(names.index(name)) if name in names else 1 for name in MESH_DIM_NAMES}
-        return cls(**{f"{name}_size": sizes[name] for name in MESH_DIM_NAMES})
+        return cls(**{f"{name}_size": sizes[name] for name in MESH_DIM_NAMES}, ep_size=getattr(mesh, "ep_size", 1))
 
     def _require_resolved(self) -> None:
         if self.dp_shard_size == -1:
@@ -177,8 +214,8 @@ class ParallelLayout:
         return f"ParallelLayout(tp_size={tp}, dp_shard_size=-1)"
 
 
-#: The size fields of :class:`ParallelLayout`, in mesh order.
-SIZE_NAMES = tuple(f"{name}_size" for name in MESH_DIM_NAMES)
+#: The size fields of :class:`ParallelLayout`: the mesh's, in order, then ``ep_size`` (drawn from dp_shard x cp).
+SIZE_NAMES = (*(f"{name}_size" for name in MESH_DIM_NAMES), "ep_size")
 
 
 def given_sizes(layout: ParallelLayout | None = None, **sizes: int | None) -> dict[str, int | None]:
@@ -189,7 +226,8 @@ def given_sizes(layout: ParallelLayout | None = None, **sizes: int | None) -> di
 
     Args:
         layout: A layout given whole, or ``None``.
-        **sizes: ``pp_size``, ``dp_replicate_size``, ``dp_shard_size``, ``cp_size``, ``tp_size`` (``None``: not given).
+        **sizes: ``pp_size``, ``dp_replicate_size``, ``dp_shard_size``, ``cp_size``, ``tp_size``, ``ep_size``
+            (``None``: not given).
     """
     given = {name: value for name, value in sizes.items() if value is not None}
     return {name: given.get(name, getattr(layout, name, None)) for name in SIZE_NAMES}

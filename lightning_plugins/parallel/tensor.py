@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.parallel.experts import TokenLocalBlock, moe_block_name
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
 
 # The dimension of attention heads in the [batch, seq, heads, head_dim] tensors that q/k norms see.
@@ -99,14 +100,23 @@ def apply_tensor_parallel(
 
 
 def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMesh, sp: bool) -> bool:
-    """Split one decoder layer; return whether it has LoRA dropout (whose RNG the tp ranks must share)."""
-    plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in family.colwise}
+    """Split one decoder layer; return whether it has LoRA dropout (whose RNG the tp ranks must share).
+
+    A mixture-of-experts block is not split: it runs on this rank's tokens (:class:`TokenLocalBlock`).
+    """
+    block = moe_block_name(layer)
+    inside = (lambda name: name == block or name.startswith(f"{block}.")) if block is not None else (lambda name: False)
+    plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in family.colwise if not inside(name)}
     for name in family.rowwise:
-        plan[name] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sp else RowwiseParallel()
+        if not inside(name):
+            plan[name] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sp else RowwiseParallel()
     for name, style in family.extra_styles.items():
-        plan[name] = ColwiseParallel(output_layouts=Replicate()) if style == "colwise_gather_output" else RowwiseParallel(
-            input_layouts=Replicate()
-        )
+        if not inside(name):
+            plan[name] = (
+                ColwiseParallel(output_layouts=Replicate())
+                if style == "colwise_gather_output"
+                else RowwiseParallel(input_layouts=Replicate())
+            )
     for name in family.head_norms:
         # q/k norms normalise each head's vector; their input is split by heads on this rank.
         plan[name] = SequenceParallel(sequence_dim=_HEAD_DIM, use_local_output=True)
@@ -115,7 +125,10 @@ def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMes
     for name in family.layer_norms:
         _parallelize_norm(layer.get_submodule(name), tp_mesh, sp)
     for name in family.tp_regions:
-        layer.get_submodule(name).register_forward_pre_hook(_RegionInput(tp_mesh), with_kwargs=True)
+        if not inside(name):
+            layer.get_submodule(name).register_forward_pre_hook(_RegionInput(tp_mesh), with_kwargs=True)
+    if block is not None:
+        TokenLocalBlock(tp_mesh).install(layer.get_submodule(block))
     return dropout
 
 
@@ -230,7 +243,12 @@ def _check_adapters(model: nn.Module, family: ModelFamily) -> None:
     from peft.utils.other import AuxiliaryTrainingWrapper
 
     split = {*family.colwise, *family.rowwise, *family.extra_styles}
-    planned = {id(layer.get_submodule(name)) for layer in decoder_layers(model, family) for name in split}
+    planned = {
+        id(module)
+        for layer in decoder_layers(model, family)
+        for name in split
+        if (module := _submodule_or_none(layer, name)) is not None
+    }
     projections = sorted({name.rpartition(".")[2] for name in split})
     for name, module in model.named_modules():
         if isinstance(module, AuxiliaryTrainingWrapper):
@@ -254,6 +272,14 @@ def _check_adapters(model: nn.Module, family: ModelFamily) -> None:
                 f"{name} has a {kind}; tensor parallelism splits plain LoRA on linear layers only. Use plain LoRA"
                 " there, or a layout without tensor parallelism."
             )
+
+
+def _submodule_or_none(layer: nn.Module, name: str) -> nn.Module | None:
+    """A layer's sub-module, or ``None`` where the layer lacks it (a mixture-of-experts layer has no dense MLP)."""
+    try:
+        return layer.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _split_adapters(

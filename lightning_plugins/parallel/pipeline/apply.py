@@ -34,7 +34,7 @@ def apply_pipeline_parallel(
     mesh: DeviceMesh,
     options: PipelineOptions,
     *,
-    tensor_parallel: Callable[[nn.Module], None] | None = None,
+    split_weights: Callable[[nn.Module], None] | None = None,
     sequence_mesh: DeviceMesh | None = None,
     context_parallel: Callable[[nn.Module, nn.ModuleList], None] | None = None,
     activation_checkpointing: Callable[[nn.ModuleList], None] | None = None,
@@ -44,7 +44,7 @@ def apply_pipeline_parallel(
 ) -> Pipeline:
     """Split ``model`` into this rank's stages, compose the other dimensions per stage, attach the pipeline.
 
-    Order: split (with tensor then context parallelism applied in between, see :func:`split_into_stages`) ->
+    Order: split (with expert, tensor then context parallelism applied in between, see :func:`split_into_stages`) ->
     activation checkpointing of the kept layers -> FSDP2 per stage module (each stage is its own root),
     called as ``fully_shard_stage(stage, layers, reshard_after_forward=...)``.
     Afterwards ``model(**batch)`` runs the whole batch through the pipeline (see :class:`Pipeline`).
@@ -61,7 +61,7 @@ def apply_pipeline_parallel(
         family,
         mesh,
         options,
-        tensor_parallel=tensor_parallel,
+        split_weights=split_weights,
         sequence_mesh=sequence_mesh,
         context_parallel=context_parallel,
     )

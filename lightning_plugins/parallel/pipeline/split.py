@@ -33,7 +33,7 @@ def split_into_stages(
     mesh: DeviceMesh,
     options: PipelineOptions,
     *,
-    tensor_parallel: Callable[[nn.Module], None] | None = None,
+    split_weights: Callable[[nn.Module], None] | None = None,
     sequence_mesh: DeviceMesh | None = None,
     context_parallel: Callable[[nn.Module, nn.ModuleList], None] | None = None,
 ) -> dict[int, StageModule]:
@@ -44,8 +44,9 @@ def split_into_stages(
         family: Its module names.
         mesh: The full mesh (``pp`` and ``tp`` are read from it).
         options: Resolved pipeline options.
-        tensor_parallel: Called as ``tensor_parallel(model)`` after the layers are pruned and before the
-            embedding, final norm and head are dropped (tensor parallelism expects to find all three).
+        split_weights: Called as ``split_weights(model)`` after the layers are pruned and before the
+            embedding, final norm and head are dropped: expert then tensor parallelism (which expects to find all
+            three).
         sequence_mesh: The tensor-parallel mesh when sequence parallelism is on: stage boundaries then
             carry each rank's sequence shard.
         context_parallel: Called as ``context_parallel(model, kept_layers)`` after tensor parallelism: routes
@@ -67,8 +68,8 @@ def split_into_stages(
     for key in list(layers._modules):
         if int(key) not in kept:
             del layers._modules[key]
-    if tensor_parallel is not None:
-        tensor_parallel(model)
+    if split_weights is not None:
+        split_weights(model)
     if context_parallel is not None:
         context_parallel(model, layers)
 
