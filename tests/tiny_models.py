@@ -6,6 +6,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     GemmaConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -47,6 +48,11 @@ CONFIGS = {
     "qwen2_moe": lambda: Qwen2MoeConfig(
         **_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         mlp_only_layers=[1],
+    ),
+    # Attention sinks, alternating sliding windows, transposed experts with biases and a clamped SwiGLU.
+    "gpt_oss": lambda: GptOssConfig(
+        **{**_COMMON, "attn_implementation": "eager"}, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
     ),
     "mixtral_4l": lambda: MixtralConfig(**{**_COMMON, "num_hidden_layers": 4}, num_local_experts=4, num_experts_per_tok=2),
 }

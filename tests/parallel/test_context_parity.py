@@ -51,6 +51,9 @@ CASES = {
         "llama cp2 ulysses seq150 packed": ("llama", CP2, 150, {**U, "data": "packed"}),
         "llama cp2 ring seq16 left-padded": ("llama", CP2, 16, {**R, "data": "left"}),
         "llama cp2 ulysses seq13 left-padded": ("llama", CP2, 13, {**U, "data": "left"}),
+        # Mixture of experts: the experts split over the two context ranks (EP is drawn from dp_shard x cp).
+        "mixtral cp2 ep2 ring seq15": ("mixtral", {**CP2, "ep_size": 2}, 15, R),
+        "qwen3_moe cp2 ulysses seq13": ("qwen3_moe", CP2, 13, U),
     },
     4: {
         "llama cp4 ulysses seq16": ("llama", CP4, 16, U),
@@ -62,6 +65,9 @@ CASES = {
         "llama cp2 x tp2 ring seq16": ("llama", {**CP2, "tp_size": 2}, 16, R),
         "llama cp2 x fsdp2 ulysses seq16": ("llama", {**CP2, "dp_shard_size": 2}, 16, U),
         "llama cp2 x fsdp2 ring seq13": ("llama", {**CP2, "dp_shard_size": 2}, 13, R),
+        # Experts split over dp_shard x cp (2 x 2 = 4 ranks), or over the data ranks while cp x tp splits the rest.
+        "qwen2_moe cp2 x fsdp2 ep4 ring seq15": ("qwen2_moe", {**CP2, "dp_shard_size": 2, "ep_size": 4}, 15, R),
+        "mixtral cp2 x tp2 ep2 ulysses seq13": ("mixtral", {**CP2, "tp_size": 2, "ep_size": 2}, 13, U),
     },
 }
 

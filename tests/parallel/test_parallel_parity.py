@@ -115,12 +115,22 @@ TWO_RANKS = [
     ("llama", {"dp_shard_size": 2}, {"load": True, "export": True}),
     ("qwen2", {"dp_shard_size": 2}, {"cpu_offload": True}),
     ("llama_tied", TP2, {"load": True, "export": True}),
+    # Mixture of experts: expert parallelism, and every other dimension without it.
+    ("mixtral", {"ep_size": 2}, {}),
+    ("qwen3_moe", {"dp_shard_size": 2}, {}),
+    ("qwen3_moe", TP2, {}),
+    ("qwen2_moe", {"ep_size": 2}, {"activation_checkpointing": "full"}),  # a shared expert and a dense layer
+    ("qwen2_moe", TP2, {"sequence_parallel": False}),
 ]
 FOUR_RANKS = [
     ("llama", {"dp_replicate_size": 2, "dp_shard_size": 2}, {}),
     ("qwen2", {"dp_replicate_size": 2, "dp_shard_size": 2}, {"activation_checkpointing": "selective", "every_n_layers": 2}),
     ("llama", {"tp_size": 2, "dp_shard_size": 2}, {"activation_checkpointing": "selective", "load": True, "export": True}),
     ("qwen2", {"tp_size": 2, "dp_shard_size": 2}, {}),
+    ("mixtral", {"ep_size": 2, "tp_size": 2}, {}),
+    ("qwen3_moe", {"ep_size": 2, "dp_shard_size": 4}, {"activation_checkpointing": "selective"}),  # FSDP2 over experts
+    ("mixtral", {"ep_size": 4}, {}),
+    ("qwen2_moe", {"ep_size": 2, "dp_replicate_size": 2, "dp_shard_size": 2}, {}),
 ]
 
 

@@ -172,6 +172,7 @@ TWO_RANKS = [
     ("qwen2", {"pp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2}),
     ("llama_tied_4l", {"pp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 4}),  # tie across ranks
     ("llama_tied_4l", {"pp_size": 2}, {"pp_schedule": "zbv_zero_bubble", "pp_microbatches": 4}),  # tie on rank 0
+    ("mixtral_4l", {"pp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2}),
 ]
 U, R = {"cp_backend": "ulysses"}, {"cp_backend": "ring"}
 PP2_CP2 = [
@@ -195,6 +196,9 @@ FOUR_RANKS = [
     ("llama_4l", {"pp_size": 2, "dp_shard_size": 2}, {"pp_schedule": "zbv_zero_bubble", "pp_microbatches": 2}),
     ("llama_tied_4l", {"pp_size": 2, "tp_size": 2}, {"pp_schedule": "gpipe", "pp_microbatches": 2}),
     ("llama_tied_4l", {"pp_size": 2, "dp_shard_size": 2}, {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}),
+    # Stages of a mixture-of-experts model, experts split over the data ranks of each stage.
+    ("mixtral_4l", {"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}, {"pp_schedule": "zbv_zero_bubble", "pp_microbatches": 2}),
+    ("mixtral_4l", {"pp_size": 2, "tp_size": 2}, {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}),
     # Context-parallel stages: every micro-batch is the cp shard of its rows (FSDP2 over the cp ranks).
     *PP2_CP2,
 ]
