@@ -42,6 +42,10 @@ CONFIGS = {
     "llama_8l": lambda: LlamaConfig(**{**_COMMON, "num_hidden_layers": 8}),
     # Mixture of experts: 4 routed experts, top-2 (Qwen2-MoE adds a shared expert and a dense layer).
     "mixtral": lambda: MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
+    # The router's load-balancing loss on (a large coefficient, so a wrong global reduction shows).
+    "mixtral_aux": lambda: MixtralConfig(
+        **_COMMON, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5
+    ),
     "qwen3_moe": lambda: Qwen3MoeConfig(
         **_COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
     ),

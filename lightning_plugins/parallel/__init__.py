@@ -20,6 +20,7 @@ from lightning_plugins.adapters.qlora import check_quantized
 from lightning_plugins.parallel.families import ModelFamily, check_supported, decoder_layers, family_for
 from lightning_plugins.parallel.activation import apply_activation_checkpointing
 from lightning_plugins.parallel.experts import apply_expert_parallel, expert_meshes
+from lightning_plugins.parallel.router_loss import check_router_loss, install_global_balance_loss
 from lightning_plugins.parallel.checks import check_settings
 from lightning_plugins.parallel.context import apply_context_parallel, context_parallel_batch
 from lightning_plugins.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
@@ -127,6 +128,8 @@ def parallelize(
             experts=experts,
         )
     model.loss_function = ParallelCausalLMLoss(data_mesh(mesh))
+    if data_mesh(mesh) is not None:
+        install_global_balance_loss(model, data_mesh(mesh))
     install_save_pretrained(model)
     attach_mesh(model, mesh)
     setattr(model, _SETTINGS_ATTR, (options, memory))
@@ -151,6 +154,7 @@ def check_parallelizable(
     check_supported(model)
     pipeline_options = check_settings(layout, options, memory, getattr(model, "config", None))
     check_quantized(model, layout)
+    check_router_loss(getattr(model, "config", None), splits_tokens=max(layout.tp_size, layout.cp_size, layout.pp_size) > 1)
     return pipeline_options
 
 

@@ -18,7 +18,9 @@ from _world import run_world
 from tiny_models import CONFIGS, make_batch, tiny_model
 from transformers import AutoModelForCausalLM
 
-from lightning_plugins import LayoutError, ParallelLayout, parallelize
+from lightning_plugins import LayoutError, OptionsError, ParallelLayout, parallelize
+from lightning_plugins.parallel import check_parallelizable
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.parallel.experts import experts_forward, expert_modules, num_experts
 
 MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")
@@ -96,3 +98,11 @@ def test_layouts_that_cannot_split_the_experts_are_refused() -> None:
     with pytest.raises(LayoutError, match=r"declares none .* Use ep_size=1 for a dense model"):
         ParallelLayout(ep_size=2).resolve(2).validate(CONFIGS["llama"]())
     ParallelLayout(ep_size=2, tp_size=2, cp_size=2).resolve(8).validate(mixtral)  # ep from dp_shard x cp = 1 x 2
+
+
+def test_the_balance_loss_under_layouts_that_split_rows_is_refused() -> None:
+    model = tiny_model("mixtral_aux")
+    for sizes in ({"tp_size": 2}, {"cp_size": 2}, {"pp_size": 2}):
+        with pytest.raises(OptionsError, match=r"output_router_logits=False .* tp_size=cp_size=pp_size=1"):
+            check_parallelizable(model, ParallelLayout(**sizes).resolve(2), ParallelOptions(), MemoryOptions())
+    check_parallelizable(model, ParallelLayout(ep_size=2).resolve(2), ParallelOptions(), MemoryOptions())

@@ -117,6 +117,8 @@ TWO_RANKS = [
     ("llama_tied", TP2, {"load": True, "export": True}),
     # Mixture of experts: expert parallelism, and every other dimension without it.
     ("mixtral", {"ep_size": 2}, {}),
+    ("mixtral_aux", {"ep_size": 2}, {}),  # the router's balance loss over the global batch
+    ("gpt_oss", {"ep_size": 2}, {}),  # attention sinks, sliding windows, transposed experts with biases
     ("qwen3_moe", {"dp_shard_size": 2}, {}),
     ("qwen3_moe", TP2, {}),
     ("qwen2_moe", {"ep_size": 2}, {"activation_checkpointing": "full"}),  # a shared expert and a dense layer
@@ -131,6 +133,7 @@ FOUR_RANKS = [
     ("qwen3_moe", {"ep_size": 2, "dp_shard_size": 4}, {"activation_checkpointing": "selective"}),  # FSDP2 over experts
     ("mixtral", {"ep_size": 4}, {}),
     ("qwen2_moe", {"ep_size": 2, "dp_replicate_size": 2, "dp_shard_size": 2}, {}),
+    ("mixtral_aux", {"dp_replicate_size": 2, "dp_shard_size": 2}, {}),
 ]
 
 
