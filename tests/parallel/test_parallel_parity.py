@@ -123,6 +123,8 @@ TWO_RANKS = [
     ("qwen3_moe", TP2, {}),
     ("qwen2_moe", {"ep_size": 2}, {"activation_checkpointing": "full"}),  # a shared expert and a dense layer
     ("qwen2_moe", TP2, {"sequence_parallel": False}),
+    ("mixtral", {"ep_size": 2}, {"cpu_offload": True}),
+    ("qwen3_moe", {"ep_size": 2}, {"activation_checkpointing": "selective", "activation_offload": True}),
 ]
 FOUR_RANKS = [
     ("llama", {"dp_replicate_size": 2, "dp_shard_size": 2}, {}),
