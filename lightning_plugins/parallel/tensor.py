@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.adapters.experts import is_expert_adapter
 from lightning_plugins.parallel.experts import TokenLocalBlock, moe_block_name
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
 
@@ -257,7 +258,7 @@ def _check_adapters(model: nn.Module, family: ModelFamily) -> None:
                 " Leave modules_to_save out of the LoraConfig, or use a layout without tensor parallelism (FSDP2"
                 " trains it)."
             )
-        if not isinstance(module, BaseTunerLayer):
+        if not isinstance(module, BaseTunerLayer) or is_expert_adapter(module):  # experts: token-local, replicated
             continue
         if id(module) not in planned:
             raise LayoutError(
