@@ -35,14 +35,13 @@ __all__ = ["adapted_weight", "bind_expert_adapters", "is_expert_adapter"]
 
 
 def is_expert_adapter(module: nn.Module) -> bool:
-    """Whether ``module`` is a peft ``ParamWrapper`` around an experts module (a LoRA adapter on a 3-D weight)."""
+    """Whether ``module`` is a peft ``ParamWrapper`` on a 3-D weight (experts ``[experts, out, in]``): a LoRA adapter
+    on an experts module."""
     if "peft" not in sys.modules:
         return False
     from peft.tuners.lora.layer import ParamWrapper
 
-    from lightning_plugins.parallel.experts import is_experts_module
-
-    return isinstance(module, ParamWrapper) and is_experts_module(module.get_base_layer())
+    return isinstance(module, ParamWrapper) and module.get_param().dim() == 3
 
 
 def bind_expert_adapters(block: nn.Module, experts: nn.Module) -> None:
