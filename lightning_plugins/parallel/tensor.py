@@ -36,7 +36,6 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_plugins.errors import LayoutError
-from lightning_plugins.adapters.experts import is_expert_adapter
 from lightning_plugins.parallel.experts import TokenLocalBlock, moe_block_name
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
 
@@ -251,14 +250,23 @@ def _check_adapters(model: nn.Module, family: ModelFamily) -> None:
         if (module := _submodule_or_none(layer, name)) is not None
     }
     projections = sorted({name.rpartition(".")[2] for name in split})
+    # A mixture-of-experts block runs whole on each rank's tokens, its weights and adapters replicated over tp.
+    token_local = {
+        id(module)
+        for layer in decoder_layers(model, family)
+        if (block := moe_block_name(layer)) is not None
+        for module in layer.get_submodule(block).modules()
+    }
     for name, module in model.named_modules():
+        if id(module) in token_local:
+            continue
         if isinstance(module, AuxiliaryTrainingWrapper):
             raise LayoutError(
                 f"{name} is a peft modules_to_save / trainable-tokens copy, which tensor parallelism does not split."
                 " Leave modules_to_save out of the LoraConfig, or use a layout without tensor parallelism (FSDP2"
                 " trains it)."
             )
-        if not isinstance(module, BaseTunerLayer) or is_expert_adapter(module):  # experts: token-local, replicated
+        if not isinstance(module, BaseTunerLayer):
             continue
         if id(module) not in planned:
             raise LayoutError(

@@ -75,6 +75,8 @@ CASES: dict[int, dict[str, tuple[str, dict, dict, dict]]] = {
         "mixtral attention fsdp2": ("mixtral", {"dp_shard_size": 2}, {}, {"targets": ATTENTION}),
         "mixtral attention+experts ep2": ("mixtral", {"ep_size": 2}, {}, {"targets": ATTENTION, "experts": True}),
         "mixtral attention+experts tp2 sp": ("mixtral", TP2, {}, {"targets": ATTENTION, "experts": True}),
+        # Default targets: attention and the shared expert's MLP, which runs (adapted) in the token-local block.
+        "qwen2_moe tp2 default targets": ("qwen2_moe", TP2, {}, {}),
         "qwen3_moe experts fsdp2": (
             "qwen3_moe", {"dp_shard_size": 2}, {}, {"targets": ("q_proj",), "experts": True, "inner": True}
         ),
