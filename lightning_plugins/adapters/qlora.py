@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_plugins.adapters.experts import is_expert_adapter
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.errors import LayoutError
 
@@ -183,6 +184,12 @@ def quantize_base_to_nf4(
         )
     for name, module in lora_layers:
         base = module.get_base_layer()
+        if is_expert_adapter(module):
+            raise ValueError(
+                f"quantize_base_to_nf4: {name} is LoRA on the expert weight {module.parameter_name}; NF4 bases are"
+                " nn.Linear weights, and 3-D expert weights are not. QLoRA on a mixture-of-experts model adapts"
+                " attention (target_modules) with the experts left in the model's dtype: leave target_parameters out."
+            )
         if type(base) is not nn.Linear and not isinstance(base, nn.Embedding):
             raise ValueError(
                 f"quantize_base_to_nf4: the LoRA layer {name} wraps a {type(base).__name__}; NF4 bases are supported"

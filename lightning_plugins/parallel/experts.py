@@ -37,6 +37,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from lightning_plugins.adapters.experts import adapted_weight, bind_expert_adapters
+
 __all__ = [
     "ExpertMeshes",
     "TokenLocalBlock",
@@ -82,7 +84,10 @@ def moe_block_name(layer: nn.Module) -> str | None:
     names = [name for name, _ in expert_modules(layer)]
     if not names:
         return None
-    return names[0].rpartition(".")[0]
+    name = names[0]
+    while name.endswith(".base_layer"):  # peft's LoRA wrappers around the experts (LoRA on expert weights)
+        name = name.removesuffix(".base_layer")
+    return name.rpartition(".")[0]
 
 
 def num_experts(config: Any) -> int | None:
@@ -186,12 +191,12 @@ def _expert_mlp(module: nn.Module, x: Tensor, counts: Tensor) -> Tensor:
     offsets = torch.cumsum(counts, dim=0)
     ends = offsets.tolist()
     row_expert = torch.repeat_interleave(torch.arange(len(ends), device=x.device), counts) if module.has_bias else None
-    up = module.gate_up_proj if module.has_gate else module.up_proj
+    up = adapted_weight(module, "gate_up_proj" if module.has_gate else "up_proj")
     up_bias = (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias) if module.has_bias else None
     h = _grouped_linear(x, up, offsets, ends, module.is_transposed, up_bias, row_expert)
     h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
     bias = module.down_proj_bias if module.has_bias else None
-    h = _grouped_linear(h, module.down_proj, offsets, ends, module.is_transposed, bias, row_expert)
+    h = _grouped_linear(h, adapted_weight(module, "down_proj"), offsets, ends, module.is_transposed, bias, row_expert)
     if getattr(module, "has_post_expert_norm", False):
         h = module.post_expert_norm(h)
     return h
@@ -262,13 +267,16 @@ def apply_expert_parallel(layers: nn.ModuleList, meshes: ExpertMeshes | None) ->
     """Give every experts module in ``layers`` the grouped forward; with ``meshes``, split its experts over ``ep``.
 
     Under expert parallelism each 3-D weight (and per-expert bias) becomes a DTensor on ``meshes.params``,
-    ``Shard(0)`` over ``ep`` (and ``Replicate`` over ``tp``); the forward runs on the local experts.
+    ``Shard(0)`` over ``ep`` (and ``Replicate`` over ``tp``); the forward runs on the local experts. peft LoRA
+    adapters on expert weights are applied by that forward (:mod:`lightning_plugins.adapters.experts`).
     """
     for layer in layers:
         for _, module in expert_modules(layer):
             module.forward = _GroupedForward(module)  # type: ignore[method-assign]
+            bind_expert_adapters(layer, module)
             if meshes is None:
                 continue
+            module._lp_first_expert = meshes.ep.get_local_rank() * (module.num_experts // meshes.ep.size())
             placements = [Shard(0)] + [Replicate()] * (meshes.params.ndim - 1)
             for name in (*_WEIGHTS, *_BIASES):
                 param = module._parameters.get(name)

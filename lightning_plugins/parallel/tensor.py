@@ -250,7 +250,16 @@ def _check_adapters(model: nn.Module, family: ModelFamily) -> None:
         if (module := _submodule_or_none(layer, name)) is not None
     }
     projections = sorted({name.rpartition(".")[2] for name in split})
+    # A mixture-of-experts block runs whole on each rank's tokens, its weights and adapters replicated over tp.
+    token_local = {
+        id(module)
+        for layer in decoder_layers(model, family)
+        if (block := moe_block_name(layer)) is not None
+        for module in layer.get_submodule(block).modules()
+    }
     for name, module in model.named_modules():
+        if id(module) in token_local:
+            continue
         if isinstance(module, AuxiliaryTrainingWrapper):
             raise LayoutError(
                 f"{name} is a peft modules_to_save / trainable-tokens copy, which tensor parallelism does not split."

@@ -51,6 +51,9 @@ RANK, ALPHA = 4, 8
 PROJECTIONS = 7
 
 TP2 = {"tp_size": 2}
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+#: peft LoRA on the fused 3-D expert weights (its ParamWrapper), run by the engine's grouped experts forward.
+EXPERT_WEIGHTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # name -> (family, layout sizes, parallel/memory options, case flags)
 CASES: dict[int, dict[str, tuple[str, dict, dict, dict]]] = {
     2: {
@@ -68,6 +71,15 @@ CASES: dict[int, dict[str, tuple[str, dict, dict, dict]]] = {
         "llama cp2 ulysses": ("llama", {"cp_size": 2}, {"cp_backend": "ulysses"}, {}),
         "llama cp2 ring": ("llama", {"cp_size": 2}, {"cp_backend": "ring"}, {"inner": True}),
         "llama tp2 export": ("llama_tied", TP2, {}, {"export": True}),
+        # Mixture-of-experts: LoRA on attention, and on the routed experts (case flag "experts").
+        "mixtral attention fsdp2": ("mixtral", {"dp_shard_size": 2}, {}, {"targets": ATTENTION}),
+        "mixtral attention+experts ep2": ("mixtral", {"ep_size": 2}, {}, {"targets": ATTENTION, "experts": True}),
+        "mixtral attention+experts tp2 sp": ("mixtral", TP2, {}, {"targets": ATTENTION, "experts": True}),
+        # Default targets: attention and the shared expert's MLP, which runs (adapted) in the token-local block.
+        "qwen2_moe tp2 default targets": ("qwen2_moe", TP2, {}, {}),
+        "qwen3_moe experts fsdp2": (
+            "qwen3_moe", {"dp_shard_size": 2}, {}, {"targets": ("q_proj",), "experts": True, "inner": True}
+        ),
     },
     4: {
         "llama tp2 x fsdp2 sp+lp selective-ac": (
@@ -92,13 +104,21 @@ CASES: dict[int, dict[str, tuple[str, dict, dict, dict]]] = {
 }
 
 
-def lora_model(family: str, dropout: float = 0.0, targets: tuple[str, ...] | None = None) -> PeftModel:
-    """A tiny model with LoRA on ``targets`` (default: every projection) and random non-zero ``lora_B`` (peft
-    starts it at zero, where ``lora_A`` would get no gradient)."""
+def lora_model(
+    family: str, dropout: float = 0.0, targets: tuple[str, ...] | None = None, experts: bool = False
+) -> PeftModel:
+    """A tiny model with LoRA on ``targets`` (default: every projection), on the expert weights too with
+    ``experts``, and random non-zero ``lora_B`` (peft starts it at zero, where ``lora_A`` would get no gradient)."""
     model = tiny_model(family)
     model.config.use_cache = False
     torch.manual_seed(1)
-    peft_model = apply_lora(model, LoraOptions(r=RANK, alpha=ALPHA, dropout=dropout, target_modules=targets))
+    if experts:
+        config = LoraConfig(
+            r=RANK, lora_alpha=ALPHA, target_modules=list(targets), target_parameters=EXPERT_WEIGHTS
+        )
+        peft_model = get_peft_model(model, config)
+    else:
+        peft_model = apply_lora(model, LoraOptions(r=RANK, alpha=ALPHA, dropout=dropout, target_modules=targets))
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -148,8 +168,10 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _reference(family: str, dropout: float, targets: tuple[str, ...] | None) -> tuple[list[float], PeftModel]:
-    model = lora_model(family, dropout, targets)
+def _reference(
+    family: str, dropout: float, targets: tuple[str, ...] | None, experts: bool
+) -> tuple[list[float], PeftModel]:
+    model = lora_model(family, dropout, targets, experts)
     history, _ = _train(model, lambda batch: batch, torch.nn.utils.clip_grad_norm_)
     return history, model
 
@@ -171,9 +193,9 @@ def _logits(model: nn.Module) -> torch.Tensor:
 
 
 def _run_case(world_size: int, tmp: str, name: str, family: str, sizes: dict, options: dict, flags: dict) -> dict:
-    dropout, targets = flags.get("dropout", 0.0), flags.get("targets")
-    ref_history, reference = _reference(family, dropout, targets)
-    peft_model = lora_model(family, dropout, targets)
+    dropout, targets, experts = flags.get("dropout", 0.0), flags.get("targets"), flags.get("experts", False)
+    ref_history, reference = _reference(family, dropout, targets, experts)
+    peft_model = lora_model(family, dropout, targets, experts)
     initial = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
     layout = ParallelLayout(**sizes).resolve(world_size)
     # A PeftModel, or the transformers model inside it (what the Lightning strategies find).

@@ -371,3 +371,16 @@ def test_bad_input_to_the_converter() -> None:
         meta = AutoModelForCausalLM.from_config(plain.config)
     with pytest.raises(ValueError, match="meta device.*load the real weights first"):
         quantize_base_to_nf4(get_peft_model(meta, LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGETS))))
+
+
+def test_mixture_of_experts_keeps_its_experts_dense_and_refuses_nf4_under_expert_adapters() -> None:
+    """QLoRA on a MoE model quantizes attention; 3-D expert weights are no ``nn.Linear``, so adapters on them refuse."""
+    model = get_peft_model(tiny_model("mixtral"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    assert quantize_base_to_nf4(model) == 2 * 4  # q/k/v/o of both layers
+    quantized = {name for name, _ in nf4_weights(model)}
+    assert all("self_attn." in name for name in quantized), quantized
+    assert not any(is_nf4(p) for n, p in model.named_parameters() if ".mlp." in n)  # experts and router stay dense
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"])
+    experts = get_peft_model(tiny_model("mixtral"), config)
+    with pytest.raises(ValueError, match=r"mlp\.experts is LoRA on the expert weight down_proj.*leave target_parameters"):
+        quantize_base_to_nf4(experts)
