@@ -1,0 +1,110 @@
+"""A mixture-of-experts model on disk (tiny Mixtral, fp32, 2 gloo ranks, one world).
+
+* Loading: transformers 5 ``save_pretrained`` writes the hub's per-expert layout (``block_sparse_moe.experts.<e>.w1``,
+  ...), not the model's fused 3-D ``experts.gate_up_proj``; ``from_pretrained`` under EP=2 (experts Shard(0) over
+  ep, FSDP2 on the rest) and under TP=2 reads each rank's experts from it and gives transformers' own logits.
+* Distributed checkpoints: EP=2 training state (model + optimizer) saved with the engine's DCP path resumes exactly
+  under EP=2 and reshards to FSDP2=2 (no EP), both continuing the uninterrupted run's losses.
+* Export: ``export_hf`` and the collective ``save_pretrained`` of the EP-sharded model write what transformers' own
+  ``save_pretrained`` writes, and transformers loads it with the trained model's logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from _world import run_world
+from safetensors import safe_open
+from tiny_models import make_batch, tiny_model
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from lightning_plugins import ParallelLayout
+from lightning_plugins.checkpoint.dcp import load_optimizer_state, load_tensors, optimizer_state, save_sharded
+from lightning_plugins.checkpoint.live_export import export_hf
+from lightning_plugins.checkpoint.load import from_pretrained
+
+TOL = 1e-5
+STEPS = 2  # before and after the checkpoint
+
+
+def _logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+
+
+def _hf_logits(directory: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    return _logits(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32), input_ids)
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, first: int) -> list[float]:
+    losses = []
+    for step in range(first, first + STEPS):
+        loss = model(**make_batch(4, 12, model.config.vocab_size, seed=step)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    return {"model": get_model_state_dict(model), "optim": optimizer_state(model, optimizer)}
+
+
+def _resume(hub: Path, layout: ParallelLayout, ckpt: Path) -> list[float]:
+    model = from_pretrained(hub, layout)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer, 0)  # gives the optimizer its state, which the checkpoint then replaces
+    state = _state(model, optimizer)
+    load_tensors(state, ckpt)
+    set_model_state_dict(model, state["model"])
+    load_optimizer_state(model, optimizer, state["optim"])
+    return _train(model, optimizer, STEPS)
+
+
+def _hub_layout(directory: Path) -> bool:
+    with safe_open(directory / "model.safetensors", framework="pt") as handle:
+        keys = set(handle.keys())
+    return "model.layers.0.block_sparse_moe.experts.3.w1.weight" in keys and not any("gate_up_proj" in k for k in keys)
+
+
+def _world(rank: int, world_size: int, root: str) -> None:
+    root = Path(root)
+    hub = root / "hub"
+    if rank == 0:
+        tiny_model("mixtral").save_pretrained(hub)
+    dist.barrier()
+    assert _hub_layout(hub)
+    ids = make_batch(2, 12, 64, seed=99)["input_ids"]
+    expected = _hf_logits(hub, ids)
+    for sizes in ({"ep_size": 2}, {"tp_size": 2}):
+        got = _logits(from_pretrained(hub, ParallelLayout(**sizes)), ids)
+        assert (got - expected).abs().max().item() < TOL, (sizes, (got - expected).abs().max().item())
+
+    ep2 = ParallelLayout(ep_size=2)
+    model = from_pretrained(hub, ep2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer, 0)
+    ckpt = root / "ckpt"
+    save_sharded(_state(model, optimizer), ckpt, rank=rank, barrier=dist.barrier, write_files=lambda _: None)
+    uninterrupted = _train(model, optimizer, STEPS)
+    for layout in (ep2, ParallelLayout(dp_shard_size=2)):
+        resumed = _resume(hub, layout, ckpt)
+        assert max(abs(a - b) for a, b in zip(resumed, uninterrupted)) < TOL, (layout, resumed, uninterrupted)
+
+    trained = _logits(model, ids)
+    export_hf(model, root / "export")
+    model.save_pretrained(root / "saved")
+    dist.barrier()
+    for directory in (root / "export", root / "saved"):
+        assert _hub_layout(directory), directory
+        assert (_hf_logits(directory, ids) - trained).abs().max().item() < TOL, directory
+
+
+def test_moe_load_resume_reshard_export(tmp_path: Path) -> None:
+    run_world(_world, 2, str(tmp_path))
