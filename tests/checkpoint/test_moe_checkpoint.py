@@ -5,7 +5,8 @@
   ep, FSDP2 on the rest) and under TP=2 reads each rank's experts from it and gives transformers' own logits.
 * Distributed checkpoints: EP=2 training state (model + optimizer) saved with the engine's DCP path resumes exactly
   under EP=2 and reshards to FSDP2=2 (no EP), both continuing the uninterrupted run's losses.
-* Export: ``export_hf`` and the collective ``save_pretrained`` of the EP-sharded model write what transformers' own
+* Export: the offline DCP checkpoint -> HF export of the EP=2 checkpoint loads in transformers with the logits at
+  the save; ``export_hf`` and the collective ``save_pretrained`` of the EP-sharded model write what transformers' own
   ``save_pretrained`` writes, and transformers loads it with the trained model's logits.
 """
 
@@ -24,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from lightning_plugins import ParallelLayout
 from lightning_plugins.checkpoint.dcp import load_optimizer_state, load_tensors, optimizer_state, save_sharded
+from lightning_plugins.checkpoint.export import export_checkpoint
 from lightning_plugins.checkpoint.live_export import export_hf
 from lightning_plugins.checkpoint.load import from_pretrained
 
@@ -92,6 +94,11 @@ def _world(rank: int, world_size: int, root: str) -> None:
     _train(model, optimizer, 0)
     ckpt = root / "ckpt"
     save_sharded(_state(model, optimizer), ckpt, rank=rank, barrier=dist.barrier, write_files=lambda _: None)
+    at_save = _logits(model, ids)
+    if rank == 0:  # the offline export: one process, no process group needed
+        export_checkpoint(ckpt, root / "offline", model=hub)
+    dist.barrier()
+    assert (_hf_logits(root / "offline", ids) - at_save).abs().max().item() < TOL
     uninterrupted = _train(model, optimizer, STEPS)
     for layout in (ep2, ParallelLayout(dp_shard_size=2)):
         resumed = _resume(hub, layout, ckpt)
