@@ -1,13 +1,14 @@
-"""A mixture-of-experts model on disk (tiny Mixtral, fp32, 2 gloo ranks, one world).
+"""A mixture-of-experts model on disk (tiny Mixtral and Qwen3-MoE, fp32, 4 gloo ranks, one world).
 
 * Loading: transformers 5 ``save_pretrained`` writes the hub's per-expert layout (``block_sparse_moe.experts.<e>.w1``,
-  ...), not the model's fused 3-D ``experts.gate_up_proj``; ``from_pretrained`` under EP=2 (experts Shard(0) over
-  ep, FSDP2 on the rest) and under TP=2 reads each rank's experts from it and gives transformers' own logits.
+  ``mlp.experts.<e>.gate_proj``, ...), not the model's fused 3-D ``experts.gate_up_proj``; ``from_pretrained`` under
+  EP=2 x dp_shard=4 (experts Shard(0) over ep, then FSDP2 on the rest), EP=2 x TP=2, TP=2 and EP=4 reads each rank's
+  experts from it and gives transformers' own logits.
 * Distributed checkpoints: EP=2 training state (model + optimizer) saved with the engine's DCP path resumes exactly
-  under EP=2 and reshards to FSDP2=2 (no EP), both continuing the uninterrupted run's losses.
+  under EP=2 and reshards to FSDP2=4 (no EP) and to EP=2 x TP=2, each continuing the uninterrupted run's losses.
 * Export: the offline DCP checkpoint -> HF export of the EP=2 checkpoint loads in transformers with the logits at
-  the save; ``export_hf`` and the collective ``save_pretrained`` of the EP-sharded model write what transformers' own
-  ``save_pretrained`` writes, and transformers loads it with the trained model's logits.
+  the save; ``export_hf`` and the collective ``save_pretrained`` of the EP-sharded model write what transformers'
+  own ``save_pretrained`` writes, and transformers loads it with the trained model's logits.
 """
 
 from __future__ import annotations
@@ -69,26 +70,31 @@ def _resume(hub: Path, layout: ParallelLayout, ckpt: Path) -> list[float]:
     return _train(model, optimizer, STEPS)
 
 
-def _hub_layout(directory: Path) -> bool:
+def _hub_layout(directory: Path, expert_weight: str = "block_sparse_moe.experts.3.w1.weight") -> bool:
     with safe_open(directory / "model.safetensors", framework="pt") as handle:
         keys = set(handle.keys())
-    return "model.layers.0.block_sparse_moe.experts.3.w1.weight" in keys and not any("gate_up_proj" in k for k in keys)
+    return f"model.layers.0.{expert_weight}" in keys and not any("gate_up_proj" in k for k in keys)
 
 
 def _world(rank: int, world_size: int, root: str) -> None:
     root = Path(root)
-    hub = root / "hub"
+    hub, qwen = root / "hub", root / "qwen3_moe"
     if rank == 0:
         tiny_model("mixtral").save_pretrained(hub)
+        tiny_model("qwen3_moe").save_pretrained(qwen)
     dist.barrier()
-    assert _hub_layout(hub)
+    assert _hub_layout(hub) and _hub_layout(qwen, "mlp.experts.3.gate_proj.weight")
     ids = make_batch(2, 12, 64, seed=99)["input_ids"]
-    expected = _hf_logits(hub, ids)
-    for sizes in ({"ep_size": 2}, {"tp_size": 2}):
-        got = _logits(from_pretrained(hub, ParallelLayout(**sizes)), ids)
-        assert (got - expected).abs().max().item() < TOL, (sizes, (got - expected).abs().max().item())
+    for directory, layouts in (
+        (hub, ({"ep_size": 2}, {"ep_size": 2, "tp_size": 2}, {"tp_size": 2})),
+        (qwen, ({"ep_size": 4},)),
+    ):
+        expected = _hf_logits(directory, ids)
+        for sizes in layouts:
+            got = _logits(from_pretrained(directory, ParallelLayout(**sizes)), ids)
+            assert (got - expected).abs().max().item() < TOL, (directory.name, sizes, (got - expected).abs().max().item())
 
-    ep2 = ParallelLayout(ep_size=2)
+    ep2 = ParallelLayout(ep_size=2)  # x dp_shard=4: FSDP2 shards each rank's experts again (_StridedShard)
     model = from_pretrained(hub, ep2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, optimizer, 0)
@@ -100,7 +106,7 @@ def _world(rank: int, world_size: int, root: str) -> None:
     dist.barrier()
     assert (_hf_logits(root / "offline", ids) - at_save).abs().max().item() < TOL
     uninterrupted = _train(model, optimizer, STEPS)
-    for layout in (ep2, ParallelLayout(dp_shard_size=2)):
+    for layout in (ep2, ParallelLayout(dp_shard_size=4), ParallelLayout(ep_size=2, tp_size=2)):
         resumed = _resume(hub, layout, ckpt)
         assert max(abs(a - b) for a, b in zip(resumed, uninterrupted)) < TOL, (layout, resumed, uninterrupted)
 
@@ -114,4 +120,4 @@ def _world(rank: int, world_size: int, root: str) -> None:
 
 
 def test_moe_load_resume_reshard_export(tmp_path: Path) -> None:
-    run_world(_world, 2, str(tmp_path))
+    run_world(_world, 4, str(tmp_path))
