@@ -11,13 +11,16 @@ rows of the experts it holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["StackedExperts", "hub_source"]
+__all__ = ["StackedExperts", "hub_source", "in_hub_layout"]
+
+#: ``(shape, dtype)`` of a tensor to be written (as :data:`~lightning_plugins.checkpoint.safetensors_io.TensorSpec`).
+Spec = tuple[tuple[int, ...], torch.dtype]
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,14 @@ class StackedExperts:
 
     def names(self) -> list[str]:
         return [name for leaf in self.leaves for name in leaf]
+
+    def split(self, tensor: Tensor) -> Iterator[tuple[str, Tensor]]:
+        """``(name, part)`` of the full fused ``tensor``, in the order of :meth:`names`."""
+        start = 0
+        for leaf, rows in zip(self.leaves, self.rows):
+            for expert, name in enumerate(leaf):
+                yield name, tensor[expert, start : start + rows]
+            start += rows
 
     def read(self, get_slice: Callable[[str], object], index: tuple[slice, ...], shape: torch.Size) -> Tensor:
         """The ``index`` slice (one ``slice`` per dimension) of the fused parameter of global ``shape``, read
@@ -86,3 +97,40 @@ def _unsupported(name: str, shape: torch.Size, pieces: dict[str, Tensor]) -> str
         " this loader can slice. Load the model with transformers' from_pretrained in one process and save it with"
         " `save_pretrained(..., save_original_format=False)` to get the fused names."
     )
+
+
+def in_hub_layout(
+    model: nn.Module, specs: dict[str, Spec], produce: Callable[[list[str]], Iterator[tuple[str, Tensor]]]
+) -> tuple[dict[str, Spec], Callable[[list[str]], Iterator[tuple[str, Tensor]]]]:
+    """What ``save_pretrained`` of ``model`` writes for the tensors ``specs`` (model names), streamed.
+
+    Args:
+        model: The model (on the meta device is enough) whose conversions transformers reverts.
+        specs: Model name -> ``(shape, dtype)``, in the order to write.
+        produce: Yields ``(model name, full tensor)`` for a list of model names, in that order.
+
+    Returns:
+        The checkpoint names' specs (each fused experts tensor expanded into its per-expert parts, in place) and a
+        ``produce`` for lists of those names in that order (a model tensor is read once per list it has parts in).
+    """
+    sources = {name: hub_source(model, name, torch.Size(shape)) for name, (shape, _) in specs.items()}
+    hub_specs: dict[str, Spec] = {}
+    owner: dict[str, str] = {}
+    for name, source in sources.items():
+        shape, dtype = specs[name]
+        if isinstance(source, StackedExperts):
+            for part, piece in source.split(torch.empty(shape, device="meta")):
+                hub_specs[part], owner[part] = (tuple(piece.shape), dtype), name
+        else:
+            hub_specs[source], owner[source] = specs[name], name
+
+    def hub_produce(chosen: list[str]) -> Iterator[tuple[str, Tensor]]:
+        wanted = set(chosen)
+        for name, tensor in produce(list(dict.fromkeys(owner[part] for part in chosen))):
+            source = sources[name]
+            if isinstance(source, StackedExperts):
+                yield from ((part, piece) for part, piece in source.split(tensor) if part in wanted)
+            else:
+                yield source, tensor
+
+    return hub_specs, hub_produce

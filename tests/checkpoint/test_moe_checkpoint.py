@@ -6,8 +6,8 @@
   experts from it and gives transformers' own logits.
 * Distributed checkpoints: EP=2 training state (model + optimizer) saved with the engine's DCP path resumes exactly
   under EP=2 and reshards to FSDP2=4 (no EP) and to EP=2 x TP=2, each continuing the uninterrupted run's losses.
-* Export: the offline DCP checkpoint -> HF export of the EP=2 checkpoint loads in transformers with the logits at
-  the save; ``export_hf`` and the collective ``save_pretrained`` of the EP-sharded model write what transformers'
+* Export: the offline DCP checkpoint -> HF export of the EP=2 checkpoint (one layer's experts split over several
+  files) writes the hub layout and loads in transformers with the logits at the save; ``export_hf`` and the collective ``save_pretrained`` of the EP-sharded model write what transformers'
   own ``save_pretrained`` writes, and transformers loads it with the trained model's logits.
 """
 
@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _world import run_world
-from safetensors import safe_open
 from tiny_models import make_batch, tiny_model
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -28,7 +27,7 @@ from lightning_plugins import ParallelLayout
 from lightning_plugins.checkpoint.dcp import load_optimizer_state, load_tensors, optimizer_state, save_sharded
 from lightning_plugins.checkpoint.export import export_checkpoint
 from lightning_plugins.checkpoint.live_export import export_hf
-from lightning_plugins.checkpoint.load import from_pretrained
+from lightning_plugins.checkpoint.load import checkpoint_index, from_pretrained
 
 TOL = 1e-5
 STEPS = 2  # before and after the checkpoint
@@ -71,8 +70,7 @@ def _resume(hub: Path, layout: ParallelLayout, ckpt: Path) -> list[float]:
 
 
 def _hub_layout(directory: Path, expert_weight: str = "block_sparse_moe.experts.3.w1.weight") -> bool:
-    with safe_open(directory / "model.safetensors", framework="pt") as handle:
-        keys = set(handle.keys())
+    keys = set(checkpoint_index(directory))
     return f"model.layers.0.{expert_weight}" in keys and not any("gate_up_proj" in k for k in keys)
 
 
@@ -102,8 +100,9 @@ def _world(rank: int, world_size: int, root: str) -> None:
     save_sharded(_state(model, optimizer), ckpt, rank=rank, barrier=dist.barrier, write_files=lambda _: None)
     at_save = _logits(model, ids)
     if rank == 0:  # the offline export: one process, no process group needed
-        export_checkpoint(ckpt, root / "offline", model=hub)
+        export_checkpoint(ckpt, root / "offline", model=hub, max_shard_size=20_000)  # experts split over files
     dist.barrier()
+    assert _hub_layout(root / "offline") and (root / "offline" / "model.safetensors.index.json").is_file()
     assert (_hf_logits(root / "offline", ids) - at_save).abs().max().item() < TOL
     uninterrupted = _train(model, optimizer, STEPS)
     for layout in (ep2, ParallelLayout(dp_shard_size=4), ParallelLayout(ep_size=2, tp_size=2)):
