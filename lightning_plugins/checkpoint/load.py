@@ -94,7 +94,7 @@ def load_sharded_safetensors(
     state = dict(model.named_parameters())
     state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
     sources = _hub_sources(model, state, index)
-    missing = sorted(name for name, source in sources.items() if not _present(source, index))
+    missing = sorted(name for source in sources.values() for name in _names(source) if name not in index)
     if any(".lora_" in name or ".base_layer." in name for name in missing):
         raise LayoutError(
             f"The model is a peft (LoRA) model on the meta device, but {checkpoint_dir} is an HF checkpoint: it holds"
@@ -147,9 +147,8 @@ def _hub_sources(
     return {name: name if name in index else hub_source(model, name, tensor.shape) for name, tensor in state.items()}
 
 
-def _present(source: str | StackedExperts, index: dict[str, Path]) -> bool:
-    names = source.names() if isinstance(source, StackedExperts) else [source]
-    return all(name in index for name in names)
+def _names(source: str | StackedExperts) -> list[str]:
+    return source.names() if isinstance(source, StackedExperts) else [source]
 
 
 def _check_shapes(

@@ -15,19 +15,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from _world import run_world
 from tiny_models import make_batch, tiny_model
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_plugins import ParallelLayout
 from lightning_plugins.checkpoint.dcp import load_optimizer_state, load_tensors, optimizer_state, save_sharded
 from lightning_plugins.checkpoint.export import export_checkpoint
 from lightning_plugins.checkpoint.live_export import export_hf
-from lightning_plugins.checkpoint.load import checkpoint_index, from_pretrained
+from lightning_plugins.checkpoint.load import checkpoint_index, from_pretrained, is_on_meta
 
 TOL = 1e-5
 STEPS = 2  # before and after the checkpoint
@@ -120,3 +121,27 @@ def _world(rank: int, world_size: int, root: str) -> None:
 
 def test_moe_load_resume_reshard_export(tmp_path: Path) -> None:
     run_world(_world, 4, str(tmp_path))
+
+
+def test_a_hub_checkpoint_missing_an_expert_is_named(tmp_path: Path) -> None:
+    """One process: the per-expert hub layout loads into a plain meta-device model (transformers' logits), and a
+    checkpoint without one expert's weight is refused before anything is loaded, naming that tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from lightning_plugins.checkpoint.load import load_sharded_safetensors
+
+    tiny_model("qwen2_moe").save_pretrained(tmp_path)  # shared expert, a dense layer
+    ids = make_batch(2, 12, 64, seed=5)["input_ids"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path), dtype=torch.float32)
+    load_sharded_safetensors(model, tmp_path)
+    assert (_logits(model, ids) - _hf_logits(tmp_path, ids)).abs().max().item() < TOL
+
+    weights = load_file(tmp_path / "model.safetensors")
+    del weights["model.layers.0.mlp.experts.2.up_proj.weight"]
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path), dtype=torch.float32)
+    with pytest.raises(KeyError, match=r"lacks 1 tensors.*model\.layers\.0\.mlp\.experts\.2\.up_proj\.weight"):
+        load_sharded_safetensors(model, tmp_path)
+    assert is_on_meta(model)  # refused before any storage was given
