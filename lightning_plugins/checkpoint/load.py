@@ -2,7 +2,10 @@
 
 No rank ever materialises the full model: the model is built on the meta device, parallelized (its
 parameters become DTensors that know their global shape and placements), given empty local storage,
-and each local shard is filled from ``safe_open(...).get_slice(name)[rows, cols]``.
+and each local shard is filled from ``safe_open(...).get_slice(name)[rows, cols]``. A checkpoint in the hub's
+layout (what transformers 5 ``save_pretrained`` writes: a mixture-of-experts layer's experts as per-expert 2-D
+tensors, which transformers fuses into 3-D ones at load time) is read through :mod:`.hub_names`: a rank reads only
+the experts (and rows) it holds.
 """
 
 from __future__ import annotations

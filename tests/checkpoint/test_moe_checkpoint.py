@@ -62,7 +62,7 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
 def _resume(hub: Path, layout: ParallelLayout, ckpt: Path) -> list[float]:
     model = from_pretrained(hub, layout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _train(model, optimizer, 0)  # gives the optimizer its state, which the checkpoint then replaces
+    _train(model, optimizer, 100)  # other batches: weights and optimizer state that only the checkpoint can replace
     state = _state(model, optimizer)
     load_tensors(state, ckpt)
     set_model_state_dict(model, state["model"])
