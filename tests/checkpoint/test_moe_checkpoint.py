@@ -3,7 +3,7 @@
 * Loading: transformers 5 ``save_pretrained`` writes the hub's per-expert layout (``block_sparse_moe.experts.<e>.w1``,
   ``mlp.experts.<e>.gate_proj``, ...), not the model's fused 3-D ``experts.gate_up_proj``; ``from_pretrained`` under
   EP=2 x dp_shard=4 (experts Shard(0) over ep, then FSDP2 on the rest), EP=2 x TP=2, TP=2 and EP=4 reads each rank's
-  experts from it and gives transformers' own logits.
+  experts from it and gives transformers' own logits (PP=2 x EP=2: loaded, exported, the same logits).
 * Distributed checkpoints: EP=2 training state (model + optimizer) saved with the engine's DCP path resumes exactly
   under EP=2 and reshards to FSDP2=4 (no EP) and to EP=2 x TP=2, each continuing the uninterrupted run's losses.
 * Export: the offline DCP checkpoint -> HF export of the EP=2 checkpoint (one layer's experts split over several
@@ -77,10 +77,11 @@ def _hub_layout(directory: Path, expert_weight: str = "block_sparse_moe.experts.
 
 def _world(rank: int, world_size: int, root: str) -> None:
     root = Path(root)
-    hub, qwen = root / "hub", root / "qwen3_moe"
+    hub, qwen, deep = root / "hub", root / "qwen3_moe", root / "mixtral_4l"
     if rank == 0:
         tiny_model("mixtral").save_pretrained(hub)
         tiny_model("qwen3_moe").save_pretrained(qwen)
+        tiny_model("mixtral_4l").save_pretrained(deep)
     dist.barrier()
     assert _hub_layout(hub) and _hub_layout(qwen, "mlp.experts.3.gate_proj.weight")
     ids = make_batch(2, 12, 64, seed=99)["input_ids"]
@@ -92,6 +93,10 @@ def _world(rank: int, world_size: int, root: str) -> None:
         for sizes in layouts:
             got = _logits(from_pretrained(directory, ParallelLayout(**sizes)), ids)
             assert (got - expected).abs().max().item() < TOL, (directory.name, sizes, (got - expected).abs().max().item())
+
+    # Pipeline stages (no logits on every rank): loaded under PP=2 x EP=2 and exported, transformers' logits again.
+    export_hf(from_pretrained(deep, ParallelLayout(pp_size=2, ep_size=2)), root / "deep_export")
+    assert (_hf_logits(root / "deep_export", ids) - _hf_logits(deep, ids)).abs().max().item() < TOL
 
     ep2 = ParallelLayout(ep_size=2)  # x dp_shard=4: FSDP2 shards each rank's experts again (_StridedShard)
     model = from_pretrained(hub, ep2)
