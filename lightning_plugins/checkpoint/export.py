@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -52,6 +52,7 @@ from lightning_plugins.checkpoint.export_info import (
     write_tokenizer,
     save_export_info,
 )
+from lightning_plugins.checkpoint.hub_names import in_hub_layout
 from lightning_plugins.checkpoint.integrity import say_unverified, verify_checkpoint
 from lightning_plugins.checkpoint.safetensors_io import SafetensorsDirectory, TensorSpec, nbytes, write_streaming
 
@@ -120,7 +121,8 @@ def export_checkpoint(
         for key, md in reader.read_metadata().state_dict_metadata.items()
         if isinstance(md, TensorStorageMetadata)
     }
-    names = _hf_names(config)
+    meta = _meta_model(config)
+    names = _hf_names(meta)
     prefix = info.get("state_prefix") or _infer_prefix(tensors, names, ckpt)
     adapted = sorted({key for key in tensors if key.startswith(prefix) and ".lora_" in key})
     if merge and not adapted:
@@ -136,7 +138,7 @@ def export_checkpoint(
                 specs, produce = _merged(reader, tensors, prefix, names, info, ckpt, source)
             else:
                 specs, produce = _full(reader, tensors, prefix, names, ckpt)
-            _write_shards(specs, produce, partial, max_shard_size)
+            _write_shards(*in_hub_layout(meta, specs, produce), partial, max_shard_size)
             write_config(ckpt, model, config, partial)
         write_tokenizer(ckpt, model, partial)
     except BaseException:
@@ -366,12 +368,17 @@ def _write_adapters(
 # ------------------------------------------------------------------------------------- config, names, tokenizer
 
 
-def _hf_names(config: Any) -> dict[str, TensorSpec]:
-    """The names, shapes and dtypes ``save_pretrained`` writes for ``config``'s model (tied copies left out)."""
+def _meta_model(config: Any) -> nn.Module:
+    """``config``'s causal LM on the meta device: its names and shapes, no storage."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _hf_names(meta: nn.Module) -> dict[str, TensorSpec]:
+    """The model's names, shapes and dtypes (tied copies left out): what ``save_pretrained`` writes, before
+    transformers reverts its load-time conversions (:func:`~lightning_plugins.checkpoint.hub_names.in_hub_layout`)."""
     seen: set[int] = set()
     names = {}
     for name, tensor in meta.state_dict(keep_vars=True).items():

@@ -2,7 +2,10 @@
 
 No rank ever materialises the full model: the model is built on the meta device, parallelized (its
 parameters become DTensors that know their global shape and placements), given empty local storage,
-and each local shard is filled from ``safe_open(...).get_slice(name)[rows, cols]``.
+and each local shard is filled from ``safe_open(...).get_slice(name)[rows, cols]``. A checkpoint in the hub's
+layout (what transformers 5 ``save_pretrained`` writes: a mixture-of-experts layer's experts as per-expert 2-D
+tensors, which transformers fuses into 3-D ones at load time) is read through :mod:`.hub_names`: a rank reads only
+the experts (and rows) it holds.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_plugins.checkpoint.hub_names import StackedExperts, hub_source
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
@@ -92,7 +96,8 @@ def load_sharded_safetensors(
     index = checkpoint_index(checkpoint_dir)
     state = dict(model.named_parameters())
     state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
-    missing = sorted(set(state) - set(index))
+    sources = _hub_sources(model, state, index)
+    missing = sorted(name for source in sources.values() for name in _names(source) if name not in index)
     if any(".lora_" in name or ".base_layer." in name for name in missing):
         raise LayoutError(
             f"The model is a peft (LoRA) model on the meta device, but {checkpoint_dir} is an HF checkpoint: it holds"
@@ -104,7 +109,7 @@ def load_sharded_safetensors(
         raise KeyError(
             f"The checkpoint in {checkpoint_dir} lacks {len(missing)} tensors of the model, e.g. {missing[:5]}."
         )
-    _check_shapes(state, index)  # before any storage is touched: nothing is half-loaded
+    _check_shapes(state, index, sources)  # before any storage is touched: nothing is half-loaded
     # `to_empty` gives every module its own new tensor, which would untie shared weights (tied
     # embeddings): remember who shares what and tie them again.
     shared = _shared_parameters(model)
@@ -117,11 +122,19 @@ def load_sharded_safetensors(
     state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
     handles: dict[Path, Any] = {}
     try:
-        for name, tensor in state.items():
+
+        def get_slice(name: str) -> Any:
             file = index[name]
             if file not in handles:
                 handles[file] = safe_open(file, framework="pt")
-            piece = handles[file].get_slice(name)[_local_slices(tensor)]
+            return handles[file].get_slice(name)
+
+        for name, tensor in state.items():
+            source = sources[name]
+            if isinstance(source, StackedExperts):
+                piece = source.read(get_slice, _local_slices(tensor), tensor.shape)
+            else:
+                piece = get_slice(source)[_local_slices(tensor)]
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             local.copy_(piece.to(dtype=local.dtype))
     finally:
@@ -129,10 +142,32 @@ def load_sharded_safetensors(
     _reinit_nonpersistent_buffers(model, device)
 
 
-def _check_shapes(state: dict[str, torch.Tensor], index: dict[str, Path]) -> None:
+def _hub_sources(
+    model: nn.Module, state: dict[str, torch.Tensor], index: dict[str, Path]
+) -> dict[str, str | StackedExperts]:
+    """Where each tensor of ``state`` is in the checkpoint: under its own name, or (a checkpoint in the hub's layout,
+    as ``save_pretrained`` writes it) under the names transformers converts it from (see :mod:`.hub_names`)."""
+    return {name: name if name in index else hub_source(model, name, tensor.shape) for name, tensor in state.items()}
+
+
+def _names(source: str | StackedExperts) -> list[str]:
+    return source.names() if isinstance(source, StackedExperts) else [source]
+
+
+def _check_shapes(
+    state: dict[str, torch.Tensor], index: dict[str, Path], sources: dict[str, str | StackedExperts]
+) -> None:
     """Every tensor the model needs is readable in its file with the model's (global) shape."""
+    expected: dict[str, list[int]] = {}
+    for name, tensor in state.items():
+        source = sources[name]
+        if isinstance(source, StackedExperts):
+            for rows, leaf in zip(source.rows, source.leaves):
+                expected.update(dict.fromkeys(leaf, [rows, *tensor.shape[2:]]))
+        else:
+            expected[source] = list(tensor.shape)
     by_file: dict[Path, list[str]] = {}
-    for name in state:
+    for name in expected:
         by_file.setdefault(index[name], []).append(name)
     wrong = []
     for file, names in by_file.items():
@@ -141,7 +176,7 @@ def _check_shapes(state: dict[str, torch.Tensor], index: dict[str, Path]) -> Non
                 wrong += [
                     (name, shape)
                     for name in names
-                    if (shape := handle.get_slice(name).get_shape()) != list(state[name].shape)
+                    if (shape := handle.get_slice(name).get_shape()) != expected[name]
                 ]
         except Exception as err:  # safetensors' own error type is not exported
             raise ValueError(
@@ -149,7 +184,7 @@ def _check_shapes(state: dict[str, torch.Tensor], index: dict[str, Path]) -> Non
                 " Copy or download it again."
             ) from None
     if wrong:
-        shown = ", ".join(f"{name} {shape} (model: {list(state[name].shape)})" for name, shape in wrong[:3])
+        shown = ", ".join(f"{name} {shape} (model: {expected[name]})" for name, shape in wrong[:3])
         raise ValueError(
             f"The checkpoint in {index[wrong[0][0]].parent} holds {len(wrong)} tensor(s) of another shape than the model"
             f" built from its config: {shown}. It belongs to a different model: check model.path and its config.json."
