@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_plugins.parallel.dtypes import DTYPES
 from lightning_plugins.planner.fake_step import (
+    balanced_routing,
     default_dtype,
     fake_world,
     one_row_tile_only,
@@ -244,6 +245,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
         static_pipeline_shapes(),
         one_row_tile_only(),
         unpacked_rows(),
+        balanced_routing(),
         default_dtype(DTYPES[workload.dtype]),
         host_device("meta"),  # offloaded activations: tracked on the meta device, apart from the GPU's
     ):
