@@ -136,6 +136,12 @@ class ModelStats:
         return sum(fan_in * fan_out for _, fan_in, fan_out in self.linears)
 
     @property
+    def layer_active_matmul_params(self) -> int:
+        """Matmul weights one token meets in a decoder layer: its linears and, of a MoE layer, the ``top-k`` routed
+        experts' weights (a dense layer: :attr:`layer_matmul_params`)."""
+        return self.layer_matmul_params + self.expert_matmul_params * self.experts_per_token // max(self.num_experts, 1)
+
+    @property
     def matmul_params(self) -> int:
         """``N`` of ``6N``: decoder linears plus the output projection (whether or not it is tied); of a
         mixture-of-experts layer the router, the shared experts and the ``top-k`` routed experts a token uses
@@ -144,8 +150,7 @@ class ModelStats:
         The embedding lookup and the norms do no matmuls; torchtitan counts ``params - embedding`` (which
         keeps the norms, 0.003% of an 8B model).
         """
-        active_experts = self.expert_matmul_params * self.experts_per_token // max(self.num_experts, 1)
-        return self.num_layers * (self.layer_matmul_params + active_experts) + self.vocab_size * self.hidden_size
+        return self.num_layers * self.layer_active_matmul_params + self.vocab_size * self.hidden_size
 
     def default_lora_targets(self) -> tuple[str, ...]:
         """What :func:`lightning_plugins.adapters.lora.apply_lora` adapts when ``target_modules`` is ``None``: the
