@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from lightning_plugins.planner.dryrun import PEAK_CATEGORIES
+from lightning_plugins.planner.rank_memory import PEAK_CATEGORIES
 from lightning_plugins.planner.plot import layout_label
 from lightning_plugins.planner.report import plan_recipe
 from lightning_plugins.recipe.schema import load_recipe

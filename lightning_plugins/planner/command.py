@@ -140,6 +140,7 @@ def _candidate_dict(candidate: Any) -> dict[str, Any]:
             "dp_shard": layout.dp_shard_size,
             "cp": layout.cp_size,
             "tp": layout.tp_size,
+            "ep": layout.ep_size,
         }
     return out
 

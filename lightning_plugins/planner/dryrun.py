@@ -24,6 +24,9 @@ dense and their parameter bytes scaled to NF4, plus one dequantized weight as a 
 ``memory.optimizer_offload`` the optimizer state is (and the optimizer step's GPU temporaries vanish), the host
 holding it with a copy of the trainable parameters and their gradients. Both only move resident state, so one
 measured step serves a workload with and without them (the layout search relies on it).
+A mixture-of-experts step routes balanced (:func:`~lightning_plugins.planner.fake_step.balanced_routing`): fake
+tensors have no routing counts, so every expert gets the same pairs; the all-to-all buffers of expert parallelism
+are measured with them.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_plugins.parallel.dtypes import DTYPES
 from lightning_plugins.planner.fake_step import (
+    balanced_routing,
     default_dtype,
     fake_world,
     one_row_tile_only,
@@ -244,6 +248,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
         static_pipeline_shapes(),
         one_row_tile_only(),
         unpacked_rows(),
+        balanced_routing(),
         default_dtype(DTYPES[workload.dtype]),
         host_device("meta"),  # offloaded activations: tracked on the meta device, apart from the GPU's
     ):

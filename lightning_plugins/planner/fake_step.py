@@ -109,3 +109,64 @@ def static_pipeline_shapes() -> Iterator[None]:
         yield
     finally:
         schedules._PipelineSchedule._warmup_p2p = original
+
+
+@contextlib.contextmanager
+def balanced_routing() -> Iterator[None]:
+    """Route every expert the same number of (token, choice) pairs: the experts' forward without reading values.
+
+    The engine's grouped forward (:func:`lightning_plugins.parallel.experts.experts_forward`) counts the pairs per
+    expert (``bincount``) and sizes the all-to-all and the grouped GEMM from those counts, which fake tensors do not
+    have. A dry run plans a balanced router instead (the state the load-balancing loss drives to): each of the
+    ``E`` experts gets ``ceil(tokens x k / E)`` pairs. What a step holds is kept: the gathered pairs
+    (``tokens x k x hidden``), under expert parallelism the dispatch and combine buffers of the all-to-all
+    (forward and backward, through the same autograd collective), and the experts' intermediate activations.
+    """
+    from lightning_plugins.parallel import experts
+
+    original = experts.experts_forward
+    experts.experts_forward = _balanced_experts_forward
+    try:
+        yield
+    finally:
+        experts.experts_forward = original
+
+
+def _balanced_experts_forward(
+    module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """:func:`~lightning_plugins.parallel.experts.experts_forward` with every expert receiving the same pairs."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    tokens, k = top_k_index.shape
+    per_expert = -(-tokens * k // module.num_experts)
+    rows = per_expert * module.num_experts
+    pairs = hidden_states.repeat_interleave(k, dim=0)
+    pairs = torch.cat([pairs, pairs.new_zeros(rows - tokens * k, pairs.shape[-1])]) if rows > tokens * k else pairs
+    group = getattr(module, "_lp_ep_group", None)
+    if group is not None:  # every rank sends and receives the same number of pairs to and from every rank
+        split = [rows // group.size()] * group.size()
+        pairs = all_to_all_single_autograd(pairs.contiguous(), split, split, group)
+    out = _uniform_expert_mlp(module, pairs)
+    if group is not None:
+        out = all_to_all_single_autograd(out.contiguous(), split, split, group)
+    out = out[: tokens * k] * top_k_weights.reshape(-1, 1).to(out.dtype)
+    return out.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _uniform_expert_mlp(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The experts' MLP on rows ``x`` shared evenly by the module's (local) experts, as one batched GEMM."""
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w = weight if module.is_transposed else weight.transpose(-2, -1)  # [experts, in, out]
+        out = torch.bmm(x.to(w.dtype).view(w.shape[0], x.shape[0] // w.shape[0], -1), w)
+        return (out if bias is None else out + bias.unsqueeze(1)).reshape(-1, w.shape[-1])
+
+    up = module.gate_up_proj if module.has_gate else module.up_proj
+    up_bias = (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias) if module.has_bias else None
+    h = linear(x, up, up_bias)
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    h = linear(h, module.down_proj, module.down_proj_bias if module.has_bias else None)
+    if getattr(module, "has_post_expert_norm", False):
+        h = module.post_expert_norm(h)
+    return h

@@ -86,6 +86,11 @@ class ModelStats:
         linears: ``(name, in_features, out_features)`` of each linear layer of one decoder layer.
         model_type: ``config.model_type``.
         lora_targets: The default LoRA targets of the family (see :meth:`default_lora_targets`).
+        num_experts: Routed experts per MoE layer (0 for a dense model).
+        experts_per_token: Experts each token is routed to (top-k; 0 for a dense model).
+        expert_params: Parameters of one layer's routed experts, all of them (their 3-D weights and biases; part
+            of :attr:`layer_params`). The router and shared experts are ordinary linears of the layer.
+        expert_matmul_params: The matmul weights among :attr:`expert_params` (no biases).
     """
 
     hidden_size: int
@@ -103,6 +108,22 @@ class ModelStats:
     linears: tuple[tuple[str, int, int], ...] = field(default=(), compare=False)
     model_type: str = "llama"
     lora_targets: tuple[str, ...] = field(default=(), compare=False)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
+    expert_matmul_params: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the decoder layers route tokens to experts."""
+        return self.num_experts > 0
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: :attr:`total_params` less the routed experts it is not sent to (a dense
+        model's are all of them). Attention, router, shared experts, embedding and head all count."""
+        idle = self.expert_params - self.expert_params * self.experts_per_token // max(self.num_experts, 1)
+        return self.total_params - self.num_layers * idle
 
     @property
     def total_params(self) -> int:
@@ -115,13 +136,21 @@ class ModelStats:
         return sum(fan_in * fan_out for _, fan_in, fan_out in self.linears)
 
     @property
+    def layer_active_matmul_params(self) -> int:
+        """Matmul weights one token meets in a decoder layer: its linears and, of a MoE layer, the ``top-k`` routed
+        experts' weights (a dense layer: :attr:`layer_matmul_params`)."""
+        return self.layer_matmul_params + self.expert_matmul_params * self.experts_per_token // max(self.num_experts, 1)
+
+    @property
     def matmul_params(self) -> int:
-        """``N`` of ``6N``: decoder linears plus the output projection (whether or not it is tied).
+        """``N`` of ``6N``: decoder linears plus the output projection (whether or not it is tied); of a
+        mixture-of-experts layer the router, the shared experts and the ``top-k`` routed experts a token uses
+        (the active weights, not all the experts).
 
         The embedding lookup and the norms do no matmuls; torchtitan counts ``params - embedding`` (which
         keeps the norms, 0.003% of an 8B model).
         """
-        return self.num_layers * self.layer_matmul_params + self.vocab_size * self.hidden_size
+        return self.num_layers * self.layer_active_matmul_params + self.vocab_size * self.hidden_size
 
     def default_lora_targets(self) -> tuple[str, ...]:
         """What :func:`lightning_plugins.adapters.lora.apply_lora` adapts when ``target_modules`` is ``None``: the
@@ -276,6 +305,7 @@ def _from_meta_layer(config: Any) -> ModelStats:
     from torch import nn
     from transformers import AutoModelForCausalLM
 
+    from lightning_plugins.parallel.experts import expert_modules, num_experts
     from lightning_plugins.parallel.families import decoder_layers, family_for
 
     fields = {**config.to_dict(), "num_hidden_layers": 1}
@@ -307,6 +337,18 @@ def _from_meta_layer(config: Any) -> ModelStats:
         for name, m in layer.named_modules()
         if isinstance(m, nn.Linear)
     )
+    experts = [module for _, module in expert_modules(layer)]
+    expert_params = sum(p.numel() for module in experts for p in module.parameters())
+    expert_matmuls = sum(p.numel() for module in experts for p in module.parameters() if p.dim() == 3)
+    moe = {}
+    if experts:
+        top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", None)
+        moe = {
+            "num_experts": num_experts(config) or 0,
+            "experts_per_token": int(top_k or 0),
+            "expert_params": expert_params,
+            "expert_matmul_params": expert_matmuls,
+        }
     return _stats(
         config,
         tied_embeddings=tied,
@@ -316,6 +358,7 @@ def _from_meta_layer(config: Any) -> ModelStats:
         head_params=head_params,
         linears=linears,
         lora_targets=targets,
+        **moe,
     )
 
 

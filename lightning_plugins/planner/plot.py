@@ -52,6 +52,7 @@ def layout_label(workload: Workload) -> str:
             ("pp", layout.pp_size),
             ("rep", layout.dp_replicate_size),
             ("fsdp", layout.dp_shard_size),
+            ("ep", layout.ep_size),
         )
         if size > 1
     ]

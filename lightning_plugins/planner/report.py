@@ -87,6 +87,7 @@ class Plan:
                 "dp_shard": layout.dp_shard_size,
                 "cp": layout.cp_size,
                 "tp": layout.tp_size,
+                "ep": layout.ep_size,
             },
             "activation_checkpointing": self.workload.memory.activation_checkpointing,
             "cpu_offload": self.workload.memory.cpu_offload,

@@ -144,10 +144,12 @@ def candidate_workloads(
                 dp = gpus // (tp * cp * pp)
                 if global_batch_size % dp:
                     continue
-                for replicate in _replicas(dp, tp * cp, per_node):
+                for replicate, ep in (
+                    (r, e) for r in _replicas(dp, tp * cp, per_node) for e in _expert_sizes(config, dp // r * cp)
+                ):
                     try:
                         sizes = {"pp_size": pp, "dp_replicate_size": replicate, "cp_size": cp, "tp_size": tp}
-                        layout = ParallelLayout(**sizes, dp_shard_size=dp // replicate).resolve(gpus)
+                        layout = ParallelLayout(**sizes, dp_shard_size=dp // replicate, ep_size=ep).resolve(gpus)
                         layout.validate(config)
                     except LayoutError:
                         continue
@@ -189,7 +191,9 @@ def estimate_peak(workload: Workload) -> int:
     ends = max(stats.embedding_params, stats.head_params + stats.norm_params)
     if layout.pp_size == 1:
         ends = stats.embedding_params + stats.head_params + stats.norm_params
-    dense = (layers * stats.layer_params + ends) / shards
+    # Routed experts are replicated over TP and split over ep x their FSDP2 group, i.e. over fsdp_size in all.
+    routed = layers * stats.expert_params
+    dense = (layers * stats.layer_params - routed + ends) / shards + routed / layout.fsdp_size
     if workload.method == "full":
         trainable, params = dense, dense * weight
     else:
@@ -197,7 +201,8 @@ def estimate_peak(workload: Workload) -> int:
             layers * stats.lora_params_per_layer(workload.lora.target_modules, workload.lora.r) / layout.fsdp_size
         )
         per_param = 0.5 + 1 / 64 if workload.method == "qlora" else weight
-        params = (layers * stats.layer_params / shards) * per_param + ends / shards * weight
+        params = ((layers * stats.layer_params - routed) / shards + routed / layout.fsdp_size) * per_param
+        params += ends / shards * weight
     state = params + trainable * weight * (1 if memory.optimizer_offload else 3)  # gradients (and AdamW's moments)
     # Activations of one micro-batch, times the micro-batches in flight on the first stage.
     rows = workload.micro_batch_size // (pipeline.microbatches if pipeline else 1)
@@ -218,10 +223,15 @@ def estimate_peak(workload: Workload) -> int:
     if memory.activation_checkpointing != "none":  # one layer is recomputed whole in backward
         activations += whole_layer
     tokens = rows * workload.seq_len / layout.cp_size
+    if stats.is_moe:  # the routed rows, gathered, dispatched and combined (bf16), kept for backward per MoE layer
+        routed_rows = 3 * tokens / layout.tp_size * stats.experts_per_token * stats.hidden_size * compute
+        kept = layers * in_flight if memory.activation_checkpointing == "none" else 1
+        activations += routed_rows * kept
     vocab = stats.vocab_size / (layout.tp_size if workload.options.loss_parallel else 1)
     temporaries = 3 * tokens * vocab * 4
     if layout.fsdp_size > 1:
-        temporaries += (ends + 2 * stats.layer_params) / layout.tp_size * compute
+        gathered = stats.layer_params - stats.expert_params + stats.expert_params / layout.ep_size * layout.tp_size
+        temporaries += (ends + 2 * gathered) / layout.tp_size * compute
         if layout.pp_size > 1:
             temporaries += trainable * layout.fsdp_size * weight
     if memory.cpu_offload:
@@ -231,6 +241,15 @@ def estimate_peak(workload: Workload) -> int:
 
 def _powers_of_two(limit: int) -> list[int]:
     return [2**k for k in range(int(math.log2(max(1, limit))) + 1) if limit % 2**k == 0]
+
+
+def _expert_sizes(config: Any, shard_cp: int) -> list[int]:
+    """Expert-parallel sizes to try: 1, and for a mixture-of-experts model every power of two dividing both the
+    ``dp_shard x cp`` ranks it is drawn from and the number of routed experts."""
+    from lightning_plugins.parallel.experts import num_experts
+
+    experts = num_experts(config) or 1
+    return [e for e in _powers_of_two(shard_cp) if experts % e == 0]
 
 
 def _replicas(dp: int, inner: int, per_node: int) -> list[int]:

@@ -21,6 +21,11 @@ The model, per optimizer step, for the slowest rank (pipeline stages differ: the
   under a pipeline once per step), reduce-scatters of gradients, HSDP's all-reduce across replicas; over
   NVLink when the group fits in a node, else the NICs. Overlapped with compute except the first layer's
   gather and the last reduce-scatter (``1 / layers`` of it), and except what exceeds the compute.
+* **Expert parallel.** Per MoE layer and micro-batch, the all-to-all dispatch and combine of the ``tokens x top-k``
+  routed rows (bf16 hidden vectors), forward, backward and recomputed forward, ``(ep - 1) / ep`` of them leaving
+  the rank, over NVLink while the EP group (``tp x ep`` consecutive ranks) fits in a node, else the NICs;
+  exposed (the engine waits for it). The experts' FSDP2 group is ``dp_shard x cp / ep`` ranks, gathering
+  ``E / ep`` experts of a layer; the routed experts are replicated over TP (each TP rank runs its own tokens).
 * **CPU offload.** Parameters host->GPU at every gather and gradients back over PCIe (overlapped like FSDP),
   plus the optimizer step on the host (:data:`HOST_ADAM_PARAMS_PER_S`), exposed.
 * **Optimizer offload.** Once per optimizer step, the rank's trainable shard's gradients to the host and its
@@ -263,7 +268,7 @@ def _rank_time(
     # Seconds per token of one layer's forward, matmuls and attention; training runs the matmuls 3x (full) or
     # 2x (frozen base: no weight gradients), attention 3x.
     attn_fwd = 4.0 * stats.num_heads * stats.head_dim * shape.seq_len / attn_rate
-    mm_fwd = 2.0 * stats.layer_matmul_params / rate
+    mm_fwd = 2.0 * stats.layer_active_matmul_params / rate
     mm_factor = 3.0 if method == "full" else 2.0
     layer_time = mm_factor * mm_fwd + 3.0 * attn_fwd + 6.0 * lora_layer / rate
     head_time = mm_factor * 2.0 * stats.vocab_size * stats.hidden_size / rate if last else 0.0
@@ -272,7 +277,7 @@ def _rank_time(
     recompute = tokens / t * layers * rec * (mm_fwd + attn_fwd) * slowdown
     busy = compute + recompute
 
-    comm: dict[str, float] = {k: 0.0 for k in ("fsdp", "tp", "cp", "pp", "dp_replicate", "offload")}
+    comm: dict[str, float] = {k: 0.0 for k in ("fsdp", "tp", "cp", "pp", "dp_replicate", "offload", "ep")}
     exposed = dict(comm)
     act = tokens * stats.hidden_size * 2.0  # bf16 activations of this rank's tokens, one layer boundary, per step
 
@@ -303,6 +308,14 @@ def _rank_time(
             comm["cp"] = layers * per_layer / bw
             exposed["cp"] = comm["cp"]
 
+    e = layout.ep_size
+    if e > 1 and stats.is_moe:
+        _, bw = cluster.link(t * e)
+        rows = tokens / t * stats.experts_per_token  # routed (token, expert) rows of this rank, per step
+        per_layer = 2 * (e - 1) / e * rows * stats.hidden_size * 2.0  # dispatch + combine, bf16
+        comm["ep"] = layers * per_layer * (2 + rec) / bw  # forward, backward (the same bytes), recomputation
+        exposed["ep"] = comm["ep"]
+
     if p > 1:
         _, bw = cluster.link(layout.world_size)
         boundary = act / forwards / (t if shape.sequence_parallel and t > 1 else 1)  # one micro-batch's activation
@@ -310,12 +323,13 @@ def _rank_time(
         exposed["pp"] = 2 * (p - 1) * boundary / bw * shape.accumulation  # the fill and the drain
 
     fsdp_group = layout.dp_shard_size * c
+    routed = layers * stats.expert_params  # replicated over TP; EP x the experts' FSDP2 group shard them
     params = (
-        layers * stats.layer_params
+        layers * (stats.layer_params - stats.expert_params)
         + (stats.embedding_params if first else 0)
         + (stats.norm_params + stats.head_params if last else 0)
         + (stats.embedding_params if last and not first and stats.tied_embeddings else 0)
-    ) / t
+    ) / t + routed / e
     linear = layers * stats.layer_matmul_params / t
     weight_bytes = 4.0 if memory.param_dtype in ("fp32", "float32") else 2.0
     stored_linear = NF4_BYTES_PER_PARAM if method == "qlora" else weight_bytes
@@ -333,6 +347,10 @@ def _rank_time(
     if fsdp_group > 1:
         _, bw = cluster.link(t * fsdp_group)
         share = (fsdp_group - 1) / fsdp_group
+        if routed:  # the experts' share of the bytes moves in groups of dp_shard x cp / ep (none when ep is all)
+            experts_group = max(1, fsdp_group // e)
+            expert_part = routed / e / params
+            share = share * (1 - expert_part) + (experts_group - 1) / experts_group * expert_part
         comm["fsdp"] = share * (gathers * gathered + reductions * grad_bytes) / bw
     if layout.dp_replicate_size > 1:
         r = layout.dp_replicate_size
@@ -362,7 +380,7 @@ def _rank_time(
         comm["offload"] = transfer + optimizer
         exposed["offload"] = transfer + optimizer
 
-    in_pipeline = busy + exposed["tp"] + exposed["cp"]
+    in_pipeline = busy + exposed["tp"] + exposed["cp"] + exposed["ep"]
     bubble = shape.bubble_fraction()
     bubble_s = in_pipeline * bubble / (1 - bubble)
     step = in_pipeline + bubble_s + exposed["pp"] + exposed["fsdp"] + exposed["dp_replicate"] + exposed["offload"]

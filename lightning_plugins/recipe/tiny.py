@@ -33,6 +33,16 @@ MAX_TINY_WORLD = 4
 _DROP_ORDER = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "pp_size")
 #: The shrunk model: as the shipped tiny Llama, with heads that still split over TP=2 x Ulysses CP=2.
 TINY_DIMS = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 8, "head_dim": 16}
+#: A mixture-of-experts model shrunk: 4 routed experts, 2 per token (expert parallelism of 2 splits them 2 + 2),
+#: small experts; the keys are each family's spelling (the ones the config has are set).
+TINY_MOE = {
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "experts_per_token": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 128,
+}
 #: Learning rates at which a random tiny model's loss falls within a few steps (full, adapters).
 TINY_LR = {"full": 3e-3, "lora": 1e-2}
 TINY_SEQ_LEN = 64
@@ -53,7 +63,9 @@ def tiny_layout(layout: ParallelLayout) -> ParallelLayout:
         if _product(used) <= MAX_TINY_WORLD:
             break
         used.pop(name, None)
-    return ParallelLayout(**{name: used.get(name, 1) for name in _DROP_ORDER})
+    # Expert parallelism adds no rank: it splits the experts over 2 of the data or context ranks that are kept.
+    experts = 2 if layout.ep_size > 1 and ("dp_shard_size" in used or "cp_size" in used) else 1
+    return ParallelLayout(**{name: used.get(name, 1) for name in _DROP_ORDER}, ep_size=experts)
 
 
 def _product(sizes: dict[str, int]) -> int:
@@ -81,9 +93,15 @@ def tiny_config(config: Any, layers: int) -> Any:
     }
     if getattr(config, "max_window_layers", None) is not None:
         changes["max_window_layers"] = layers
-    if isinstance(getattr(config, "layer_types", None), list):
-        changes["layer_types"] = config.layer_types[:1] * layers
-    return type(config).from_dict({**config.to_dict(), **changes})
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, list):  # an alternating pattern (gpt-oss: sliding, full) is kept, as is a uniform one
+        changes["layer_types"] = [layer_types[i % len(layer_types)] for i in range(layers)]
+    if isinstance(getattr(config, "sliding_window", None), int):  # a window the tiny rows are longer than
+        changes["sliding_window"] = min(config.sliding_window, TINY_SEQ_LEN // 4)
+    changes.update({key: value for key, value in TINY_MOE.items() if getattr(config, key, None) is not None})
+    fields = {**config.to_dict(), **changes}
+    fields.pop("quantization_config", None)  # the twin's random weights are plain fp32 (gpt-oss ships MXFP4 experts)
+    return type(config).from_dict(fields)
 
 
 def _tiny_tokenizer() -> Any:
@@ -138,7 +156,9 @@ def _write_model(config: Any, directory: Path, seed: int) -> None:
     bars = logging.is_progress_bar_enabled()
     logging.disable_progress_bar()  # a one-file checkpoint: no bar
     try:
-        model.save_pretrained(directory)
+        # transformers' own layout (fused 3-D experts), not the hub's per-expert tensors it converts back to by
+        # default: the doors' sharded loader reads the former (dense models are saved the same either way).
+        model.save_pretrained(directory, save_original_format=False)
     finally:
         if bars:
             logging.enable_progress_bar()
@@ -159,14 +179,15 @@ def _tiny_settings(recipe: Recipe, layout: ParallelLayout, steps: int, out: Path
     settings: dict[str, Any] = {
         "model.path": str((out / "model").resolve()),
         "model.dtype": "fp32",
-        "model.attn_implementation": "sdpa",
+        # eager stays eager (gpt-oss: attention sinks, no SDPA in transformers); a GPU kernel becomes SDPA on CPU
+        "model.attn_implementation": "eager" if recipe.model.attn_implementation == "eager" else "sdpa",
         "data.train": str(_head(assets.chat_train_file if chat else assets.train_file, out, "train")),
         "data.eval": str(_head(assets.chat_eval_file if chat else assets.eval_file, out, "eval")),
         "data.eval_fraction": 0.0,
         "data.max_seq_len": TINY_SEQ_LEN,
         "layout": {
             name: getattr(layout, name)
-            for name in ("tp_size", "pp_size", "cp_size", "dp_shard_size", "dp_replicate_size")
+            for name in ("tp_size", "pp_size", "cp_size", "dp_shard_size", "dp_replicate_size", "ep_size")
         },
         "memory.param_dtype": None,
         "memory.reduce_dtype": None,

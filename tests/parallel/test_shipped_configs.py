@@ -30,11 +30,32 @@ MODELS = {
     "Qwen2.5-32B": ("Qwen2ForCausalLM", 32.8e9, 32_763_876_352),
     "Qwen2.5-72B": ("Qwen2ForCausalLM", 72.7e9, 72_706_203_648),
     "Qwen3-32B": ("Qwen3ForCausalLM", 32.8e9, 32_762_123_264),
+    "Qwen3-30B-A3B": ("Qwen3MoeForCausalLM", 30.5e9, 30_532_122_624),
+    "Qwen3-235B-A22B": ("Qwen3MoeForCausalLM", 235e9, 235_093_634_560),
+    "Mixtral-8x22B-v0.1": ("MixtralForCausalLM", 141e9, 140_620_634_112),
+    # The hub's safetensors hold the experts in MXFP4 (packed blocks and scales): the count here is the model
+    # transformers builds (bf16 experts), the 116.83B of OpenAI's model card.
+    "gpt-oss-120b": ("GptOssForCausalLM", 116.83e9, 116_829_156_672),
+}
+
+# Mixture-of-experts models: (routed experts, experts per token, published active parameters, whether the
+# published figure counts the input embedding). OpenAI's card counts gpt-oss's active parameters without the
+# embedding table (5.13B); Qwen's and Mistral's figures are the whole forward path of one token.
+MOE = {
+    "Qwen3-30B-A3B": (128, 8, 3.3e9, True),
+    "Qwen3-235B-A22B": (128, 8, 22e9, True),
+    "Mixtral-8x22B-v0.1": (8, 2, 39e9, True),
+    "gpt-oss-120b": (128, 4, 5.1e9, False),
 }
 
 # Models whose sizes do not allow tensor parallelism over 8 ranks, and the size that forbids it.
 # Qwen2.5-7B has 28 attention heads and 4 kv heads: TP=8 would split heads; 4 (or 2, 1) is its maximum.
-NOT_TP8 = {"Qwen2.5-7B": "num_attention_heads=28"}
+# Qwen3's MoE models have 4 kv heads: TP <= 4.
+NOT_TP8 = {
+    "Qwen2.5-7B": "num_attention_heads=28",
+    "Qwen3-30B-A3B": "num_key_value_heads=4",
+    "Qwen3-235B-A22B": "num_key_value_heads=4",
+}
 
 
 def test_every_shipped_config_is_covered() -> None:
@@ -60,6 +81,27 @@ def test_config_loads_builds_and_has_published_size(name: str) -> None:
     count = sum(p.numel() for p in model.parameters())
     assert abs(count - published) / published < 0.005, f"{name}: {count:,} parameters, published {published:,.0f}"
     assert count == exact, f"{name}: {count:,} parameters, the checkpoint holds {exact:,}"
+
+
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_moe_config_has_published_active_size(name: str) -> None:
+    """The planner's active parameters (what a token uses: top-k routed experts, router, attention, shared parts)
+    match the published figures, and equal a count made on the meta-built model's own experts."""
+    from lightning_plugins.parallel.experts import expert_modules
+    from lightning_plugins.planner.model_stats import model_stats
+
+    experts, top_k, published, with_embedding = MOE[name]
+    config = AutoConfig.from_pretrained(CONFIGS / name)
+    stats = model_stats(config)
+    assert (stats.num_experts, stats.experts_per_token) == (experts, top_k)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    routed = sum(p.numel() for _, module in expert_modules(model) for p in module.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    assert stats.total_params == total
+    assert stats.active_params == total - routed + routed * top_k // experts
+    active = stats.active_params - (0 if with_embedding else stats.embedding_params)
+    assert abs(active - published) / published < 0.02, f"{name}: {active:,} active parameters, published {published:,.0f}"
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

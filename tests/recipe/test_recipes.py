@@ -32,6 +32,13 @@ def test_the_recipes_the_issue_asks_for_are_shipped() -> None:
     for model in ("qwen2.5-14b", "qwen2.5-32b", "qwen3-32b"):
         assert {"full", "lora"} <= methods[model], model
     assert {"full", "lora", "qlora"} <= methods["llama-3.1-405b"]
+    for model in ("qwen3-30b-a3b", "qwen3-235b-a22b"):  # mixture of experts (issue 26)
+        assert {"full", "lora"} <= methods[model], model
+    for model in ("mixtral-8x22b-v0.1", "gpt-oss-120b"):
+        assert "lora" in methods[model], model
+    moe = [load_recipe(p) for p in RECIPES if p.parent.name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x22b-v0.1", "gpt-oss-120b")]  # fmt: skip
+    assert all(r.layout.ep_size > 1 for r in moe if r.hardware.world_size > 1)
+    assert all(r.lora.target_modules for r in moe if r.lora is not None)  # attention: expert LoRA is not assumed
     long_context = [load_recipe(p) for p in RECIPES if p.stem.endswith("_cp")]
     assert {r.model.path for r in long_context} == {"meta-llama/Llama-3.1-70B", "Qwen/Qwen2.5-72B"}
     assert all(r.layout.cp_size > 1 and r.data.max_seq_len >= 32768 for r in long_context)
@@ -87,6 +94,9 @@ def test_tiny_layouts_keep_every_kind_within_four_processes() -> None:
         got = tiny_layout(ParallelLayout(**dict(zip(keys, real))).resolve(_product(real)))
         assert tuple(getattr(got, k) for k in keys) == tiny, (real, got)
         assert got.world_size <= MAX_TINY_WORLD
+    # Expert parallelism adds no rank: EP=8 over FSDP=64 becomes EP=2 over FSDP=2; with no data rank kept, none.
+    assert tiny_layout(ParallelLayout(dp_shard_size=64, ep_size=8).resolve(64)) == ParallelLayout(dp_shard_size=2, ep_size=2)
+    assert tiny_layout(ParallelLayout(tp_size=8, pp_size=8, dp_shard_size=8, ep_size=8).resolve(512)).ep_size == 1
 
 
 def _product(sizes: tuple[int, ...]) -> int:
