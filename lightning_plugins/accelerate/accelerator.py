@@ -79,6 +79,9 @@ class ParallelAccelerator(Accelerator):
         cp_size: Context-parallel ranks.
         dp_shard_size: FSDP2 shard ranks; ``-1`` (or ``None``) takes what the world leaves.
         dp_replicate_size: Data-parallel replicas (HSDP with ``dp_shard_size > 1``).
+        ep_size: Expert-parallel ranks of a mixture-of-experts model, drawn from ``dp_shard x cp`` (it must divide
+            ``dp_shard_size x cp_size`` and the number of experts). Accelerate's ``ParallelismConfig`` has no such
+            key: give it here or in the recipe's ``layout.ep_size``.
         options: How each dimension is applied (:class:`~lightning_plugins.ParallelOptions`).
         memory: Activation checkpointing, FSDP2 mixed precision, CPU offload
             (:class:`~lightning_plugins.MemoryOptions`).
@@ -109,6 +112,7 @@ class ParallelAccelerator(Accelerator):
         cp_size: int | None = None,
         dp_shard_size: int | None = None,
         dp_replicate_size: int | None = None,
+        ep_size: int | None = None,
         options: ParallelOptions | None = None,
         memory: MemoryOptions | None = None,
         load_from: str | Path | None = None,
@@ -121,7 +125,7 @@ class ParallelAccelerator(Accelerator):
         self.options, self.memory = with_settings(owner, options, memory, **settings)
         sizes = given_sizes(
             layout, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, dp_shard_size=dp_shard_size,
-            dp_replicate_size=dp_replicate_size,
+            dp_replicate_size=dp_replicate_size, ep_size=ep_size,
         )
         deepspeed = kwargs.get("deepspeed_plugin") or kwargs.get("deepspeed_plugins")
         self.builtin = builtin_path(deepspeed, kwargs.get("fsdp_plugin"))
