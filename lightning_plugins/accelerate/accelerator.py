@@ -38,6 +38,7 @@ from lightning_plugins.accelerate.state import load_training_state, next_state_d
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.run.faults import join_timeout, set_collective_timeout
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.parallel.experts_balance import ExpertBalance
 from lightning_plugins.parallel.layout import ParallelLayout, given_sizes
 from lightning_plugins.checkpoint.load import is_on_meta, parallelize_and_load
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions, with_settings
@@ -147,6 +148,8 @@ class ParallelAccelerator(Accelerator):
         self._saver = AsyncCheckpointer()
         self.device_mesh = None
         self._grads = GradHandOff()  # under pipeline parallelism: the gradients the model call computed
+        #: The routing balance of a prepared mixture-of-experts model (``None`` for a dense one): see :meth:`moe_balance`.
+        self.balance: ExpertBalance | None = None
         # Parameters that parallelizing replaced (id -> parameter): an optimizer still holding one would train nothing.
         self._replaced: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         if self.builtin:
@@ -221,6 +224,7 @@ class ParallelAccelerator(Accelerator):
             model, hf_model, self.device_mesh, self.options, self.memory,
             load_from=self.load_from, owner=owner, device=self.device,
         )  # fmt: skip
+        self.balance = ExpertBalance.of(hf_model)
         params = {_canonical(name): p for name, p in model.named_parameters(remove_duplicate=False)}
         self._replaced.update((id(p), p) for p in before if params.get(names[id(p)]) is not p)
         for optimizer in optimizers:
@@ -231,6 +235,14 @@ class ParallelAccelerator(Accelerator):
                 # Under pipeline parallelism each rank's optimizer keeps only its stages' parameters.
                 group["params"] = [params[names[id(p)]] if id(p) in names else p for p in group["params"]
                                    if id(p) not in names or names[id(p)] in params]  # fmt: skip
+
+    def moe_balance(self) -> dict[str, float]:
+        """The ``moe/*`` routing figures of the steps since the last call, over every rank
+        (:class:`~lightning_plugins.parallel.experts_balance.ExpertBalance`); ``{}`` for a dense model.
+
+        A collective: every rank calls it at the same step.
+        """
+        return {} if self.balance is None else self.balance.read()
 
     @override
     def prepare_optimizer(self, optimizer: Optimizer, device_placement: bool | None = None) -> Any:

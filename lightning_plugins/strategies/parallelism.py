@@ -40,6 +40,7 @@ from lightning_plugins.parallel import (
 from lightning_plugins.parallel.context import context_parallel_batch
 from lightning_plugins.parallel.pipeline.runtime import GradHandOff
 from lightning_plugins.strategies.checkpoint_io import ShardedCheckpoints
+from lightning_plugins.strategies.balance import add_balance
 from lightning_plugins.strategies.perf import PerfCallback, add_perf
 from lightning_plugins.strategies.preemption import add_preemption
 from lightning_plugins.checkpoint.resume_choice import check_same_decision
@@ -249,6 +250,7 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
             launched = self.cluster_environment.creates_processes_externally or self.local_rank > 0
             add_preemption(trainer, self.preempt_signals, launched)
             add_perf(trainer, self.perf)
+            add_balance(trainer, self._hf_model(built=True))
         self.setup_precision_plugin()
         # Lightning's clipping calls torch's clip_grad_norm_, which fails on DTensors of several meshes
         # and would miss pipeline stages: route it to the engine's true global norm.
