@@ -73,7 +73,8 @@ def check_skip(reference_model: torch.nn.Module, data: list[dict], dp: int, devi
 
 def balance_results(trainer: L.Trainer, balance: ExpertBalance) -> dict:
     """The ``moe/*`` figures the strategy logged for the whole run (one log window) against one process's."""
-    want = balance.read(reduce=False)
+    # Lightning keeps a logged float as a float32 tensor: the one-process figure, rounded the same way.
+    want = {key: torch.tensor(value, dtype=torch.float32).item() for key, value in balance.read(reduce=False).items()}
     (callback,) = [c for c in trainer.callbacks if isinstance(c, ExpertBalanceCallback)]
     logged = {key: trainer.callback_metrics[key].item() for key in want if key in trainer.callback_metrics}
     return {
