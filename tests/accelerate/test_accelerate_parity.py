@@ -142,6 +142,7 @@ TWO_RANKS = {
     "cp2_ring": {"cp_size": 2, "settings": {"cp_backend": "ring"}},
     "fsdp2": {"dp_shard_size": 2, "split": True},
     "mixtral_ep2": {"family": "mixtral", "ep_size": 2, "split": True},
+    "qwen2_moe_tp2": {"family": "qwen2_moe", "tp_size": 2},  # each TP rank routes its share of the tokens
     "lora_tp2": {"tp_size": 2, "lora": True, "export": True},
 }
 FOUR_RANKS = {
