@@ -148,7 +148,7 @@ class ParallelAccelerator(Accelerator):
         self._saver = AsyncCheckpointer()
         self.device_mesh = None
         self._grads = GradHandOff()  # under pipeline parallelism: the gradients the model call computed
-        #: The routing balance of a prepared mixture-of-experts model (``None`` for a dense one): see :meth:`moe_balance`.
+        #: The routing balance of a prepared mixture-of-experts model (``None``: dense); see :meth:`moe_balance`.
         self.balance: ExpertBalance | None = None
         # Parameters that parallelizing replaced (id -> parameter): an optimizer still holding one would train nothing.
         self._replaced: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()

@@ -47,7 +47,8 @@ class ExpertBalance:
         text = getattr(config, "text_config", None) or config
         experts = num_experts(config)
         if experts is None:
-            raise ValueError(f"ExpertBalance: this {getattr(config, 'model_type', 'model')} config declares no experts.")
+            kind = getattr(config, "model_type", "model")
+            raise ValueError(f"ExpertBalance: this {kind} config declares no experts (a dense model routes nothing).")
         self.num_layers, self.num_experts = int(text.num_hidden_layers), experts
         self._counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
         self._entropy = torch.zeros(self.num_layers, dtype=torch.float64)  # summed over tokens
@@ -63,9 +64,13 @@ class ExpertBalance:
 
     @staticmethod
     def of(model: nn.Module) -> ExpertBalance | None:
-        """An :class:`ExpertBalance` on ``model`` if it holds experts modules, else ``None``."""
+        """An :class:`ExpertBalance` on ``model`` if its config declares experts, else ``None``.
+
+        Decided by the config, not by the modules this rank holds: a pipeline stage without a MoE layer still takes
+        part in :meth:`read`'s all-reduce.
+        """
         config = getattr(model, "config", None)
-        if config is None or num_experts(config) is None or next(expert_modules(model), None) is None:
+        if config is None or num_experts(config) is None:
             return None
         return ExpertBalance(model, config)
 

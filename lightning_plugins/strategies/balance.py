@@ -42,7 +42,7 @@ class ExpertBalanceCallback(StepEndCallback):
 
 
 def add_balance(trainer: pl.Trainer, model: nn.Module | None) -> None:
-    """Give ``trainer`` an :class:`ExpertBalanceCallback` on ``model`` if it holds experts (replacing an earlier one)."""
+    """Give ``trainer`` an :class:`ExpertBalanceCallback` on a mixture-of-experts ``model`` (replacing any earlier)."""
     for old in [c for c in trainer.callbacks if isinstance(c, ExpertBalanceCallback)]:
         old.release()
         trainer.callbacks.remove(old)

@@ -34,9 +34,11 @@ def _moe_recipe(root: Path) -> Path:
 
     base = json.loads((TINY / "model" / "config.json").read_text())
     shared = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")  # fmt: skip
+              "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+              "tie_word_embeddings")  # fmt: skip
     torch.manual_seed(0)
-    config = MixtralConfig(**{k: base[k] for k in shared}, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+    experts = {"num_local_experts": 4, "num_experts_per_tok": 2}
+    config = MixtralConfig(**{k: base[k] for k in shared}, intermediate_size=64, **experts)
     # The fused experts as the model holds them (the sharded loader reads names as stored; the per-expert original
     # format that save_pretrained writes by default is the checkpoint part's matter).
     MixtralForCausalLM(config).save_pretrained(root / "model", save_original_format=False)
@@ -109,7 +111,8 @@ def test_accelerate_launch_matches_the_lightning_door(
     if recipe == MOE:  # every step's routing balance, over both ranks, in both doors' metrics.csv
         got, want = _metrics(out), _metrics(lightning[recipe])
         for key in MOE_COLUMNS:
-            assert [s for s, _ in got[key]] == list(range(STEPS)) == [s for s, _ in want[key]], (key, got[key], want[key])
+            steps = [s for s, _ in got[key]], [s for s, _ in want[key]]
+            assert steps == (list(range(STEPS)),) * 2, (key, got[key], want[key])
             torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), rtol=1e-5, atol=1e-5, msg=key)
         assert all(1.0 <= v <= 4 for _, v in got[MOE_COLUMNS[0]]) and all(0 < v <= 0.7 for _, v in got[MOE_COLUMNS[1]])
     if recipe == "full_pp2.yaml":  # interrupted after step 4: the same command resumes from its checkpoint, resharded
