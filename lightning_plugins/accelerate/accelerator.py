@@ -80,9 +80,8 @@ class ParallelAccelerator(Accelerator):
         cp_size: Context-parallel ranks.
         dp_shard_size: FSDP2 shard ranks; ``-1`` (or ``None``) takes what the world leaves.
         dp_replicate_size: Data-parallel replicas (HSDP with ``dp_shard_size > 1``).
-        ep_size: Expert-parallel ranks of a mixture-of-experts model, drawn from ``dp_shard x cp`` (it must divide
-            ``dp_shard_size x cp_size`` and the number of experts). Accelerate's ``ParallelismConfig`` has no such
-            key: give it here or in the recipe's ``layout.ep_size``.
+        ep_size: Expert-parallel ranks of a mixture-of-experts model, drawn from ``dp_shard x cp`` (a divisor of
+            ``dp_shard_size x cp_size`` and of the number of experts); Accelerate's ``ParallelismConfig`` has none.
         options: How each dimension is applied (:class:`~lightning_plugins.ParallelOptions`).
         memory: Activation checkpointing, FSDP2 mixed precision, CPU offload
             (:class:`~lightning_plugins.MemoryOptions`).
@@ -237,11 +236,8 @@ class ParallelAccelerator(Accelerator):
                                    if id(p) not in names or names[id(p)] in params]  # fmt: skip
 
     def moe_balance(self) -> dict[str, float]:
-        """The ``moe/*`` routing figures of the steps since the last call, over every rank
-        (:class:`~lightning_plugins.parallel.experts_balance.ExpertBalance`); ``{}`` for a dense model.
-
-        A collective: every rank calls it at the same step.
-        """
+        """The ``moe/*`` routing figures of the steps since the last call, over every rank (a collective: every rank
+        calls it at the same step); ``{}`` for a dense model (:mod:`~lightning_plugins.parallel.experts_balance`)."""
         return {} if self.balance is None else self.balance.read()
 
     @override
