@@ -76,9 +76,11 @@ class ExpertBalance:
 
     def add(self, layer: int, top_k_index: Tensor, top_k_weights: Tensor) -> None:
         """Add one forward's routing of layer ``layer``: ``[tokens, k]`` expert indices and their weights."""
-        index = top_k_index.detach().reshape(-1).to(torch.long).cpu()
+        if self._counts.device != top_k_index.device:  # once: the windows stay on the model's device (no sync per call)
+            self._counts, self._entropy, self._tokens = (t.to(top_k_index.device) for t in self._windows)
+        index = top_k_index.detach().reshape(-1).to(torch.long)
         self._counts[layer] += torch.bincount(index, minlength=self.num_experts).to(torch.float64)
-        weights = top_k_weights.detach().to(torch.float64).cpu()
+        weights = top_k_weights.detach().to(torch.float64)
         probs = weights / weights.sum(dim=-1, keepdim=True)
         self._entropy[layer] -= torch.special.xlogy(probs, probs).sum()
         self._tokens[layer] += index.numel() // max(1, top_k_index.shape[-1])
@@ -96,9 +98,12 @@ class ExpertBalance:
         """
         stats = torch.cat([self._counts, self._entropy[:, None], self._tokens[:, None]], dim=1)
         if reduce and dist.is_available() and dist.is_initialized():
+            if dist.get_backend(group) == "nccl":  # also where this rank routed nothing (a stage without MoE layers)
+                stats = stats.cuda()
             dist.all_reduce(stats, group=group)
-        for window in (self._counts, self._entropy, self._tokens):
+        for window in self._windows:
             window.zero_()
+        stats = stats.cpu()
         counts, entropy, tokens = stats[:, :-2], stats[:, -2], stats[:, -1]
         self.last_counts = counts
         used = tokens > 0
@@ -109,6 +114,10 @@ class ExpertBalance:
             "moe/load_max_over_mean": load.max().item(),
             "moe/router_entropy": (entropy[used] / tokens[used]).mean().item(),
         }
+
+    @property
+    def _windows(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self._counts, self._entropy, self._tokens
 
     def remove(self) -> None:
         """Remove the hooks (a second call does nothing)."""
