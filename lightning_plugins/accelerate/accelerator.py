@@ -38,6 +38,7 @@ from lightning_plugins.accelerate.state import load_training_state, next_state_d
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.run.faults import join_timeout, set_collective_timeout
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.parallel.experts_balance import ExpertBalance
 from lightning_plugins.parallel.layout import ParallelLayout, given_sizes
 from lightning_plugins.checkpoint.load import is_on_meta, parallelize_and_load
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions, with_settings
@@ -79,6 +80,8 @@ class ParallelAccelerator(Accelerator):
         cp_size: Context-parallel ranks.
         dp_shard_size: FSDP2 shard ranks; ``-1`` (or ``None``) takes what the world leaves.
         dp_replicate_size: Data-parallel replicas (HSDP with ``dp_shard_size > 1``).
+        ep_size: Expert-parallel ranks of a mixture-of-experts model, drawn from ``dp_shard x cp`` (a divisor of
+            ``dp_shard_size x cp_size`` and of the number of experts); Accelerate's ``ParallelismConfig`` has none.
         options: How each dimension is applied (:class:`~lightning_plugins.ParallelOptions`).
         memory: Activation checkpointing, FSDP2 mixed precision, CPU offload
             (:class:`~lightning_plugins.MemoryOptions`).
@@ -109,6 +112,7 @@ class ParallelAccelerator(Accelerator):
         cp_size: int | None = None,
         dp_shard_size: int | None = None,
         dp_replicate_size: int | None = None,
+        ep_size: int | None = None,
         options: ParallelOptions | None = None,
         memory: MemoryOptions | None = None,
         load_from: str | Path | None = None,
@@ -121,7 +125,7 @@ class ParallelAccelerator(Accelerator):
         self.options, self.memory = with_settings(owner, options, memory, **settings)
         sizes = given_sizes(
             layout, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, dp_shard_size=dp_shard_size,
-            dp_replicate_size=dp_replicate_size,
+            dp_replicate_size=dp_replicate_size, ep_size=ep_size,
         )
         deepspeed = kwargs.get("deepspeed_plugin") or kwargs.get("deepspeed_plugins")
         self.builtin = builtin_path(deepspeed, kwargs.get("fsdp_plugin"))
@@ -143,6 +147,8 @@ class ParallelAccelerator(Accelerator):
         self._saver = AsyncCheckpointer()
         self.device_mesh = None
         self._grads = GradHandOff()  # under pipeline parallelism: the gradients the model call computed
+        #: The routing balance of a prepared mixture-of-experts model (``None``: dense); see :meth:`moe_balance`.
+        self.balance: ExpertBalance | None = None
         # Parameters that parallelizing replaced (id -> parameter): an optimizer still holding one would train nothing.
         self._replaced: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         if self.builtin:
@@ -217,6 +223,7 @@ class ParallelAccelerator(Accelerator):
             model, hf_model, self.device_mesh, self.options, self.memory,
             load_from=self.load_from, owner=owner, device=self.device,
         )  # fmt: skip
+        self.balance = ExpertBalance.of(hf_model)
         params = {_canonical(name): p for name, p in model.named_parameters(remove_duplicate=False)}
         self._replaced.update((id(p), p) for p in before if params.get(names[id(p)]) is not p)
         for optimizer in optimizers:
@@ -227,6 +234,11 @@ class ParallelAccelerator(Accelerator):
                 # Under pipeline parallelism each rank's optimizer keeps only its stages' parameters.
                 group["params"] = [params[names[id(p)]] if id(p) in names else p for p in group["params"]
                                    if id(p) not in names or names[id(p)] in params]  # fmt: skip
+
+    def moe_balance(self) -> dict[str, float]:
+        """The ``moe/*`` routing figures of the steps since the last call, over every rank (a collective: every rank
+        calls it at the same step); ``{}`` for a dense model (:mod:`~lightning_plugins.parallel.experts_balance`)."""
+        return {} if self.balance is None else self.balance.read()
 
     @override
     def prepare_optimizer(self, optimizer: Optimizer, device_placement: bool | None = None) -> Any:

@@ -163,6 +163,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
                     lr, world = optimizer.param_groups[0]["lr"], dist.get_world_size()
                     row = {"train/loss": last["train/loss"], **meter.row(lr, norm, world, accelerator.device)}
                     row.update(sampled)
+                    row.update(accelerator.moe_balance())  # every rank: one all-reduce
                     accelerator.log({**row, "epoch": epoch}, step=progress.step - 1)  # on the main process
                 end_of_epoch = accelerator.gradient_state.end_of_dataloader
                 if eval_loader is not None and (

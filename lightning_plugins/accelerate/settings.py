@@ -127,14 +127,15 @@ def check_builtin(owner: str, layout: ParallelLayout, path: str) -> None:
     """Under Accelerate's DeepSpeed or FSDP only data-parallel sizes make sense.
 
     Raises:
-        LayoutError: for a pipeline, tensor or context size above 1, naming the launch config and the fix.
+        LayoutError: for a pipeline, tensor, context or expert size above 1, naming the launch config and the fix.
     """
-    bad = {name: getattr(layout, name) for name in ("pp_size", "tp_size", "cp_size") if getattr(layout, name) > 1}
+    names = ("pp_size", "tp_size", "cp_size", "ep_size")
+    bad = {name: getattr(layout, name) for name in names if getattr(layout, name) > 1}
     if bad:
         shown = ", ".join(f"{name}={value}" for name, value in bad.items())
         raise LayoutError(
             f"{owner}: {shown} under Accelerate's built-in {path} path ({describe_launch()}). {path} shards"
             " data-parallel ranks only. Launch with a config that leaves distributed_type at MULTI_GPU (e.g."
             " accelerate_configs/1node_8gpu.yaml, or cpu_2proc.yaml here) so the engine applies the layout, or"
-            " keep the layout data-parallel (pp_size, tp_size and cp_size 1)."
+            " keep the layout data-parallel (pp_size, tp_size, cp_size and ep_size 1)."
         )

@@ -40,6 +40,7 @@ from lightning_plugins.parallel import (
 from lightning_plugins.parallel.context import context_parallel_batch
 from lightning_plugins.parallel.pipeline.runtime import GradHandOff
 from lightning_plugins.strategies.checkpoint_io import ShardedCheckpoints
+from lightning_plugins.strategies.balance import add_balance
 from lightning_plugins.strategies.perf import PerfCallback, add_perf
 from lightning_plugins.strategies.preemption import add_preemption
 from lightning_plugins.checkpoint.resume_choice import check_same_decision
@@ -73,6 +74,9 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
             along the sequence in ``batch_to_device``; the LightningModule sees its shard).
         dp_shard_size: FSDP2 shard ranks; ``-1`` takes whatever the world size leaves.
         dp_replicate_size: Data-parallel replicas (HSDP when combined with ``dp_shard_size > 1``).
+        ep_size: Expert-parallel ranks of a mixture-of-experts model: its routed experts are split over them and
+            tokens travel to their experts. Drawn from the ``dp_shard x cp`` ranks (no mesh dimension of its own): it
+            must divide ``dp_shard_size x cp_size`` and the model's number of experts.
         options: How each dimension is applied (:class:`~lightning_plugins.ParallelOptions`).
         memory: Activation checkpointing, FSDP2 mixed precision, CPU offload
             (:class:`~lightning_plugins.MemoryOptions`).
@@ -116,6 +120,7 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
         cp_size: int | None = None,
         dp_shard_size: int | None = None,
         dp_replicate_size: int | None = None,
+        ep_size: int | None = None,
         options: ParallelOptions | None = None,
         memory: MemoryOptions | None = None,
         load_from: str | Path | None = None,
@@ -137,7 +142,7 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
         )
         self.layout = layout_of(
             layout, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, dp_shard_size=dp_shard_size,
-            dp_replicate_size=dp_replicate_size,
+            dp_replicate_size=dp_replicate_size, ep_size=ep_size,
         )
         if self.layout.pp_size > 1 and not save_distributed_checkpoint:
             raise LayoutError(
@@ -245,6 +250,7 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
             launched = self.cluster_environment.creates_processes_externally or self.local_rank > 0
             add_preemption(trainer, self.preempt_signals, launched)
             add_perf(trainer, self.perf)
+            add_balance(trainer, self._hf_model(built=True))
         self.setup_precision_plugin()
         # Lightning's clipping calls torch's clip_grad_norm_, which fails on DTensors of several meshes
         # and would miss pipeline stages: route it to the engine's true global norm.

@@ -78,6 +78,8 @@ def test_layout_that_does_not_fit_the_world_fails_before_any_process_group(monke
     _world(monkeypatch, 2)
     with pytest.raises(LayoutError, match=r"does not fit the world started by .*2 processes.*tp_size=4"):
         ParallelAccelerator(tp_size=4, cpu=True)
+    with pytest.raises(LayoutError, match=r"2 processes.*ep_size=4 does not divide dp_shard_size x cp_size = 2 x 1"):
+        ParallelAccelerator(ep_size=4, cpu=True)  # expert-parallel ranks are drawn from the data ranks
     assert not dist.is_initialized()
 
 
@@ -136,7 +138,11 @@ def test_conflicting_parallelism_config_sizes(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.parametrize(
     ("variable", "sizes", "path"),
-    [("ACCELERATE_USE_DEEPSPEED", {"pp_size": 2}, "DeepSpeed"), ("ACCELERATE_USE_FSDP", {"tp_size": 2}, "FSDP")],
+    [
+        ("ACCELERATE_USE_DEEPSPEED", {"pp_size": 2}, "DeepSpeed"),
+        ("ACCELERATE_USE_FSDP", {"tp_size": 2}, "FSDP"),
+        ("ACCELERATE_USE_FSDP", {"ep_size": 2}, "FSDP"),
+    ],
 )
 def test_model_parallel_sizes_under_a_builtin_sharding_config(
     monkeypatch: pytest.MonkeyPatch, variable: str, sizes: dict, path: str

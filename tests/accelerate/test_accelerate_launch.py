@@ -22,23 +22,58 @@ SHORT = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_ever
 #: The tiny recipes each door runs, compared step by step.
 COMPARED = ["full_tp2.yaml", "full_pp2.yaml", "full_cp2.yaml"]
 COLUMNS = ("train/loss", "train/lr", "train/grad_norm", "val/loss")
+#: A tiny Mixtral under expert parallelism (written by the `recipes` fixture): both doors log its routing balance.
+MOE = "moe_ep2.yaml"
+MOE_COLUMNS = ("moe/load_max_over_mean", "moe/router_entropy")
+
+
+def _moe_recipe(root: Path) -> Path:
+    """full_tp2.yaml with a tiny Mixtral (the tiny tokenizer, 4 experts, top-2) split over EP=2 instead of TP=2."""
+    import yaml
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    base = json.loads((TINY / "model" / "config.json").read_text())
+    shared = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+              "tie_word_embeddings")  # fmt: skip
+    torch.manual_seed(0)
+    experts = {"num_local_experts": 4, "num_experts_per_tok": 2}
+    config = MixtralConfig(**{k: base[k] for k in shared}, intermediate_size=64, **experts)
+    # The fused experts as the model holds them (the sharded loader reads names as stored; the per-expert original
+    # format that save_pretrained writes by default is the checkpoint part's matter).
+    MixtralForCausalLM(config).save_pretrained(root / "model", save_original_format=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(TINY / "model" / name, root / "model" / name)
+    recipe = yaml.safe_load((TINY / "full_tp2.yaml").read_text())
+    recipe["model"]["path"] = str(root / "model")
+    recipe["data"].update(train=str(TINY / recipe["data"]["train"]), eval=str(TINY / recipe["data"]["eval"]))
+    recipe["layout"], recipe["parallel"] = {"ep_size": 2}, {}
+    recipe["train"]["micro_batch_size"] = 8  # EP ranks are data ranks: 2 x 8 rows a step
+    (root / MOE).write_text(yaml.safe_dump(recipe))
+    return root / MOE
 
 
 @pytest.fixture(scope="module")
-def lightning(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def recipes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``recipe name -> path`` of every recipe both doors run."""
+    return {**{recipe: TINY / recipe for recipe in COMPARED}, MOE: _moe_recipe(tmp_path_factory.mktemp("moe"))}
+
+
+@pytest.fixture(scope="module")
+def lightning(recipes: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``recipe -> output directory`` of the Lightning door's run of each compared recipe, one after another in one
     launched world (``tests/scripts/finetune_chain.py``)."""
     root = tmp_path_factory.mktemp("lightning")
-    runs = [[str(TINY / recipe), f"--train.output_dir={root / recipe}", *SHORT] for recipe in COMPARED]
+    runs = [[str(path), f"--train.output_dir={root / recipe}", *SHORT] for recipe, path in recipes.items()]
     chain = ROOT / "tests" / "scripts" / "finetune_chain.py"
     clean_stdout(run_command([sys.executable, str(chain), json.dumps(runs)], cwd=ROOT))
-    return {recipe: root / recipe for recipe in COMPARED}
+    return {recipe: root / recipe for recipe in recipes}
 
 
 def _metrics(out: Path) -> dict[str, list[tuple[int, float]]]:
     with open(out / "metrics.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
-    return {key: [(int(r["step"]), float(r[key])) for r in rows if r.get(key)] for key in COLUMNS}
+    return {key: [(int(r["step"]), float(r[key])) for r in rows if r.get(key)] for key in COLUMNS + MOE_COLUMNS}
 
 
 def _same(accelerate: Path, lightning: Path, columns: tuple[str, ...] = COLUMNS) -> None:
@@ -63,14 +98,23 @@ def _exports_like(checkpoint: Path, reference: Path, out: Path) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("recipe", COMPARED)
-def test_accelerate_launch_matches_the_lightning_door(lightning: dict[str, Path], tmp_path: Path, recipe: str) -> None:
+@pytest.mark.parametrize("recipe", [*COMPARED, MOE])
+def test_accelerate_launch_matches_the_lightning_door(
+    recipes: dict[str, Path], lightning: dict[str, Path], tmp_path: Path, recipe: str
+) -> None:
     out = tmp_path / "accelerate"
-    stdout = clean_stdout(accelerate_launch(TINY / recipe, out, *SHORT))
+    stdout = clean_stdout(accelerate_launch(recipes[recipe], out, *SHORT))
     assert f"model: {out / 'hf'}" in stdout and (out / "loss_curve.png").stat().st_size > 1000
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
     _exports_like(out / "checkpoints" / "step=6.ckpt", out / "hf", tmp_path / "export")
     _same(out, lightning[recipe])
+    if recipe == MOE:  # every step's routing balance, over both ranks, in both doors' metrics.csv
+        got, want = _metrics(out), _metrics(lightning[recipe])
+        for key in MOE_COLUMNS:
+            steps = [s for s, _ in got[key]], [s for s, _ in want[key]]
+            assert steps == (list(range(STEPS)),) * 2, (key, got[key], want[key])
+            torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(want[key]), rtol=1e-5, atol=1e-5, msg=key)
+        assert all(1.0 <= v <= 4 for _, v in got[MOE_COLUMNS[0]]) and all(0 < v <= 0.7 for _, v in got[MOE_COLUMNS[1]])
     if recipe == "full_pp2.yaml":  # interrupted after step 4: the same command resumes from its checkpoint, resharded
         # from PP=2 (each rank its stage) to TP=2 (DTensor shards of every weight and its optimizer state).
         shutil.rmtree(out / "checkpoints" / "step=6.ckpt")

@@ -16,6 +16,8 @@ import torch
 from _world import run_world
 from _accelerate_loop import ACCUM, BATCH, LR, MAX_NORM, ROWS, build, prepared, run_loop
 from tiny_models import tiny_model
+
+from lightning_plugins.parallel.experts_balance import ExpertBalance
 from torch.distributed.tensor import DTensor
 
 TOL = 1e-5
@@ -54,7 +56,11 @@ def reference(cases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             AcceleratorState._reset_state(True)
             GradientState._reset_state()
             accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM, dataloader_config=_loading(case))
-            results[name] = loop(accelerator, build(case))
+            model = build(case)
+            balance = ExpertBalance.of(model)
+            results[name] = loop(accelerator, model)
+            if balance is not None:  # the routing of the whole run, as one process counts it
+                results[name]["moe"] = balance.read(reduce=False), balance.last_counts
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
@@ -106,11 +112,15 @@ def _run_cases(
     from lightning_plugins.errors import LayoutError
 
     for name, case in cases.items():
-        sizes = {k: case[k] for k in ("tp_size", "pp_size", "cp_size", "dp_shard_size") if k in case}
+        sizes = {k: case[k] for k in ("tp_size", "pp_size", "cp_size", "dp_shard_size", "ep_size") if k in case}
         settings = {**sizes, **case.get("settings", {}), "dataloader_config": _loading(case)}
         accelerator = ParallelAccelerator(**settings, cpu=True, gradient_accumulation_steps=ACCUM)
         export = f"{root}/{name}" if case.get("export") else None
         got = loop(accelerator, build(case), export_to=export)
+        if "moe" in expected[name]:  # the routing balance over every rank: one process's counts, exactly
+            figures, counts = expected[name]["moe"]
+            assert accelerator.moe_balance() == pytest.approx(figures, rel=TOL, abs=0), name
+            assert torch.equal(accelerator.balance.last_counts, counts), (name, accelerator.balance.last_counts, counts)
         seen = [None] * world_size
         dist.all_gather_object(seen, _check(name, got, expected[name]))
         assert set().union(*seen) == set(expected[name]["weights"]), f"{name}: some parameters are on no rank"
@@ -131,6 +141,8 @@ TWO_RANKS = {
     "cp2_ulysses": {"cp_size": 2, "settings": {"cp_backend": "ulysses"}},
     "cp2_ring": {"cp_size": 2, "settings": {"cp_backend": "ring"}},
     "fsdp2": {"dp_shard_size": 2, "split": True},
+    "mixtral_ep2": {"family": "mixtral", "ep_size": 2, "split": True},
+    "qwen2_moe_tp2": {"family": "qwen2_moe", "tp_size": 2},  # each TP rank routes its share of the tokens
     "lora_tp2": {"tp_size": 2, "lora": True, "export": True},
 }
 FOUR_RANKS = {

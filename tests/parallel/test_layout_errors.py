@@ -139,15 +139,27 @@ def test_model_already_wrapped_in_fsdp1(one_rank: None) -> None:
         parallelize(wrapped, ParallelLayout())
 
 
-def test_trainer_rejects_a_bad_layout_before_any_process_group() -> None:
+@pytest.mark.parametrize(
+    ("nodes", "sizes", "family", "message"),
+    [
+        (1, {"tp_size": 2}, "llama", "World size 1 is not divisible .* tp_size=2"),
+        # Expert parallelism: ranks drawn from dp_shard x cp (here 2 nodes x 1 process), and a model with experts.
+        (2, {"ep_size": 4}, "mixtral", r"ep_size=4 does not divide dp_shard_size x cp_size = 2 x 1 = 2.*in \[2\]"),
+        (2, {"ep_size": 2}, "llama", "ep_size=2 .* this llama config declares none .* Use ep_size=1 for a dense model"),
+    ],
+)
+def test_trainer_rejects_a_bad_layout_before_any_process_group(
+    nodes: int, sizes: dict, family: str, message: str
+) -> None:
     import lightning as L
 
     from lightning_plugins.demo import FineTune
     from lightning_plugins.strategies import ParallelismStrategy
 
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ParallelismStrategy(tp_size=2), logger=False)
-    with pytest.raises(LayoutError, match="World size 1 is not divisible .* tp_size=2"):
-        trainer.fit(FineTune(tiny_model("llama"), lr=1e-3), train_dataloaders=[])
+    strategy = ParallelismStrategy(**sizes)
+    trainer = L.Trainer(accelerator="cpu", devices=1, num_nodes=nodes, strategy=strategy, logger=False)
+    with pytest.raises(LayoutError, match=message):
+        trainer.fit(FineTune(tiny_model(family), lr=1e-3), train_dataloaders=[])
     assert not dist.is_initialized()
 
 

@@ -10,6 +10,7 @@ import copy
 import sys
 from pathlib import Path
 
+import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
@@ -33,7 +34,9 @@ from _common import (  # noqa: E402
 )
 from tiny_models import tiny_model  # noqa: E402
 
+from lightning_plugins.parallel.experts_balance import ExpertBalance  # noqa: E402
 from lightning_plugins.strategies import ParallelismStrategy  # noqa: E402
+from lightning_plugins.strategies.balance import ExpertBalanceCallback  # noqa: E402
 
 STEPS, LOCAL_BATCH = 5, 2
 SKIPPED = 2  # the optimizer step (0-based) whose loss turns NaN on rank 1 in the user's module
@@ -68,6 +71,20 @@ def check_skip(reference_model: torch.nn.Module, data: list[dict], dp: int, devi
     }
 
 
+def balance_results(trainer: L.Trainer, balance: ExpertBalance) -> dict:
+    """The ``moe/*`` figures the strategy logged for the whole run (one log window) against one process's."""
+    # Lightning keeps a logged float as a float32 tensor: the one-process figure, rounded the same way.
+    want = {key: torch.tensor(value, dtype=torch.float32).item() for key, value in balance.read(reduce=False).items()}
+    (callback,) = [c for c in trainer.callbacks if isinstance(c, ExpertBalanceCallback)]
+    logged = {key: trainer.callback_metrics[key].item() for key in want if key in trainer.callback_metrics}
+    return {
+        "moe_logged": sorted(logged),
+        "moe_load_diff": abs(logged.get("moe/load_max_over_mean", -1.0) - want["moe/load_max_over_mean"]),
+        "moe_entropy_diff": abs(logged.get("moe/router_entropy", -1.0) - want["moe/router_entropy"]),
+        "moe_counts_equal": torch.equal(callback.balance.last_counts, balance.last_counts),
+    }
+
+
 def reference(model: torch.nn.Module, data: list[dict], dp: int) -> tuple[list[float], dict]:
     """One process, the whole global batch, Lightning's accumulation and clipping semantics."""
     losses = sgd_steps(model, global_batches(data, dp, LOCAL_BATCH, epochs=2), STEPS)
@@ -80,6 +97,7 @@ CASES = {
         ("qwen2 tp2", "qwen2", {"tp_size": 2}),
         ("llama tp2 no-sp", "llama", {"tp_size": 2, "sequence_parallel": False, "loss_parallel": False}),
         ("llama fsdp2", "llama", {"dp_shard_size": 2}),
+        ("mixtral ep2", "mixtral", {"ep_size": 2}),
     ],
     4: [
         ("llama tp2 x fsdp2", "llama", {"tp_size": 2, "dp_shard_size": 2}),
@@ -96,11 +114,15 @@ def main() -> None:
         strategy = ParallelismStrategy(**options, timeout=TIMEOUT)
         dp = args.devices // options.get("tp_size", 1)
         data = dataset(LOCAL_BATCH * dp, reference_model.config.vocab_size)
-        ref_losses, ref_weights = reference(copy.deepcopy(reference_model), data, dp)
+        ref_model = copy.deepcopy(reference_model)
+        balance = ExpertBalance.of(ref_model)  # a mixture of experts: its routing, as one process counts it
+        ref_losses, ref_weights = reference(ref_model, data, dp)
         module = FineTune(copy.deepcopy(reference_model))
-        trainer = make_trainer(strategy, args.devices, STEPS, enable_checkpointing=False)
+        trainer = make_trainer(strategy, args.devices, STEPS, enable_checkpointing=False, log_every_n_steps=STEPS)
         trainer.fit(module, DataLoader(data, batch_size=LOCAL_BATCH, shuffle=False))
         results[name] = fit_results(trainer, module, ref_losses, ref_weights)
+        if balance is not None:
+            results[name].update(balance_results(trainer, balance))
         if name == CASES[args.devices][0][0]:
             results["resume"] = check_resume(
                 lambda options=options: ParallelismStrategy(**options, timeout=TIMEOUT),
