@@ -12,7 +12,11 @@ the incoming gradient's rows by the output splits (the backward all-to-all sends
 this rank (its own split) are not sent and not counted. The per-expert count exchange (``dist.all_to_all_single``
 of ``experts`` int64s) is counted separately. The analytic count is ``tokens x top_k x hidden x 4 bytes x 2
 (dispatch + combine) x 2 (forward + backward) x layers x (W - 1) / W``: uniform routing keeps ``1/W`` of the pairs
-local. Asserted: every pair is dispatched (all rows, local included, add up to ``tokens x top_k`` per layer).
+local. The count from the routing itself is also given: every rank's router choices (a forward pre-hook on the
+experts modules, all-gathered after the step) say how many pairs each rank sends to each other one; this rank sends
+its pairs bound elsewhere (dispatch) and the results of the pairs that came to it (combine), forward and backward.
+Asserted: every pair is dispatched once (all rows, local included, add up to ``tokens x top_k`` per layer), and the
+bytes counted at the all-to-alls equal the bytes the routing calls for, exactly.
 
 Memory per rank: :func:`lightning_plugins.planner.measure.measure_step_memory` (one untracked step, then one tracked
 by torch's memory tracker): parameters, gradients and AdamW state (from the local shards' storages) and the
@@ -67,18 +71,42 @@ class AllToAllCounter:
         self.rows_dispatched = 0  # forward rows of the dispatch calls, local ones included
         self.count_bytes = 0
         self.calls = 0
+        self.routed: torch.Tensor | None = None  # [destination rank] pairs of this rank's tokens, all layers
 
-    def install(self) -> None:
+    def install(self, model: torch.nn.Module, ranks: int) -> None:
         import lightning_plugins.parallel.experts as experts
 
         self._experts, self._original = experts, experts.all_to_all_single_autograd
         self._original_counts = experts.dist.all_to_all_single
         experts.all_to_all_single_autograd = self._data
         experts.dist.all_to_all_single = self._counts
+        self.routed = torch.zeros(ranks, dtype=torch.int64)
+        self._hooks = [
+            module.register_forward_pre_hook(self._route, with_kwargs=True)
+            for _, module in experts.expert_modules(model)
+        ]
 
     def uninstall(self) -> None:
         self._experts.all_to_all_single_autograd = self._original
         self._experts.dist.all_to_all_single = self._original_counts
+        for hook in self._hooks:
+            hook.remove()
+
+    def _route(self, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        per_rank = module.num_experts // len(self.routed)
+        self.routed += torch.bincount(index.reshape(-1) // per_rank, minlength=len(self.routed))
+
+    def routing_bytes(self) -> int:
+        """What the routing says this rank sends, forward + backward: its pairs bound for other ranks (dispatch)
+        and the other ranks' pairs bound for it (combine), from every rank's router choices (an all-gather)."""
+        ranks = len(self.routed)
+        matrix = [torch.zeros_like(self.routed) for _ in range(ranks)]
+        dist.all_gather(matrix, self.routed)
+        pairs = torch.stack(matrix)  # [source rank, destination rank]
+        dispatch = pairs[self.rank].sum() - pairs[self.rank, self.rank]
+        combine = pairs[:, self.rank].sum() - pairs[self.rank, self.rank]
+        return int(dispatch + combine) * self.row_bytes * 2
 
     def _remote_bytes(self, splits: list[int]) -> int:
         return (sum(splits) - splits[self.rank]) * self.row_bytes
@@ -122,18 +150,20 @@ def measure(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         model = parallelize(copy.deepcopy(reference), layout)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         counter = AllToAllCounter(rank, args.hidden * BYTES)
-        counter.install()
+        counter.install(model, world)
         try:
             loss = model(**batch).loss
             loss.backward()
         finally:
             counter.uninstall()
+        routing_bytes = counter.routing_bytes()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         memory = measure_step_memory(model, optimizer, batch, steps_before=1)
         result[name] = {
             "loss": loss.item(),
             "sent": counter.sent,
+            "routing_bytes": routing_bytes,
             "count_bytes": counter.count_bytes,
             "rows_dispatched": counter.rows_dispatched,
             "calls": counter.calls,
@@ -156,6 +186,8 @@ def check(world: int, ranks: list[dict[str, Any]], args: argparse.Namespace) -> 
         assert abs(ep["loss"] - fsdp["loss"]) <= 1e-5, f"W={world} rank {rank}: loss {ep['loss']} vs {fsdp['loss']}"
         assert ep["calls"] == 2 * args.layers, f"W={world} rank {rank}: {ep['calls']} all-to-alls"
         assert ep["rows_dispatched"] == pairs * args.layers, f"W={world} rank {rank}: {ep['rows_dispatched']} pairs"
+        sent = ep["sent"]["forward"] + ep["sent"]["backward"]
+        assert sent == ep["routing_bytes"], f"W={world} rank {rank}: sent {sent} B, the routing says {ep['routing_bytes']}"
         assert fsdp["calls"] == 0 and fsdp["count_bytes"] == 0, f"W={world} rank {rank}: FSDP2 ran all-to-alls"
 
 
@@ -170,8 +202,8 @@ def report(results: dict[int, list[dict[str, Any]]], args: argparse.Namespace, c
         "",
         "All-to-all bytes per rank, one training step (forward + backward), remote rows only:",
         "",
-        "| EP | rank | forward (MiB) | backward (MiB) | measured (MiB) | analytic, uniform routing (MiB) | measured / analytic | count exchange (B) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| EP | rank | forward (MiB) | backward (MiB) | measured (MiB) | from the routing (MiB) | analytic, uniform routing (MiB) | measured / analytic | count exchange (B) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for world, ranks in results.items():
         analytic = tokens * args.top_k * args.hidden * BYTES * 2 * 2 * args.layers * (world - 1) / world
@@ -180,7 +212,7 @@ def report(results: dict[int, list[dict[str, Any]]], args: argparse.Namespace, c
             total = sent["forward"] + sent["backward"]
             lines.append(
                 f"| {world} | {rank} | {mib(sent['forward'])} | {mib(sent['backward'])} | {mib(total)} |"
-                f" {mib(analytic)} | {total / analytic:.3f} | {row['ep']['count_bytes']} |"
+                f" {mib(row['ep']['routing_bytes'])} | {mib(analytic)} | {total / analytic:.3f} | {row['ep']['count_bytes']} |"
             )
     lines += [
         "",
