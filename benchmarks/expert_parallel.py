@@ -111,7 +111,7 @@ class AllToAllCounter:
     def _remote_bytes(self, splits: list[int]) -> int:
         return (sum(splits) - splits[self.rank]) * self.row_bytes
 
-    def _data(self, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> torch.Tensor:
+    def _data(self, tensor: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any) -> Any:
         self.calls += 1
         if self.calls % 2:  # dispatch, then combine, per layer
             self.rows_dispatched += sum(input_splits)
@@ -133,12 +133,14 @@ class AllToAllCounter:
 
 
 def make_batch(args: argparse.Namespace, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's own ``rows x seq`` random tokens (labels = inputs)."""
     gen = torch.Generator().manual_seed(1000 + rank)
     ids = torch.randint(0, args.vocab, (args.rows, args.seq), generator=gen)
     return {"input_ids": ids, "labels": ids.clone()}
 
 
 def measure(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """On every rank: one counted step, then the memory of one step, under EP and under FSDP2."""
     from lightning_plugins import ParallelLayout, parallelize
     from lightning_plugins.planner.measure import measure_step_memory
 
@@ -187,11 +189,13 @@ def check(world: int, ranks: list[dict[str, Any]], args: argparse.Namespace) -> 
         assert ep["calls"] == 2 * args.layers, f"W={world} rank {rank}: {ep['calls']} all-to-alls"
         assert ep["rows_dispatched"] == pairs * args.layers, f"W={world} rank {rank}: {ep['rows_dispatched']} pairs"
         sent = ep["sent"]["forward"] + ep["sent"]["backward"]
-        assert sent == ep["routing_bytes"], f"W={world} rank {rank}: sent {sent} B, the routing says {ep['routing_bytes']}"
+        routed = ep["routing_bytes"]
+        assert sent == routed, f"W={world} rank {rank}: sent {sent} B, the routing says {routed} B"
         assert fsdp["calls"] == 0 and fsdp["count_bytes"] == 0, f"W={world} rank {rank}: FSDP2 ran all-to-alls"
 
 
 def report(results: dict[int, list[dict[str, Any]]], args: argparse.Namespace, command: str, elapsed: float) -> str:
+    """The two markdown tables (bytes, memory) with the command and the machine."""
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     tokens = args.rows * args.seq
     lines = [
@@ -202,7 +206,8 @@ def report(results: dict[int, list[dict[str, Any]]], args: argparse.Namespace, c
         "",
         "All-to-all bytes per rank, one training step (forward + backward), remote rows only:",
         "",
-        "| EP | rank | forward (MiB) | backward (MiB) | measured (MiB) | from the routing (MiB) | analytic, uniform routing (MiB) | measured / analytic | count exchange (B) |",
+        "| EP | rank | forward (MiB) | backward (MiB) | measured (MiB) | from the routing (MiB)"
+        " | analytic, uniform routing (MiB) | measured / analytic | count exchange (B) |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for world, ranks in results.items():
@@ -212,7 +217,8 @@ def report(results: dict[int, list[dict[str, Any]]], args: argparse.Namespace, c
             total = sent["forward"] + sent["backward"]
             lines.append(
                 f"| {world} | {rank} | {mib(sent['forward'])} | {mib(sent['backward'])} | {mib(total)} |"
-                f" {mib(row['ep']['routing_bytes'])} | {mib(analytic)} | {total / analytic:.3f} | {row['ep']['count_bytes']} |"
+                f" {mib(row['ep']['routing_bytes'])} | {mib(analytic)} | {total / analytic:.3f} |"
+                f" {row['ep']['count_bytes']} |"
             )
     lines += [
         "",

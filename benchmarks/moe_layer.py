@@ -9,7 +9,8 @@ ways in one process:
 * ``ours``: :func:`lightning_plugins.parallel.experts.experts_forward` (what ``parallelize`` installs).
 
 Each is timed as ``out = f(x); out.backward(grad)`` (median of ``--repeats``, the three interleaved, after the
-checking run and ``--warmup`` more untimed runs) and reported as ratios to ``ours``. The checking run asserts that
+checking run and ``--warmup`` more untimed runs; each repeat runs the three in a rotated order, so that none is
+always first or last) and reported as ratios to ``ours``. The checking run asserts that
 the outputs and the gradients of the input, the routing weights and both weights agree: in fp32 with ``eager`` to
 1e-5 of the largest value; in bf16 (where summation order alone moves results by bf16's resolution) each one's
 error against fp32 ``eager`` is at most twice the error of transformers' own eager loop in bf16.
@@ -17,7 +18,7 @@ error against fp32 ``eager`` is at most twice the error of transformers' own eag
 Usage::
 
     python benchmarks/moe_layer.py [--family mixtral --hidden 512 --intermediate 1024 --experts 8 --top-k 2
-                                    --tokens 2048 --dtypes fp32 bf16 --repeats 5 --threads 2]
+                                    --tokens 2048 --dtypes fp32 bf16 --repeats 6 --threads 2]
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def implementation(name: str, module: nn.Module) -> Callable[[Tensor, Tensor, Te
 
 
 def run_once(
-    forward: Callable[[Tensor, Tensor, Tensor], Tensor], module: nn.Module, inputs: dict[str, Tensor], dtype: torch.dtype
+    forward: Callable[[Tensor, Tensor, Tensor], Tensor],
+    module: nn.Module,
+    inputs: dict[str, Tensor],
+    dtype: torch.dtype,
 ) -> dict[str, Tensor]:
     """One forward + backward; the output and the gradients of the input, the routing weights and the weights."""
     module.zero_grad(set_to_none=True)
@@ -113,6 +117,7 @@ def max_relative(result: dict[str, Tensor], reference: dict[str, Tensor]) -> flo
 
 
 def time_once(forward: Callable, module: nn.Module, inputs: dict[str, Tensor], dtype: torch.dtype) -> float:
+    """Seconds of one :func:`run_once`."""
     start = time.perf_counter()
     run_once(forward, module, inputs, dtype)
     return time.perf_counter() - start
@@ -142,8 +147,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.warmup):
             for name in IMPLEMENTATIONS:
                 time_once(forwards[name], module, inputs, dtype)
-        for _ in range(args.repeats):  # interleaved, so that a busy moment on the machine hits all three alike
-            for name in IMPLEMENTATIONS:
+        for repeat in range(args.repeats):  # interleaved and rotated: a busy spell or a position hits all alike
+            shift = repeat % len(IMPLEMENTATIONS)
+            for name in IMPLEMENTATIONS[shift:] + IMPLEMENTATIONS[:shift]:
                 times[name].append(time_once(forwards[name], module, inputs, dtype))
         medians = {name: statistics.median(t) for name, t in times.items()}
         rows[dtype_name] = {
@@ -156,8 +162,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(rows: dict[str, Any]) -> str:
+    """The measurements as a markdown table, one row per dtype."""
     lines = [
-        "| dtype | eager (ms) | hf grouped_mm (ms) | ours (ms) | eager / ours | hf grouped_mm / ours | max rel. error |",
+        "| dtype | eager (ms) | hf grouped_mm (ms) | ours (ms) | eager / ours | hf grouped_mm / ours"
+        " | max rel. error |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for dtype, row in rows.items():
@@ -180,7 +188,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=tuple(DTYPES))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON too")
