@@ -26,10 +26,10 @@ def test_doors_take_the_layout_whole_or_by_size_and_sizes_override_it() -> None:
     assert PipelineParallelStrategy().layout.pp_size == 2
     # A layout given whole gives every size; keywords alone leave the others to the launch (Accelerate) or defaults.
     assert given_sizes(layout, cp_size=2) == {
-        "pp_size": 1, "dp_replicate_size": 1, "dp_shard_size": 2, "cp_size": 2, "tp_size": 2
+        "pp_size": 1, "dp_replicate_size": 1, "dp_shard_size": 2, "cp_size": 2, "tp_size": 2, "ep_size": 1
     }  # fmt: skip
-    assert given_sizes(cp_size=2) == {
-        "pp_size": None, "dp_replicate_size": None, "dp_shard_size": None, "cp_size": 2, "tp_size": None
+    assert given_sizes(cp_size=2, ep_size=2) == {
+        "pp_size": None, "dp_replicate_size": None, "dp_shard_size": None, "cp_size": 2, "tp_size": None, "ep_size": 2
     }  # fmt: skip
     with pytest.raises(TypeError, match="positional"):
         ParallelismStrategy(2)  # type: ignore[misc]
