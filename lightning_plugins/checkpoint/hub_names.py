@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_plugins.errors import CheckpointError
+
 __all__ = ["StackedExperts", "hub_source", "in_hub_layout"]
 
 #: ``(shape, dtype)`` of a tensor to be written (as :data:`~lightning_plugins.checkpoint.safetensors_io.TensorSpec`).
@@ -69,7 +71,7 @@ def hub_source(model: nn.Module, name: str, shape: torch.Size) -> str | StackedE
     """The checkpoint name(s) that ``save_pretrained`` writes for parameter ``name`` of global ``shape``.
 
     Raises:
-        ValueError: when transformers splits the parameter in a way other than per-expert rows.
+        CheckpointError: when transformers splits the parameter in a way other than per-expert rows.
     """
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -79,14 +81,14 @@ def hub_source(model: nn.Module, name: str, shape: torch.Size) -> str | StackedE
     experts = shape[0]
     names = list(pieces)
     if len(names) % experts:
-        raise ValueError(_unsupported(name, shape, pieces))
+        raise CheckpointError(_unsupported(name, shape, pieces))
     leaves = tuple(tuple(names[k : k + experts]) for k in range(0, len(names), experts))
     rows = tuple(pieces[leaf[0]].shape[0] for leaf in leaves)
     consistent = all(
         tuple(pieces[n].shape) == (r, *shape[2:]) for leaf, r in zip(leaves, rows) for n in leaf
     ) and sum(rows) == shape[1]
     if not consistent:
-        raise ValueError(_unsupported(name, shape, pieces))
+        raise CheckpointError(_unsupported(name, shape, pieces))
     return StackedExperts(leaves, rows)
 
 

@@ -287,7 +287,7 @@ def apply_expert_parallel(layers: nn.ModuleList, meshes: ExpertMeshes | None) ->
                     )
             module._lp_ep_group = meshes.ep.get_group()
             module._is_expert_parallel = True
-            module.register_forward_pre_hook(_LocalParameters(meshes.params.mesh_dim_names))
+            module.register_forward_pre_hook(_local_parameters)
             module.register_forward_hook(_restore_parameters)
 
 
@@ -305,25 +305,20 @@ class _GroupedForward:
 # Running a module on local tensors: its DTensor parameters are swapped for their local parts for one call.
 
 
-class _LocalParameters:
+def _local_parameters(module: nn.Module, args: tuple) -> None:
     """Forward pre-hook: replace each DTensor parameter of the module (recursively) by its local part for the call.
 
     The local part is differentiable back to the DTensor: over ``tp`` (the tokens differ per rank) the gradient is a
     pending sum (``Partial``); over ``ep`` each rank's part is its own experts (``Shard``).
     """
-
-    def __init__(self, dim_names: tuple[str, ...] | None) -> None:
-        self.dim_names = dim_names
-
-    def __call__(self, module: nn.Module, args: tuple) -> None:
-        saved = []
-        for sub in module.modules():
-            for name, param in list(sub._parameters.items()):
-                if isinstance(param, DTensor):
-                    grad = [Partial() if p.is_replicate() else p for p in param.placements]
-                    saved.append((sub, name, param))
-                    sub._parameters[name] = param.to_local(grad_placements=grad)
-        module._lp_saved_parameters = saved
+    saved = []
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if isinstance(param, DTensor):
+                grad = [Partial() if p.is_replicate() else p for p in param.placements]
+                saved.append((sub, name, param))
+                sub._parameters[name] = param.to_local(grad_placements=grad)
+    module._lp_saved_parameters = saved
 
 
 def _restore_parameters(module: nn.Module, args: tuple, output: Any) -> None:
@@ -338,12 +333,11 @@ class TokenLocalBlock:
     Installed as a forward pre-hook and a forward hook on the block. Under sequence parallelism the input is the
     residual stream's ``Shard(1)`` DTensor, and the output returns as one; otherwise the replicated input is cut to
     this rank's share of the sequence and the output all-gathered. Inside, every parameter is a local tensor
-    (:class:`_LocalParameters`), so the family's own block forward runs unchanged.
+    (:func:`_local_parameters`), so the family's own block forward runs unchanged.
     """
 
     def __init__(self, tp_mesh: DeviceMesh) -> None:
         self.mesh = tp_mesh
-        self.parameters = _LocalParameters(tp_mesh.mesh_dim_names)
 
     def install(self, block: nn.Module) -> None:
         """Hold the block's parameters as DTensors replicated over ``tp`` (experts split by ``ep`` already are) and
@@ -362,7 +356,7 @@ class TokenLocalBlock:
         if not sharded:
             x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(self.mesh, [Shard(1)])
         block._lp_token_local = (sharded, x.shape, x.stride())
-        self.parameters(block, args)
+        _local_parameters(block, args)
         return (x.to_local(), *args[1:]), kwargs
 
     def after(self, block: nn.Module, args: tuple, output: Any) -> Any:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.experts import expert_modules, num_experts
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -48,7 +49,7 @@ class ExpertBalance:
         experts = num_experts(config)
         if experts is None:
             kind = getattr(config, "model_type", "model")
-            raise ValueError(f"ExpertBalance: this {kind} config declares no experts (a dense model routes nothing).")
+            raise LayoutError(f"ExpertBalance: this {kind} config declares no experts (a dense model routes nothing).")
         self.num_layers, self.num_experts = int(text.num_hidden_layers), experts
         self._counts = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
         self._entropy = torch.zeros(self.num_layers, dtype=torch.float64)  # summed over tokens
@@ -57,7 +58,7 @@ class ExpertBalance:
         for name, module in expert_modules(model):
             match = _LAYER_INDEX.search(f".{name}.")
             if match is None:
-                raise ValueError(f"ExpertBalance: no layer index in the experts module's name {name!r}.")
+                raise LayoutError(f"ExpertBalance: no layer index in the experts module's name {name!r}.")
             self._handles.append(module.register_forward_pre_hook(_Counter(self, int(match.group(1)))))
         #: The per-layer expert token counts of the window :meth:`read` last closed (``[layers, experts]``).
         self.last_counts = self._counts.clone()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_plugins.parallel.experts import num_experts
 from lightning_plugins.parallel.teardown import track_mesh
 from lightning_plugins.errors import LayoutError
 
@@ -154,8 +155,6 @@ class ParallelLayout:
             )
 
     def _validate_experts(self, config: Any) -> None:
-        from lightning_plugins.parallel.experts import num_experts
-
         if self.ep_size == 1:
             return
         experts = num_experts(config)
