@@ -5,11 +5,16 @@ from __future__ import annotations
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GemmaConfig,
     GptOssConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen2MoeConfig,
     Qwen3Config,
@@ -57,6 +62,24 @@ CONFIGS = {
     "gpt_oss": lambda: GptOssConfig(
         **{**_COMMON, "attn_implementation": "eager"}, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
         sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+    ),
+    # Dense families beyond the registered four (issue 27), 4 layers for interleaved pipelines. Each sets the knobs
+    # that make its forward differ from Llama's to values that bite on a tiny model: soft-capping well inside the
+    # logits' range, sliding windows shorter than the test sequences, scalings far from 1.
+    "mistral_sw": lambda: MistralConfig(**{**_COMMON, "num_hidden_layers": 4}, sliding_window=8),
+    "gemma2": lambda: Gemma2Config(
+        **{**_COMMON, "num_hidden_layers": 4, "attn_implementation": "eager"}, head_dim=8, sliding_window=8,
+        attn_logit_softcapping=2.0, final_logit_softcapping=2.0, query_pre_attn_scalar=16,
+    ),
+    "gemma3": lambda: Gemma3TextConfig(
+        **{**_COMMON, "num_hidden_layers": 4}, head_dim=8, sliding_window=8, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
+    "phi3": lambda: Phi3Config(**{**_COMMON, "num_hidden_layers": 4}, pad_token_id=0, eos_token_id=2, bos_token_id=1),
+    "olmo2": lambda: Olmo2Config(**{**_COMMON, "num_hidden_layers": 4}, pad_token_id=1, eos_token_id=2),
+    "granite": lambda: GraniteConfig(
+        **{**_COMMON, "num_hidden_layers": 4}, embedding_multiplier=3.0, residual_multiplier=0.5,
+        attention_multiplier=0.4, logits_scaling=4.0,
     ),
     "mixtral_4l": lambda: MixtralConfig(**{**_COMMON, "num_hidden_layers": 4}, num_local_experts=4, num_experts_per_tok=2),
 }
