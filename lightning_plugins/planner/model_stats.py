@@ -91,6 +91,8 @@ class ModelStats:
         expert_params: Parameters of one layer's routed experts, all of them (their 3-D weights and biases; part
             of :attr:`layer_params`). The router and shared experts are ordinary linears of the layer.
         expert_matmul_params: The matmul weights among :attr:`expert_params` (no biases).
+        attention_windows: Per decoder layer, the keys a query attends at most (its sliding window), ``0`` for
+            full attention; empty when every layer attends fully (see :func:`attention_windows`).
     """
 
     hidden_size: int
@@ -112,6 +114,7 @@ class ModelStats:
     experts_per_token: int = 0
     expert_params: int = 0
     expert_matmul_params: int = 0
+    attention_windows: tuple[int, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -183,9 +186,13 @@ class ModelStats:
 
         ``QK^T`` and ``PV`` each cost ``2 x s x heads x head_dim`` per token: the whole ``s x s`` square, the
         convention torchtitan's MFU (``12 * l * h * q * t`` for forward and backward) and PaLM use. The causal
-        half a flash kernel actually computes is not halved out.
+        half a flash kernel actually computes is not halved out. A layer with a sliding window ``w`` counts
+        ``min(w, s)`` keys per query instead of ``s`` (the band its kernel computes; Gemma 2/3, gpt-oss, Mistral's
+        windowed configs), so a windowed model's step time and MFU follow the work it does.
         """
-        return 4.0 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        keys = sum(min(w, seq_len) if w else seq_len for w in self.attention_windows)
+        keys += (self.num_layers - len(self.attention_windows)) * seq_len
+        return 4.0 * self.num_heads * self.head_dim * keys
 
     def flops_per_token(self, seq_len: int, *, trainable: str = "full", adapter_params: int = 0) -> float:
         """Model FLOPs of one training token (forward and backward), without recomputation.
@@ -241,6 +248,19 @@ def _shape(config: Any) -> tuple[int, int, int, int, int, int, int]:
     return h, layers, heads, kv_heads, head_dim, config.intermediate_size, config.vocab_size
 
 
+def attention_windows(config: Any) -> tuple[int, ...]:
+    """Per decoder layer, its sliding window (``0``: full attention), as transformers' masks decide it: a config
+    with ``layer_types`` windows its ``"sliding_attention"`` layers; one without windows every layer when it sets
+    ``sliding_window`` (Mistral). Empty when no layer is windowed."""
+    window = getattr(config, "sliding_window", None) or 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        windows = tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+    else:
+        windows = (window,) * config.num_hidden_layers
+    return windows if any(windows) else ()
+
+
 def _stats(config: Any, **counts: Any) -> ModelStats:
     """:class:`ModelStats` with the shape read from ``config`` and the parameter ``counts`` found either way."""
     h, layers, heads, kv_heads, head_dim, ffn, vocab = _shape(config)
@@ -253,6 +273,7 @@ def _stats(config: Any, **counts: Any) -> ModelStats:
         intermediate_size=ffn,
         vocab_size=vocab,
         model_type=str(config.model_type),
+        attention_windows=attention_windows(config),
         **counts,
     )
 

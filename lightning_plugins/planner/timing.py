@@ -266,8 +266,9 @@ def _rank_time(
     slowdown = QLORA_SLOWDOWN if method == "qlora" else 1.0
 
     # Seconds per token of one layer's forward, matmuls and attention; training runs the matmuls 3x (full) or
-    # 2x (frozen base: no weight gradients), attention 3x.
-    attn_fwd = 4.0 * stats.num_heads * stats.head_dim * shape.seq_len / attn_rate
+    # 2x (frozen base: no weight gradients), attention 3x. Attention is the layers' mean (sliding windows count their
+    # band, see ModelStats.attention_flops_per_token).
+    attn_fwd = stats.attention_flops_per_token(shape.seq_len) / stats.num_layers / attn_rate
     mm_fwd = 2.0 * stats.layer_active_matmul_params / rate
     mm_factor = 3.0 if method == "full" else 2.0
     layer_time = mm_factor * mm_fwd + 3.0 * attn_fwd + 6.0 * lora_layer / rate

@@ -317,3 +317,19 @@ def test_step_time_errors_name_the_fix():
     pp = ParallelLayout(pp_size=4).resolve(8)
     with pytest.raises(PlannerError, match="multiple of 4"):
         estimate_step_time(config, pp, options, memory, cluster, **{**common, "micro_batch_size": 2})
+
+
+def test_windowed_attention_counts_the_band():
+    """gpt-oss-120b alternates 128-token windows with full attention (36 layers, 64 heads of 64): at 8192 tokens
+    the 18 windowed layers attend 128 keys per query, the 18 full ones 8192, so attention costs
+    4 x 64 x 64 x (18 x 128 + 18 x 8192) forward per token; at 100 tokens both kinds attend all 100."""
+    stats = model_stats(load_model_config("gpt-oss-120b"))
+    assert stats.attention_windows == (128, 0) * 18
+    assert stats.attention_flops_per_token(8192) == 4 * 64 * 64 * (18 * 128 + 18 * 8192)
+    assert stats.attention_flops_per_token(100) == 4 * 64 * 64 * 36 * 100
+    # A config without layer_types windows every layer when it sets sliding_window (Mistral-7B-v0.1's 4096).
+    from transformers import MistralConfig
+
+    mistral = model_stats(MistralConfig(num_hidden_layers=2, sliding_window=4096))
+    assert mistral.attention_windows == (4096, 4096)
+    assert model_stats(load_model_config("Mistral-7B-v0.3")).attention_windows == ()
