@@ -252,12 +252,15 @@ def _first_keys(q_pos: Tensor, document_starts: Optional[Tensor], window: Option
     ``i - window < j <= i``) starts at ``i - window + 1``; in packed rows at the later of that and the document's
     start. The tiles of :mod:`.tiles` then box and skip by these starts, so keys outside the window cost nothing.
     """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     if window is None:
         return document_starts
-    starts = (q_pos - window + 1).clamp(min=0).unsqueeze(0)
-    if document_starts is not None:
-        starts = torch.maximum(starts, document_starts)
-    return starts if bool(starts.any()) else None
+    with unset_fake_temporarily():  # positions are real tensors, also in the planner's dry run
+        starts = (q_pos - window + 1).clamp(min=0).unsqueeze(0)
+        if document_starts is not None:
+            starts = torch.maximum(starts, document_starts)
+        return starts if bool(starts.any()) else None
 
 
 def ring_attention(
