@@ -1,8 +1,7 @@
 """Context parallelism: batch sharding, and bad input failing early with a message naming the fix.
 
 One process: a fake process group stands in for the world where a mesh is needed (no communication
-happens before these errors). The sliding-window error, raised inside attention, is checked in the
-2-rank world of tests/parallel/test_context_parity.py.
+happens before these errors).
 """
 
 from __future__ import annotations

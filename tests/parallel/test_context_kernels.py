@@ -60,6 +60,10 @@ class Case:
     query_tile: int | None = None  # ring only: query rows per tile (uneven last tile, masks sliced)
     packed: bool = False  # rows of several documents (DOCUMENTS), passed as document_starts
     seq: int = SEQ  # LONG_SEQ: several segments of the load-balanced layout (LONG_DOCUMENTS when packed)
+    window: int | None = None  # sliding window: query i attends keys i - window < j <= i (causal only)
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    sinks: bool = False  # one sink logit per head in the softmax denominator (gpt-oss), its gradient checked
+    scale: float | None = None  # the model's own scaling (Gemma 2's query_pre_attn_scalar)
 
 
 def _cases() -> list[Case]:
@@ -104,7 +108,30 @@ DOCUMENTS = ((5, 7, 12), (1, 10, 3, 10))
 # one); documents longer and shorter than a chunk, crossing segments.
 LONG_SEQ = 1000
 LONG_DOCUMENTS = ((700, 1, 299), (64, 64, 128, 3, 741))
-CASES = _cases() + _packed_cases()
+
+
+def _variant_cases() -> list[Case]:
+    """Sliding windows, soft-capping, sinks and the model's scaling: the attention of Gemma 2/3, Mistral, gpt-oss."""
+    every = dict(window=WINDOW, softcap=2.0, sinks=True, scale=0.4)
+    cases = []
+    for kernel in ("ring", "ulysses"):
+        cases.append(Case(f"{kernel}-window", kernel, True, 2, window=WINDOW))
+        cases.append(Case(f"{kernel}-window-contiguous", kernel, True, 2, load_balanced=False, window=WINDOW))
+        cases.append(Case(f"{kernel}-softcap", kernel, True, 2, softcap=2.0, scale=0.4))
+        cases.append(Case(f"{kernel}-sinks", kernel, True, 1, sinks=True))
+        cases.append(Case(f"{kernel}-every-variant-packed", kernel, True, 2, packed=True, **every))
+        cases.append(Case(f"{kernel}-every-variant-fp32", kernel, True, 2, dtype="float32", **every))
+    cases.append(Case("ring-window-tiled", "ring", True, 2, query_tile=2, window=WINDOW))
+    cases.append(Case("ring-window-padded", "ring", True, 2, real_len=PADDED_LEN, pass_valid_len=True, window=WINDOW))
+    cases.append(Case("ring-window-one-token", "ring", True, 2, window=1, sinks=True))
+    cases.append(Case("ring-window-long", "ring", True, 2, seq=LONG_SEQ, window=LONG_WINDOW, softcap=2.0))
+    cases.append(Case("ring-window-long-packed", "ring", True, 2, seq=LONG_SEQ, packed=True, window=LONG_WINDOW))
+    return cases
+
+
+WINDOW = 5  # shorter than every shard at cp 1 and 2, longer than a load-balanced chunk at cp 4: crosses ranks
+LONG_WINDOW = 90  # across chunks of the segmented load-balanced layout
+CASES = _cases() + _packed_cases() + _variant_cases()
 BF16_CASES = [Case(f"{kernel}-causal-gqa-bf16", kernel, True, 2, dtype="bfloat16") for kernel in ("ring", "ulysses")]
 
 
@@ -141,15 +168,44 @@ def _document_mask(starts: torch.Tensor) -> torch.Tensor:
     return ((index[None, None, :] >= starts[:, :, None]) & (index[None, None, :] <= index[None, :, None]))[:, None]
 
 
+def _eager(q, k, v, mask: torch.Tensor, case: Case, sinks: torch.Tensor | None) -> torch.Tensor:
+    """One-process eager attention with soft-capping, a boolean mask and sinks, as transformers' eager kernels."""
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) * (case.scale or q.shape[-1] ** -0.5)
+    if case.softcap is not None:
+        scores = case.softcap * torch.tanh(scores / case.softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    return (torch.softmax(scores, dim=-1)[..., : k.shape[2]]) @ v
+
+
 def _reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, causal: bool, valid: int, mask=None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad: torch.Tensor,
+    causal: bool,
+    valid: int,
+    mask=None,
+    case: Case | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """SDPA on the whole unpadded sequence: out, dq, dk, dv, zero-padded back to the padded length."""
+    """SDPA (eager for the attention variants) on the whole unpadded sequence: out, dq, dk, dv (zero-padded back to
+    the padded length), and the sinks' gradient when there are sinks."""
     length = q.shape[2]
     q, k, v = (t[:, :, :valid].detach().requires_grad_() for t in (q, k, v))
-    out = _sdpa(q, k, v, causal, mask)
+    variant = case is not None and (case.window or case.softcap or case.sinks or case.scale)
+    if variant:
+        index = torch.arange(valid)
+        allowed = (index[None, :] <= index[:, None]) & (index[None, :] > index[:, None] - (case.window or valid))
+        mask = allowed if mask is None else mask[..., :valid, :valid] & allowed
+        out = _eager(q, k, v, mask, case, sinks)
+    else:
+        out = _sdpa(q, k, v, causal, mask)
     out.backward(grad[:, :, :valid])
-    return tuple(F.pad(t, (0, 0, 0, length - valid)) for t in (out.detach(), q.grad, k.grad, v.grad))
+    grads = tuple(F.pad(t, (0, 0, 0, length - valid)) for t in (out.detach(), q.grad, k.grad, v.grad))
+    return grads if sinks is None else (*grads, sinks.grad)
 
 
 def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
@@ -173,7 +229,9 @@ def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
     ref_dtype = torch.float64 if dtype == torch.bfloat16 else dtype
     starts = _document_starts(DOCUMENTS if case.seq == SEQ else LONG_DOCUMENTS) if case.packed else None
     mask = None if starts is None else _document_mask(starts)
-    ref = _reference(*(t.to(ref_dtype) for t in (q, k, v, grad)), case.causal, valid, mask)
+    sinks = torch.randn(HEADS, dtype=torch.float64).to(dtype) if case.sinks else None
+    ref_sinks = None if sinks is None else sinks.to(ref_dtype).requires_grad_()
+    ref = _reference(*(t.to(ref_dtype) for t in (q, k, v, grad)), case.causal, valid, mask, case, ref_sinks)
 
     if case.load_balanced:
         positions = load_balanced_indices(seq, cp_rank, cp)
@@ -189,6 +247,11 @@ def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
     valid_len = valid if case.pass_valid_len else None
     if starts is not None:
         kernel = functools.partial(kernel, document_starts=shard(starts[:, None])[:, 0])
+    if sinks is not None:
+        sinks.requires_grad_()
+        kernel = functools.partial(kernel, sinks=sinks)
+    variants = dict(window=case.window, softcap=case.softcap, scale=case.scale)
+    kernel = functools.partial(kernel, **{name: value for name, value in variants.items() if value is not None})
     out = kernel(*local, group, causal=case.causal, load_balanced=case.load_balanced, valid_len=valid_len)
     out.backward(shard(grad))
 
@@ -197,6 +260,10 @@ def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
     for name, actual, expected in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), ref):
         assert actual.shape == local[0].shape if name in ("out", "dq") else actual.shape == local[1].shape
         errors[name] = _max_err(actual[:, :, real], shard(expected)[:, :, real])
+    if sinks is not None:
+        # Each rank holds its queries' share of the sinks' gradient; summed over the group, the whole one.
+        dist.all_reduce(sinks.grad, group=group)
+        errors["dsinks"] = _max_err(sinks.grad, ref[4])
     if case.pass_valid_len:
         errors["pad_out"] = out[:, :, ~real].abs().sum().item()  # documented: pad rows output zero
     if dtype == torch.bfloat16:
@@ -279,7 +346,7 @@ def _world_results() -> dict[int, dict[str, dict[str, float]]]:
 def test_kernel_matches_sdpa(cp: int, case: Case) -> None:
     errors = _world_results()[cp][case.name]
     tolerance = TOLERANCE[DTYPES[case.dtype]]
-    for name in ("out", "dq", "dk", "dv"):
+    for name in ("out", "dq", "dk", "dv", *(("dsinks",) if case.sinks else ())):
         assert errors[name] <= tolerance, f"{case.name} cp={cp}: {name} max abs error {errors[name]:.3g}"
     if "pad_out" in errors:
         assert errors["pad_out"] == 0.0

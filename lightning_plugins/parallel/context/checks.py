@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import Tensor
+
 from lightning_plugins.errors import LayoutError, OptionsError
 from lightning_plugins.parallel.options import CP_BACKENDS
 
@@ -83,3 +85,16 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, backend:
             f"Ring attention has no attention dropout, but config.attention_dropout={dropout}. Set it to 0.0 or use"
             " backend='ulysses'."
         )
+
+
+def local_sinks(sinks: Tensor, num_heads: int) -> Tensor:
+    """This rank's attention sinks (gpt-oss ``s_aux``) as a plain ``[num_heads]`` tensor, checked.
+
+    Under tensor parallelism the sinks are a DTensor sharded by head like the queries: its local shard holds them.
+    """
+    sinks = sinks.to_local() if hasattr(sinks, "to_local") else sinks
+    if sinks.shape != (num_heads,):
+        raise ValueError(
+            f"Attention sinks hold one logit per query head: expected shape ({num_heads},), got {tuple(sinks.shape)}."
+        )
+    return sinks

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_plugins.parallel.context.checks import check_gqa
+from lightning_plugins.parallel.context.checks import check_gqa, local_sinks
 from lightning_plugins.parallel.context.sharding import sequence_positions
 from lightning_plugins.parallel.context.tiles import active_block, row_tiles
 
@@ -28,18 +28,26 @@ _KV_TAG = 0
 _GRAD_TAG = 1
 
 
-def _block_scores(q: Tensor, k: Tensor, scale: float, mask: Optional[Tensor]) -> Tensor:
+def _block_scores(
+    q: Tensor, k: Tensor, scale: float, mask: Optional[Tensor], softcap: Optional[float]
+) -> tuple[Tensor, Optional[Tensor]]:
     """Scaled scores ``[b, kv_heads, group, rows, cols]`` of grouped queries against one key block.
 
     ``q`` is ``[b, kv_heads, group, rows, d]``; folding the group into the rows lets one matmul serve
-    every query head that shares a key head, without repeating K.
+    every query head that shares a key head, without repeating K. With ``softcap`` (Gemma 2) each score
+    becomes ``softcap * tanh(score / softcap)`` before the mask, as in transformers' eager kernels; the tanh
+    is returned too (the backward's chain rule needs ``1 - tanh**2``), else ``None``.
     """
     b, hkv, group, rows, d = q.shape
     scores = torch.matmul(q.reshape(b, hkv, group * rows, d), k.transpose(-1, -2)) * scale
     scores = scores.view(b, hkv, group, rows, -1)
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(scores / softcap)
+        scores = tanh * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
-    return scores
+    return scores, tanh
 
 
 def _ring_shift(tensor: Tensor, group: dist.ProcessGroup, tag: int) -> tuple[list[Any], Tensor]:
@@ -63,9 +71,11 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _attend_block(q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+def _attend_block(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, mask: Optional[Tensor], softcap: Optional[float]
+) -> tuple[Tensor, Tensor]:
     """Softmax attention of grouped queries to one key block: (normalised output, log-sum-exp per row)."""
-    scores = _block_scores(q, k, scale, mask)
+    scores, _ = _block_scores(q, k, scale, mask, softcap)
     lse = torch.logsumexp(scores, dim=-1)
     # In packed rows a query can attend none of this block's keys: its lse is -inf and its output 0.
     finite = lse if mask is None else lse.masked_fill(lse == float("-inf"), 0.0)
@@ -81,13 +91,24 @@ def _merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) 
 
 
 def _attend_block_backward(
-    q: Tensor, k: Tensor, v: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, scale: float, mask: Optional[Tensor]
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    grad_out: Tensor,
+    lse: Tensor,
+    delta: Tensor,
+    scale: float,
+    mask: Optional[Tensor],
+    softcap: Optional[float],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq, dk, dv) of one block, recomputing its probabilities from the forward's final lse."""
     b, hkv, group, rows, d = q.shape
-    probs = torch.exp(_block_scores(q, k, scale, mask) - lse.unsqueeze(-1))
+    scores, tanh = _block_scores(q, k, scale, mask, softcap)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
     grad_probs = torch.matmul(grad_out, v.unsqueeze(2).transpose(-1, -2))
     grad_scores = probs * (grad_probs - delta.unsqueeze(-1)) * scale
+    if tanh is not None:
+        grad_scores = grad_scores * (1 - tanh * tanh)  # d/dx softcap * tanh(x / softcap)
     grad_q = torch.matmul(grad_scores, k.unsqueeze(2))
     # Fold the query group into the rows: one matmul then sums over the heads that share a key head.
     grad_scores_t = grad_scores.reshape(b, hkv, group * rows, -1).transpose(-1, -2)
@@ -106,6 +127,7 @@ class _RingAttention(torch.autograd.Function):
         q: Tensor,
         k: Tensor,
         v: Tensor,
+        sinks: Optional[Tensor],
         group: dist.ProcessGroup,
         causal: bool,
         scale: float,
@@ -113,6 +135,8 @@ class _RingAttention(torch.autograd.Function):
         valid_len: Optional[int],
         query_tile: Optional[int],
         document_starts: Optional[Tensor],
+        window: Optional[int],
+        softcap: Optional[float],
     ) -> Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         b, hq, s, d = q.shape
@@ -120,6 +144,7 @@ class _RingAttention(torch.autograd.Function):
         acc = _accumulation_dtype(q.dtype)
         positions = functools.partial(sequence_positions, s * size, cp_size=size, load_balanced=load_balanced)
         q_pos = positions(rank)
+        starts = _first_keys(q_pos, document_starts, window)
 
         q5 = q.to(acc).reshape(b, hkv, hq // hkv, s, d)
         out = torch.zeros_like(q5)
@@ -128,27 +153,32 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             # Start moving the next block before computing on this one, so communication overlaps compute.
             works, kv_next = _ring_shift(kv, group, _KV_TAG) if step < size - 1 else ([], kv)
-            block = active_block(q_pos, positions((rank - step) % size), causal, valid_len, document_starts)
+            block = active_block(q_pos, positions((rank - step) % size), causal, valid_len, starts)
             if block is not None:
                 k_blk, v_blk = (kv[i, :, :, block.col_start : block.col_end].to(acc) for i in (0, 1))
                 for rows, cols, mask in row_tiles(block, query_tile, b * hq):
                     block_out, block_lse = _attend_block(
-                        q5[..., rows, :], k_blk[..., cols, :], v_blk[..., cols, :], scale, mask
+                        q5[..., rows, :], k_blk[..., cols, :], v_blk[..., cols, :], scale, mask, softcap
                     )
                     _merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
             _wait(works)
             kv = kv_next
 
+        if sinks is not None:
+            # gpt-oss: one logit per head joins every row's softmax denominator and carries no value.
+            with_sink = torch.logaddexp(lse, _sink_logits(sinks, q5).expand_as(lse))
+            out.mul_(torch.exp(lse - with_sink).unsqueeze(-1))
+            lse = with_sink
         out = out.to(q.dtype).reshape(b, hq, s, d)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.group, ctx.causal, ctx.scale, ctx.softcap = group, causal, scale, softcap
         ctx.load_balanced, ctx.valid_len, ctx.query_tile = load_balanced, valid_len, query_tile
-        ctx.document_starts = document_starts
+        ctx.starts = starts
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group = ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         b, hq, s, d = q.shape
@@ -169,7 +199,7 @@ class _RingAttention(torch.autograd.Function):
             works, kv_next = _ring_shift(kv, group, _KV_TAG) if step < size - 1 else ([], kv)
             grad_kv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
             k_pos = positions((rank - step) % size)
-            block = active_block(q_pos, k_pos, ctx.causal, ctx.valid_len, ctx.document_starts)
+            block = active_block(q_pos, k_pos, ctx.causal, ctx.valid_len, ctx.starts)
             if block is not None:
                 k_blk, v_blk = (kv[i, :, :, block.col_start : block.col_end].to(acc) for i in (0, 1))
                 grad_blk = grad_kv[:, :, :, block.col_start : block.col_end]
@@ -183,6 +213,7 @@ class _RingAttention(torch.autograd.Function):
                         delta[..., rows],
                         ctx.scale,
                         mask,
+                        ctx.softcap,
                     )
                     grad_q[..., rows, :] += grad_q_blk
                     grad_blk[0, :, :, cols] += grad_k_blk
@@ -201,7 +232,35 @@ class _RingAttention(torch.autograd.Function):
             _wait(grad_works)
             grad_kv = grad_kv_in
         grad_q = grad_q.reshape(b, hq, s, d).to(q.dtype)
-        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), *([None] * 7)
+        grad_sinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # d out / d sink = -p_sink * out, so d loss / d sink = -p_sink * rowsum(dO * O) = -p_sink * delta.
+            p_sink = torch.exp(_sink_logits(sinks, q5) - lse)
+            grad_sinks = -(p_sink * delta).sum(dim=(0, 3)).reshape(hq).to(sinks.dtype)
+        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), grad_sinks, *([None] * 9)
+
+
+def _sink_logits(sinks: Tensor, q5: Tensor) -> Tensor:
+    """Per-query-head sink logits ``[hq]`` shaped ``[1, kv_heads, group, 1]`` to broadcast over grouped rows."""
+    return sinks.to(q5.dtype).reshape(1, q5.shape[1], q5.shape[2], 1)
+
+
+def _first_keys(q_pos: Tensor, document_starts: Optional[Tensor], window: Optional[int]) -> Optional[Tensor]:
+    """The first global key position each local query attends, ``[batch or 1, local_seq]``; ``None``: key 0 for all.
+
+    A sliding window of ``window`` keys (transformers' convention: query ``i`` sees keys ``j`` with
+    ``i - window < j <= i``) starts at ``i - window + 1``; in packed rows at the later of that and the document's
+    start. The tiles of :mod:`.tiles` then box and skip by these starts, so keys outside the window cost nothing.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if window is None:
+        return document_starts
+    with unset_fake_temporarily():  # positions are real tensors, also in the planner's dry run
+        starts = (q_pos - window + 1).clamp(min=0).unsqueeze(0)
+        if document_starts is not None:
+            starts = torch.maximum(starts, document_starts)
+        return starts if bool(starts.any()) else None
 
 
 def ring_attention(
@@ -216,6 +275,9 @@ def ring_attention(
     valid_len: Optional[int] = None,
     query_tile: Optional[int] = None,
     document_starts: Optional[Tensor] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the context-parallel group.
 
@@ -246,6 +308,13 @@ def ring_attention(
             query's document begins (at most the query's own position). A query attends only keys from
             its document's start on; blocks and tiles holding none of its document's keys are skipped, so
             a packed row costs what its documents cost. Causal attention only. ``None``: one document a row.
+        window: Sliding window (causal only): query ``i`` attends keys ``j`` with ``i - window < j <= i``
+            (transformers' convention). Blocks and tiles wholly outside the window are skipped (not computed;
+            every block still travels the ring). ``None``: full causal.
+        softcap: Attention logit soft-capping (Gemma 2): each score ``x`` becomes ``softcap * tanh(x / softcap)``
+            before the mask; applied per score, so the online softmax stays exact.
+        sinks: Attention sinks (gpt-oss ``s_aux``), one logit per query head ``[heads]``: each joins every row's
+            softmax denominator and carries no value. Gets its gradient.
 
     Returns:
         This rank's attention output, shaped like ``q``.
@@ -277,5 +346,16 @@ def ring_attention(
             document_starts = None  # every query's document begins at 0: one document a row
         elif not causal:
             raise ValueError("ring_attention masks packed documents (document_starts) in causal attention only.")
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"window must be a positive number of keys, got {window}.")
+        if not causal:
+            raise ValueError("ring_attention applies a sliding window in causal attention only.")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive, got {softcap}.")
+    if sinks is not None:
+        sinks = local_sinks(sinks, q.shape[1])
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, group, causal, scale, load_balanced, valid_len, query_tile, document_starts)
+    return _RingAttention.apply(
+        q, k, v, sinks, group, causal, scale, load_balanced, valid_len, query_tile, document_starts, window, softcap
+    )

@@ -16,12 +16,51 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_plugins.parallel.context.checks import check_ulysses_heads
+from lightning_plugins.parallel.context.checks import check_ulysses_heads, local_sinks
 from lightning_plugins.parallel.context.sharding import reorder_sequence_load_balanced, unshard_sequence_load_balanced
 
 AttentionFn = Callable[..., Tensor]
-"""``attn_fn(q, k, v, *, is_causal, scale) -> out`` on ``[b, heads, seq, head_dim]`` tensors in natural
-sequence order; ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention)."""
+"""``attn_fn(q, k, v, *, is_causal, scale, **variants) -> out`` on ``[b, heads, seq, head_dim]`` tensors in natural
+sequence order; ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention). ``variants`` holds only the
+attention variants in use: ``window``, ``softcap``, ``sinks`` (see :func:`eager_attention`)."""
+
+
+def eager_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    is_causal: bool,
+    scale: Optional[float],
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
+    dropout: float = 0.0,
+) -> Tensor:
+    """Attention as transformers' eager kernels compute it, on natural-order ``[b, h, S, d]`` tensors.
+
+    Scores are scaled, soft-capped (``softcap * tanh(x / softcap)``, Gemma 2), masked causally and to the sliding
+    window (query ``i`` sees keys ``j`` with ``i - window < j <= i``), and, with ``sinks`` (gpt-oss, one logit per
+    query head), softmaxed together with the sink logit, which carries no value. Softmax in fp32 or wider.
+    """
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if is_causal or window is not None:
+        query, key = torch.arange(q.shape[2], device=q.device)[:, None], torch.arange(k.shape[2], device=q.device)
+        allowed = key <= query
+        if window is not None:
+            allowed &= key > query - window
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
+    if sinks is None:
+        probs = F.softmax(scores, dim=-1, dtype=softmax_dtype)
+    else:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=softmax_dtype)[..., :-1]
+    probs = F.dropout(probs.to(q.dtype), p=dropout, training=dropout > 0)
+    return torch.matmul(probs, v)
 
 
 def _all_to_all(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -122,7 +161,15 @@ def _gather_document_starts(starts: Tensor, group: dist.ProcessGroup, load_balan
 
 
 def _attend_documents(
-    attn_fn: AttentionFn, q: Tensor, k: Tensor, v: Tensor, starts: Tensor, *, is_causal: bool, scale: Optional[float]
+    attn_fn: AttentionFn,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    starts: Tensor,
+    *,
+    is_causal: bool,
+    scale: Optional[float],
+    **variants: Any,
 ) -> Tensor:
     """``attn_fn`` on each document of each row (natural order): no query attends another document's keys.
 
@@ -131,13 +178,18 @@ def _attend_documents(
     seq_len = q.shape[2]
     bounds = [torch.unique_consecutive(row).tolist() + [seq_len] for row in starts[:, :seq_len]]
     if all(row == [0, seq_len] for row in bounds):
-        return attn_fn(q, k, v, is_causal=is_causal, scale=scale)
+        return attn_fn(q, k, v, is_causal=is_causal, scale=scale, **variants)
     rows = []
     for b in range(q.shape[0]):
         row_bounds = bounds[min(b, len(bounds) - 1)]
         pieces = [
             attn_fn(
-                q[b : b + 1, :, lo:hi], k[b : b + 1, :, lo:hi], v[b : b + 1, :, lo:hi], is_causal=is_causal, scale=scale
+                q[b : b + 1, :, lo:hi],
+                k[b : b + 1, :, lo:hi],
+                v[b : b + 1, :, lo:hi],
+                is_causal=is_causal,
+                scale=scale,
+                **variants,
             )
             for lo, hi in zip(row_bounds[:-1], row_bounds[1:])
         ]
@@ -157,6 +209,9 @@ def ulysses_attention(
     valid_len: Optional[int] = None,
     attn_fn: Optional[AttentionFn] = None,
     document_starts: Optional[Tensor] = None,
+    window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the context-parallel group, by all-to-all over heads.
 
@@ -182,6 +237,10 @@ def ulysses_attention(
         document_starts: Packed rows: ``[batch or 1, local_seq]``, the global position where each local
             token's document begins. Gathered over the group (every rank must pass them, or none), then
             ``attn_fn`` runs on each document separately: the boundaries pass to the attention it wraps.
+        window: Sliding window (query ``i`` sees keys ``i - window < j <= i``), passed to ``attn_fn``.
+        softcap: Attention logit soft-capping (Gemma 2), passed to ``attn_fn``.
+        sinks: Attention sinks ``[heads]`` (gpt-oss); ``attn_fn`` gets this rank's heads' slice.
+        With any of the three, ``attn_fn`` defaults to :func:`eager_attention` (SDPA has none of them).
 
     Returns:
         This rank's attention output, shaped like ``q``.
@@ -189,7 +248,13 @@ def ulysses_attention(
     group = group if group is not None else dist.group.WORLD
     size = dist.get_world_size(group)
     check_ulysses_heads(q.shape[1], k.shape[1], size)
-    attn_fn = attn_fn if attn_fn is not None else _sdpa
+    variants: dict[str, Any] = {"window": window, "softcap": softcap}
+    if sinks is not None:
+        sinks = local_sinks(sinks, q.shape[1])
+        heads = q.shape[1] // size
+        variants["sinks"] = sinks[dist.get_rank(group) * heads : (dist.get_rank(group) + 1) * heads]
+    variants = {name: value for name, value in variants.items() if value is not None}
+    attn_fn = attn_fn if attn_fn is not None else (eager_attention if variants else _sdpa)
     starts = None
     if document_starts is not None:
         starts = _gather_document_starts(document_starts, group, load_balanced, q.device)
@@ -204,9 +269,9 @@ def ulysses_attention(
     if valid_len is not None and valid_len < seq_len:
         q, k, v = (x[:, :, :valid_len] for x in (q, k, v))  # natural order here: the pads are trailing
     if starts is None:
-        out = attn_fn(q, k, v, is_causal=causal, scale=scale)
+        out = attn_fn(q, k, v, is_causal=causal, scale=scale, **variants)
     else:
-        out = _attend_documents(attn_fn, q, k, v, starts, is_causal=causal, scale=scale)
+        out = _attend_documents(attn_fn, q, k, v, starts, is_causal=causal, scale=scale, **variants)
     if out.shape[2] < seq_len:
         out = F.pad(out, (0, 0, 0, seq_len - out.shape[2]))
     if reorder:

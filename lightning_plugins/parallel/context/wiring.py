@@ -16,13 +16,12 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_plugins.parallel.context.checks import BACKENDS
 from lightning_plugins.parallel.context.sharding import sequence_positions
 from lightning_plugins.parallel.context.ring import ring_attention
-from lightning_plugins.parallel.context.ulysses import ulysses_attention
+from lightning_plugins.parallel.context.ulysses import eager_attention, ulysses_attention
 
 #: The name under which the context-parallel attention is registered in transformers' ``AttentionInterface``.
 #: It has no mask function on purpose: transformers then builds no mask (a mask for the local length
@@ -108,7 +107,7 @@ def context_parallel_attention(
         scaling: Score scale.
         is_causal: Overrides ``module.is_causal``.
         **kwargs: transformers' extra attention arguments: ``position_ids`` (packed rows: attention stays within
-            each document), ``sliding_window`` (checked).
+            each document), ``sliding_window``, ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's sinks).
 
     Returns:
         The attention output ``[batch, local_seq, heads, head_dim]`` and ``None`` (no weights).
@@ -125,28 +124,27 @@ def context_parallel_attention(
             " attention mask. Pass a 2-D right-padding `attention_mask` (or none) in the batch instead."
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    global_len = query.shape[2] * state.size
-    window = kwargs.get("sliding_window")
-    if window is not None and global_len > window:
+    # The model's attention variants, as its attention module passes them: the local layers' sliding window
+    # (None on global layers), Gemma 2's logit soft-capping and gpt-oss's sinks.
+    variants = {"window": kwargs.get("sliding_window"), "softcap": kwargs.get("softcap"), "sinks": kwargs.get("s_aux")}
+    if variants["window"] is not None and not causal:
         raise ValueError(
-            f"Sliding-window attention (window {window}) is not supported with context parallelism, and this"
-            f" sequence ({global_len} tokens after padding) is longer than the window. Use sequences of at most"
-            f" {window} tokens, or cp_size=1."
+            f"{type(module).__name__} has a sliding window ({variants['window']}) but is not causal; context"
+            " parallelism applies windows to causal attention only. Use cp_size=1 for this model."
         )
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"Attention `{name}` is not supported with context parallelism; use cp_size=1.")
     dropout = dropout if module.training else 0.0
     group = state.group
     starts = _document_starts(kwargs.get("position_ids"), group, query.shape[2])
     if state.backend == "ring":
         if dropout > 0:
             raise ValueError("Ring attention has no attention dropout; set config.attention_dropout=0 or use Ulysses.")
-        out = ring_attention(query, key, value, group, causal=causal, scale=scaling, document_starts=starts)
+        out = ring_attention(
+            query, key, value, group, causal=causal, scale=scaling, document_starts=starts, **variants
+        )
     else:
         inner = functools.partial(_inner_attention, module, state, dropout)
         out = ulysses_attention(
-            query, key, value, group, causal=causal, scale=scaling, attn_fn=inner, document_starts=starts
+            query, key, value, group, causal=causal, scale=scaling, attn_fn=inner, document_starts=starts, **variants
         )
     return out.transpose(1, 2).contiguous(), None
 
@@ -194,20 +192,16 @@ def _inner_attention(
     *,
     is_causal: bool,
     scale: Optional[float],
+    **variants: Any,
 ) -> Tensor:
-    """The model's own attention implementation on natural-order ``[b, h, S, d]`` tensors (Ulysses)."""
+    """The model's own attention implementation on natural-order ``[b, h, S, d]`` tensors (Ulysses).
+
+    transformers' eager kernels, and every kernel for a window, soft-capping or sinks, take their mask from the
+    model (which builds none here): those run as :func:`eager_attention` with the mask built for the full sequence.
+    """
     groups = q.shape[1] // k.shape[1]
-    if state.inner == "eager":
-        # transformers' eager kernels take the causal mask from the model; build it for the full sequence here.
-        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-        if is_causal:
-            length = q.shape[2]
-            future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
-            scores = scores.masked_fill(future, torch.finfo(scores.dtype).min)
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        probs = F.dropout(probs, p=dropout, training=dropout > 0)
-        return torch.matmul(probs, v)
+    if state.inner == "eager" or variants:
+        return eager_attention(q, k, v, is_causal=is_causal, scale=scale, dropout=dropout, **variants)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     proxy = _InnerModule(module, state.inner_config, groups, is_causal)

@@ -1,0 +1,154 @@
+"""Ring attention with a sliding window against full causal attention: time against the query-key pairs attended.
+
+A gloo world of ``cp`` CPU processes times forward + backward of :func:`ring_attention` on one row of ``S`` tokens
+in the load-balanced layout, full causal and with a sliding window of ``W`` keys (query ``i`` sees keys
+``i - W < j <= i``; blocks and query-row tiles wholly outside the window are skipped). Per (S, W, cp) it reports:
+
+* ``pairs``: attended query-key pairs with the window over full causal: what the window should cost if cost follows
+  the pairs (about ``W / S * (2 - W / S)`` for ``W << S``);
+* ``computed``: the score entries ring attention really computes (its blocks and tiles, counted with the kernel's own
+  :func:`active_block` / :func:`row_tiles`), windowed over causal, and the windowed run's excess over its pairs;
+* ``time ratio``: median over rounds of time(windowed) / time(causal), the two interleaved round by round (the
+  machine is shared, so ratios are taken within a round).
+
+Every block still travels the ring (the kernel skips the compute of a block outside every local query's window,
+not its transfer).
+
+    python benchmarks/windowed_attention.py                          # S 4096, W 512, cp 2 and 4
+    python benchmarks/windowed_attention.py --seqs 8192 --windows 512 1024 --cps 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import spawn_world  # noqa: E402
+
+
+def computed_entries(seq: int, cp: int, window: int | None, batch_heads: int) -> int:
+    """Score entries (per head) that ring attention computes over all ranks: its blocks' query-row tiles."""
+    from lightning_plugins.parallel.context.ring import _first_keys
+    from lightning_plugins.parallel.context.sharding import sequence_positions
+    from lightning_plugins.parallel.context.tiles import active_block, row_tiles
+
+    total = 0
+    for rank in range(cp):
+        q_pos = sequence_positions(seq, rank, cp, load_balanced=True)
+        starts = _first_keys(q_pos, None, window)
+        for source in range(cp):
+            k_pos = sequence_positions(seq, source, cp, load_balanced=True)
+            block = active_block(q_pos, k_pos, True, None, starts)
+            if block is not None:
+                tiles = row_tiles(block, None, batch_heads)
+                total += sum((rows.stop - rows.start) * (cols.stop - cols.start) for rows, cols, _ in tiles)
+    return total
+
+
+def attended_pairs(seq: int, window: int | None) -> int:
+    """Query-key pairs of a causal row of ``seq`` tokens, within a window of ``window`` keys when given."""
+    return sum(min(i + 1, window or seq) for i in range(seq))
+
+
+def _timed(window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> float:
+    """Seconds of one forward + backward, between barriers (the slowest rank's time, seen by all)."""
+    from lightning_plugins.parallel.context import ring_attention
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    dist.barrier()
+    start = time.perf_counter()
+    ring_attention(q, k, v, window=window).backward(grad)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _measure(args: argparse.Namespace, seq: int, window: int) -> dict[str, Any]:
+    from lightning_plugins.parallel.context import shard_sequence_load_balanced
+
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seq)
+    shapes = ((1, args.heads, seq, args.head_dim), *[(1, args.kv_heads, seq, args.head_dim)] * 2)
+    local = [shard_sequence_load_balanced(torch.randn(shape), 2, rank, cp) for shape in (*shapes, shapes[0])]
+    variants = (None, window)
+    for variant in variants:  # warm-up
+        _timed(variant, *local)
+    rounds = []
+    for index in range(args.rounds):
+        order = variants if index % 2 == 0 else variants[::-1]
+        rounds.append({variant: _timed(variant, *local) for variant in order})
+    windowed, causal = (computed_entries(seq, cp, w, args.heads) for w in (window, None))
+    return {
+        "seq": seq,
+        "window": window,
+        "cp": cp,
+        "pairs_ratio": attended_pairs(seq, window) / attended_pairs(seq, None),
+        "computed_ratio": windowed / causal,
+        "computed_over_pairs": windowed / attended_pairs(seq, window),
+        "causal_s": statistics.median(r[None] for r in rounds),
+        "windowed_s": statistics.median(r[window] for r in rounds),
+        "time_ratio": statistics.median(r[window] / r[None] for r in rounds),
+    }
+
+
+def _rank(rank: int, args: argparse.Namespace, out: str) -> None:
+    rows = [_measure(args, seq, window) for seq in args.seqs for window in args.windows]
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| S | W | cp | pairs W/causal | computed W/causal (computed/attended) | time causal / W (s) | time ratio |",
+        "|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['seq']} | {r['window']} | {r['cp']} | {r['pairs_ratio']:.4f} | {r['computed_ratio']:.4f}"
+            f" ({r['computed_over_pairs']:.2f}) | {r['causal_s']:.3f} / {r['windowed_s']:.3f}"
+            f" | **{r['time_ratio']:.3f}** |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqs", type=int, nargs="+", default=[4096])
+    parser.add_argument("--windows", type=int, nargs="+", default=[512])
+    parser.add_argument("--cps", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (median ratio) after one warm-up")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = parser.parse_args()
+
+    rows: list[dict[str, Any]] = []
+    start, load = time.perf_counter(), os.getloadavg()
+    for cp in args.cps:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp, "rows.json"))
+            spawn_world(_rank, cp, args, out, threads=args.threads)
+            rows += json.loads(Path(out).read_text())
+    elapsed, load_end = time.perf_counter() - start, os.getloadavg()
+    machine = (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo;"
+        f" load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end"
+    )
+    print(f"\n{' '.join(sys.argv)}  ({elapsed:.0f} s; {machine})\n")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
