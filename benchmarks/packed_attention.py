@@ -17,7 +17,7 @@ machine is shared, so ratios are taken within a round and the median ratio is ke
 * ``pairs``: attended query-key pairs of the packed row over those of the unpacked row,
   ``sum L_i (L_i + 1) / 2`` over ``S (S + 1) / 2``: what the packed row should cost if cost follows the pairs;
 * ``ring computed``: the score entries ring attention really computes (its blocks and query-row tiles, counted
-  with the kernel's own ``_active_block`` / ``_row_tiles``), packed over unpacked, and their excess over the
+  with the kernel's own ``active_block`` / ``row_tiles``), packed over unpacked, and their excess over the
   attended pairs (tile granularity); also for the slowest rank alone (packed over unpacked), which a step waits for;
 * ``time ratio``: median over rounds of time(packed) / time(unpacked), per kernel and layout;
 * the busiest rank's attended pairs of the packed row over the mean: the load balance under packing;
@@ -91,17 +91,17 @@ def attended_pairs(q_pos: torch.Tensor, starts: torch.Tensor | None) -> int:
 
 def ring_computed(seq: int, cp: int, rank: int, starts: torch.Tensor | None, batch_heads: int) -> int:
     """Score entries (per head) that ring attention computes on ``rank``: its blocks' query-row tiles."""
-    from lightning_plugins.parallel.context.tiles import _active_block, _row_tiles
-    from lightning_plugins.parallel.context.sharding import _sequence_positions
+    from lightning_plugins.parallel.context.tiles import active_block, row_tiles
+    from lightning_plugins.parallel.context.sharding import sequence_positions
 
-    q_pos = _sequence_positions(seq, rank, cp, load_balanced=True)
+    q_pos = sequence_positions(seq, rank, cp, load_balanced=True)
     local_starts = None if starts is None else starts[q_pos][None]
     total = 0
     for source in range(cp):
-        k_pos = _sequence_positions(seq, source, cp, load_balanced=True)
-        block = _active_block(q_pos, k_pos, True, None, local_starts)
+        k_pos = sequence_positions(seq, source, cp, load_balanced=True)
+        block = active_block(q_pos, k_pos, True, None, local_starts)
         if block is not None:
-            total += sum((r.stop - r.start) * (c.stop - c.start) for r, c, _ in _row_tiles(block, None, batch_heads))
+            total += sum((r.stop - r.start) * (c.stop - c.start) for r, c, _ in row_tiles(block, None, batch_heads))
     return total
 
 
@@ -138,7 +138,7 @@ LAYOUTS = ("head-tail", "segmented")
 
 def _measure(args: argparse.Namespace, mix: str, seq: int) -> dict[str, Any]:
     from lightning_plugins.parallel.context import ring_attention, shard_sequence_load_balanced, ulysses_attention
-    from lightning_plugins.parallel.context.sharding import _sequence_positions
+    from lightning_plugins.parallel.context.sharding import sequence_positions
 
     rank, cp = dist.get_rank(), dist.get_world_size()
     lengths = document_lengths(mix, seq, args.seed)
@@ -148,7 +148,7 @@ def _measure(args: argparse.Namespace, mix: str, seq: int) -> dict[str, Any]:
     full = [torch.randn(shape) for shape in (*shapes, shapes[0])]  # q, k, v and the output's gradient
 
     def sharded() -> tuple[list[torch.Tensor], torch.Tensor]:
-        q_pos = _sequence_positions(seq, rank, cp, load_balanced=True)
+        q_pos = sequence_positions(seq, rank, cp, load_balanced=True)
         return [shard_sequence_load_balanced(t, 2, rank, cp) for t in full], starts[q_pos][None]
 
     def variant(name: str, kernel: str, packed: bool) -> Any:
@@ -188,7 +188,7 @@ def _measure(args: argparse.Namespace, mix: str, seq: int) -> dict[str, Any]:
     }
     for name in LAYOUTS:
         with layout(name):
-            q_pos = _sequence_positions(seq, rank, cp, load_balanced=True)
+            q_pos = sequence_positions(seq, rank, cp, load_balanced=True)
             per_rank = torch.tensor([attended_pairs(q_pos, starts), attended_pairs(q_pos, None)])
             gathered = [torch.zeros_like(per_rank) for _ in range(cp)]
             dist.all_gather(gathered, per_rank)

@@ -50,7 +50,7 @@ def active_block(
     half; with several, the causal tiles of :func:`row_tiles` skip it). With packed rows (``starts``) a query attends only its own document, so the box narrows further,
     tile by tile (:func:`row_tiles`), and a block that holds none of a query's document is skipped.
 
-    The positions are real tensors (:func:`_sequence_positions`), read outside any ``FakeTensorMode``.
+    The positions are real tensors (:func:`~lightning_plugins.parallel.context.sharding.sequence_positions`), read outside any ``FakeTensorMode``.
     """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
