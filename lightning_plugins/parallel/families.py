@@ -1,13 +1,13 @@
 """What differs per model family: which modules split how, where the layers and norms are.
 
 A family is data, not a fork of the HF modeling code. Families not registered here fall back to the
-``base_model_tp_plan`` that transformers ships in their config (see :func:`family_for`).
+``base_model_tp_plan`` that transformers ships in their config (see :func:`family_for`), and get sequence
+parallelism where the model's structure allows it (see :func:`_with_sequence_parallel`).
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -110,10 +110,12 @@ def family_for(model: nn.Module, *, tensor_parallel: bool = True) -> ModelFamily
             tp_regions=(),
             sequence_parallel=False,
         )
-    return _family_from_hf_plan(model_type, plan, getattr(model, "base_model_prefix", "model"))
+    family = _family_from_hf_plan(model_type, plan, getattr(model, "base_model_prefix", "model"))
+    return _with_sequence_parallel(family, model) if isinstance(model, nn.Module) else family
 
 
 def _family_from_hf_plan(model_type: str, plan: dict[str, str], prefix: str) -> ModelFamily:
+    """The family a config's ``base_model_tp_plan`` describes: its projections, without sequence parallelism."""
     # Routed experts are the engine's own (parallel/experts.py), whatever the plan says of them.
     plan = {key: style for key, style in plan.items() if ".experts" not in key}
     unknown = {style for style in plan.values() if style not in _HF_STYLES}
@@ -123,12 +125,6 @@ def _family_from_hf_plan(model_type: str, plan: dict[str, str], prefix: str) -> 
             f" not translate: {sorted(unknown)}. Use tp_size=1 or one of {sorted(FAMILIES)}."
         )
     per_layer = {key.removeprefix("layers.*."): style for key, style in plan.items() if key.startswith("layers.*.")}
-    warnings.warn(
-        f"Model type '{model_type}' has no registered family: tensor parallelism falls back to the config's"
-        f" `base_model_tp_plan` ({len(per_layer)} module patterns). Missing in the fallback: sequence parallelism"
-        " (norms and the residual stream stay replicated) and any module the plan does not name.",
-        stacklevel=3,
-    )
     return ModelFamily(
         model_type,
         layers=f"{prefix}.layers",
@@ -141,6 +137,52 @@ def _family_from_hf_plan(model_type: str, plan: dict[str, str], prefix: str) -> 
         sequence_parallel=False,
         extra_styles={k: s for k, s in per_layer.items() if s in ("colwise_gather_output", "rowwise_split_input")},
     )
+
+
+def _with_sequence_parallel(family: ModelFamily, model: nn.Module) -> ModelFamily:
+    """``family`` with sequence parallelism, where ``model``'s structure is the one it needs; else ``family``.
+
+    Sequence parallelism needs every parameter that touches the residual stream between the planned regions to
+    act on each token alone: each direct child of a decoder layer is a region the plan splits (attention, MLP:
+    its input is gathered to the whole sequence), a norm (pre- or post-norm, sequence-sharded), or holds no
+    parameters; next to the layers the base model holds the embedding, one final norm and parameter-free
+    modules (rotary embeddings). Gemma's, Granite's and Phi-3's scalings of the stream are per-token too.
+    """
+    layers = decoder_layers(model, family)
+    planned = (*family.colwise, *family.rowwise, *family.head_norms, *family.extra_styles)
+    regions = tuple(dict.fromkeys(name.partition(".")[0] for name in planned))
+    norms: dict[str, None] = {}
+    for layer in layers:
+        for name, child in layer.named_children():
+            if name in regions or not any(True for _ in child.parameters()):
+                continue
+            if not _is_norm(child):
+                return family  # e.g. a learned gate on the residual stream: left replicated
+            norms[name] = None
+    base = model.get_submodule(family.layers.rpartition(".")[0])
+    final: list[str] = []
+    for name, child in base.named_children():
+        if child is layers or child is model.get_input_embeddings() or not any(True for _ in child.parameters()):
+            continue
+        if not _is_norm(child):
+            return family
+        final.append(name)
+    if len(final) != 1 or not all(all(name in dict(layer.named_children()) for name in regions) for layer in layers):
+        return family
+    return replace(
+        family,
+        final_norm=f"{family.layers.rpartition('.')[0]}.{final[0]}",
+        layer_norms=tuple(norms),
+        tp_regions=regions,
+        sequence_parallel=True,
+    )
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a per-token normalisation (LayerNorm, or a family's RMSNorm) with its own 1-D weight."""
+    params = list(module.parameters())
+    is_norm_class = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
+    return is_norm_class and not list(module.children()) and all(param.dim() == 1 for param in params)
 
 
 def decoder_layers(model: nn.Module, family: ModelFamily) -> nn.ModuleList:

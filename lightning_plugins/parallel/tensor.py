@@ -112,11 +112,14 @@ def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMes
             plan[name] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sp else RowwiseParallel()
     for name, style in family.extra_styles.items():
         if not inside(name):
-            plan[name] = (
-                ColwiseParallel(output_layouts=Replicate())
-                if style == "colwise_gather_output"
-                else RowwiseParallel(input_layouts=Replicate())
-            )
+            # A fused projection (Phi-3's qkv_proj, gate_up_proj) or one followed by a norm over all heads
+            # (OLMo 2's q_norm): its whole output is gathered; the row-parallel one after it splits its input.
+            if style == "colwise_gather_output":
+                plan[name] = ColwiseParallel(output_layouts=Replicate())
+            elif sp:
+                plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+            else:
+                plan[name] = RowwiseParallel(input_layouts=Replicate())
     for name in family.head_norms:
         # q/k norms normalise each head's vector; their input is split by heads on this rank.
         plan[name] = SequenceParallel(sequence_dim=_HEAD_DIM, use_local_output=True)

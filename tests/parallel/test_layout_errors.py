@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -121,14 +123,27 @@ def test_dry_run_on_a_fake_world(fake_world: int) -> None:
     assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
 
 
-def test_fallback_family_warns_about_what_is_missing() -> None:
-    from transformers import GemmaConfig
-
-    gemma = AutoModelForCausalLM.from_config(GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64))
-    with pytest.warns(UserWarning, match="'gemma' has no registered family.*base_model_tp_plan.*sequence parallelism"):
-        family = family_for(gemma)
-    assert family.colwise and family.rowwise and not family.sequence_parallel
+def test_fallback_family_gets_sequence_parallel_from_its_structure() -> None:
+    """An unregistered family gets its config's TP plan and, where its structure allows, sequence parallelism,
+    without a word on the console; a parameter on the residual stream that is no norm leaves the stream replicated."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        olmo2 = family_for(tiny_model("olmo2"))
+        gemma3 = family_for(tiny_model("gemma3"))
+        gated = tiny_model("gemma")
+        for layer in gated.model.layers:
+            layer.residual_gate = torch.nn.Linear(32, 32)  # a learned gate between the regions: not per-token-norm
+        blocked = family_for(gated)
+    assert olmo2.sequence_parallel and olmo2.final_norm == "model.norm"
+    # Post-norms only (no norm before attention), and q/k gathered for q_norm/k_norm over all heads.
+    assert olmo2.layer_norms == ("post_attention_layernorm", "post_feedforward_layernorm")
+    assert olmo2.extra_styles["self_attn.q_proj"] == "colwise_gather_output"
+    assert set(olmo2.tp_regions) == {"self_attn", "mlp"}
+    assert gemma3.layer_norms == (
+        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
+    )
+    assert gemma3.head_norms == ("self_attn.q_norm", "self_attn.k_norm")
+    assert blocked.colwise and blocked.rowwise and not blocked.sequence_parallel and not blocked.layer_norms
 
 
 def test_model_already_wrapped_in_fsdp1(one_rank: None) -> None:
