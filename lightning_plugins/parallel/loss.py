@@ -27,12 +27,17 @@ from torch.distributed.tensor import DTensor
 IGNORE_INDEX = -100
 
 
+def _loss_dtype(logits: Tensor) -> torch.dtype:
+    """Cross entropy runs in fp32 at least (bf16 logits are upcast), and in the logits' own dtype above it."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token cross entropy of vocab-sharded logits; backward needs no communication."""
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, target: Tensor, vocab_start: int, group: dist.ProcessGroup) -> Tensor:
-        logits = logits.float()
+        logits = logits.to(_loss_dtype(logits))
         logits_max = logits.max(dim=-1).values
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - logits_max.unsqueeze(-1)
@@ -81,7 +86,7 @@ def token_losses(logits: Tensor, targets: Tensor) -> Tensor:
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+        logits.to(_loss_dtype(logits)).reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
     ).view(targets.shape)
 
 

@@ -114,8 +114,10 @@ TWO_RANKS = [
     # Sequence and loss parallelism for families beyond the registered ones, found from their structure: post-norms
     # (Gemma 2/3, OLMo 2), q/k norms per head (Gemma 3) and over all heads (OLMo 2: its q/k gathered), fused
     # projections (Phi-3), soft-capped logits (Gemma 2), scaled embeddings, residuals and logits (Gemma, Granite).
-    # Gemma 2's soft-capped logits under loss parallel are exact in fp64 (4e-7, the loss's own fp32 math), but its
-    # fp32 trajectory drifts 1.06e-5 by step 5 (one process's fp32 run is 3e-6 from fp64's): here without it.
+    # Gemma 2 (soft-capping 2.0, SGD at lr 1) amplifies rounding: under loss parallel its fp32 losses and norms agree
+    # to 1e-6 for three steps, then drift to 1.06e-5 by step 5 (one process's own fp32 run is 3e-6 from its fp64 one;
+    # in fp64 the two differ by 1e-6, Gemma's norms computing in fp32): here without it, Granite covering loss parallel
+    # of scaled logits.
     *[(family, TP2, {}) for family in ("gemma3", "phi3", "s_olmo2", "s_granite")],
     ("gemma2", TP2, {"loss_parallel": False}),
     ("qwen2", TP2, {"sequence_parallel": False, "activation_checkpointing": "full"}),
