@@ -1,0 +1,113 @@
+"""gpt-oss's MXFP4 expert weights on the hub load dequantized: the loader gives what transformers' own
+``from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))`` gives (weights and logits), each rank's
+slice of the experts is the slice of that, and what cannot be given is refused before any storage is touched.
+
+The checkpoint is the tiny gpt-oss with its experts replaced by random MXFP4 bytes (every FP4 code, scales around
+2^0): the bytes are the weights, so no packer is needed and every code of the format is read.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tiny_models import tiny_model
+from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from lightning_plugins.checkpoint.load import checkpoint_index, load_sharded_safetensors
+from lightning_plugins.checkpoint.mxfp4 import mxfp4_source
+from lightning_plugins.errors import CheckpointError, RecipeError
+from lightning_plugins.recipe.schema import load_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def _mxfp4_checkpoint(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The tiny gpt-oss saved as the hub stores gpt-oss: experts as ``*_blocks`` / ``*_scales``, an mxfp4
+    ``quantization_config``. Returns each expert weight's blocks and scales."""
+    tiny_model("gpt_oss").save_pretrained(directory)
+    (state,) = [AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()]
+    gen = torch.Generator().manual_seed(0)
+    packed = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, rows_in, cols_out = state.pop(name).shape
+        blocks = torch.randint(0, 256, (experts, cols_out, rows_in // 32, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(124, 130, (experts, cols_out, rows_in // 32), dtype=torch.uint8, generator=gen)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        packed[name] = blocks, scales
+    for file in directory.glob("*.safetensors"):
+        file.unlink()
+    save_file({k: v.contiguous() for k, v in state.items()}, directory / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
+    (directory / "config.json").write_text(json.dumps(config))
+    return packed
+
+
+def _on_meta(directory: Path, dtype: torch.dtype) -> torch.nn.Module:
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=dtype)
+
+
+def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> None:
+    packed = _mxfp4_checkpoint(tmp_path)
+    anchor = AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+    )
+    model = _on_meta(tmp_path, torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of ours
+        load_sharded_safetensors(model, tmp_path)
+    ours, theirs = model.state_dict(), anchor.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours), "weights differ from transformers'"
+    gate_up = "model.layers.1.mlp.experts.gate_up_proj"
+    assert ours[gate_up].abs().max() > 1 and ours[gate_up].shape == (4, 32, 128)  # dequantized, (experts, in, out)
+    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, anchor(ids).logits)
+
+    # A rank's slice (EP: experts 1-2; a split of rows and columns) is the slice of the whole.
+    source = mxfp4_source(gate_up, checkpoint_index(tmp_path), ours[gate_up])
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as handle:
+        index = (slice(1, 3), slice(8, 24), slice(32, 96))
+        piece = source.read(handle.get_slice, index, ours[gate_up].shape, torch.float32)
+        assert torch.equal(piece, ours[gate_up][index])
+        empty = source.read(handle.get_slice, (slice(4, 4), slice(None), slice(None)), ours[gate_up].shape, torch.float32)
+        assert empty.shape == (0, 32, 128)
+
+    # bf16: what the dequantization gives in bf16, bit for bit.
+    model = _on_meta(tmp_path, torch.bfloat16)
+    load_sharded_safetensors(model, tmp_path)
+    blocks, scales = packed[gate_up]
+    assert torch.equal(model.state_dict()[gate_up], convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16))
+
+
+def test_what_mxfp4_cannot_give_is_refused_early(tmp_path: Path) -> None:
+    _mxfp4_checkpoint(tmp_path)
+    model = _on_meta(tmp_path, torch.float32)
+    fp8 = torch.empty(4, 64, 32, dtype=torch.float8_e4m3fn, device="meta")
+    model.model.layers[0].mlp.experts.down_proj = torch.nn.Parameter(fp8, requires_grad=False)
+    with pytest.raises(CheckpointError, match=r"MXFP4 .*not torch.float8_e4m3fn.*model.dtype"):
+        load_sharded_safetensors(model, tmp_path)
+    assert model.model.layers[1].mlp.experts.down_proj.is_meta  # refused before any storage
+
+    names = dict.fromkeys(["model.layers.0.mlp.experts.down_proj_blocks"])
+    with pytest.raises(CheckpointError, match="down_proj_scales.*needs both"):
+        mxfp4_source("model.layers.0.mlp.experts.down_proj", names, torch.empty(4, 64, 32, device="meta"))
+
+    # The recipe path: gpt-oss-120b's shipped config (mxfp4) validates quietly; QLoRA over MXFP4 is refused.
+    recipe = ROOT / "recipes" / "gpt-oss-120b" / "lora_ep8.yaml"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_recipe(recipe).model.dtype == "bf16"
+    with pytest.raises(RecipeError, match=r"MXFP4.*lora.quantize: none"):
+        load_recipe(recipe, ["lora.quantize=nf4"])
