@@ -93,7 +93,10 @@ def mxfp4_source(name: str, names: set[str] | dict[str, object], tensor: Tensor)
 def is_mxfp4(config: object) -> bool:
     """Whether a transformers config says its checkpoint holds MXFP4 weights (gpt-oss on the hub)."""
     quantization = getattr(config, "quantization_config", None)
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    if isinstance(quantization, dict):
+        method = quantization.get("quant_method")
+    else:
+        method = getattr(quantization, "quant_method", None)
     return str(getattr(method, "value", method)) == "mxfp4"
 
 

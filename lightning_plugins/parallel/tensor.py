@@ -140,7 +140,8 @@ def _split_by_heads(layer: nn.Module, name: str, tp_mesh: DeviceMesh) -> None:
     owner_name, _, leaf = name.rpartition(".")
     owner = layer.get_submodule(owner_name)
     param = owner.get_parameter(leaf)
-    owner.register_parameter(leaf, nn.Parameter(distribute_tensor(param.data, tp_mesh, [Shard(0)]), param.requires_grad))
+    sharded = distribute_tensor(param.data, tp_mesh, [Shard(0)])
+    owner.register_parameter(leaf, nn.Parameter(sharded, param.requires_grad))
     owner.forward = OnLocalParameters(owner, (leaf,))  # type: ignore[method-assign]
 
 

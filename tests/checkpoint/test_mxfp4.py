@@ -9,6 +9,7 @@ The checkpoint is the tiny gpt-oss with its experts replaced by random MXFP4 byt
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from lightning_plugins.checkpoint.load import checkpoint_index, load_sharded_safetensors
 from lightning_plugins.checkpoint.mxfp4 import mxfp4_source
 from lightning_plugins.errors import CheckpointError, RecipeError
+from lightning_plugins.recipe.build import build_model
 from lightning_plugins.recipe.schema import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,8 +83,17 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> 
         index = (slice(1, 3), slice(8, 24), slice(32, 96))
         piece = source.read(handle.get_slice, index, ours[gate_up].shape, torch.float32)
         assert torch.equal(piece, ours[gate_up][index])
-        empty = source.read(handle.get_slice, (slice(4, 4), slice(None), slice(None)), ours[gate_up].shape, torch.float32)
+        none_held = (slice(4, 4), slice(None), slice(None))
+        empty = source.read(handle.get_slice, none_held, ours[gate_up].shape, torch.float32)
         assert empty.shape == (0, 32, 128)
+
+    # The recipe's LoRA path (transformers' from_pretrained, then peft) loads the experts dense too.
+    for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(ROOT / "recipes" / "tiny" / "model" / file, tmp_path / file)
+    overrides = [f"model.path={tmp_path}", "model.attn_implementation=eager"]
+    lora = load_recipe(ROOT / "recipes" / "tiny" / "lora_fsdp2_chat.yaml", overrides)
+    built, _ = build_model(lora)
+    assert torch.equal(built.get_parameter(f"base_model.model.{gate_up}"), ours[gate_up])
 
     # bf16: what the dequantization gives in bf16, bit for bit.
     model = _on_meta(tmp_path, torch.bfloat16)
