@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_plugins.checkpoint.hub_names import StackedExperts, hub_source
-from lightning_plugins.checkpoint.mxfp4 import Mxfp4Experts, mxfp4_source
+from lightning_plugins.checkpoint.mxfp4 import Mxfp4Experts, forget_mxfp4, mxfp4_source
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
@@ -143,6 +143,8 @@ def load_sharded_safetensors(
     finally:
         handles.clear()
     _reinit_nonpersistent_buffers(model, device)
+    if any(isinstance(source, Mxfp4Experts) for source in sources.values()):
+        forget_mxfp4(model.config)
 
 
 Source = str | StackedExperts | Mxfp4Experts

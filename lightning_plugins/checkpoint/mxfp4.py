@@ -19,7 +19,7 @@ from torch import Tensor
 
 from lightning_plugins.errors import CheckpointError
 
-__all__ = ["DEQUANTIZABLE", "Mxfp4Experts", "check_mxfp4", "dequantized", "is_mxfp4", "mxfp4_source"]
+__all__ = ["DEQUANTIZABLE", "Mxfp4Experts", "check_mxfp4", "dequantized", "forget_mxfp4", "is_mxfp4", "mxfp4_source"]
 
 #: The dtypes transformers' MXFP4 dequantization can produce (a float lookup table and ``torch.ldexp``).
 DEQUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -125,6 +125,13 @@ def dequantized(config: object) -> dict[str, object]:
     from transformers import Mxfp4Config
 
     return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
+def forget_mxfp4(config: object) -> None:
+    """Drop the MXFP4 ``quantization_config`` of a model loaded dequantized (as transformers does with
+    ``Mxfp4Config(dequantize=True)``): the model is dense now, and what it saves or exports must load as dense."""
+    if is_mxfp4(config):
+        del config.quantization_config  # type: ignore[attr-defined]
 
 
 def _check_dtype(dtype: torch.dtype, what: str) -> None:

@@ -74,6 +74,12 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> 
     ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, anchor(ids).logits)
+    # The loaded model is dense: what it saves loads in transformers as dense, with the same logits.
+    assert not hasattr(model.config, "quantization_config") and not hasattr(anchor.config, "quantization_config")
+    model.save_pretrained(tmp_path / "dense")
+    with torch.no_grad():
+        saved = AutoModelForCausalLM.from_pretrained(tmp_path / "dense", dtype=torch.float32)
+        assert torch.equal(saved(ids).logits, anchor(ids).logits)
 
     # A rank's slice (EP: experts 1-2; a split of rows and columns) is the slice of the whole.
     source = mxfp4_source(gate_up, checkpoint_index(tmp_path), ours[gate_up])
