@@ -2,21 +2,19 @@
 ``from_pretrained(..., quantization_config=Mxfp4Config(dequantize=True))`` gives (weights and logits), each rank's
 slice of the experts is the slice of that, and what cannot be given is refused before any storage is touched.
 
-The checkpoint is the tiny gpt-oss with its experts replaced by random MXFP4 bytes (every FP4 code, scales around
-2^0): the bytes are the weights, so no packer is needed and every code of the format is read.
+The checkpoint is the tiny gpt-oss with its experts replaced by random MXFP4 bytes (tests/_mxfp4.py). Layouts (EP x
+TP, EP=4) load it in the world of tests/checkpoint/test_moe_checkpoint.py.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from tiny_models import tiny_model
+from _mxfp4 import write_mxfp4_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -27,38 +25,13 @@ from lightning_plugins.recipe.build import build_model
 from lightning_plugins.recipe.schema import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
-
-
-def _mxfp4_checkpoint(directory: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The tiny gpt-oss saved as the hub stores gpt-oss: experts as ``*_blocks`` / ``*_scales``, an mxfp4
-    ``quantization_config``. Returns each expert weight's blocks and scales."""
-    tiny_model("gpt_oss").save_pretrained(directory)
-    (state,) = [AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()]
-    gen = torch.Generator().manual_seed(0)
-    packed = {}
-    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        experts, rows_in, cols_out = state.pop(name).shape
-        blocks = torch.randint(0, 256, (experts, cols_out, rows_in // 32, 16), dtype=torch.uint8, generator=gen)
-        scales = torch.randint(124, 130, (experts, cols_out, rows_in // 32), dtype=torch.uint8, generator=gen)
-        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
-        packed[name] = blocks, scales
-    for file in directory.glob("*.safetensors"):
-        file.unlink()
-    save_file({k: v.contiguous() for k, v in state.items()}, directory / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
-    (directory / "config.json").write_text(json.dumps(config))
-    return packed
-
-
 def _on_meta(directory: Path, dtype: torch.dtype) -> torch.nn.Module:
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=dtype)
 
 
 def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> None:
-    packed = _mxfp4_checkpoint(tmp_path)
+    packed = write_mxfp4_checkpoint(tmp_path)
     anchor = AutoModelForCausalLM.from_pretrained(
         tmp_path, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
     )
@@ -109,7 +82,7 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> 
 
 
 def test_what_mxfp4_cannot_give_is_refused_early(tmp_path: Path) -> None:
-    _mxfp4_checkpoint(tmp_path)
+    write_mxfp4_checkpoint(tmp_path)
     model = _on_meta(tmp_path, torch.float32)
     fp8 = torch.empty(4, 64, 32, dtype=torch.float8_e4m3fn, device="meta")
     model.model.layers[0].mlp.experts.down_proj = torch.nn.Parameter(fp8, requires_grad=False)
