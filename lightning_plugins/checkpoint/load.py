@@ -5,7 +5,7 @@ parameters become DTensors that know their global shape and placements), given e
 and each local shard is filled from ``safe_open(...).get_slice(name)[rows, cols]``. A checkpoint in the hub's
 layout (what transformers 5 ``save_pretrained`` writes: a mixture-of-experts layer's experts as per-expert 2-D
 tensors, which transformers fuses into 3-D ones at load time) is read through :mod:`.hub_names`: a rank reads only
-the experts (and rows) it holds.
+the experts (and rows) it holds; MXFP4 experts (gpt-oss on the hub) are read dequantized through :mod:`.mxfp4`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_plugins.checkpoint.hub_names import StackedExperts, hub_source
+from lightning_plugins.checkpoint.mxfp4 import Mxfp4Experts, forget_mxfp4, mxfp4_source
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
@@ -133,6 +134,8 @@ def load_sharded_safetensors(
             source = sources[name]
             if isinstance(source, StackedExperts):
                 piece = source.read(get_slice, _local_slices(tensor), tensor.shape)
+            elif isinstance(source, Mxfp4Experts):
+                piece = source.read(get_slice, _local_slices(tensor), tensor.shape, tensor.dtype)
             else:
                 piece = get_slice(source)[_local_slices(tensor)]
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -140,23 +143,30 @@ def load_sharded_safetensors(
     finally:
         handles.clear()
     _reinit_nonpersistent_buffers(model, device)
+    if any(isinstance(source, Mxfp4Experts) for source in sources.values()):
+        forget_mxfp4(model.config)
 
 
-def _hub_sources(
-    model: nn.Module, state: dict[str, torch.Tensor], index: dict[str, Path]
-) -> dict[str, str | StackedExperts]:
-    """Where each tensor of ``state`` is in the checkpoint: under its own name, or (a checkpoint in the hub's layout,
-    as ``save_pretrained`` writes it) under the names transformers converts it from (see :mod:`.hub_names`)."""
-    return {name: name if name in index else hub_source(model, name, tensor.shape) for name, tensor in state.items()}
+Source = str | StackedExperts | Mxfp4Experts
 
 
-def _names(source: str | StackedExperts) -> list[str]:
-    return source.names() if isinstance(source, StackedExperts) else [source]
+def _hub_sources(model: nn.Module, state: dict[str, torch.Tensor], index: dict[str, Path]) -> dict[str, Source]:
+    """Where each tensor of ``state`` is in the checkpoint: under its own name, as MXFP4 blocks and scales (see
+    :mod:`.mxfp4`), or (a checkpoint in the hub's layout, as ``save_pretrained`` writes it) under the names
+    transformers converts it from (see :mod:`.hub_names`)."""
+    return {
+        name: name
+        if name in index
+        else mxfp4_source(name, index, tensor) or hub_source(model, name, tensor.shape)
+        for name, tensor in state.items()
+    }
 
 
-def _check_shapes(
-    state: dict[str, torch.Tensor], index: dict[str, Path], sources: dict[str, str | StackedExperts]
-) -> None:
+def _names(source: Source) -> list[str]:
+    return [source] if isinstance(source, str) else source.names()
+
+
+def _check_shapes(state: dict[str, torch.Tensor], index: dict[str, Path], sources: dict[str, Source]) -> None:
     """Every tensor the model needs is readable in its file with the model's (global) shape."""
     expected: dict[str, list[int]] = {}
     for name, tensor in state.items():
@@ -164,6 +174,8 @@ def _check_shapes(
         if isinstance(source, StackedExperts):
             for rows, leaf in zip(source.rows, source.leaves):
                 expected.update(dict.fromkeys(leaf, [rows, *tensor.shape[2:]]))
+        elif isinstance(source, Mxfp4Experts):
+            expected.update(source.shapes(tensor.shape))
         else:
             expected[source] = list(tensor.shape)
     by_file: dict[Path, list[str]] = {}

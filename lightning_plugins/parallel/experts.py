@@ -287,8 +287,7 @@ def apply_expert_parallel(layers: nn.ModuleList, meshes: ExpertMeshes | None) ->
                     )
             module._lp_ep_group = meshes.ep.get_group()
             module._is_expert_parallel = True
-            module.register_forward_pre_hook(_local_parameters)
-            module.register_forward_hook(_restore_parameters)
+            module.forward = OnLocalParameters(module)  # type: ignore[method-assign]
 
 
 class _GroupedForward:
@@ -305,16 +304,18 @@ class _GroupedForward:
 # Running a module on local tensors: its DTensor parameters are swapped for their local parts for one call.
 
 
-def _local_parameters(module: nn.Module, args: tuple) -> None:
-    """Forward pre-hook: replace each DTensor parameter of the module (recursively) by its local part for the call.
+def _local_parameters(module: nn.Module, args: tuple, names: tuple[str, ...] | None = None) -> None:
+    """Replace each DTensor parameter of the module (recursively; only its own ``names`` when given)
+    by its local part for the call.
 
     The local part is differentiable back to the DTensor: over ``tp`` (the tokens differ per rank) the gradient is a
-    pending sum (``Partial``); over ``ep`` each rank's part is its own experts (``Shard``).
+    pending sum (``Partial``); over ``ep`` each rank's part is its own experts (``Shard``); a ``Shard`` over ``tp``
+    (gpt-oss's per-head attention sinks) stays that rank's slice.
     """
     saved = []
-    for sub in module.modules():
+    for sub in module.modules() if names is None else (module,):
         for name, param in list(sub._parameters.items()):
-            if isinstance(param, DTensor):
+            if isinstance(param, DTensor) and (names is None or name in names):
                 grad = [Partial() if p.is_replicate() else p for p in param.placements]
                 saved.append((sub, name, param))
                 sub._parameters[name] = param.to_local(grad_placements=grad)
@@ -325,6 +326,23 @@ def _restore_parameters(module: nn.Module, args: tuple, output: Any) -> None:
     for sub, name, param in getattr(module, "_lp_saved_parameters", ()):
         sub._parameters[name] = param
     module._lp_saved_parameters = []
+
+
+class OnLocalParameters:
+    """The replacement of a module's forward (an instance attribute) that runs it on the local parts of its DTensor
+    parameters (:func:`_local_parameters`; only its own ``names`` when given) and puts the DTensors back even when the
+    call does not return: activation checkpointing's recomputation stops early by raising, past any forward hook.
+    """
+
+    def __init__(self, module: nn.Module, names: tuple[str, ...] | None = None) -> None:
+        self.module, self.names, self.forward = module, names, module.forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _local_parameters(self.module, args, self.names)
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            _restore_parameters(self.module, args, None)
 
 
 class TokenLocalBlock:
@@ -349,6 +367,7 @@ class TokenLocalBlock:
                     sub.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
         block.register_forward_pre_hook(self.before, with_kwargs=True)
         block.register_forward_hook(self.after)
+        block.forward = OnLocalParameters(block)  # type: ignore[method-assign]
 
     def before(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         x = args[0] if args else kwargs.pop("hidden_states")
@@ -356,11 +375,12 @@ class TokenLocalBlock:
         if not sharded:
             x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(self.mesh, [Shard(1)])
         block._lp_token_local = (sharded, x.shape, x.stride())
-        _local_parameters(block, args)
         return (x.to_local(), *args[1:]), kwargs
 
     def after(self, block: nn.Module, args: tuple, output: Any) -> Any:
-        _restore_parameters(block, args, output)
         sharded, shape, stride = block._lp_token_local
+        # gpt-oss's block returns (hidden states, router scores); the scores (unused by its layer) stay this rank's.
+        output, *rest = output if isinstance(output, tuple) else (output,)
         out = DTensor.from_local(output, self.mesh, [Shard(1)], run_check=False, shape=shape, stride=stride)
-        return out if sharded else out.redistribute(self.mesh, [Replicate()]).to_local()
+        out = out if sharded else out.redistribute(self.mesh, [Replicate()]).to_local()
+        return (out, *rest) if rest else out

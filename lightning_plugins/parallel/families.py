@@ -31,6 +31,8 @@ class ModelFamily:
             (the all-gather point under sequence parallelism).
         sequence_parallel: Whether the family's forward is known to work with a sequence-sharded
             residual stream (false for the generic fallback).
+        head_params: Parameters (relative to a decoder layer) with one entry per attention head, split with the
+            heads over tp (gpt-oss's attention sinks).
     """
 
     name: str
@@ -49,6 +51,7 @@ class ModelFamily:
     tp_regions: tuple[str, ...] = ("self_attn", "mlp")
     sequence_parallel: bool = True
     extra_styles: dict[str, str] = field(default_factory=dict)
+    head_params: tuple[str, ...] = ()
 
 
 LLAMA = ModelFamily("llama")
@@ -66,6 +69,8 @@ FAMILIES: dict[str, ModelFamily] = {
     "mixtral": ModelFamily("mixtral"),
     "qwen2_moe": ModelFamily("qwen2_moe"),
     "qwen3_moe": ModelFamily("qwen3_moe", head_norms=QWEN3.head_norms),
+    # Attention sinks: one learned logit per head, split with the heads (q/k/v/o carry biases, split with them).
+    "gpt_oss": ModelFamily("gpt_oss", head_params=("self_attn.sinks",)),
 }
 
 #: HF ``base_model_tp_plan`` styles this engine can translate for the generic fallback.

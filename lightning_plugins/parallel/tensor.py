@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_plugins.errors import LayoutError
-from lightning_plugins.parallel.experts import TokenLocalBlock, moe_block_name
+from lightning_plugins.parallel.experts import OnLocalParameters, TokenLocalBlock, moe_block_name
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
 
 # The dimension of attention heads in the [batch, seq, heads, head_dim] tensors that q/k norms see.
@@ -127,12 +127,25 @@ def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMes
     parallelize_module(layer, tp_mesh, plan)
     for name in family.layer_norms:
         _parallelize_norm(layer.get_submodule(name), tp_mesh, sp)
+    for name in family.head_params:
+        _split_by_heads(layer, name, tp_mesh)
     for name in family.tp_regions:
         if not inside(name):
             layer.get_submodule(name).register_forward_pre_hook(_RegionInput(tp_mesh), with_kwargs=True)
     if block is not None:
         TokenLocalBlock(tp_mesh).install(layer.get_submodule(block))
     return dropout
+
+
+def _split_by_heads(layer: nn.Module, name: str, tp_mesh: DeviceMesh) -> None:
+    """Hold a per-head parameter (gpt-oss's attention sinks) as ``Shard(0)`` over tp, the heads this rank's
+    column-parallel q/k/v give it; its module runs on the local slice (the gradient stays that slice's)."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = layer.get_submodule(owner_name)
+    param = owner.get_parameter(leaf)
+    sharded = distribute_tensor(param.data, tp_mesh, [Shard(0)])
+    owner.register_parameter(leaf, nn.Parameter(sharded, param.requires_grad))
+    owner.forward = OnLocalParameters(owner, (leaf,))  # type: ignore[method-assign]
 
 
 def _parallelize_norm(norm: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> None:

@@ -69,7 +69,11 @@ def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Modul
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path, **remote), **kwargs, **remote)
     else:
-        model = AutoModelForCausalLM.from_pretrained(spec.path, **kwargs, **remote)
+        from lightning_plugins.checkpoint.mxfp4 import dequantized
+
+        config = AutoConfig.from_pretrained(spec.path, **remote)  # MXFP4 experts (gpt-oss) load dense, to train
+        kwargs.update(dequantized(config))
+        model = AutoModelForCausalLM.from_pretrained(spec.path, config=config, **kwargs, **remote)
     model.train()  # from_pretrained returns eval mode: dropout (LoRA's too) would be off
     model.config.use_cache = False  # training: no KV cache (it would also grow under recomputation)
     if recipe.data.packing and recipe.layout.cp_size == 1:

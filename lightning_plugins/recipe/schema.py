@@ -412,6 +412,14 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
                 check_lora_targets(config, recipe.lora)
             except OptionsError as err:
                 raise RecipeError(f"{path}: lora.target_modules: {err}") from None
+        from lightning_plugins.checkpoint.mxfp4 import check_mxfp4
+        from lightning_plugins.errors import CheckpointError
+        from lightning_plugins.parallel.dtypes import DTYPES
+
+        try:
+            check_mxfp4(config, DTYPES[recipe.model.dtype], recipe.lora.quantize if recipe.lora else "none")
+        except CheckpointError as err:
+            raise RecipeError(f"{path}: model {recipe.model.path}: {err}") from None
     recipe = recipe.model_copy(update={"layout": layout})
     per_step = recipe.train.micro_batch_size * layout.dp_size
     if recipe.samples_per_step % per_step:

@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _mxfp4 import write_mxfp4_checkpoint
 from _world import run_world
 from tiny_models import make_batch, tiny_model
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
 
 from lightning_plugins import ParallelLayout
 from lightning_plugins.checkpoint.dcp import load_optimizer_state, load_tensors, optimizer_state, save_sharded
@@ -40,8 +41,8 @@ def _logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
-def _hf_logits(directory: Path, input_ids: torch.Tensor) -> torch.Tensor:
-    return _logits(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32), input_ids)
+def _hf_logits(directory: Path, input_ids: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    return _logits(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs), input_ids)
 
 
 def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, first: int) -> list[float]:
@@ -77,19 +78,22 @@ def _hub_layout(directory: Path, expert_weight: str = "block_sparse_moe.experts.
 
 def _world(rank: int, world_size: int, root: str) -> None:
     root = Path(root)
-    hub, qwen, deep = root / "hub", root / "qwen3_moe", root / "mixtral_4l"
+    hub, qwen, deep, mxfp4 = root / "hub", root / "qwen3_moe", root / "mixtral_4l", root / "gpt_oss_mxfp4"
     if rank == 0:
         tiny_model("mixtral").save_pretrained(hub)
         tiny_model("qwen3_moe").save_pretrained(qwen)
         tiny_model("mixtral_4l").save_pretrained(deep)
+        write_mxfp4_checkpoint(mxfp4)
     dist.barrier()
     assert _hub_layout(hub) and _hub_layout(qwen, "mlp.experts.3.gate_proj.weight")
     ids = make_batch(2, 12, 64, seed=99)["input_ids"]
     for directory, layouts in (
         (hub, ({"ep_size": 2}, {"ep_size": 2, "tp_size": 2}, {"tp_size": 2})),
         (qwen, ({"ep_size": 4},)),
+        (mxfp4, ({"ep_size": 4}, {"ep_size": 2, "tp_size": 2})),  # each rank dequantizes only its experts
     ):
-        expected = _hf_logits(directory, ids)
+        dense = {"quantization_config": Mxfp4Config(dequantize=True)} if directory == mxfp4 else {}
+        expected = _hf_logits(directory, ids, **dense)
         for sizes in layouts:
             got = _logits(from_pretrained(directory, ParallelLayout(**sizes)), ids)
             assert (got - expected).abs().max().item() < TOL, (directory.name, sizes, (got - expected).abs().max().item())

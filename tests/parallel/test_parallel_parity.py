@@ -128,6 +128,8 @@ TWO_RANKS = [
     ("mixtral", {"ep_size": 2}, {}),
     ("mixtral_aux", {"ep_size": 2}, {}),  # the router's balance loss over the global batch
     ("gpt_oss", {"ep_size": 2}, {}),  # attention sinks, sliding windows, transposed experts with biases
+    ("gpt_oss", TP2, {}),  # the sinks split with the heads; the MoE block on each rank's tokens (sequence parallel)
+    ("gpt_oss", TP2, {"sequence_parallel": False, "activation_checkpointing": "full"}),  # recomputation stops early
     ("qwen3_moe", {"dp_shard_size": 2}, {}),
     ("qwen3_moe", TP2, {}),
     ("qwen2_moe", {"ep_size": 2}, {"activation_checkpointing": "full"}),  # a shared expert and a dense layer
@@ -141,6 +143,7 @@ FOUR_RANKS = [
     ("llama", {"tp_size": 2, "dp_shard_size": 2}, {"activation_checkpointing": "selective", "load": True, "export": True}),
     ("qwen2", {"tp_size": 2, "dp_shard_size": 2}, {}),
     ("mixtral", {"ep_size": 2, "tp_size": 2}, {}),
+    ("gpt_oss", {"ep_size": 2, "tp_size": 2}, {}),
     ("qwen3_moe", {"ep_size": 2, "dp_shard_size": 4}, {"activation_checkpointing": "selective"}),  # FSDP2 over experts
     ("mixtral", {"ep_size": 4}, {}),
     ("qwen2_moe", {"ep_size": 2, "dp_replicate_size": 2, "dp_shard_size": 2}, {}),
