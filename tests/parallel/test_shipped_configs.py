@@ -7,6 +7,7 @@ weights), so even Llama-3.1-405B takes well under a second.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,9 @@ MODELS = {
     # The hub's safetensors hold the experts in MXFP4 (packed blocks and scales): the count here is the model
     # transformers builds (bf16 experts), the 116.83B of OpenAI's model card.
     "gpt-oss-120b": ("GptOssForCausalLM", 116.83e9, 116_829_156_672),
+    # 14.7B on the hub; exact = embedding + untied lm_head (2 x 100352 x 5120) + 40 x (qkv_proj 7680 x 5120,
+    # o_proj, gate_up_proj 35840 x 5120, down_proj, 2 norms) + the final norm, counted by hand from the shape.
+    "phi-4": ("Phi3ForCausalLM", 14.7e9, 14_659_507_200),
 }
 
 # Mixture-of-experts models: (routed experts, experts per token, published active parameters, whether the
@@ -48,13 +52,14 @@ MOE = {
     "gpt-oss-120b": (128, 4, 5.1e9, False),
 }
 
-# Models whose sizes do not allow tensor parallelism over 8 ranks, and the size that forbids it.
-# Qwen2.5-7B has 28 attention heads and 4 kv heads: TP=8 would split heads; 4 (or 2, 1) is its maximum.
-# Qwen3's MoE models have 4 kv heads: TP <= 4.
+# Models whose sizes do not allow tensor parallelism over 8 ranks, the size that forbids it and the tp sizes the
+# error offers instead. Qwen2.5-7B has 28 attention heads and 4 kv heads: TP=8 would split heads; 4 (or 2, 1) is
+# its maximum. Qwen3's MoE models have 4 kv heads: TP <= 4. Phi-4 has 40 heads but 10 kv heads: TP <= 2.
 NOT_TP8 = {
-    "Qwen2.5-7B": "num_attention_heads=28",
-    "Qwen3-30B-A3B": "num_key_value_heads=4",
-    "Qwen3-235B-A22B": "num_key_value_heads=4",
+    "Qwen2.5-7B": ("num_attention_heads=28", "[1, 2, 4]"),
+    "Qwen3-30B-A3B": ("num_key_value_heads=4", "[1, 2, 4]"),
+    "Qwen3-235B-A22B": ("num_key_value_heads=4", "[1, 2, 4]"),
+    "phi-4": ("num_key_value_heads=10", "[1, 2]"),
 }
 
 
@@ -109,7 +114,8 @@ def test_tp8_layout_validates(name: str) -> None:
     config = AutoConfig.from_pretrained(CONFIGS / name)
     layout = ParallelLayout(tp_size=8, dp_shard_size=-1).resolve(64)
     if name in NOT_TP8:
-        with pytest.raises(LayoutError, match=rf"tp_size=8 does not divide {NOT_TP8[name]}.*\[1, 2, 4\]"):
+        size, valid = NOT_TP8[name]
+        with pytest.raises(LayoutError, match=rf"tp_size=8 does not divide {size}.*{re.escape(valid)}"):
             layout.validate(config)
     else:
         layout.validate(config)
