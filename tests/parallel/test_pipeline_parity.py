@@ -214,6 +214,9 @@ FOUR_RANKS = [
     # Stages of a mixture-of-experts model, experts split over the data ranks of each stage.
     ("mixtral_4l", {"pp_size": 2, "dp_shard_size": 2, "ep_size": 2}, {"pp_schedule": "zbv_zero_bubble", "pp_microbatches": 2}),
     ("mixtral_4l", {"pp_size": 2, "tp_size": 2}, {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}),
+    # Families beyond Llama's forward: soft-capped logits with split weights, scaled ones under FSDP2 (two steps).
+    ("gemma2", {"pp_size": 2, "tp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2}, 2),
+    ("granite", {"pp_size": 2, "dp_shard_size": 2}, {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}, 2),
     # Context-parallel stages: every micro-batch is the cp shard of its rows (FSDP2 over the cp ranks).
     *PP2_CP2,
 ]
