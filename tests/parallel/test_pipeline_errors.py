@@ -130,7 +130,7 @@ def test_a_module_the_forward_would_miss(fake_world: int) -> None:
     """A module added to the base model (a step its forward may run) is refused by name, not assumed harmless."""
     model = tiny_model("llama_4l")
     model.model.extra_projection = torch.nn.Linear(4, 4)
-    with pytest.raises(LayoutError, match=r"'llama': its forward runs \['model.extra_projection'\], which a stage does"):
+    with pytest.raises(LayoutError, match=r"'llama': its forward runs \['model.extra_projection'\], which a stage"):
         parallelize(model, ParallelLayout(pp_size=2))
 
 

@@ -217,7 +217,8 @@ FOUR_RANKS = [
     # Families beyond Llama's forward: soft-capped logits with split weights, scaled ones under FSDP2 (two steps).
     ("gemma2", {"pp_size": 2, "tp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2}, 2),
     ("granite", {"pp_size": 2, "dp_shard_size": 2}, {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}, 2),
-    ("olmo2", {"pp_size": 2, "cp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2, **R}, 2),  # q/k norms on cp shards
+    # OLMo 2's q/k norms over all heads, on each rank's cp shard of the sequence (ring attention).
+    ("olmo2", {"pp_size": 2, "cp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2, **R}, 2),
     # Context-parallel stages: every micro-batch is the cp shard of its rows (FSDP2 over the cp ranks).
     *PP2_CP2,
 ]

@@ -125,7 +125,8 @@ def check_stageable_config(config: Any, pp_size: int) -> None:
     """
     unknown = sorted(set(attention_kinds(config)) - set(ATTENTION_KINDS))
     if unknown:
-        raise _refuse(config, pp_size, f"its layer_types include {unknown}, and stages build masks for {list(ATTENTION_KINDS)} only")
+        kinds = list(ATTENTION_KINDS)
+        raise _refuse(config, pp_size, f"its layer_types include {unknown}, and stages build masks for {kinds} only")
     for switch, what in _REFUSED_SWITCHES.items():
         if getattr(config, switch, False):
             raise _refuse(config, pp_size, f"config.{switch}=True ({what})")
@@ -155,7 +156,9 @@ def decoder_anatomy(model: nn.Module, pp_size: int = 2) -> DecoderAnatomy:
     if base is model:
         raise _refuse(config, pp_size, f"{type(model).__name__} has no base model under a language-model head")
     prefix = model.base_model_prefix
-    missing = sorted(f"{prefix}.{name}" for name in _BASE_PIECES if not isinstance(getattr(base, name, None), nn.Module))
+    missing = sorted(
+        f"{prefix}.{name}" for name in _BASE_PIECES if not isinstance(getattr(base, name, None), nn.Module)
+    )
     extra = sorted(f"{prefix}.{name}" for name, _ in base.named_children() if name not in _BASE_PIECES)
     extra += sorted(name for name, _ in model.named_children() if name not in (prefix, "lm_head"))
     if missing or extra:
@@ -164,13 +167,16 @@ def decoder_anatomy(model: nn.Module, pp_size: int = 2) -> DecoderAnatomy:
         raise _refuse(config, pp_size, "; ".join(what))
     scalars = sorted(_scalars(base) - _BASE_SCALARS) + sorted(_scalars(model) - _HEAD_SCALARS)
     if scalars:
-        raise _refuse(config, pp_size, f"its forward may apply the scalar attribute(s) {scalars}, which a stage does not")
+        what = f"its forward may apply the scalar attribute(s) {scalars}, which a stage does not"
+        raise _refuse(config, pp_size, what)
     layer = next(iter(base.layers), None)
     if layer is not None:
         params = inspect.signature(layer.forward).parameters
         if not {"attention_mask", "position_embeddings"} <= set(params):
             raise _refuse(
-                config, pp_size, f"its layers ({type(layer).__name__}) do not take `attention_mask` and `position_embeddings`"
+                config,
+                pp_size,
+                f"its layers ({type(layer).__name__}) do not take `attention_mask` and `position_embeddings`",
             )
     multiplier, dropout = getattr(base, "embedding_multiplier", None), getattr(base, "embedding_dropout", None)
     return DecoderAnatomy(

@@ -28,7 +28,8 @@ class StageModule(nn.Module):
 
     The submodules are the causal LM's own (shared, not copied), so the LM keeps owning the parameters
     under their original names; what the model's forward does between them (embedding multiplier, rotary
-    embedding per attention type, logit scaling and soft-capping) comes from its :class:`DecoderAnatomy`. The rotary embedding is referenced outside this module's tree: it holds
+    embedding per attention type, logit scaling and soft-capping) comes from its :class:`DecoderAnatomy`.
+    The rotary embedding is referenced outside this module's tree: it holds
     buffers only and may be shared by two stages on one rank.
 
     Forward: ``input_ids`` (first stage) or the previous stage's hidden states, plus ``attention_mask``,
