@@ -91,6 +91,11 @@ CONFIGS = {
         **{**_COMMON, "num_hidden_layers": 4}, embedding_multiplier=3.0, residual_multiplier=0.5,
         attention_multiplier=0.4, logits_scaling=0.25,
     ),
+    # gpt-oss deep enough for interleaved pipeline stages (part P of issue 27).
+    "p_gpt_oss_4l": lambda: GptOssConfig(
+        **{**_COMMON, "num_hidden_layers": 4, "attn_implementation": "eager"}, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
     "mixtral_4l": lambda: MixtralConfig(**{**_COMMON, "num_hidden_layers": 4}, num_local_experts=4, num_experts_per_tok=2),
 }
 

@@ -29,6 +29,7 @@ from lightning_plugins.parallel.mesh import attach_mesh, data_mesh, fsdp_mesh, m
 from lightning_plugins.parallel.save_pretrained import install_save_pretrained
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
 from lightning_plugins.parallel.pipeline import PipelineOptions, apply_pipeline_parallel, pipeline_of
+from lightning_plugins.parallel.pipeline.anatomy import decoder_anatomy
 from lightning_plugins.parallel.tensor import apply_tensor_parallel
 
 __all__ = [
@@ -153,6 +154,8 @@ def check_parallelizable(
     """
     check_supported(model)
     pipeline_options = check_settings(layout, options, memory, getattr(model, "config", None))
+    if pipeline_options is not None:
+        decoder_anatomy(model, layout.pp_size)  # a forward a stage cannot reproduce is refused here
     check_quantized(model, layout)
     check_router_loss(getattr(model, "config", None), splits_tokens=max(layout.tp_size, layout.cp_size, layout.pp_size) > 1)
     return pipeline_options

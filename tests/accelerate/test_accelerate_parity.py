@@ -149,6 +149,8 @@ FOUR_RANKS = {
     "tp2_fsdp2": {"tp_size": 2, "dp_shard_size": 2, "split": True},
     "pp2_tp2": {"pp_size": 2, "tp_size": 2, "settings": {"pp_microbatches": 2}},
     "pp2_cp2_ulysses": {"pp_size": 2, "cp_size": 2, "settings": {"pp_microbatches": 2, "cp_backend": "ulysses"}},
+    # Stages of a family beyond the registered ones (OLMo 2: post-norms, q/k norms over all heads), FSDP2.
+    "olmo2_pp2_fsdp2": {"family": "olmo2", "pp_size": 2, "split": True, "settings": {"pp_microbatches": 2}},
 }
 
 

@@ -68,6 +68,10 @@ CASES: dict[int, dict[str, tuple[str, dict, dict, dict]]] = {
             "llama", {"dp_shard_size": 2}, {}, {"targets": ("v_proj", "lm_head"), "export": True}
         ),
         "llama pp2 1f1b": ("llama_4l", {"pp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2}, {"export": True}),
+        # Stages of a family whose forward is not Llama's (scaled embeddings, soft-capped logits, tied head).
+        "gemma2 pp2 interleaved": (
+            "gemma2", {"pp_size": 2}, {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}, {}
+        ),
         "llama cp2 ulysses": ("llama", {"cp_size": 2}, {"cp_backend": "ulysses"}, {}),
         "llama cp2 ring": ("llama", {"cp_size": 2}, {"cp_backend": "ring"}, {"inner": True}),
         "llama tp2 export": ("llama_tied", TP2, {}, {"export": True}),

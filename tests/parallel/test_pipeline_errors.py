@@ -7,11 +7,13 @@ tests/parallel/test_pipeline_parity.py (it needs a built pipeline).
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 from tiny_models import tiny_model
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from lightning_plugins import LayoutError, OptionsError, ParallelLayout, ParallelOptions, parallelize
+from lightning_plugins import LayoutError, MemoryOptions, OptionsError, ParallelLayout, ParallelOptions, parallelize
+from lightning_plugins.parallel.checks import check_settings
 from lightning_plugins.parallel.pipeline import PipelineOptions, layer_ranges, stages_of_rank
 from lightning_plugins.strategies import ParallelismStrategy, PipelineParallelStrategy
 
@@ -105,10 +107,31 @@ def test_stage_placement_and_layer_split() -> None:
     assert PipelineOptions("1f1b").resolve(4).microbatches == 4  # default: one micro-batch per stage
 
 
-@pytest.mark.filterwarnings("ignore:Model type .gemma. has no registered family")
-def test_unregistered_family(fake_world: int) -> None:
-    with pytest.raises(LayoutError, match="verified for the registered families .*not model_type 'gemma'.*pp_size=1"):
-        parallelize(tiny_model("gemma"), ParallelLayout(pp_size=2))
+def test_forward_a_stage_cannot_reproduce(fake_world: int) -> None:
+    """Real transformers decoders whose forward does more than a stage runs are refused, naming what blocks them."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, Llama4TextConfig, PhiConfig
+
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "vocab_size": 64}
+    # Phi (Phi-2): dropout on the embeddings and a `final_layernorm` where stages run `norm`.
+    phi = AutoModelForCausalLM.from_config(PhiConfig(**small, num_hidden_layers=2))
+    with pytest.raises(LayoutError, match=r"model_type 'phi': its forward runs \['model.embed_dropout', 'model.final_"):
+        parallelize(phi, ParallelLayout(pp_size=2))
+    # The config alone tells: an attention type with no mask here, a switch that changes the masks.
+    llama4 = Llama4TextConfig(**small, num_hidden_layers=4)
+    with pytest.raises(LayoutError, match=r"'llama4_text': its layer_types include \['chunked_attention'\].*pp_size=1"):
+        check_settings(ParallelLayout(pp_size=2).resolve(4), ParallelOptions(), MemoryOptions(), llama4)
+    gemma3 = AutoModelForCausalLM.from_config(Gemma3TextConfig(**small, num_hidden_layers=2, head_dim=8))
+    gemma3.config.use_bidirectional_attention = True
+    with pytest.raises(LayoutError, match="'gemma3_text': config.use_bidirectional_attention=True"):
+        parallelize(gemma3, ParallelLayout(pp_size=2))
+
+
+def test_a_module_the_forward_would_miss(fake_world: int) -> None:
+    """A module added to the base model (a step its forward may run) is refused by name, not assumed harmless."""
+    model = tiny_model("llama_4l")
+    model.model.extra_projection = torch.nn.Linear(4, 4)
+    with pytest.raises(LayoutError, match=r"'llama': its forward runs \['model.extra_projection'\], which a stage"):
+        parallelize(model, ParallelLayout(pp_size=2))
 
 
 def test_registered_by_name() -> None:

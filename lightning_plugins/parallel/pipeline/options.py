@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_plugins.errors import LayoutError, OptionsError
-from lightning_plugins.parallel.families import FAMILIES
 from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.parallel.pipeline.anatomy import check_stageable_config
 from lightning_plugins.parallel.options import SCHEDULES, ParallelOptions, ScheduleSpec, check_schedule
 
 __all__ = ["SCHEDULES", "PipelineOptions", "check_pipeline_layout", "layer_ranges", "stages_of_rank"]
@@ -124,14 +124,12 @@ def layer_ranges(num_layers: int, num_stages: int) -> list[range]:
 
 
 def check_pipeline_layout(layout: ParallelLayout, config: Any, options: PipelineOptions) -> PipelineOptions:
-    """Validate ``options`` against a resolved layout and a model config before any collective."""
-    model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise LayoutError(
-            f"pp_size={layout.pp_size}: pipeline parallelism re-runs the decoder stack stage by stage and is verified"
-            f" for the registered families {sorted(FAMILIES)}, not model_type {model_type!r} (its forward may scale or"
-            " transform embeddings in ways a stage would miss). Use pp_size=1 for this model."
-        )
+    """Validate ``options`` against a resolved layout and a model config before any collective.
+
+    The config's part of the staging check runs here (attention types, switches); the model's structure is read
+    by :func:`~lightning_plugins.parallel.pipeline.anatomy.decoder_anatomy` when the model is there.
+    """
+    check_stageable_config(config, layout.pp_size)
     resolved = options.resolve(layout.pp_size, getattr(config, "num_hidden_layers", None))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied and resolved.spec.v_shape and layout.fsdp_size > 1:

@@ -276,8 +276,8 @@ class Pipeline:
 
     def _sum_tied_grads(self, before: Tensor | None) -> None:
         """Add the other copy's gradient increment of this step: both copies end with the same gradient."""
-        if self.tie is None:
-            return
+        if self.tie is None or not self.model.get_parameter(self.tie.param_name).requires_grad:
+            return  # a frozen tied weight (LoRA's base): no gradient, and both copies stay equal
         local = self._tied_grad()
         if local is None:
             raise RuntimeError(f"The tied weight {self.tie.param_name} got no gradient in this pipeline step.")

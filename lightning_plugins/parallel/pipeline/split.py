@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
+from lightning_plugins.parallel.pipeline.anatomy import decoder_anatomy
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, layer_ranges, stages_of_rank
 from lightning_plugins.parallel.pipeline.stage import StageModule
 
@@ -57,6 +58,7 @@ def split_into_stages(
         This rank's stages, keyed by stage index.
     """
     pp_size, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
+    anatomy = decoder_anatomy(model, pp_size)  # before pruning: it reads the whole model
     local = stages_of_rank(pp_rank, pp_size, options)
     num_stages = pp_size * (options.stages_per_rank or 1)
     layers = decoder_layers(model, family)
@@ -74,8 +76,8 @@ def split_into_stages(
         context_parallel(model, layers)
 
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    norm = model.get_submodule(family.final_norm)
-    rotary = model.get_submodule(family.layers.rpartition(".")[0]).rotary_emb
+    # The base model's own pieces (decoder_anatomy checked they are there), whatever the family names.
+    norm, rotary = model.base_model.norm, model.base_model.rotary_emb
     first, last = 0 in local, num_stages - 1 in local
     tied = lm_head is not None and lm_head.weight is embed.weight
     # A tied head keeps the embedding module as its weight's first name: checkpoints (HF's and ours) know
@@ -95,6 +97,7 @@ def split_into_stages(
             model.config,
             {index: all_layers[str(index)] for index in ranges[stage]},
             rotary,
+            anatomy=anatomy,
             embed=embed if stage == 0 else None,
             norm=norm if stage == num_stages - 1 else None,
             lm_head=lm_head if stage == num_stages - 1 else None,

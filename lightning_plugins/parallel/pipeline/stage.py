@@ -20,21 +20,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_plugins.parallel.loss import token_losses
-
-
-def _attention_kind(config: Any, layer_index: int) -> str:
-    """Which mask a layer uses, as the model's own forward decides it."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return layer_types[layer_index]
-    return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
+from lightning_plugins.parallel.pipeline.anatomy import DecoderAnatomy, attention_kinds
 
 
 class StageModule(nn.Module):
     """One pipeline stage of a transformers decoder: embedding (first), layers, norm + head + loss (last).
 
     The submodules are the causal LM's own (shared, not copied), so the LM keeps owning the parameters
-    under their original names. The rotary embedding is referenced outside this module's tree: it holds
+    under their original names; what the model's forward does between them (embedding multiplier, rotary
+    embedding per attention type, logit scaling and soft-capping) comes from its :class:`DecoderAnatomy`.
+    The rotary embedding is referenced outside this module's tree: it holds
     buffers only and may be shared by two stages on one rank.
 
     Forward: ``input_ids`` (first stage) or the previous stage's hidden states, plus ``attention_mask``,
@@ -48,6 +43,7 @@ class StageModule(nn.Module):
         layers: dict[int, nn.Module],
         rotary: nn.Module,
         *,
+        anatomy: DecoderAnatomy | None = None,
         embed: nn.Module | None = None,
         norm: nn.Module | None = None,
         lm_head: nn.Module | None = None,
@@ -62,7 +58,9 @@ class StageModule(nn.Module):
         self.__dict__["rotary"] = rotary
         # Under sequence parallelism the stage boundary carries this rank's sequence shard.
         self.__dict__["sequence_mesh"] = sequence_mesh
-        self._kinds = {index: _attention_kind(config, index) for index in layers}
+        self.__dict__["anatomy"] = anatomy or DecoderAnatomy()
+        kinds = attention_kinds(config)
+        self._kinds = {index: kinds[index] for index in layers}
         #: Set by the pipeline before each step: data ranks x loss scale / global valid-token count.
         self.loss_factor: Tensor | float = 1.0
         #: Token-loss sums (detached) of the micro-batches this stage ran in the current step.
@@ -84,7 +82,7 @@ class StageModule(nn.Module):
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         if self.embed is not None:
-            hidden = self.embed(inputs)
+            hidden = self.anatomy.embed(self.embed(inputs), self.training)
         elif self.sequence_mesh is not None:
             hidden = DTensor.from_local(inputs, self.sequence_mesh, [Shard(1)], run_check=False)
         else:
@@ -97,19 +95,20 @@ class StageModule(nn.Module):
             kind: mask_fns[kind](self.config, hidden, attention_mask, None, position_ids=position_ids)
             for kind in set(self._kinds.values())
         }
-        position_embeddings = self.rotary(hidden, position_ids)
+        position_embeddings = self.anatomy.rotary(self.rotary, hidden, position_ids, set(masks))
         for key, layer in self.layers.items():
+            kind = self._kinds[int(key)]
             hidden = layer(
                 hidden,
-                attention_mask=masks[self._kinds[int(key)]],
-                position_embeddings=position_embeddings,
+                attention_mask=masks[kind],
+                position_embeddings=position_embeddings[kind],
                 position_ids=position_ids,
             )
         if self.lm_head is None:
             # A fresh tensor, not a view of the DTensor: zero-bubble schedules detach stage outputs in place.
             out = hidden.to_local().clone() if isinstance(hidden, DTensor) else hidden
             return out if self.boundary_dtype in (None, out.dtype) else out.to(self.boundary_dtype)
-        logits = self.lm_head(self.norm(hidden))
+        logits = self.anatomy.logits(self.lm_head(self.norm(hidden)))
         if targets is None:
             raise ValueError("The last pipeline stage needs the next-token `targets` to compute the loss.")
         loss_sum = token_losses(logits, targets).sum()
