@@ -118,7 +118,7 @@ TWO_RANKS = [
     # to 1e-6 for three steps, then drift to 1.06e-5 by step 5 (one process's own fp32 run is 3e-6 from its fp64 one;
     # in fp64 the two differ by 1e-6, Gemma's norms computing in fp32): here without it, Granite covering loss parallel
     # of scaled logits.
-    *[(family, TP2, {}) for family in ("gemma3", "phi3", "s_olmo2", "s_granite")],
+    *[(family, TP2, {}) for family in ("gemma3", "phi3", "olmo2", "granite")],
     ("gemma2", TP2, {"loss_parallel": False}),
     ("qwen2", TP2, {"sequence_parallel": False, "activation_checkpointing": "full"}),
     ("llama", {"dp_shard_size": 2}, {"load": True, "export": True}),
