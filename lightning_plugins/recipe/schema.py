@@ -411,7 +411,7 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             try:
                 check_lora_targets(config, recipe.lora)
             except OptionsError as err:
-                raise RecipeError(f"{path}: lora.target_modules: {err}") from None
+                raise RecipeError(f"{path}: lora: {err}") from None
     recipe = recipe.model_copy(update={"layout": layout})
     per_step = recipe.train.micro_batch_size * layout.dp_size
     if recipe.samples_per_step % per_step:
