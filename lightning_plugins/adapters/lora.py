@@ -107,6 +107,12 @@ class LoraOptions:
                 what = "module" if key != "target_parameters" else "parameter"
                 raise OptionsError(f"lora {key}={value!r} must be a non-empty list of {what} names (e.g. {example}")
             object.__setattr__(self, key, names)  # a tuple: the options stay hashable
+        if self.target_parameters and self.dropout:
+            raise OptionsError(
+                f"lora dropout={self.dropout!r} with target_parameters: LoRA on a parameter adds its delta to the"
+                " weight, so no input is dropped (peft refuses it too). Set lora.dropout: 0, or leave target_parameters"
+                " out."
+            )
         if self.quantize not in QUANTIZE:
             raise OptionsError(f"lora quantize={self.quantize!r} is not one of {QUANTIZE} ('nf4' for QLoRA).")
 
