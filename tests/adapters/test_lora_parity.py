@@ -12,7 +12,8 @@ find; the others pass the PeftModel. Cases with ``dropout`` train with LoRA drop
 parallelism and still match one process (whose masks the ranks reproduce). Cases with ``export`` write the
 adapter and the merged weights with ``export_hf`` and load them in plain peft / transformers with the
 reference's logits. One world of 2 ranks and one of 4 check every case (starting ranks is the slow part);
-the reference runs on each rank.
+the reference runs on each rank. Mixture-of-experts cases train LoRA on the routed experts (`lora.target_parameters`),
+the router in full (`lora.modules_to_save`), and LoRA dropout inside the token-local block under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -79,6 +80,12 @@ CASES: dict[int, dict[str, tuple[str, dict, dict, dict]]] = {
         "mixtral attention+experts tp2 sp": ("mixtral", TP2, {}, {"targets": ATTENTION, "experts": True}),
         # Default targets: attention and the shared expert's MLP, which runs (adapted) in the token-local block.
         "qwen2_moe tp2 default targets": ("qwen2_moe", TP2, {}, {}),
+        # LoRA dropout on the shared expert, inside the token-local block: each rank draws one process's mask of
+        # the whole sequence and keeps its tokens' rows (SEQ is odd: the shards are uneven).
+        "qwen2_moe tp2 sp dropout": ("qwen2_moe", TP2, {}, {"dropout": 0.1}),
+        "qwen2_moe tp2 dropout": ("qwen2_moe", TP2, {"sequence_parallel": False, "loss_parallel": False}, {"dropout": 0.1}),
+        # The router trained in full runs in the token-local block too, replicated over tp.
+        "mixtral router+experts tp2 sp": ("mixtral", TP2, {}, {"targets": ATTENTION, "experts": True, "router": True}),
         # The router trained in full (peft's modules_to_save), with expert LoRA: exported with the adapters.
         "mixtral router+experts ep2": (
             "mixtral", {"ep_size": 2}, {}, {"targets": ATTENTION, "experts": True, "router": True, "export": True}
