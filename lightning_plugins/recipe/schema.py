@@ -448,6 +448,13 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             " (the default), then merge it into the dense base in one process: PeftModel.from_pretrained(base,"
             " adapter_dir).merge_and_unload()."
         )
+    unmerged = [key for key in ("target_parameters", "modules_to_save") if recipe.lora and getattr(recipe.lora, key)]
+    if unmerged and recipe.train.merge_lora:
+        raise RecipeError(
+            f"{path}: train.merge_lora with lora.{unmerged[0]}: the merged export merges LoRA on linear layers only."
+            " Export the adapter (the default; it holds the expert adapters and trained modules), then merge it in one"
+            " process: PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()."
+        )
     return recipe
 
 

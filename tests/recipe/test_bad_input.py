@@ -188,10 +188,21 @@ def test_no_remote_code_unless_the_recipe_says_so(tmp_path: Path) -> None:
 def test_lora_expert_and_router_names_are_checked_before_any_rank_starts(
     tmp_path: Path, lora: dict, match: str
 ) -> None:
+    overrides = [f"lora.{key}={json.dumps(value)}" for key, value in lora.items()]
+    with pytest.raises(RecipeError, match=r"lora: .*" + match):
+        load_recipe(RECIPE, [*_moe_overrides(tmp_path), *overrides])
+
+
+def test_merging_a_trained_router_is_refused_before_training(tmp_path: Path) -> None:
+    """The merged export merges LoRA on linear layers only: refused at once, not after training."""
+    overrides = [*_moe_overrides(tmp_path), "lora.modules_to_save=[gate]", "train.merge_lora=true"]
+    with pytest.raises(RecipeError, match=r"train.merge_lora with lora.modules_to_save: .*merge_and_unload"):
+        load_recipe(RECIPE, overrides)
+
+
+def _moe_overrides(tmp_path: Path) -> list[str]:
+    """The tiny recipe on a tiny Mixtral's config (all the checks read), LoRA on its attention."""
     from tiny_models import tiny_model
 
-    tiny_model("mixtral").config.save_pretrained(tmp_path / "moe")  # the config is all the check reads
-    overrides = [f"model.path={tmp_path / 'moe'}", "lora.target_modules=[q_proj]"]
-    overrides += [f"lora.{key}={json.dumps(value)}" for key, value in lora.items()]
-    with pytest.raises(RecipeError, match=r"lora: .*" + match):
-        load_recipe(RECIPE, overrides)
+    tiny_model("mixtral").config.save_pretrained(tmp_path / "moe")
+    return [f"model.path={tmp_path / 'moe'}", "lora.target_modules=[q_proj]"]
