@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -260,15 +260,19 @@ def _check_targets(model: nn.Module, targets: tuple[str, ...], options: LoraOpti
             f"apply_lora: target_modules {missing} name no module of {type(model).__name__}. Its linear layers are"
             f" {_linear_names(model)}; use some of those (e.g. lora.target_modules: [q_proj, v_proj])."
         )
-    params = [name for name, _ in model.named_parameters()]
-    missing = [t for t in options.target_parameters or () if not any(n == t or n.endswith(f".{t}") for n in params)]
-    if missing:
-        experts = _layer_names(name for name, param in model.named_parameters() if param.dim() == 3)
-        have = f"Its expert weights are {experts}" if experts else "It has no expert weights (3-D parameters)"
+    params = dict(model.named_parameters())
+    experts = {name for name, param in params.items() if param.dim() == 3}
+    wrong = [  # naming nothing, or a weight that is not an experts' (the engine runs LoRA on those only)
+        t
+        for t in options.target_parameters or ()
+        if not (matched := {n for n in params if n == t or n.endswith(f".{t}")}) or not matched <= experts
+    ]
+    if wrong:
+        have = f"Its expert weights are {_layer_names(experts)}" if experts else "It has no expert weights (3-D)"
         raise OptionsError(
-            f"apply_lora: target_parameters {missing} name no parameter of {type(model).__name__}. {have}; LoRA on"
+            f"apply_lora: target_parameters {wrong} name no expert weight of {type(model).__name__}. {have}; LoRA on"
             " parameters is for a mixture of experts' fused weights (e.g. lora.target_parameters:"
-            " [mlp.experts.gate_up_proj, mlp.experts.down_proj])."
+            " [mlp.experts.gate_up_proj, mlp.experts.down_proj]); adapt other layers with target_modules."
         )
     missing = [t for t in options.modules_to_save or () if not any(n.endswith(t) for n in names)]
     if missing:
@@ -279,7 +283,7 @@ def _check_targets(model: nn.Module, targets: tuple[str, ...], options: LoraOpti
         )
 
 
-def _layer_names(names: Iterator[str]) -> list[str]:
+def _layer_names(names: Iterable[str]) -> list[str]:
     """Names inside a decoder layer (``model.layers.3.mlp.gate`` -> ``mlp.gate``), each once."""
     return sorted({name.split(".layers.", 1)[-1].partition(".")[2] for name in names} - {""})
 

@@ -177,9 +177,10 @@ def test_no_remote_code_unless_the_recipe_says_so(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("lora", "match"),
     [
-        ({"target_parameters": ["mlp.experts.w1"]}, r"target_parameters \['mlp.experts.w1'\] name no parameter of"
+        ({"target_parameters": ["mlp.experts.w1"]}, r"target_parameters \['mlp.experts.w1'\] name no expert weight of"
          r" MixtralForCausalLM. Its expert weights are \['mlp.experts.down_proj', 'mlp.experts.gate_up_proj'\]"),
         ({"modules_to_save": ["router"]}, r"modules_to_save \['router'\] name no module of MixtralForCausalLM.*'mlp.gate'"),
+        ({"target_parameters": ["q_proj.weight"]}, r"target_parameters \['q_proj.weight'\] name no expert weight"),
         ({"target_parameters": []}, r"lora target_parameters=\(\) must be a non-empty list of parameter names"),
         ({"modules_to_save": ["gate", ""]}, r"lora modules_to_save=.* must be a non-empty list of module names"),
         ({"target_parameters": ["mlp.experts.down_proj"], "dropout": 0.1}, r"lora dropout=0.1 with target_parameters"),
