@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -65,6 +65,14 @@ class LoraOptions:
         use_rslora: Rank-stabilised scaling ``alpha / sqrt(r)`` (Kalajdzievski 2023).
         quantize: ``"nf4"`` stores the frozen base as 4-bit NF4 (QLoRA, see :mod:`lightning_plugins.adapters.qlora`);
             ``"none"`` keeps it dense.
+        target_parameters: Parameter names (peft's ``target_parameters``: the full name or its last components)
+            adapted with LoRA directly: a mixture of experts' fused 3-D weights, e.g.
+            ``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`` (one low-rank pair per expert, run by the
+            engine's grouped experts forward under every layout, :mod:`lightning_plugins.adapters.experts`).
+        modules_to_save: Module names (peft's ``modules_to_save``: names the module's full name ends with) trained in
+            full next to the adapters and saved with them, e.g. a mixture of experts' router: ``["gate"]`` (Mixtral,
+            Qwen-MoE) or ``["router"]`` (gpt-oss). Under tensor parallelism only modules inside a mixture-of-experts
+            block can be (the block runs whole on each rank's tokens).
     """
 
     r: int = 16
@@ -73,6 +81,8 @@ class LoraOptions:
     target_modules: tuple[str, ...] | None = None
     use_rslora: bool = False
     quantize: Literal["none", "nf4"] = "none"
+    target_parameters: tuple[str, ...] | None = None
+    modules_to_save: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
@@ -83,14 +93,26 @@ class LoraOptions:
             )
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
             raise OptionsError(f"lora dropout={self.dropout!r} must be in [0, 1) (0 disables it; 0.05 is common).")
-        if self.target_modules is not None:
-            names = (self.target_modules,) if isinstance(self.target_modules, str) else tuple(self.target_modules)
+        examples = {
+            "target_modules": "['q_proj', 'v_proj']), or left out for the attention and MLP projections.",
+            "target_parameters": "['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']), or left out.",
+            "modules_to_save": "['gate'], a mixture of experts' router), or left out.",
+        }
+        for key, example in examples.items():
+            value = getattr(self, key)
+            if value is None:
+                continue
+            names = (value,) if isinstance(value, str) else tuple(value)
             if not names or not all(isinstance(n, str) and n.strip() for n in names):
-                raise OptionsError(
-                    f"lora target_modules={self.target_modules!r} must be a non-empty list of module names (e.g."
-                    " ['q_proj', 'v_proj']), or left out for the attention and MLP projections."
-                )
-            object.__setattr__(self, "target_modules", names)  # a tuple: the options stay hashable
+                what = "module" if key != "target_parameters" else "parameter"
+                raise OptionsError(f"lora {key}={value!r} must be a non-empty list of {what} names (e.g. {example}")
+            object.__setattr__(self, key, names)  # a tuple: the options stay hashable
+        if self.target_parameters and self.dropout:
+            raise OptionsError(
+                f"lora dropout={self.dropout!r} with target_parameters: LoRA on a parameter adds its delta to the"
+                " weight, so no input is dropped (peft refuses it too). Set lora.dropout: 0, or leave target_parameters"
+                " out."
+            )
         if self.quantize not in QUANTIZE:
             raise OptionsError(f"lora quantize={self.quantize!r} is not one of {QUANTIZE} ('nf4' for QLoRA).")
 
@@ -167,12 +189,14 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> PeftModel:
             " be built with the local shapes. Apply LoRA first, then `lightning_plugins.parallelize`."
         )
     targets = options.target_modules or _default_targets(model)
-    _check_targets(model, targets)
+    _check_targets(model, targets, options)
     config = LoraConfig(
         r=options.r,
         lora_alpha=options.alpha,
         lora_dropout=options.dropout,
         target_modules=list(targets),
+        target_parameters=list(options.target_parameters or ()) or None,
+        modules_to_save=list(options.modules_to_save or ()) or None,
         use_rslora=options.use_rslora,
         bias="none",
         task_type="CAUSAL_LM",
@@ -189,16 +213,17 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> PeftModel:
 
 
 def check_lora_targets(config: Any, options: LoraOptions) -> None:
-    """Check ``options.target_modules`` against a model config before any weight is loaded (on the meta device).
+    """Check the names in ``options`` (``target_modules``, ``target_parameters``, ``modules_to_save``) against a model
+    config before any weight is loaded (on the meta device).
 
     Raises:
-        OptionsError: naming the targets that match nothing and the model's linear layers.
+        OptionsError: naming the key, the names that match nothing, and what the model has.
     """
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    _check_targets(model, options.target_modules or _default_targets(model))
+    _check_targets(model, options.target_modules or _default_targets(model), options)
 
 
 def _default_targets(model: nn.Module) -> tuple[str, ...]:
@@ -225,8 +250,9 @@ def _default_targets(model: nn.Module) -> tuple[str, ...]:
     return names
 
 
-def _check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
-    """Every target must name at least one module (peft's rule: the full name or its last components)."""
+def _check_targets(model: nn.Module, targets: tuple[str, ...], options: LoraOptions) -> None:
+    """Every name must match something, by peft's rules: a target module its full name or last components, a target
+    parameter likewise, a module to save the end of a module's full name."""
     names = [name for name, _ in model.named_modules()]
     missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
     if missing:
@@ -234,6 +260,32 @@ def _check_targets(model: nn.Module, targets: tuple[str, ...]) -> None:
             f"apply_lora: target_modules {missing} name no module of {type(model).__name__}. Its linear layers are"
             f" {_linear_names(model)}; use some of those (e.g. lora.target_modules: [q_proj, v_proj])."
         )
+    params = dict(model.named_parameters())
+    experts = {name for name, param in params.items() if param.dim() == 3}
+    wrong = [  # naming nothing, or a weight that is not an experts' (the engine runs LoRA on those only)
+        t
+        for t in options.target_parameters or ()
+        if not (matched := {n for n in params if n == t or n.endswith(f".{t}")}) or not matched <= experts
+    ]
+    if wrong:
+        have = f"Its expert weights are {_layer_names(experts)}" if experts else "It has no expert weights (3-D)"
+        raise OptionsError(
+            f"apply_lora: target_parameters {wrong} name no expert weight of {type(model).__name__}. {have}; LoRA on"
+            " parameters is for a mixture of experts' fused weights (e.g. lora.target_parameters:"
+            " [mlp.experts.gate_up_proj, mlp.experts.down_proj]); adapt other layers with target_modules."
+        )
+    missing = [t for t in options.modules_to_save or () if not any(n.endswith(t) for n in names)]
+    if missing:
+        raise OptionsError(
+            f"apply_lora: modules_to_save {missing} name no module of {type(model).__name__}. Its decoder layers hold"
+            f" {_layer_names(n for n in names if '.layers.' in n)}; name one of those or its last component (e.g."
+            " lora.modules_to_save: [gate] for a mixture of experts' router)."
+        )
+
+
+def _layer_names(names: Iterable[str]) -> list[str]:
+    """Names inside a decoder layer (``model.layers.3.mlp.gate`` -> ``mlp.gate``), each once."""
+    return sorted({name.split(".layers.", 1)[-1].partition(".")[2] for name in names} - {""})
 
 
 def _linear_names(model: nn.Module) -> list[str]:

@@ -42,6 +42,7 @@ from lightning_plugins.adapters.experts import adapted_weight, bind_expert_adapt
 __all__ = [
     "ExpertMeshes",
     "TokenLocalBlock",
+    "TokenLocalDropout",
     "apply_expert_parallel",
     "expert_meshes",
     "expert_modules",
@@ -359,12 +360,15 @@ class TokenLocalBlock:
 
     def install(self, block: nn.Module) -> None:
         """Hold the block's parameters as DTensors replicated over ``tp`` (experts split by ``ep`` already are) and
-        run it on this rank's tokens."""
+        run it on this rank's tokens; LoRA dropouts inside it draw one process's masks (:class:`TokenLocalDropout`)."""
         for sub in block.modules():
             for name, param in list(sub._parameters.items()):
                 if param is not None and not isinstance(param, DTensor):
                     replicated = distribute_tensor(param.data, self.mesh, [Replicate()])
                     sub.register_parameter(name, nn.Parameter(replicated, param.requires_grad))
+            for adapter, dropout in getattr(sub, "lora_dropout", {}).items():
+                if isinstance(dropout, nn.Dropout) and dropout.p > 0:
+                    sub.lora_dropout[adapter] = TokenLocalDropout(dropout.p, self)
         block.register_forward_pre_hook(self.before, with_kwargs=True)
         block.register_forward_hook(self.after)
         block.forward = OnLocalParameters(block)  # type: ignore[method-assign]
@@ -375,6 +379,7 @@ class TokenLocalBlock:
         if not sharded:
             x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False).redistribute(self.mesh, [Shard(1)])
         block._lp_token_local = (sharded, x.shape, x.stride())
+        self.tokens = x.shape[:2]  # the whole batch's (rows, sequence), which TokenLocalDropout draws masks for
         return (x.to_local(), *args[1:]), kwargs
 
     def after(self, block: nn.Module, args: tuple, output: Any) -> Any:
@@ -384,3 +389,34 @@ class TokenLocalBlock:
         out = DTensor.from_local(output, self.mesh, [Shard(1)], run_check=False, shape=shape, stride=stride)
         out = out if sharded else out.redistribute(self.mesh, [Replicate()]).to_local()
         return (out, *rest) if rest else out
+
+
+class TokenLocalDropout(nn.Module):
+    """LoRA dropout inside a token-local block: one process's mask, for this rank's tokens.
+
+    Tensor-parallel ranks hold equal generators (the dropouts outside the block draw one process's masks from them),
+    so a plain dropout would give every rank the same mask for different tokens and, with uneven shards, draw
+    different amounts and leave the generators apart. Each rank instead draws the mask of the whole batch's tokens
+    (``[rows, sequence, features]``, the draw ``torch.nn.functional.dropout`` makes on CPU for the one-process input)
+    and keeps its own sequence shard's rows (the block's ``Shard(1)`` split).
+
+    Args:
+        p: Drop probability.
+        block: The :class:`TokenLocalBlock` running the block (it records the whole batch's token shape).
+    """
+
+    def __init__(self, p: float, block: TokenLocalBlock) -> None:
+        super().__init__()
+        self.p, self.block = p, block
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training:
+            return x
+        rows, sequence = self.block.tokens
+        noise = torch.empty((rows, sequence, x.shape[-1]), dtype=x.dtype, device=x.device)
+        noise = noise.bernoulli_(1 - self.p).div_(1 - self.p)
+        mesh = self.block.mesh
+        return x * noise.chunk(mesh.size(), dim=1)[mesh.get_local_rank()].reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"

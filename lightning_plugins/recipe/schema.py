@@ -411,7 +411,7 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             try:
                 check_lora_targets(config, recipe.lora)
             except OptionsError as err:
-                raise RecipeError(f"{path}: lora.target_modules: {err}") from None
+                raise RecipeError(f"{path}: lora: {err}") from None
         from lightning_plugins.checkpoint.mxfp4 import check_mxfp4
         from lightning_plugins.errors import CheckpointError
         from lightning_plugins.parallel.dtypes import DTYPES
@@ -455,6 +455,13 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             f"{path}: train.merge_lora with lora.quantize: nf4: merging needs dense base weights. Export the adapter"
             " (the default), then merge it into the dense base in one process: PeftModel.from_pretrained(base,"
             " adapter_dir).merge_and_unload()."
+        )
+    unmerged = [key for key in ("target_parameters", "modules_to_save") if recipe.lora and getattr(recipe.lora, key)]
+    if unmerged and recipe.train.merge_lora:
+        raise RecipeError(
+            f"{path}: train.merge_lora with lora.{unmerged[0]}: the merged export merges LoRA on linear layers only."
+            " Export the adapter (the default; it holds the expert adapters and trained modules), then merge it in one"
+            " process: PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()."
         )
     return recipe
 

@@ -143,6 +143,8 @@ TWO_RANKS = {
     "fsdp2": {"dp_shard_size": 2, "split": True},
     "mixtral_ep2": {"family": "mixtral", "ep_size": 2, "split": True},
     "qwen2_moe_tp2": {"family": "qwen2_moe", "tp_size": 2},  # each TP rank routes its share of the tokens
+    # Each stage routes its own layers' tokens: the counts summed over the world are one process's, layer by layer.
+    "mixtral_pp2": {"family": "mixtral", "pp_size": 2, "settings": {"pp_schedule": "1f1b", "pp_microbatches": 2}},
     "lora_tp2": {"tp_size": 2, "lora": True, "export": True},
 }
 FOUR_RANKS = {

@@ -12,7 +12,8 @@ find; the others pass the PeftModel. Cases with ``dropout`` train with LoRA drop
 parallelism and still match one process (whose masks the ranks reproduce). Cases with ``export`` write the
 adapter and the merged weights with ``export_hf`` and load them in plain peft / transformers with the
 reference's logits. One world of 2 ranks and one of 4 check every case (starting ranks is the slow part);
-the reference runs on each rank.
+the reference runs on each rank. Mixture-of-experts cases train LoRA on the routed experts (`lora.target_parameters`),
+the router in full (`lora.modules_to_save`), and LoRA dropout inside the token-local block under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ TP2 = {"tp_size": 2}
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 #: peft LoRA on the fused 3-D expert weights (its ParamWrapper), run by the engine's grouped experts forward.
 EXPERT_WEIGHTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+#: peft's modules_to_save: Mixtral's router, trained in full.
+ROUTER = ["gate"]
 # name -> (family, layout sizes, parallel/memory options, case flags)
 CASES: dict[int, dict[str, tuple[str, dict, dict, dict]]] = {
     2: {
@@ -81,6 +84,17 @@ CASES: dict[int, dict[str, tuple[str, dict, dict, dict]]] = {
         "mixtral attention+experts tp2 sp": ("mixtral", TP2, {}, {"targets": ATTENTION, "experts": True}),
         # Default targets: attention and the shared expert's MLP, which runs (adapted) in the token-local block.
         "qwen2_moe tp2 default targets": ("qwen2_moe", TP2, {}, {}),
+        # LoRA dropout on the shared expert, inside the token-local block: each rank draws one process's mask of
+        # the whole sequence and keeps its tokens' rows (SEQ is odd: the shards are uneven).
+        "qwen2_moe tp2 sp dropout": ("qwen2_moe", TP2, {}, {"dropout": 0.1}),
+        "qwen2_moe tp2 dropout": ("qwen2_moe", TP2, {"sequence_parallel": False, "loss_parallel": False}, {"dropout": 0.1}),
+        # The router trained in full runs in the token-local block too, replicated over tp.
+        "mixtral router+experts tp2 sp": ("mixtral", TP2, {}, {"targets": ATTENTION, "experts": True, "router": True}),
+        # The router trained in full (peft's modules_to_save), with expert LoRA: exported with the adapters.
+        "mixtral router+experts ep2": (
+            "mixtral", {"ep_size": 2}, {}, {"targets": ATTENTION, "experts": True, "router": True, "export": True}
+        ),
+        "mixtral router fsdp2": ("mixtral", {"dp_shard_size": 2}, {}, {"targets": ATTENTION, "router": True, "export": True}),
         "qwen3_moe experts fsdp2": (
             "qwen3_moe", {"dp_shard_size": 2}, {}, {"targets": ("q_proj",), "experts": True, "inner": True}
         ),
@@ -109,20 +123,27 @@ CASES: dict[int, dict[str, tuple[str, dict, dict, dict]]] = {
 
 
 def lora_model(
-    family: str, dropout: float = 0.0, targets: tuple[str, ...] | None = None, experts: bool = False
+    family: str,
+    dropout: float = 0.0,
+    targets: tuple[str, ...] | None = None,
+    experts: bool = False,
+    router: bool = False,
 ) -> PeftModel:
     """A tiny model with LoRA on ``targets`` (default: every projection), on the expert weights too with
-    ``experts``, and random non-zero ``lora_B`` (peft starts it at zero, where ``lora_A`` would get no gradient)."""
+    ``experts``, the router trained in full with ``router``, and random non-zero ``lora_B`` (peft starts it at zero,
+    where ``lora_A`` would get no gradient)."""
     model = tiny_model(family)
     model.config.use_cache = False
     torch.manual_seed(1)
-    if experts:
-        config = LoraConfig(
-            r=RANK, lora_alpha=ALPHA, target_modules=list(targets), target_parameters=EXPERT_WEIGHTS
-        )
-        peft_model = get_peft_model(model, config)
-    else:
-        peft_model = apply_lora(model, LoraOptions(r=RANK, alpha=ALPHA, dropout=dropout, target_modules=targets))
+    options = LoraOptions(
+        r=RANK,
+        alpha=ALPHA,
+        dropout=dropout,
+        target_modules=targets,
+        target_parameters=EXPERT_WEIGHTS if experts else None,
+        modules_to_save=ROUTER if router else None,
+    )
+    peft_model = apply_lora(model, options)
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -173,9 +194,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _reference(
-    family: str, dropout: float, targets: tuple[str, ...] | None, experts: bool
+    family: str, dropout: float, targets: tuple[str, ...] | None, experts: bool, router: bool
 ) -> tuple[list[float], PeftModel]:
-    model = lora_model(family, dropout, targets, experts)
+    model = lora_model(family, dropout, targets, experts, router)
     history, _ = _train(model, lambda batch: batch, torch.nn.utils.clip_grad_norm_)
     return history, model
 
@@ -198,8 +219,9 @@ def _logits(model: nn.Module) -> torch.Tensor:
 
 def _run_case(world_size: int, tmp: str, name: str, family: str, sizes: dict, options: dict, flags: dict) -> dict:
     dropout, targets, experts = flags.get("dropout", 0.0), flags.get("targets"), flags.get("experts", False)
-    ref_history, reference = _reference(family, dropout, targets, experts)
-    peft_model = lora_model(family, dropout, targets, experts)
+    router = flags.get("router", False)
+    ref_history, reference = _reference(family, dropout, targets, experts, router)
+    peft_model = lora_model(family, dropout, targets, experts, router)
     initial = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
     layout = ParallelLayout(**sizes).resolve(world_size)
     # A PeftModel, or the transformers model inside it (what the Lightning strategies find).
@@ -224,7 +246,7 @@ def _run_case(world_size: int, tmp: str, name: str, family: str, sizes: dict, op
             base_moved = max(base_moved, (full - initial[n]).abs().max().item())
     in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
     names = {id(p): n for n, p in peft_model.named_parameters()}
-    held = sum(1 for p in in_optimizer if "lora_" in names[p])
+    held = sum(1 for p in in_optimizer if "lora_" in names[p] or "modules_to_save" in names[p])
     # FSDP2 shards the frozen base too (it is a DTensor split over the data ranks).
     fsdp = mesh_of(peft_model)["dp_shard_cp"].size() > 1
     base_sharded = all(
@@ -235,6 +257,12 @@ def _run_case(world_size: int, tmp: str, name: str, family: str, sizes: dict, op
         "norm_diff": max(abs(a - b) for a, b in zip(history[STEPS:], ref_history[STEPS:])),
         "adapter_diff": adapter_diff,
         "adapter_change": max((expected[n].detach() - initial[n]).abs().max().item() for n in initial if "lora_" in n),
+        # The router's trained copy (modules_to_save), compared above with the adapters: it must have moved.
+        "router_change": max(
+            ((expected[n].detach() - initial[n]).abs().max().item() for n in initial if "modules_to_save" in n),
+            default=None,
+        ),
+        "router": router,
         "base_moved": base_moved,
         "adapters": adapters,
         "all_adapters": sum(p.requires_grad for p in reference.parameters()),
@@ -248,7 +276,8 @@ def _run_case(world_size: int, tmp: str, name: str, family: str, sizes: dict, op
         "parity": not flags.get("seeded_apart"),
     }
     if flags.get("export"):
-        result.update(_export(peft_model, reference, family, Path(tmp) / name.replace(" ", "_")))
+        # peft merges no modules_to_save copy: such an adapter is exported as an adapter only.
+        result.update(_export(peft_model, reference, family, Path(tmp) / name.replace(" ", "_"), merge=not router))
     # Every asynchronous collective was waited for (activation checkpointing's recomputation included).
     result["unwaited_collectives"] = _get_work_registry_size()
     return result
@@ -269,20 +298,27 @@ def _tp_spread(model: nn.Module) -> float:
     return spread
 
 
-def _export(model: nn.Module, reference: PeftModel, family: str, out: Path) -> dict[str, float]:
-    """Adapter and merged exports from every rank, loaded in one process by plain peft / transformers."""
+def _export(model: nn.Module, reference: PeftModel, family: str, out: Path, merge: bool) -> dict[str, float]:
+    """Adapter (and with ``merge`` merged) exports from every rank, loaded in one process by plain peft /
+    transformers."""
     adapter_dir = export_hf(model, out / "adapter")
-    merged_dir = export_hf(model, out / "merged", merge=True)
+    merged_dir = export_hf(model, out / "merged", merge=True) if merge else None
     diffs = {"adapter_logits": 0.0, "merged_logits": 0.0}
     if dist.get_rank() == 0:
         want = _logits(reference)
         loaded = PeftModel.from_pretrained(tiny_model(family), adapter_dir)
         diffs["adapter_logits"] = (_logits(loaded) - want).abs().max().item()
-        merged = AutoModelForCausalLM.from_pretrained(merged_dir)
-        assert not any("lora" in n or "base_layer" in n for n, _ in merged.named_parameters())
-        diffs["merged_logits"] = (_logits(merged) - want).abs().max().item()
+        if merge:
+            diffs["merged_logits"] = _merged_logits(merged_dir, want)
     dist.barrier()
     return diffs
+
+
+def _merged_logits(merged_dir: Path, want: torch.Tensor) -> float:
+    """The merged export loaded by plain transformers (no LoRA layer left): its logits' distance from ``want``."""
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    assert not any("lora" in n or "base_layer" in n for n, _ in merged.named_parameters())
+    return (_logits(merged) - want).abs().max().item()
 
 
 def _errors_in_world(world_size: int) -> dict[str, str]:
@@ -348,6 +384,9 @@ def test_lora_matches_one_process(world_size: int, name: str) -> None:
     for rank, diffs in enumerate(per_rank):
         where = (name, rank, diffs)
         assert diffs["adapter_change"] > 100 * TOL, where  # parity means something only if the adapters moved
+        assert (diffs["router_change"] is not None) == diffs["router"], where
+        if diffs["router"]:  # the router trained (its copy is compared with the adapters, to TOL)
+            assert diffs["router_change"] > 10 * TOL, where  # clipped with the adapters: it moves ~3e-4 here
         if diffs["parity"]:
             assert diffs["loss_diff"] <= TOL and diffs["norm_diff"] <= TOL, where
             assert diffs["adapter_diff"] <= TOL, where

@@ -172,3 +172,38 @@ def test_no_remote_code_unless_the_recipe_says_so(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match=r"ships its own Python code.*model.trust_remote_code: true"):
         load_recipe(RECIPE, [f"model.path={model}"])
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("lora", "match"),
+    [
+        ({"target_parameters": ["mlp.experts.w1"]}, r"target_parameters \['mlp.experts.w1'\] name no expert weight of"
+         r" MixtralForCausalLM. Its expert weights are \['mlp.experts.down_proj', 'mlp.experts.gate_up_proj'\]"),
+        ({"modules_to_save": ["router"]}, r"modules_to_save \['router'\] name no module of MixtralForCausalLM.*'mlp.gate'"),
+        ({"target_parameters": ["q_proj.weight"]}, r"target_parameters \['q_proj.weight'\] name no expert weight"),
+        ({"target_parameters": []}, r"lora target_parameters=\(\) must be a non-empty list of parameter names"),
+        ({"modules_to_save": ["gate", ""]}, r"lora modules_to_save=.* must be a non-empty list of module names"),
+        ({"target_parameters": ["mlp.experts.down_proj"], "dropout": 0.1}, r"lora dropout=0.1 with target_parameters"),
+    ],
+)
+def test_lora_expert_and_router_names_are_checked_before_any_rank_starts(
+    tmp_path: Path, lora: dict, match: str
+) -> None:
+    overrides = [f"lora.{key}={json.dumps(value)}" for key, value in lora.items()]
+    with pytest.raises(RecipeError, match=r"lora: .*" + match):
+        load_recipe(RECIPE, [*_moe_overrides(tmp_path), *overrides])
+
+
+def test_merging_a_trained_router_is_refused_before_training(tmp_path: Path) -> None:
+    """The merged export merges LoRA on linear layers only: refused at once, not after training."""
+    overrides = [*_moe_overrides(tmp_path), "lora.modules_to_save=[gate]", "train.merge_lora=true"]
+    with pytest.raises(RecipeError, match=r"train.merge_lora with lora.modules_to_save: .*merge_and_unload"):
+        load_recipe(RECIPE, overrides)
+
+
+def _moe_overrides(tmp_path: Path) -> list[str]:
+    """The tiny recipe on a tiny Mixtral's config (all the checks read), LoRA on its attention."""
+    from tiny_models import tiny_model
+
+    tiny_model("mixtral").config.save_pretrained(tmp_path / "moe")
+    return [f"model.path={tmp_path / 'moe'}", "lora.target_modules=[q_proj]"]

@@ -62,7 +62,7 @@ def _recipe(tmp_path: Path, **changes: dict) -> Path:
         ({"train": {"merge_lora": True}}, r"train\.merge_lora is set but the recipe has no lora section"),
         ({"data": {"packing": True}, "model": {"attn_implementation": "flash_attention_2"}}, r"model\.attn_implementation with data\.packing"),
         ({"lora": {"r": 0}}, r"lora: lora r=0 must be a positive integer"),
-        ({"lora": {"target_modules": ["qkv"]}}, r"lora\.target_modules: .*\['qkv'\] name no module of LlamaForCausalLM.*q_proj"),
+        ({"lora": {"target_modules": ["qkv"]}}, r"lora: apply_lora: target_modules \['qkv'\] name no module of LlamaForCausalLM.*q_proj"),
         ({"lora": {"quantize": "nf4"}, "train": {"merge_lora": True}}, r"merge_lora with lora\.quantize: nf4"),
         ({"train": {"preempt_signals": ["SIGTREM"]}}, r"train\.preempt_signals: unknown signal 'SIGTREM': did you mean SIGTERM\?"),
     ],
