@@ -229,19 +229,16 @@ def check_lora_targets(config: Any, options: LoraOptions) -> None:
 def _default_targets(model: nn.Module) -> tuple[str, ...]:
     """The last name component of the family's column- and row-parallel projections (attention and MLP) that the
     model has."""
-    from lightning_plugins.parallel.families import family_for
+    from lightning_plugins.parallel.families import family_for, projection_names
 
-    with warnings.catch_warnings():  # the notice about falling back to the config's TP plan concerns TP only
-        warnings.simplefilter("ignore", UserWarning)
-        try:  # a registered family, or one read from the config's TP plan (its projections are the defaults)
-            family = family_for(model)
-        except LayoutError:  # neither: no default projections (named below)
-            family = family_for(model, tensor_parallel=False)
+    try:  # a registered family, or one read from the config's TP plan (its projections are the defaults)
+        family = family_for(model)
+    except LayoutError:  # neither: no default projections (named below)
+        family = family_for(model, tensor_parallel=False)
     # Only those the model has: a mixture-of-experts layer has no dense MLP (its experts are adapted with
     # target_parameters), while Qwen2-MoE's shared expert has one.
     present = {name.rpartition(".")[2] for name, module in model.named_modules() if isinstance(module, nn.Linear)}
-    projections = (path.rpartition(".")[2] for path in (*family.colwise, *family.rowwise))
-    names = tuple(dict.fromkeys(name for name in projections if name in present))
+    names = tuple(name for name in projection_names(family) if name in present)
     if not names:
         raise OptionsError(
             f"apply_lora: model type {family.name!r} has no known attention/MLP projections. Name the modules to"

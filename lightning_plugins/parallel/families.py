@@ -190,6 +190,13 @@ def _is_norm(module: nn.Module) -> bool:
     return is_norm_class and not list(module.children()) and all(param.dim() == 1 for param in params)
 
 
+def projection_names(family: ModelFamily) -> tuple[str, ...]:
+    """The last name component of each projection a family splits under TP (``q_proj``, ..., Phi-3's fused
+    ``qkv_proj`` and ``gate_up_proj``): LoRA's default targets."""
+    paths = (*family.colwise, *family.rowwise, *family.extra_styles)
+    return tuple(dict.fromkeys(path.rpartition(".")[2] for path in paths))
+
+
 def decoder_layers(model: nn.Module, family: ModelFamily) -> nn.ModuleList:
     """The ``ModuleList`` of decoder layers of ``model``.
 

@@ -8,7 +8,6 @@ shipped config); other model types are counted from one decoder layer built on t
 
 from __future__ import annotations
 
-import warnings
 from lightning_plugins.errors import PlannerError
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,13 +277,8 @@ def _stats(config: Any, **counts: Any) -> ModelStats:
     )
 
 
-def _family_targets(family: Any) -> tuple[str, ...]:
-    """The last name component of a family's column- and row-parallel projections (``lora._default_targets``)."""
-    return tuple(dict.fromkeys(path.rpartition(".")[2] for path in (*family.colwise, *family.rowwise)))
-
-
 def _closed_form(config: Any) -> ModelStats:
-    from lightning_plugins.parallel.families import FAMILIES
+    from lightning_plugins.parallel.families import FAMILIES, projection_names
 
     h, _, heads, kv_heads, head_dim, ffn, vocab = _shape(config)
     q, kv = heads * head_dim, kv_heads * head_dim
@@ -316,7 +310,7 @@ def _closed_form(config: Any) -> ModelStats:
         norm_params=h,
         head_params=0 if tied else vocab * h,
         linears=linears,
-        lora_targets=_family_targets(FAMILIES[config.model_type]),
+        lora_targets=projection_names(FAMILIES[config.model_type]),
     )
 
 
@@ -327,7 +321,8 @@ def _from_meta_layer(config: Any) -> ModelStats:
     from transformers import AutoModelForCausalLM
 
     from lightning_plugins.parallel.experts import expert_modules, num_experts
-    from lightning_plugins.parallel.families import decoder_layers, family_for
+    from lightning_plugins.errors import LayoutError
+    from lightning_plugins.parallel.families import decoder_layers, family_for, projection_names
 
     fields = {**config.to_dict(), "num_hidden_layers": 1}
     if fields.get("layer_types"):
@@ -341,11 +336,11 @@ def _from_meta_layer(config: Any) -> ModelStats:
             f"Cannot build a {getattr(config, 'model_type', '?')} causal LM from this config ({err}). The planner needs"
             " a decoder-only model transformers can build with AutoModelForCausalLM."
         ) from None
-    with warnings.catch_warnings():  # the notice about falling back to the config's TP plan concerns TP only
-        warnings.simplefilter("ignore", UserWarning)
-        family = family_for(model, tensor_parallel=False)
-    layer = decoder_layers(model, family)[0]
-    targets = _family_targets(family)
+    try:  # LoRA's defaults: a registered family's projections, or those of the config's TP plan
+        targets = projection_names(family_for(model))
+    except LayoutError:
+        targets = ()
+    layer = decoder_layers(model, family_for(model, tensor_parallel=False))[0]
     embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
