@@ -143,7 +143,8 @@ def worker(rank: int, opts: Options, checkpoints: dict[str, str], outdir: str) -
             model = AutoModelForCausalLM.from_pretrained(checkpoints[family], dtype=torch.float32)
             if name != "one process":
                 sp = name.endswith("SP")
-                parallelize(model, ParallelLayout(tp_size=WORLD), ParallelOptions(sequence_parallel=sp, loss_parallel=sp))
+                options = ParallelOptions(sequence_parallel=sp, loss_parallel=sp)
+                parallelize(model, ParallelLayout(tp_size=WORLD), options)
             model.train()
             activations = LayerActivations(model, model.model.layers)
             with activations.hooks():
@@ -231,7 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     opts = Options(**{f: getattr(args, f) for f in _SIZE_FIELDS}, families=tuple(args.families.split(",")))
     if args.quick:
-        opts = Options(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256, seq=64, families=opts.families)
+        opts = Options(
+            hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256, seq=64, families=opts.families
+        )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="sp_fallback_") as tmp:
         from transformers import AutoModelForCausalLM
