@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -58,9 +59,7 @@ def check_exit(returncodes: dict[str, int | None], output: str, expected: int | 
         )
 
 
-def _entry(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, errors: Any, logs: str
-) -> None:
+def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], errors: Any, logs: str) -> None:
     # What this rank prints (a native crash's last words included) goes to its log, checked after the world ends.
     log = os.open(Path(logs, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     for fd in (1, 2):
@@ -73,6 +72,7 @@ def _entry(
     from lightning_plugins.parallel.teardown import release_process_groups
 
     torch.set_num_threads(1)
+    args = torch.load(Path(logs, "args.pt"), weights_only=False)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         try:
@@ -119,9 +119,12 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     ctx.set_forkserver_preload(_PRELOAD)
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as logs:
+        # The arguments go through a file: passed to the processes, each tensor in them (e.g. a reference's weights)
+        # would be shared through a file descriptor, and the forkserver sends at most a few hundred.
+        torch.save(args, Path(logs, "args.pt"))
         context = mp.start_processes(
             _entry,
-            args=(world_size, free_port(), fn, args, errors, logs),
+            args=(world_size, free_port(), fn, errors, logs),
             nprocs=world_size,
             start_method="forkserver",
             join=False,
