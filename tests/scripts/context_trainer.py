@@ -61,7 +61,12 @@ CASES = {
         # Issue 27's families (4 layers, windows of 8 tokens in rows of 16): Gemma 2's soft-capped logits, its
         # query_pre_attn_scalar and local layers over ring's 8 chunks; Mistral's window under Ulysses.
         ("gemma2 ring cp4", "gemma2", lambda: ContextParallelStrategy(cp_size=4, cp_backend="ring"), 1),
-        ("mistral_sw ulysses cp2 x dp2", "mistral_sw", lambda: ContextParallelStrategy(cp_size=2, cp_backend="ulysses"), 2),
+        (
+            "mistral_sw ulysses cp2 x dp2",
+            "mistral_sw",
+            lambda: ContextParallelStrategy(cp_size=2, cp_backend="ulysses"),
+            2,
+        ),
     ],
 }
 
