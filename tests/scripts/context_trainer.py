@@ -50,9 +50,23 @@ class SeesShards(FineTune):
 
 CASES = {
     4: [
-        ("ulysses cp2 x dp2", lambda: ContextParallelStrategy(cp_size=2, cp_backend="ulysses"), 2),
-        ("ring cp4", lambda: ContextParallelStrategy(cp_size=4, cp_backend="ring"), 1),
-        ("ParallelismStrategy ring cp2 x tp2", lambda: ParallelismStrategy(cp_size=2, tp_size=2, cp_backend="ring"), 1),
+        ("ulysses cp2 x dp2", "llama", lambda: ContextParallelStrategy(cp_size=2, cp_backend="ulysses"), 2),
+        ("ring cp4", "llama", lambda: ContextParallelStrategy(cp_size=4, cp_backend="ring"), 1),
+        (
+            "ParallelismStrategy ring cp2 x tp2",
+            "llama",
+            lambda: ParallelismStrategy(cp_size=2, tp_size=2, cp_backend="ring"),
+            1,
+        ),
+        # Issue 27's families (4 layers, windows of 8 tokens in rows of 16): Gemma 2's soft-capped logits, its
+        # query_pre_attn_scalar and local layers over ring's 8 chunks; Mistral's window under Ulysses.
+        ("gemma2 ring cp4", "gemma2", lambda: ContextParallelStrategy(cp_size=4, cp_backend="ring"), 1),
+        (
+            "mistral_sw ulysses cp2 x dp2",
+            "mistral_sw",
+            lambda: ContextParallelStrategy(cp_size=2, cp_backend="ulysses"),
+            2,
+        ),
     ],
 }
 
@@ -60,8 +74,8 @@ CASES = {
 def main() -> None:
     args = script_args()
     results = {}
-    for name, make_strategy, dp in CASES[args.devices]:
-        reference_model = tiny_model("llama")
+    for name, family, make_strategy, dp in CASES[args.devices]:
+        reference_model = tiny_model(family)
         data = dataset(LOCAL_BATCH * dp, reference_model.config.vocab_size, seq=SEQ, batches=BATCHES)
         ref_losses, ref_weights = reference(copy.deepcopy(reference_model), data, dp)
         module = SeesShards(copy.deepcopy(reference_model))

@@ -60,6 +60,9 @@ CASES = {
         ("qwen3 interleaved_1f1b", "qwen3_4l", {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}),
         ("llama tied zbv", "llama_tied_4l", {"pp_schedule": "zbv_zero_bubble", "pp_microbatches": 2}),
         ("llama tied 1f1b", "llama_tied_4l", {"pp_schedule": "1f1b"}),
+        # Issue 27: Gemma 3's scaled embedding (tied to the head), alternating local/global layers with their own
+        # RoPE, q/k norms; the stages are read from the model's structure.
+        ("gemma3 tied 1f1b", "gemma3", {"pp_schedule": "1f1b", "pp_microbatches": 2}),
     ],
     4: [
         ("llama pp2 x tp2 1f1b", "llama_4l", {"pp_schedule": "1f1b", "tp_size": 2}),

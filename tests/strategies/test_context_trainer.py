@@ -16,7 +16,8 @@ TOL = 1e-5
 
 def test_context_parallel_trainer_matches_one_process(tmp_path: Path) -> None:
     # One 4-rank launch covers Ulysses cp2 x dp2 (the sampler shards over dp only), ring cp4 and
-    # ring cp2 x tp2 through ParallelismStrategy; the rank count is the slow part on CPU.
+    # ring cp2 x tp2 through ParallelismStrategy, then issue 27's Gemma 2 (ring cp4) and Mistral with a window
+    # (Ulysses cp2 x dp2); the rank count is the slow part on CPU.
     devices = 4
     results = run_script(SCRIPT, tmp_path, "--devices", str(devices))
     assert results, "no case ran"
