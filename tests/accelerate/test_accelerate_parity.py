@@ -103,21 +103,14 @@ def _check_export(name: str, case: dict[str, Any], path: str, want: dict[str, An
         torch.testing.assert_close(params[param_name].detach(), weight, rtol=TOL, atol=TOL, msg=f"{name} export")
 
 
-def _reference_file(cases: dict[str, dict[str, Any]], root: str) -> str:
-    """:func:`reference` saved to a file: handed to the ranks as arguments, each tensor would be one file
-    descriptor sent to the fork server, which refuses more than about 250 (``ValueError: too many fds``)."""
-    path = f"{root}/expected.pt"
-    torch.save(reference(cases), path)
-    return path
-
-
-def _run_cases(rank: int, world_size: int, cases: dict[str, dict[str, Any]], expected_file: str, root: str) -> None:
+def _run_cases(
+    rank: int, world_size: int, cases: dict[str, dict[str, Any]], expected: dict[str, dict[str, Any]], root: str
+) -> None:
     import torch.distributed as dist
 
     from lightning_plugins.accelerate import ParallelAccelerator
     from lightning_plugins.errors import LayoutError
 
-    expected = torch.load(expected_file)
     for name, case in cases.items():
         sizes = {k: case[k] for k in ("tp_size", "pp_size", "cp_size", "dp_shard_size", "ep_size") if k in case}
         settings = {**sizes, **case.get("settings", {}), "dataloader_config": _loading(case)}
@@ -168,11 +161,11 @@ FOUR_RANKS = {
 
 
 def test_two_ranks_match_one_process(tmp_path) -> None:
-    run_world(_run_cases, 2, TWO_RANKS, _reference_file(TWO_RANKS, str(tmp_path)), str(tmp_path))
+    run_world(_run_cases, 2, TWO_RANKS, reference(TWO_RANKS), str(tmp_path))
 
 
 def test_four_ranks_match_one_process(tmp_path) -> None:
-    run_world(_run_cases, 4, FOUR_RANKS, _reference_file(FOUR_RANKS, str(tmp_path)), str(tmp_path))
+    run_world(_run_cases, 4, FOUR_RANKS, reference(FOUR_RANKS), str(tmp_path))
 
 
 def test_scheduler_steps_once_per_data_parallel_replica() -> None:
