@@ -215,8 +215,9 @@ class ParallelAccelerator(Accelerator):
                 f"{owner}.prepare: the optimizer has already stepped; its state belongs to the unsharded parameters."
                 " Prepare the model and optimizer before training."
             )
-        before = list(model.parameters())
-        names = {id(p): _canonical(name) for name, p in model.named_parameters(remove_duplicate=False)}
+        names: dict[int, tuple[Tensor, list[str]]] = {}  # each parameter and all its names
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), (param, []))[1].append(_canonical(name))
         if not is_on_meta(hf_model) and not all(_on(p.device, self.device) for p in model.parameters()):
             model.to(self.device)  # only when needed: `.to` on torchao NF4 weights leaves views FSDP2 cannot shard
         parallelize_and_load(
@@ -225,15 +226,16 @@ class ParallelAccelerator(Accelerator):
         )  # fmt: skip
         self.balance = ExpertBalance.of(hf_model)
         params = {_canonical(name): p for name, p in model.named_parameters(remove_duplicate=False)}
-        self._replaced.update((id(p), p) for p in before if params.get(names[id(p)]) is not p)
+        now = {key: next((params[n] for n in aliases if n in params), None) for key, (_, aliases) in names.items()}
+        self._replaced.update((key, p) for key, (p, _) in names.items() if now[key] is not p)
         for optimizer in optimizers:
             for group in optimizer.param_groups:
-                lost = sorted(names[id(p)] for p in group["params"] if id(p) in names and names[id(p)] not in params)
+                lost = sorted(names[id(p)][1][0] for p in group["params"] if id(p) in now and now[id(p)] is None)
                 if lost and self.layout.pp_size == 1:
                     raise LayoutError(f"{owner}.prepare: parameters {lost[:3]} vanished while parallelizing the model.")
-                # Under pipeline parallelism each rank's optimizer keeps only its stages' parameters.
-                group["params"] = [params[names[id(p)]] if id(p) in names else p for p in group["params"]
-                                   if id(p) not in names or names[id(p)] in params]  # fmt: skip
+                # Under pipeline parallelism each rank's optimizer keeps only its stages' parameters; a tied embedding
+                # is found by any of its names (the first stage keeps the embedding's, the last stage the head's).
+                group["params"] = [now.get(id(p), p) for p in group["params"] if now.get(id(p), p) is not None]
 
     def moe_balance(self) -> dict[str, float]:
         """The ``moe/*`` routing figures of the steps since the last call, over every rank (a collective: every rank
@@ -459,7 +461,6 @@ class ParallelAccelerator(Accelerator):
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 
 def _on(device: torch.device, target: torch.device) -> bool:
