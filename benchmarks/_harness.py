@@ -6,8 +6,10 @@ Run a benchmark as a script (``python benchmarks/x.py``): its folder is on ``sys
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import tempfile
 import sys
 import traceback
 from collections.abc import Callable
@@ -51,6 +53,15 @@ def spawn_world(
         for path in sorted(Path(errors).glob("*.error")) if errors is not None else ():
             print(path.read_text(), file=sys.stderr)
         raise
+
+
+def world_rows(entry: Callable[..., None], world: int, *args: Any, threads: int | None = 1) -> list[dict[str, Any]]:
+    """:func:`spawn_world` for a benchmark whose ranks report table rows: ``entry(rank, *args, out)`` writes its rows
+    as JSON to the file ``out`` (rank 0 does, typically); they are returned."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp, "rows.json"))
+        spawn_world(entry, world, *args, out, threads=threads)
+        return json.loads(Path(out).read_text())
 
 
 def _join(

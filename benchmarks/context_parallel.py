@@ -24,7 +24,6 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from _harness import spawn_world, tiny_llama  # the benchmarks' folder is on sys.path (run as a script)
+from _harness import tiny_llama, world_rows  # the benchmarks' folder is on sys.path (run as a script)
 
 MIB = 2**20
 
@@ -204,10 +203,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
     for cp in args.cps:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = str(Path(tmp, "rows.json"))
-            spawn_world(_rank, cp, cp, args, out, threads=args.threads)
-            rows += json.loads(Path(out).read_text())
+        rows += world_rows(_rank, cp, cp, args, threads=args.threads)
     elapsed = time.perf_counter() - start
     cpu = platform.processor() or platform.machine()
     machine = f"{cpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo"

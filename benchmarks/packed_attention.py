@@ -46,7 +46,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import spawn_world  # noqa: E402
+from _harness import world_rows  # noqa: E402
 
 #: name -> (mean tokens, lognormal sigma, where the numbers come from); mu follows from the mean and sigma.
 MIXES: dict[str, tuple[float, float, str]] = {
@@ -284,10 +283,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     start, load = time.perf_counter(), os.getloadavg()
     for cp in args.cps:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = str(Path(tmp, "rows.json"))
-            spawn_world(_rank, cp, cp, args, out, threads=args.threads)
-            rows += json.loads(Path(out).read_text())
+        rows += world_rows(_rank, cp, cp, args, threads=args.threads)
     elapsed, load_end = time.perf_counter() - start, os.getloadavg()
     cpu = platform.processor() or platform.machine()
     machine = (

@@ -26,7 +26,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import spawn_world  # noqa: E402
+from _harness import world_rows  # noqa: E402
 
 
 def computed_entries(seq: int, cp: int, window: int | None, batch_heads: int) -> int:
@@ -137,10 +136,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     start, load = time.perf_counter(), os.getloadavg()
     for cp in args.cps:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = str(Path(tmp, "rows.json"))
-            spawn_world(_rank, cp, args, out, threads=args.threads)
-            rows += json.loads(Path(out).read_text())
+        rows += world_rows(_rank, cp, args, threads=args.threads)
     elapsed, load_end = time.perf_counter() - start, os.getloadavg()
     machine = (
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo;"
