@@ -229,19 +229,25 @@ def _is_persistent(model: nn.Module, name: str) -> bool:
 
 
 def _reinit_nonpersistent_buffers(model: nn.Module, device: torch.device | str) -> None:
-    """Recompute buffers that are not in checkpoints (rotary frequencies) by rebuilding their module."""
+    """Recompute buffers that are not in checkpoints: rotary frequencies by rebuilding their module, a scalar kept
+    beside its buffer (Gemma 3's ``embed_scale``, kept as ``scalar_embed_scale``) from that scalar."""
     for module in model.modules():
-        if not module._non_persistent_buffers_set:
+        scalars = {name for name in module._non_persistent_buffers_set if hasattr(module, f"scalar_{name}")}
+        for name in scalars:
+            value, dtype = getattr(module, f"scalar_{name}"), getattr(module, name).dtype
+            setattr(module, name, torch.tensor(value, dtype=dtype, device=device))
+        rest = module._non_persistent_buffers_set - scalars
+        if not rest:
             continue
         config = getattr(module, "config", None)
         if config is None:
             raise LayoutError(
-                f"{type(module).__name__} has non-persistent buffers {sorted(module._non_persistent_buffers_set)} that"
+                f"{type(module).__name__} has non-persistent buffers {sorted(rest)} that"
                 " cannot be recomputed after meta-device loading; build this model materialised instead."
             )
         with torch.device(device):
             fresh = type(module)(config=config)
-        for name in module._non_persistent_buffers_set:
+        for name in rest:
             setattr(module, name, getattr(fresh, name))
 
 
