@@ -23,6 +23,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from lightning_plugins.checkpoint.hub_names import StackedExperts, hub_source
 from lightning_plugins.checkpoint.mxfp4 import Mxfp4Experts, forget_mxfp4, mxfp4_source
+from lightning_plugins.checkpoint.text_tower import checkpoint_config, is_multimodal, text_config, tower_sources
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
@@ -97,7 +98,7 @@ def load_sharded_safetensors(
     index = checkpoint_index(checkpoint_dir)
     state = dict(model.named_parameters())
     state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
-    sources = _hub_sources(model, state, index)
+    sources = _hub_sources(model, state, index, checkpoint_dir)
     missing = sorted(name for source in sources.values() for name in _names(source) if name not in index)
     if any(".lora_" in name or ".base_layer." in name for name in missing):
         raise LayoutError(
@@ -150,10 +151,16 @@ def load_sharded_safetensors(
 Source = str | StackedExperts | Mxfp4Experts
 
 
-def _hub_sources(model: nn.Module, state: dict[str, torch.Tensor], index: dict[str, Path]) -> dict[str, Source]:
+def _hub_sources(
+    model: nn.Module, state: dict[str, torch.Tensor], index: dict[str, Path], checkpoint_dir: str | Path
+) -> dict[str, Source]:
     """Where each tensor of ``state`` is in the checkpoint: under its own name, as MXFP4 blocks and scales (see
     :mod:`.mxfp4`), or (a checkpoint in the hub's layout, as ``save_pretrained`` writes it) under the names
-    transformers converts it from (see :mod:`.hub_names`)."""
+    transformers converts it from (see :mod:`.hub_names`); a text decoder's in a multimodal checkpoint under the
+    multimodal model's names (see :mod:`.text_tower`)."""
+    whole = checkpoint_config(checkpoint_dir)
+    if whole is not None and is_multimodal(whole) and not is_multimodal(getattr(model, "config", None)):
+        return dict(tower_sources(model, whole, {name: tensor.shape for name, tensor in state.items()}, index))
     return {
         name: name
         if name in index
@@ -222,19 +229,25 @@ def _is_persistent(model: nn.Module, name: str) -> bool:
 
 
 def _reinit_nonpersistent_buffers(model: nn.Module, device: torch.device | str) -> None:
-    """Recompute buffers that are not in checkpoints (rotary frequencies) by rebuilding their module."""
+    """Recompute buffers that are not in checkpoints: rotary frequencies by rebuilding their module, a scalar kept
+    beside its buffer (Gemma 3's ``embed_scale``, kept as ``scalar_embed_scale``) from that scalar."""
     for module in model.modules():
-        if not module._non_persistent_buffers_set:
+        scalars = {name for name in module._non_persistent_buffers_set if hasattr(module, f"scalar_{name}")}
+        for name in scalars:
+            value, dtype = getattr(module, f"scalar_{name}"), getattr(module, name).dtype
+            setattr(module, name, torch.tensor(value, dtype=dtype, device=device))
+        rest = module._non_persistent_buffers_set - scalars
+        if not rest:
             continue
         config = getattr(module, "config", None)
         if config is None:
             raise LayoutError(
-                f"{type(module).__name__} has non-persistent buffers {sorted(module._non_persistent_buffers_set)} that"
+                f"{type(module).__name__} has non-persistent buffers {sorted(rest)} that"
                 " cannot be recomputed after meta-device loading; build this model materialised instead."
             )
         with torch.device(device):
             fresh = type(module)(config=config)
-        for name in module._non_persistent_buffers_set:
+        for name in rest:
             setattr(module, name, getattr(fresh, name))
 
 
@@ -314,7 +327,7 @@ def from_pretrained(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(checkpoint_dir)
+    config = text_config(AutoConfig.from_pretrained(checkpoint_dir))  # a multimodal checkpoint: its text decoder
     with torch.device("meta"):
         kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)

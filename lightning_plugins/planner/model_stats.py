@@ -40,12 +40,15 @@ def load_model_config(spec: str | Path) -> PretrainedConfig:
     Args:
         spec: A path to a ``config.json`` file, a directory holding one, the name of a config shipped under
             ``recipes/configs`` (``"Llama-3.1-8B"``) or the hub id of one (``"meta-llama/Llama-3.1-8B"``), or a
-            hub id already in the local Hugging Face cache.
+            hub id already in the local Hugging Face cache. A multimodal config (Gemma 3 27B) gives its text
+            decoder's config: the model a text fine-tune trains.
 
     Raises:
         PlannerError: naming ``spec``, the shipped names and the fix. Nothing is downloaded.
     """
     from transformers import AutoConfig
+
+    from lightning_plugins.checkpoint.text_tower import text_config
 
     path = Path(spec).expanduser()
     # A shipped name, or a hub id whose repository is shipped (meta-llama/Llama-3.1-8B -> Llama-3.1-8B).
@@ -53,14 +56,14 @@ def load_model_config(spec: str | Path) -> PretrainedConfig:
     for candidate in (path, path / "config.json", shipped):
         if candidate.is_file():
             try:
-                return AutoConfig.from_pretrained(str(candidate))
+                return text_config(AutoConfig.from_pretrained(str(candidate)))
             except (OSError, ValueError) as err:
                 raise PlannerError(
                     f"{candidate} is not a transformers model config ({err}). Pass the model's config.json."
                 ) from None
     if not path.exists():
         try:
-            return AutoConfig.from_pretrained(str(spec), local_files_only=True)
+            return text_config(AutoConfig.from_pretrained(str(spec), local_files_only=True))
         except (OSError, ValueError):
             pass
     raise PlannerError(

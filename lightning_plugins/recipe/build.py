@@ -57,6 +57,8 @@ def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Modul
     FSDP expect), loaded and wrapped with LoRA adapters otherwise."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from lightning_plugins.checkpoint.load import load_sharded_safetensors
+    from lightning_plugins.checkpoint.text_tower import is_multimodal, text_config
     from lightning_plugins.data import prepare_model_for_packing
 
     spec = recipe.model
@@ -65,14 +67,19 @@ def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Modul
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     kwargs = {"dtype": DTYPES[spec.dtype], "attn_implementation": spec.attn_implementation}
-    if on_meta and recipe.lora is None and Path(spec.path).is_dir():
+    config = AutoConfig.from_pretrained(spec.path, **remote)
+    if is_multimodal(config):  # Gemma 3 27B: train the text decoder, read from the multimodal checkpoint
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.path, **remote), **kwargs, **remote)
+            model = AutoModelForCausalLM.from_config(text_config(config), **kwargs, **remote)
+        if not on_meta or recipe.lora is not None:
+            load_sharded_safetensors(model, spec.path)
+    elif on_meta and recipe.lora is None and Path(spec.path).is_dir():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, **kwargs, **remote)
     else:
         from lightning_plugins.checkpoint.mxfp4 import dequantized
 
-        config = AutoConfig.from_pretrained(spec.path, **remote)  # MXFP4 experts (gpt-oss) load dense, to train
-        kwargs.update(dequantized(config))
+        kwargs.update(dequantized(config))  # MXFP4 experts (gpt-oss) load dense, to train
         model = AutoModelForCausalLM.from_pretrained(spec.path, config=config, **kwargs, **remote)
     model.train()  # from_pretrained returns eval mode: dropout (LoRA's too) would be off
     model.config.use_cache = False  # training: no KV cache (it would also grow under recomputation)

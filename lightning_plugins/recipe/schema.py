@@ -482,11 +482,13 @@ def _check_tensor_plan(config: Any) -> None:
 def _model_config(model_path: str, trust_remote_code: bool = False) -> Any:
     """The transformers config of a local checkpoint, or of a hub id whose config is shipped under
     ``recipes/configs`` (``meta-llama/Llama-3.1-70B``) or cached locally; ``None`` for another hub id (checked
-    when it is loaded)."""
+    when it is loaded); a multimodal checkpoint's is its text decoder's (the model a recipe trains)."""
     if Path(model_path).is_dir():
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        from lightning_plugins.checkpoint.text_tower import text_config
+
+        return text_config(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
     from lightning_plugins.planner.model_stats import load_model_config
     from lightning_plugins.errors import PlannerError
 

@@ -42,6 +42,13 @@ MODELS = {
     "phi-4": ("Phi3ForCausalLM", 14.7e9, 14_659_507_200),
 }
 
+# Multimodal checkpoints whose text decoder the recipes train: (architecture of the checkpoint, of the decoder,
+# exact count of the whole checkpoint, of the decoder alone). Gemma 3 27B: 27.4B on the hub (the vision tower and
+# projector are 423M of it); the decoder ties its embedding to lm_head (262208 x 5376 counted once).
+MULTIMODAL = {
+    "gemma-3-27b-pt": ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM", 27_432_406_640, 27_009_346_304),
+}
+
 # Mixture-of-experts models: (routed experts, experts per token, published active parameters, whether the
 # published figure counts the input embedding). OpenAI's card counts gpt-oss's active parameters without the
 # embedding table (5.13B); Qwen's and Mistral's figures are the whole forward path of one token.
@@ -65,9 +72,9 @@ NOT_TP8 = {
 
 def test_every_shipped_config_is_covered() -> None:
     shipped = {p.parent.name for p in CONFIGS.glob("*/config.json")}
-    assert shipped == set(MODELS)
+    assert shipped == set(MODELS) | set(MULTIMODAL)
     readme = (CONFIGS / "README.md").read_text()
-    for name in MODELS:
+    for name in shipped:
         assert f"`{name}`" in readme, f"{name} missing from recipes/configs/README.md"
 
 
@@ -86,6 +93,38 @@ def test_config_loads_builds_and_has_published_size(name: str) -> None:
     count = sum(p.numel() for p in model.parameters())
     assert abs(count - published) / published < 0.005, f"{name}: {count:,} parameters, published {published:,.0f}"
     assert count == exact, f"{name}: {count:,} parameters, the checkpoint holds {exact:,}"
+
+
+@pytest.mark.parametrize("name", sorted(MULTIMODAL))
+def test_multimodal_config_builds_its_text_decoder(name: str) -> None:
+    """A multimodal checkpoint's config builds the whole model, and the planner's config is its text decoder:
+    the causal LM a text fine-tune trains (which TP=8 splits, and whose count the planner reports)."""
+    from lightning_plugins.planner.model_stats import load_model_config, model_stats
+
+    architecture, decoder, whole, text = MULTIMODAL[name]
+    config = AutoConfig.from_pretrained(CONFIGS / name)
+    decoder_config = load_model_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        text_model = AutoModelForCausalLM.from_config(decoder_config)
+    assert (type(model).__name__, type(text_model).__name__) == (architecture, decoder)
+    assert sum(p.numel() for p in model.parameters()) == whole
+    assert sum(p.numel() for p in text_model.parameters()) == model_stats(decoder_config).total_params == text
+    layout = ParallelLayout(tp_size=8, dp_shard_size=-1).resolve(64)
+    layout.validate(decoder_config)
+
+
+def test_gemma3_27b_keeps_its_attention_pattern() -> None:
+    """Gemma 3 27B's decoder: 5 sliding (1024) layers to 1 global, query scale 168, linear RoPE x8 on global."""
+    from lightning_plugins.planner.model_stats import load_model_config
+
+    config = load_model_config("google/gemma-3-27b-pt")
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (5376, 21504, 62)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 16, 128)
+    assert (config.query_pre_attn_scalar, config.sliding_window, config.vocab_size) == (168, 1024, 262208)
+    assert config.layer_types.count("full_attention") == 10 and config.layer_types[5] == "full_attention"
+    assert config.rope_parameters["full_attention"]["rope_type"] == "linear"
+    assert config.rope_parameters["full_attention"]["factor"] == 8.0
 
 
 @pytest.mark.parametrize("name", sorted(MOE))

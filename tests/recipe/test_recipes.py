@@ -29,7 +29,7 @@ def test_the_recipes_the_issue_asks_for_are_shipped() -> None:
     methods = {name.split("/")[0]: {stem.split("_")[0] for stem in [n.split("/")[1] for n in NAMES if n.startswith(name.split("/")[0] + "/")]} for name in NAMES}  # fmt: skip
     for model in ("llama-3.1-8b", "mistral-7b-v0.3", "qwen2.5-7b", "llama-3.1-70b", "qwen2.5-72b"):
         assert {"full", "lora", "qlora"} <= methods[model], model
-    for model in ("qwen2.5-14b", "qwen2.5-32b", "qwen3-32b", "phi-4"):  # Phi-4: issue 27
+    for model in ("qwen2.5-14b", "qwen2.5-32b", "qwen3-32b", "phi-4", "gemma-3-27b"):  # Phi-4, Gemma 3: issue 27
         assert {"full", "lora"} <= methods[model], model
     assert {"full", "lora", "qlora"} <= methods["llama-3.1-405b"]
     for model in ("qwen3-30b-a3b", "qwen3-235b-a22b"):  # mixture of experts (issue 26)
