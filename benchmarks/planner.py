@@ -45,7 +45,8 @@ import torch
 
 from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions
 from lightning_plugins.adapters.lora import LoraOptions
-from lightning_plugins.planner.dryrun import PEAK_CATEGORIES, RankMemory, dry_run
+from lightning_plugins.planner.dryrun import dry_run
+from lightning_plugins.planner.rank_memory import PEAK_CATEGORIES, RankMemory
 from lightning_plugins.planner.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
