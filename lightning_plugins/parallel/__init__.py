@@ -1,7 +1,7 @@
 """``parallelize``: turn a transformers causal LM into its parallel form, in one canonical order.
 
-Order: pipeline split -> tensor/sequence parallel -> context parallel -> activation checkpointing ->
-FSDP2 (each later step wraps what the earlier ones produced; FSDP2 must see the final DTensors).
+Order: pipeline split -> float8 linears -> tensor/sequence parallel -> context parallel -> activation checkpointing
+-> torch.compile per layer -> FSDP2 (each later step wraps what the earlier ones produced; FSDP2 must see the final DTensors).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from lightning_plugins.parallel.activation import apply_activation_checkpointing
 from lightning_plugins.parallel.experts import apply_expert_parallel, expert_meshes
 from lightning_plugins.parallel.router_loss import check_router_loss, install_global_balance_loss
 from lightning_plugins.parallel.checks import check_settings
+from lightning_plugins.parallel.compile import apply_compile, apply_float8, check_device, enable_async_tp
 from lightning_plugins.parallel.context import apply_context_parallel, context_parallel_batch
 from lightning_plugins.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
 from lightning_plugins.parallel.grad import clip_grad_norm_, reduce_partial_state, total_grad_norm
@@ -91,6 +92,7 @@ def parallelize(
         return model
     pipeline_options = check_parallelizable(model, resolved, options, memory)
     family = family_for(model, tensor_parallel=resolved.tp_size > 1)
+    check_device(options, layout.device_type if isinstance(layout, DeviceMesh) else _device_type())
     # Validation is done: from here on collectives run (building the mesh creates process groups).
     mesh = layout if isinstance(layout, DeviceMesh) else resolved.build_mesh(_device_type())
 
@@ -104,6 +106,8 @@ def parallelize(
 
     layers = decoder_layers(model, family)
     experts = expert_meshes(mesh, resolved.ep_size) if resolved.ep_size > 1 else None
+    if options.float8:  # before TP and FSDP2, which then shard (and gather) the float8 layers
+        apply_float8(model, fsdp=fsdp_mesh(mesh) is not None)
     apply_expert_parallel(layers, experts)  # before tensor parallelism, which replicates what is left over tp
     if resolved.tp_size > 1:
         apply_tensor_parallel(
@@ -117,6 +121,10 @@ def parallelize(
     apply_activation_checkpointing(
         layers, memory.activation_checkpointing, memory.every_n_layers, offload=memory.activation_offload
     )
+    if options.compile:  # after TP and AC, before FSDP2 (torchtitan's order)
+        if options.async_tp:
+            enable_async_tp(mesh["tp"])
+        apply_compile(layers)
     fsdp = fsdp_mesh(mesh)
     if fsdp is not None:
         apply_fsdp(

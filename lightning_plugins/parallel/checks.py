@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_plugins.errors import OptionsError
+from lightning_plugins.parallel.compile import check_compile
 from lightning_plugins.parallel.context.checks import check_context_parallel
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
@@ -58,4 +59,5 @@ def check_settings(
             "cpu_offload, param_dtype and reduce_dtype are FSDP2 options and need at least 2 data-parallel ranks"
             " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, use a precision plugin instead."
         )
+    check_compile(layout, options)
     return pipeline

@@ -73,6 +73,16 @@ CALIBRATION: tuple[dict[str, Any], ...] = (
         "source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 3 (FSDP, eager, selective op AC)",
     },
     {
+        "name": "torchtitan Llama-3.1-8B FSDP8, 8 H100, compile",
+        **_TORCHTITAN_8B_FSDP,
+        "gpus": 8,
+        "layout": {"dp_shard_size": 8},
+        "global_batch_size": 16,
+        "kernels": "compile",
+        "published_tokens_per_s_per_gpu": 6667,
+        "source": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1 (FSDP + torch.compile)",
+    },
+    {
         "name": "torchtitan Llama-3.1-8B FSDP8, 8 H100, compile + float8",
         **_TORCHTITAN_8B_FSDP,
         "gpus": 8,

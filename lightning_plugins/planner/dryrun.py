@@ -176,7 +176,9 @@ def build_parallel_model(workload: Workload) -> nn.Module:
     if workload.lora is not None:
         with torch.device("meta"):  # the adapters too: their initialization costs seconds at real size
             model = apply_lora(model, replace(workload.lora, quantize="none"))
-    return parallelize(model, workload.layout, workload.options, workload.memory)
+    # The GPU speed levers change the step time, not what a step holds (see lightning_plugins.parallel.compile).
+    eager = replace(workload.options, compile=False, float8=False, async_tp=False)
+    return parallelize(model, workload.layout, eager, workload.memory)
 
 
 def count_state(workload: Workload, rank: int) -> dict[str, int]:

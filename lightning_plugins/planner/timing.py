@@ -61,6 +61,7 @@ __all__ = [
     "Kernels",
     "StepTime",
     "estimate_step_time",
+    "kernels_for",
     "torchtitan_op_sac",
 ]
 
@@ -93,6 +94,12 @@ class Kernels:
 #: them; ``tests/planner/test_planner_timing.py`` checks these constants against the refit).
 KERNELS: dict[str, Kernels] = {
     "bf16": Kernels("bf16", 0.385, description="torchtitan's bf16 eager runs"),
+    "compile": Kernels(
+        "compile",
+        0.471,
+        attention="bf16",
+        description="torchtitan's torch.compile (bf16) runs",
+    ),
     "compile_float8": Kernels(
         "compile_float8",
         0.748,
@@ -102,7 +109,7 @@ KERNELS: dict[str, Kernels] = {
     ),
     "llama3": Kernels("llama3", 0.654, description="the Llama 3 paper's bf16 runs"),
 }
-#: What the planner assumes for a run of this engine: bf16, eager, like torchtitan's eager runs. Those ran
+#: What the planner assumes for a run of this engine without ``ParallelOptions.compile``: bf16, eager, like torchtitan's eager runs. Those ran
 #: torchtitan's own Llama on 500 W H100s; transformers' modeling code may run slower, 700 W parts faster.
 #: ``Cluster.mfu`` overrides the efficiency.
 DEFAULT_KERNELS = "bf16"
@@ -160,8 +167,8 @@ def estimate_step_time(
     global_batch_size: int,
     method: str = "full",
     lora: Any | None = None,
-    kernels: str | Kernels = DEFAULT_KERNELS,
-    async_tp: bool = False,
+    kernels: str | Kernels | None = None,
+    async_tp: bool | None = None,
     recompute_fraction: float | None = None,
 ) -> StepTime:
     """Estimate one optimizer step of ``layout`` on ``cluster``.
@@ -180,10 +187,10 @@ def estimate_step_time(
         method: ``"full"``, ``"lora"`` or ``"qlora"``.
         lora: The :class:`~lightning_plugins.adapters.lora.LoraOptions` (rank, targets) for LoRA/QLoRA; ``None`` takes
             their defaults.
-        kernels: A key of :data:`KERNELS` (or a :class:`Kernels`): the calibrated efficiency class.
-            ``cluster.mfu`` overrides its efficiency.
+        kernels: A key of :data:`KERNELS` (or a :class:`Kernels`): the calibrated efficiency class; ``None``
+            follows ``options`` (:func:`kernels_for`). ``cluster.mfu`` overrides its efficiency.
         async_tp: Whether tensor-parallel collectives are micro-pipelined with the matmuls (hides
-            :data:`ASYNC_TP_HIDDEN` of them).
+            :data:`ASYNC_TP_HIDDEN` of them); ``None`` follows ``options.async_tp``.
         recompute_fraction: Overrides the share of a checkpointed layer's forward that is recomputed (e.g.
             torchtitan's op-level policy, :func:`torchtitan_op_sac`); ``None`` follows ``memory``.
 
@@ -192,7 +199,8 @@ def estimate_step_time(
             kernels class, batch sizes that do not divide, or a layout the model cannot take.
     """
     stats = model_stats(config_or_stats)
-    kern = _kernels(kernels)
+    kern = _kernels(kernels_for(options) if kernels is None else kernels)
+    async_tp = options.async_tp if async_tp is None else async_tp
     shape = StepShape.of(stats, layout, options, cluster, seq_len, micro_batch_size, global_batch_size)
     method, lora = _method(method, lora)
     efficiency = cluster.mfu if cluster.mfu is not None else kern.efficiency
@@ -435,6 +443,13 @@ def _method(method: str, lora: Any | None) -> tuple[str, Any | None]:
 
         lora = LoraOptions()
     return method, lora
+
+
+def kernels_for(options: ParallelOptions) -> str:
+    """The calibrated class a run with ``options`` falls in: ``compile`` and ``float8`` pick the compiled classes."""
+    if options.compile:
+        return "compile_float8" if options.float8 else "compile"
+    return DEFAULT_KERNELS
 
 
 def _kernels(kernels: str | Kernels) -> Kernels:

@@ -1,0 +1,115 @@
+"""GPU speed levers: ``torch.compile`` per decoder layer, float8 linears (torchao) and async tensor parallelism.
+
+Each decoder layer is compiled on its own, as torchtitan's ``apply_compile`` does: after tensor parallelism and
+activation checkpointing (so the compiled graph holds the DTensor collectives and the checkpointed region) and
+before FSDP2 (whose hooks stay outside the graph, on the layer module). One compiled graph per layer kind; every
+layer of a kind reuses it. ``dynamic=False``: a new sequence length recompiles, as torchtitan's fixed-length batches
+never do.
+
+float8 swaps the ``nn.Linear`` layers of the decoder for torchao's ``Float8Linear`` (tensorwise scaling; FSDP2
+all-gathers their weights in float8) before any other step; it needs a GPU of compute capability 8.9 or newer.
+Async TP turns on inductor's micro-pipelining of the TP collectives with the matmuls and symmetric memory on the
+TP group; it needs NCCL. Both are refused on CPU, before anything is applied. The planner's dry run (CPU, fake
+tensors) leaves all three out: they change the step time (:mod:`lightning_plugins.planner.timing`), not which
+tensors a step holds, except float8's gathered weights (1 byte instead of 2), which the dry run counts at bf16.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_plugins.errors import OptionsError
+from lightning_plugins.parallel.layout import ParallelLayout
+from lightning_plugins.parallel.options import ParallelOptions
+
+__all__ = ["apply_compile", "apply_float8", "check_compile", "check_device", "enable_async_tp"]
+
+#: Compute capability float8 matmuls (``torch._scaled_mm``) need.
+FLOAT8_CAPABILITY = (8, 9)
+
+
+def check_compile(layout: ParallelLayout, options: ParallelOptions) -> None:
+    """Refuse the layouts the speed levers do not compose with (no weights, no collective needed).
+
+    Raises:
+        OptionsError: ``compile`` with pipeline, context or expert parallelism; ``async_tp`` without TP.
+    """
+    if options.compile:
+        for size, what, why in (
+            ("pp_size", "pipeline parallelism", "its stages run decoder layers inside torch's schedule"),
+            ("cp_size", "context parallelism", "its attention is a custom autograd function with collectives"),
+            ("ep_size", "expert parallelism", "its all-to-all has data-dependent split sizes"),
+        ):
+            if getattr(layout, size) > 1:
+                raise OptionsError(
+                    f"compile=True is not supported with {what} ({size}={getattr(layout, size)}): {why}, which"
+                    f" this engine does not compile. Set compile=False, or use tensor parallelism and FSDP2."
+                )
+    if options.async_tp and layout.tp_size == 1:
+        raise OptionsError(
+            "async_tp=True overlaps tensor-parallel collectives and needs tp_size > 1; set async_tp=False."
+        )
+
+
+def check_device(options: ParallelOptions, device_type: str) -> None:
+    """Refuse float8 and async TP where they cannot run, before anything is applied.
+
+    Raises:
+        OptionsError: float8 or async TP on CPU (gloo), float8 on a GPU older than compute capability 8.9.
+    """
+    if device_type != "cuda":
+        for name, needs in (
+            ("float8", "a CUDA GPU of compute capability 8.9 or newer (H100, H200, L4, RTX 4090)"),
+            ("async_tp", "CUDA GPUs with NCCL and symmetric memory (H100-class, NVLink)"),
+        ):
+            if getattr(options, name):
+                raise OptionsError(
+                    f"{name}=True needs {needs}; this run is on {device_type!r}. Set {name}=False here (the"
+                    " planner's dry run and step-time model still count it)."
+                )
+        return
+    if options.float8 and torch.cuda.get_device_capability() < FLOAT8_CAPABILITY:
+        raise OptionsError(
+            f"float8=True needs a GPU of compute capability {FLOAT8_CAPABILITY} or newer (H100, L4, RTX 4090);"
+            f" this one is {torch.cuda.get_device_name()} {torch.cuda.get_device_capability()}. Set float8=False."
+        )
+
+
+def apply_float8(model: nn.Module, fsdp: bool) -> None:
+    """Swap the decoder's linear layers for torchao's float8 ones (not ``lm_head``, nor shapes not divisible by 16)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def wanted(module: nn.Module, fqn: str) -> bool:
+        return (
+            isinstance(module, nn.Linear)
+            and "lm_head" not in fqn
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+        )
+
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
+    convert_to_float8_training(model, config=config, module_filter_fn=wanted)
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Micro-pipeline the TP collectives with the matmuls in the compiled layers (inductor + symmetric memory)."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def apply_compile(layers: list[nn.Module]) -> None:
+    """Compile each decoder layer in place (``Module.compile``: the module keeps its name, hooks and parameters).
+
+    ``fullgraph=True``: a layer that does not compile whole fails at its first forward instead of running slowly in
+    pieces. transformers' checkpointed layers call ``logger.warning_once`` (``use_cache`` dropped under checkpointing),
+    which dynamo cannot trace: that notice is left out of the compiled graph.
+    """
+    torch._dynamo.config.ignore_logging_functions.add(logging.Logger.warning_once)
+    for layer in layers:
+        layer.compile(fullgraph=True, dynamic=False)
