@@ -160,7 +160,7 @@ def table(rows: list[dict]) -> str:
             fmt(r["tokens_per_s"], ",.0f"), fmt(r["mfu"], ".1%"), fmt(r["max_memory_allocated_gib"], ".1f"))  # fmt: skip
         lines.append(
             f"| {r['method']} | {r['kernels']} | {' | '.join(measured)} | {r['predicted_tokens_per_s']:,.0f}"
-            f" | {r['predicted_peak_gib']:.1f} |"
+            f" | {r['predicted_peak_gib']:.2f} |"
         )
     return "\n".join(lines)
 

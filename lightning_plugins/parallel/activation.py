@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_plugins.parallel import offload
 from lightning_plugins.errors import LayoutError
@@ -77,7 +77,8 @@ def apply_activation_checkpointing(
     if mode == "none":
         return
     op_level = mode == "selective" and every_n_layers is None
-    function = partial(checkpoint, use_reentrant=False, context_fn=_selective_contexts if op_level else noop_context_fn)
+    # No context_fn unless op-level: torch.compile traces checkpoint() only without one (or with a plain function).
+    function = partial(checkpoint, use_reentrant=False, **({"context_fn": _selective_contexts} if op_level else {}))
     for index, layer in enumerate(layers):
         if every_n_layers is not None and index % every_n_layers:
             continue

@@ -59,5 +59,5 @@ def check_settings(
             "cpu_offload, param_dtype and reduce_dtype are FSDP2 options and need at least 2 data-parallel ranks"
             " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, use a precision plugin instead."
         )
-    check_compile(layout, options)
+    check_compile(layout, options, memory)
     return pipeline

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel.layout import ParallelLayout
-from lightning_plugins.parallel.options import ParallelOptions
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 
 __all__ = ["apply_compile", "apply_float8", "check_compile", "check_device", "enable_async_tp"]
 
@@ -32,11 +32,12 @@ __all__ = ["apply_compile", "apply_float8", "check_compile", "check_device", "en
 FLOAT8_CAPABILITY = (8, 9)
 
 
-def check_compile(layout: ParallelLayout, options: ParallelOptions) -> None:
+def check_compile(layout: ParallelLayout, options: ParallelOptions, memory: MemoryOptions) -> None:
     """Refuse the layouts the speed levers do not compose with (no weights, no collective needed).
 
     Raises:
-        OptionsError: ``compile`` with pipeline, context or expert parallelism; ``async_tp`` without TP.
+        OptionsError: ``compile`` with pipeline, context or expert parallelism or activation offload; ``async_tp``
+            without TP.
     """
     if options.compile:
         for size, what, why in (
@@ -49,6 +50,11 @@ def check_compile(layout: ParallelLayout, options: ParallelOptions) -> None:
                     f"compile=True is not supported with {what} ({size}={getattr(layout, size)}): {why}, which"
                     f" this engine does not compile. Set compile=False, or use tensor parallelism and FSDP2."
                 )
+    if options.compile and memory.activation_offload:
+        raise OptionsError(
+            "compile=True is not supported with activation_offload=True: its saved-tensor hooks move tensors to the"
+            " host around each layer, which the compiled layer does not trace. Set one of them to False."
+        )
     if options.async_tp and layout.tp_size == 1:
         raise OptionsError(
             "async_tp=True overlaps tensor-parallel collectives and needs tp_size > 1; set async_tp=False."

@@ -31,6 +31,7 @@ def test_bad_settings_name_the_fix(settings: dict, match: str) -> None:
         ({"cp_size": 2}, {"compile": True}, r"not supported with context parallelism \(cp_size=2\)"),
         ({"ep_size": 2}, {"compile": True}, r"not supported with expert parallelism \(ep_size=2\)"),
         ({"dp_shard_size": 2}, {"compile": True, "async_tp": True}, "needs tp_size > 1"),
+        ({"tp_size": 2}, {"compile": True, "activation_offload": True}, "not supported with activation_offload"),
     ],
 )
 def test_layouts_the_levers_do_not_compose_with_are_refused_before_any_collective(
