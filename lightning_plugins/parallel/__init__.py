@@ -92,7 +92,7 @@ def parallelize(
         return model
     pipeline_options = check_parallelizable(model, resolved, options, memory)
     family = family_for(model, tensor_parallel=resolved.tp_size > 1)
-    check_device(options, layout.device_type if isinstance(layout, DeviceMesh) else _device_type())
+    check_device(options, layout.device_type if isinstance(layout, DeviceMesh) else _device_type(), resolved.tp_size)
     # Validation is done: from here on collectives run (building the mesh creates process groups).
     mesh = layout if isinstance(layout, DeviceMesh) else resolved.build_mesh(_device_type())
 

@@ -36,8 +36,8 @@ def check_compile(layout: ParallelLayout, options: ParallelOptions, memory: Memo
     """Refuse the layouts the speed levers do not compose with (no weights, no collective needed).
 
     Raises:
-        OptionsError: ``compile`` with pipeline, context or expert parallelism or activation offload; ``async_tp``
-            without TP.
+        OptionsError: ``compile`` with pipeline, context or expert parallelism, with TP and activation
+            checkpointing, or with activation offload; ``async_tp`` without TP.
     """
     if options.compile:
         for size, what, why in (
@@ -50,6 +50,13 @@ def check_compile(layout: ParallelLayout, options: ParallelOptions, memory: Memo
                     f"compile=True is not supported with {what} ({size}={getattr(layout, size)}): {why}, which"
                     f" this engine does not compile. Set compile=False, or use tensor parallelism and FSDP2."
                 )
+    if options.compile and layout.tp_size > 1 and memory.activation_checkpointing != "none":
+        raise OptionsError(
+            f"compile=True with tp_size={layout.tp_size} and activation_checkpointing="
+            f"{memory.activation_checkpointing!r} is not supported: torch's compiled backward of a checkpointed layer"
+            " with DTensor activations fails (a DeviceMesh among the tensors saved for backward, torch 2.13). Set"
+            " activation_checkpointing='none', or compile=False, or use FSDP2 without TP."
+        )
     if options.compile and memory.activation_offload:
         raise OptionsError(
             "compile=True is not supported with activation_offload=True: its saved-tensor hooks move tensors to the"
@@ -61,13 +68,22 @@ def check_compile(layout: ParallelLayout, options: ParallelOptions, memory: Memo
         )
 
 
-def check_device(options: ParallelOptions, device_type: str) -> None:
+def check_device(options: ParallelOptions, device_type: str, tp_size: int = 1) -> None:
     """Refuse float8 and async TP where they cannot run, before anything is applied.
 
     Raises:
-        OptionsError: float8 or async TP on CPU (gloo), float8 on a GPU older than compute capability 8.9.
+        OptionsError: float8 or async TP on CPU (gloo), float8 on a GPU older than compute capability 8.9; compile
+            with TP on CPU.
     """
     if device_type != "cuda":
+        if options.compile and tp_size > 1:
+            # Measured (torch 2.13, gloo): TP2 + SP compiled trains as one eager process does, but the compiled
+            # DTensor graphs keep the gloo process groups (and their threads) alive after they are destroyed, which
+            # lightning_plugins.parallel.teardown exists to prevent (a process aborting at exit).
+            raise OptionsError(
+                f"compile=True with tp_size={tp_size} is not supported on {device_type!r} (gloo): the compiled layers"
+                " keep the process groups' threads alive after teardown. Set compile=False here, or run on CUDA GPUs."
+            )
         for name, needs in (
             ("float8", "a CUDA GPU of compute capability 8.9 or newer (H100, H200, L4, RTX 4090)"),
             ("async_tp", "CUDA GPUs with NCCL and symmetric memory (H100-class, NVLink)"),

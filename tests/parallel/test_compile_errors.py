@@ -32,6 +32,7 @@ def test_bad_settings_name_the_fix(settings: dict, match: str) -> None:
         ({"ep_size": 2}, {"compile": True}, r"not supported with expert parallelism \(ep_size=2\)"),
         ({"dp_shard_size": 2}, {"compile": True, "async_tp": True}, "needs tp_size > 1"),
         ({"tp_size": 2}, {"compile": True, "activation_offload": True}, "not supported with activation_offload"),
+        ({"tp_size": 2}, {"compile": True, "activation_checkpointing": "full"}, "DeviceMesh among the tensors saved"),
     ],
 )
 def test_layouts_the_levers_do_not_compose_with_are_refused_before_any_collective(
@@ -42,9 +43,11 @@ def test_layouts_the_levers_do_not_compose_with_are_refused_before_any_collectiv
         check_settings(ParallelLayout(**sizes), options, memory)
 
 
-def test_compile_composes_with_tp_fsdp_and_checkpointing() -> None:
-    options, memory = with_settings("test", compile=True, async_tp=True, activation_checkpointing="full")
+def test_compile_composes_with_tp_fsdp_and_with_checkpointing_under_fsdp() -> None:
+    options, memory = with_settings("test", compile=True, async_tp=True)
     check_settings(ParallelLayout(tp_size=2, dp_shard_size=2).resolve(4), options, memory)
+    options, memory = with_settings("test", compile=True, activation_checkpointing="full")
+    check_settings(ParallelLayout(dp_shard_size=4).resolve(4), options, memory)
 
 
 @pytest.mark.parametrize(
@@ -57,3 +60,8 @@ def test_gpu_only_levers_are_refused_on_cpu(settings: dict, needs: str) -> None:
         check_device(options, "cpu")
     assert "on 'cpu'" in str(err.value) and "=False" in str(err.value)
     check_device(ParallelOptions(compile=True), "cpu")  # compile alone runs on CPU (inductor's C++ backend)
+
+
+def test_compile_with_tp_is_refused_on_cpu() -> None:
+    with pytest.raises(OptionsError, match=r"compile=True with tp_size=2 is not supported on 'cpu' \(gloo\)"):
+        check_device(ParallelOptions(compile=True), "cpu", tp_size=2)
