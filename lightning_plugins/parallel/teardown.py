@@ -64,8 +64,6 @@ def release_process_groups() -> int:
         if isinstance(registry, dict):
             registry.clear()
     _forget_deepspeed_defaults()
-    if "torch._dynamo" in sys.modules:  # compiled layers (ParallelOptions.compile) hold their groups in dynamo's caches
-        sys.modules["torch._dynamo"].reset()
     if any(ref() is not None for ref in groups):
         gc.collect()  # groups held only by garbage in reference cycles (a finished run's model, trainer) go now
     for ref in groups:
