@@ -13,7 +13,7 @@ from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel.context.checks import check_context_parallel
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
-from lightning_plugins.parallel.pipeline.options import PipelineOptions, check_pipeline_layout
+from lightning_plugins.parallel.pipeline.options import PipelineOptions, check_pipeline_layout, check_pp_reshard
 
 __all__ = ["check_settings"]
 
@@ -58,4 +58,6 @@ def check_settings(
             "cpu_offload, param_dtype and reduce_dtype are FSDP2 options and need at least 2 data-parallel ranks"
             " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, use a precision plugin instead."
         )
+    if memory.pp_reshard_per_microbatch:
+        check_pp_reshard(layout, pipeline, resolved)
     return pipeline
