@@ -14,37 +14,43 @@ from types import MethodType
 from typing import Any
 
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Partial
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 
 def keep_embedding_grad_sharded(embed: nn.Module) -> None:
-    """After ``parallelize_module(embed, RowwiseParallel(input_layouts=Replicate(), ...))`` on a 1-D mesh.
+    """After ``parallelize_module(embed, RowwiseParallel(input_layouts=Replicate(), ...))`` on a 1-D mesh (a weight
+    laid out otherwise runs the module's own DTensor forward).
 
-    The module's own ``forward`` still runs (scaled embeddings such as Gemma 3's keep their scale), on this rank's
-    rows of the weight and the ids shifted into them; ``padding_idx`` is shifted too, or dropped where the row is
-    another rank's.
+    The module's own ``forward`` still runs (scaled embeddings such as Gemma's keep their scale), on this rank's
+    rows of the weight and the ids shifted into them, its replicated DTensor buffers as local tensors;
+    ``padding_idx`` is shifted too, or dropped where the row is another rank's.
     """
     forward = type(embed).forward
 
     def local_forward(self: nn.Module, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
         weight = self.weight
-        if not isinstance(weight, DTensor) or not isinstance(input_ids, DTensor):
+        if not (isinstance(weight, DTensor) and isinstance(input_ids, DTensor) and weight.placements == (Shard(0),)):
             return forward(self, input_ids, *args, **kwargs)
-        shape, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
-        start, rows = offset[0], shape[0]
+        # torch.chunk's rows: ceil(vocab / ranks) each, the last ones fewer (or none).
+        local = weight.to_local()
+        start = min(weight.device_mesh.get_local_rank() * -(-weight.shape[0] // weight.device_mesh.size()), weight.shape[0])
+        rows = local.shape[0]
         ids = input_ids.to_local()
         outside = (ids < start) | (ids >= start + rows)
         padding = getattr(self, "padding_idx", None)
         local_padding = padding - start if padding is not None and start <= padding < start + rows else None
+        # Replicated DTensor buffers (Gemma's embed_scale) as their local values for the call.
+        buffers = {name: b for name, b in self._buffers.items() if isinstance(b, DTensor)}
         del self._parameters["weight"]
-        object.__setattr__(self, "weight", weight.to_local())
+        object.__setattr__(self, "weight", local)
+        self._buffers.update({name: b.to_local() for name, b in buffers.items()})
         self.padding_idx = local_padding
         try:
             out = forward(self, (ids - start).masked_fill(outside, 0), *args, **kwargs)
         finally:
             object.__delattr__(self, "weight")
             self._parameters["weight"] = weight
+            self._buffers.update(buffers)
             self.padding_idx = padding
         out = out.masked_fill(outside.unsqueeze(-1), 0)
         return DTensor.from_local(out, weight.device_mesh, [Partial()], run_check=False)
