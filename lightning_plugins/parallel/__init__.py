@@ -222,6 +222,7 @@ def _parallelize_pipeline(
         fully_shard_stage=fully_shard_stage,
         reshard_after_forward=memory.reshard_after_forward,
         param_dtype=policy.param_dtype,
+        reshard_per_microbatch=memory.pp_reshard_per_microbatch,
     )
 
 

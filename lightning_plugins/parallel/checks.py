@@ -14,7 +14,7 @@ from lightning_plugins.parallel.compile import check_compile
 from lightning_plugins.parallel.context.checks import check_context_parallel
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
-from lightning_plugins.parallel.pipeline.options import PipelineOptions, check_pipeline_layout
+from lightning_plugins.parallel.pipeline.options import PipelineOptions, check_pipeline_layout, check_pp_reshard
 
 __all__ = ["check_settings"]
 
@@ -60,4 +60,6 @@ def check_settings(
             " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, use a precision plugin instead."
         )
     check_compile(layout, options, memory)
+    if memory.pp_reshard_per_microbatch:
+        check_pp_reshard(layout, pipeline, resolved)
     return pipeline

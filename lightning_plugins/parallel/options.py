@@ -143,6 +143,13 @@ class MemoryOptions:
         activation_offload: Saved activations of each decoder layer moved to host memory during forward and
             back in backward (pinned on GPUs; on CPU the copies still run). With ``activation_checkpointing``
             only what checkpointing keeps (a fully checkpointed layer's input) moves.
+        pp_reshard_per_microbatch: Under pipeline parallelism with FSDP2: reshard each stage's parameters after
+            every micro-batch's backward and reduce-scatter its gradients then, accumulating sharded gradients,
+            instead of torch's default of keeping the stage's parameters and fp32 gradients unsharded from the first
+            micro-batch's backward to the last (the stage's whole unsharded gradient size). Trade-off: one
+            all-gather (forward; again in backward with ``reshard_after_forward``) and one reduce-scatter per layer
+            per micro-batch instead of per step. Not with zero-bubble schedules (their weight pass needs the
+            parameters gathered until then).
     """
 
     activation_checkpointing: str = "none"
@@ -153,6 +160,7 @@ class MemoryOptions:
     reshard_after_forward: bool = True
     optimizer_offload: bool = False
     activation_offload: bool = False
+    pp_reshard_per_microbatch: bool = False
 
     def __post_init__(self) -> None:
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
@@ -173,7 +181,7 @@ class MemoryOptions:
                 raise OptionsError(
                     f"Unknown dtype {name}={value!r} for mixed precision; use one of {sorted(DTYPE_NAMES)}."
                 )
-        for name in ("optimizer_offload", "activation_offload"):
+        for name in ("optimizer_offload", "activation_offload", "pp_reshard_per_microbatch"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}.")
         if self.optimizer_offload and self.cpu_offload:

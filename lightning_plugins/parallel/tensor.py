@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import (
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.experts import OnLocalParameters, TokenLocalBlock, moe_block_name
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
+from lightning_plugins.parallel.vocab_embedding import keep_embedding_grad_sharded
 
 # The dimension of attention heads in the [batch, seq, heads, head_dim] tensors that q/k norms see.
 _HEAD_DIM = 2
@@ -75,6 +76,7 @@ def apply_tensor_parallel(
         tp_mesh,
         RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp),
     )
+    keep_embedding_grad_sharded(embed)  # else its gradient comes back whole on every rank
     dropouts = [_parallelize_layer(layer, family, tp_mesh, sp) for layer in decoder_layers(model, family)]
     if any(dropouts):
         _sync_rng(tp_mesh)

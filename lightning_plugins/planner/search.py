@@ -23,7 +23,7 @@ from typing import Any
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.adapters.lora import LoraOptions
-from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
+from lightning_plugins.parallel.options import SCHEDULES, MemoryOptions, ParallelOptions
 from lightning_plugins.planner.dryrun import dry_run
 from lightning_plugins.planner.rank_memory import RankMemory, korthikanti_activations, with_offload, with_optimizer_offload
 from lightning_plugins.planner.hardware import Cluster
@@ -155,6 +155,8 @@ def candidate_workloads(
                         continue
                     for options in _pipeline_options(pp, config.num_hidden_layers, tp, cp):
                         for memory in _memory_levers(layout, weights, dtype):
+                            if memory.pp_reshard_per_microbatch and SCHEDULES[options.pp_schedule].split_backward:
+                                continue  # zero-bubble schedules keep the parameters gathered for the weight pass
                             for micro in _micro_batches(global_batch_size // dp, options, pp):
                                 if pp > 1:  # one row per pipeline micro-batch
                                     options = replace(options, pp_microbatches=micro)
@@ -180,7 +182,8 @@ def estimate_peak(workload: Workload) -> int:
     State from the parameter counts and the layout; activations from Korthikanti's formula times
     :data:`ACTIVATION_FACTOR` and the micro-batches a pipeline stage holds; temporaries: the fp32 logits
     and their gradient, FSDP2's gathered root (embedding, head) and two gathered layers, and under
-    pipeline parallelism the stage's unsharded gradients kept until the last micro-batch.
+    pipeline parallelism the stage's unsharded gradients kept until the last micro-batch (not with
+    ``pp_reshard_per_microbatch``, which reduce-scatters them after every micro-batch).
     """
     stats, layout, memory = model_stats(workload.config), workload.layout, workload.memory
     weight, compute = _BYTES[workload.dtype], _BYTES.get(memory.param_dtype or workload.dtype, 2)
@@ -232,7 +235,7 @@ def estimate_peak(workload: Workload) -> int:
     if layout.fsdp_size > 1:
         gathered = stats.layer_params - stats.expert_params + stats.expert_params / layout.ep_size * layout.tp_size
         temporaries += (ends + 2 * gathered) / layout.tp_size * compute
-        if layout.pp_size > 1:
+        if layout.pp_size > 1 and not memory.pp_reshard_per_microbatch:
             temporaries += trainable * layout.fsdp_size * weight
     if memory.cpu_offload:
         state = 0
@@ -274,11 +277,14 @@ def _pipeline_options(pp: int, layers: int, tp: int, cp: int) -> list[ParallelOp
 
 
 def _memory_levers(layout: ParallelLayout, weights: str, dtype: str) -> list[MemoryOptions]:
-    """Checkpointing modes x no offload, FSDP2 CPU offload (with data-parallel shards) or optimizer offload."""
+    """Checkpointing modes x no offload, FSDP2 CPU offload (with data-parallel shards) or optimizer offload; pipeline
+    stages under FSDP2 also resharded per micro-batch (``pp_reshard_per_microbatch``)."""
     param_dtype = "bf16" if weights == "fp32" and dtype == "bf16" and layout.fsdp_size > 1 else None
     offloads = [{}, {"optimizer_offload": True}]
     if layout.fsdp_size > 1:
         offloads.insert(1, {"cpu_offload": True})
+        if layout.pp_size > 1:
+            offloads.append({"pp_reshard_per_microbatch": True})
     return [
         MemoryOptions(activation_checkpointing=checkpointing, param_dtype=param_dtype, **offload)
         for checkpointing in ("none", "selective", "full")

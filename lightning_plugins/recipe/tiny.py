@@ -191,6 +191,10 @@ def _tiny_settings(recipe: Recipe, layout: ParallelLayout, steps: int, out: Path
         },
         "memory.param_dtype": None,
         "memory.reduce_dtype": None,
+        # Resharding pipeline stages needs FSDP2 stages: kept where the twin keeps a data or context rank.
+        "memory.pp_reshard_per_microbatch": recipe.memory.pp_reshard_per_microbatch
+        and layout.pp_size > 1
+        and dp * layout.cp_size > 1,
         "optim.lr": TINY_LR["full" if recipe.lora is None else "lora"],
         "optim.warmup_steps": min(recipe.optim.warmup_steps, 1),
         "train.global_batch_size": micro * dp * min(recipe.accumulation, 2),

@@ -139,3 +139,17 @@ def test_registered_by_name() -> None:
 
     trainer = L.Trainer(strategy="pipeline_parallel", accelerator="cpu", devices=2, logger=False)
     assert type(trainer.strategy) is PipelineParallelStrategy
+
+
+def test_pp_reshard_per_microbatch_needs_sharded_stages() -> None:
+    """``pp_reshard_per_microbatch`` is refused without stages, under zero-bubble schedules and without FSDP2."""
+    memory = MemoryOptions(pp_reshard_per_microbatch=True)
+    with pytest.raises(OptionsError, match="applies to pipeline stages: set pp_size > 1"):
+        check_settings(ParallelLayout(dp_shard_size=2).resolve(2), ParallelOptions(), memory)
+    with pytest.raises(OptionsError, match="'zbv_zero_bubble'.*weight gradients in a later pass.*pp_schedule='1f1b'"):
+        check_settings(ParallelLayout(pp_size=2, dp_shard_size=2).resolve(4), ParallelOptions(pp_schedule="zbv_zero_bubble"), memory)
+    with pytest.raises(OptionsError, match="needs at least 2 data-parallel ranks"):
+        check_settings(ParallelLayout(pp_size=2, tp_size=2).resolve(4), ParallelOptions(), memory)
+    with pytest.raises(OptionsError, match="pp_reshard_per_microbatch must be true or false"):
+        MemoryOptions(pp_reshard_per_microbatch="yes")
+    check_settings(ParallelLayout(pp_size=2, dp_shard_size=2).resolve(4), ParallelOptions(), memory)  # accepted

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from _world import run_world
 from tiny_models import make_batch, tiny_model
 from torch.distributed.tensor import DTensor
@@ -236,3 +237,76 @@ EIGHT_RANKS = [
 )
 def test_pipeline_matches_one_process(world_size: int, cases: list, steps: int) -> None:
     run_world(_check_cases, world_size, cases, steps)
+
+
+#: Stages that stay sharded (``pp_reshard_per_microbatch``): PP2 x FSDP2 under 1F1B and interleaved 1F1B.
+SHARDED_STAGES = [
+    ("llama_4l", {"pp_size": 2, "dp_shard_size": 2}, {"pp_schedule": s, "pp_microbatches": 4, "pp_reshard_per_microbatch": True})
+    for s in ("1f1b", "interleaved_1f1b")
+]
+
+
+def _collectives_of_one_step(options: dict) -> dict[str, list[int]]:
+    """FSDP2's all-gathers and reduce-scatters of one PP2 x FSDP2 training step: calls and bytes of the full
+    (unsharded) tensors."""
+    layout = ParallelLayout(pp_size=2, dp_shard_size=2).resolve(4)
+    model = parallelize(tiny_model("llama_4l"), layout, *with_settings("test", **options))
+    counts = {"all_gather_single": [0, 0], "reduce_scatter_single": [0, 0]}
+    originals = {name: getattr(dist, name) for name in counts}
+
+    def counting(name: str):
+        def call(*args, **kwargs):
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            counts[name][0] += 1
+            counts[name][1] += max(t.numel() * t.element_size() for t in tensors)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in counts:
+        setattr(dist, name, counting(name))
+    try:
+        model.train()
+        model(**{k: v[: BATCH // 2] for k, v in make_batch(BATCH, SEQ, model.config.vocab_size, seed=0).items()})
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return counts
+
+
+def _check_sharded_stages_parity(rank: int, world_size: int) -> None:
+    _check_cases(rank, world_size, SHARDED_STAGES)
+    assert hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single")  # what FSDP2 calls
+    # One stage per rank (1F1B): 2 layers + the stage root, 4 micro-batches.
+    base = {"pp_schedule": "1f1b", "pp_microbatches": 4}
+    kept, sharded = _collectives_of_one_step(base), _collectives_of_one_step({**base, "pp_reshard_per_microbatch": True})
+    if rank == 0:
+        print(f"PP2 x FSDP2 1f1b, 4 micro-batches, one step: default {kept}, pp_reshard_per_microbatch {sharded}")
+    groups = 3  # each stage: 2 decoder layers and the root (embedding or norm + head)
+    assert kept["reduce_scatter_single"][0] == groups, kept  # torch's default: once, after the last micro-batch
+    assert sharded["reduce_scatter_single"][0] == groups * 4, sharded  # every micro-batch's backward
+    assert sharded["reduce_scatter_single"][1] == 4 * kept["reduce_scatter_single"][1], (kept, sharded)
+    assert sharded["all_gather_single"][0] > kept["all_gather_single"][0], (kept, sharded)
+
+
+def _check_embedding_grad_sharded() -> None:
+    """TP2 x PP2: the first stage's vocab-parallel embedding keeps a ``Shard(0)`` gradient, not a whole one."""
+    model = parallelize(tiny_model("llama_4l"), ParallelLayout(pp_size=2, tp_size=2).resolve(4), ParallelOptions(pp_microbatches=2))
+    model.train()
+    model(**{k: v[:2] for k, v in make_batch(BATCH, SEQ, model.config.vocab_size, seed=0).items()})
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if any(n == name for n, _ in model.named_parameters()):
+            param = model.get_parameter(name)
+            assert param.grad.placements == param.placements, (name, param.grad.placements)
+            assert param.grad.to_local().shape == param.to_local().shape == (model.config.vocab_size // 2, model.config.hidden_size)
+
+
+def _check_sharded_stages(rank: int, world_size: int) -> None:
+    _check_embedding_grad_sharded()
+    _check_sharded_stages_parity(rank, world_size)
+
+
+def test_sharded_stages_match_one_process() -> None:
+    """``pp_reshard_per_microbatch``: parity with one process, and a reduce-scatter per micro-batch; the embedding's
+    gradient under TP2 x PP2 stays sharded (4 ranks)."""
+    run_world(_check_sharded_stages, 4)

@@ -41,6 +41,7 @@ def apply_pipeline_parallel(
     fully_shard_stage: Callable[..., None] | None = None,
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
+    reshard_per_microbatch: bool = False,
 ) -> Pipeline:
     """Split ``model`` into this rank's stages, compose the other dimensions per stage, attach the pipeline.
 
@@ -53,6 +54,8 @@ def apply_pipeline_parallel(
     gradients in a pass after the input gradients, from the parameters the forward used: FSDP2 must keep
     them gathered until then, so ``reshard_after_forward`` is off for them (with it on, the weight pass
     would see resharded parameters and the gradients would be wrong).
+    ``reshard_per_microbatch`` reshards and reduce-scatters each stage after every micro-batch's backward
+    (:class:`~lightning_plugins.parallel.pipeline.stage.ReshardingStage`).
     """
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = lm_head is not None and lm_head.weight is embed.weight
@@ -86,7 +89,9 @@ def apply_pipeline_parallel(
             tie = TiedEmbedding(_param_name(model, model.get_input_embeddings().weight), group, counted=True)
         elif num_stages - 1 in stages and 0 not in stages:
             tie = TiedEmbedding(_param_name(model, model.get_output_embeddings().weight), group, counted=False)
-    pipeline = Pipeline(model, stages, options, mesh, tie=tie, param_dtype=param_dtype)
+    pipeline = Pipeline(
+        model, stages, options, mesh, tie=tie, param_dtype=param_dtype, reshard_per_microbatch=reshard_per_microbatch
+    )
     setattr(model, _PIPELINE_ATTR, pipeline)
     model.__class__ = _pipelined_class(type(model))
     return pipeline

@@ -15,7 +15,7 @@ from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.pipeline.anatomy import check_stageable_config
 from lightning_plugins.parallel.options import SCHEDULES, ParallelOptions, ScheduleSpec, check_schedule
 
-__all__ = ["SCHEDULES", "PipelineOptions", "check_pipeline_layout", "layer_ranges", "stages_of_rank"]
+__all__ = ["SCHEDULES", "PipelineOptions", "check_pipeline_layout", "check_pp_reshard", "layer_ranges", "stages_of_rank"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +140,28 @@ def check_pipeline_layout(layout: ParallelLayout, config: Any, options: Pipeline
             " stage over dp_shard_size x cp_size ranks)."
         )
     return resolved
+
+
+def check_pp_reshard(layout: ParallelLayout, pipeline: PipelineOptions | None, resolved: bool) -> None:
+    """``pp_reshard_per_microbatch`` needs stages sharded by FSDP2 and a schedule with one backward pass.
+
+    Raises:
+        OptionsError: without pipeline parallelism, under a zero-bubble schedule, or (for a resolved layout) with
+            one data rank, naming the fix.
+    """
+    if pipeline is None:
+        raise OptionsError(
+            "pp_reshard_per_microbatch applies to pipeline stages: set pp_size > 1, or drop it (without pipeline"
+            " parallelism FSDP2 already reshards and reduce-scatters once per backward)."
+        )
+    if pipeline.spec.split_backward:
+        raise OptionsError(
+            f"pp_reshard_per_microbatch does not work with pp_schedule={pipeline.schedule!r}: a zero-bubble schedule"
+            " computes weight gradients in a later pass and needs the parameters gathered until then. Use"
+            " pp_schedule='1f1b' or 'interleaved_1f1b', or drop pp_reshard_per_microbatch."
+        )
+    if resolved and layout.fsdp_size == 1:
+        raise OptionsError(
+            "pp_reshard_per_microbatch reshards FSDP2's stage parameters and needs at least 2 data-parallel ranks"
+            " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, drop it."
+        )

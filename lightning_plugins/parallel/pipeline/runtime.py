@@ -32,7 +32,7 @@ from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.grad import total_grad_norm
 from lightning_plugins.parallel.loss import IGNORE_INDEX, next_token_targets
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, stages_of_rank
-from lightning_plugins.parallel.pipeline.stage import StageModule, identity_loss
+from lightning_plugins.parallel.pipeline.stage import ReshardingStage, StageModule, identity_loss
 
 
 @dataclass
@@ -62,8 +62,10 @@ class Pipeline:
         mesh: DeviceMesh,
         tie: TiedEmbedding | None = None,
         param_dtype: torch.dtype | None = None,
+        reshard_per_microbatch: bool = False,
     ) -> None:
         self.model = model
+        self.reshard_per_microbatch = reshard_per_microbatch
         self.param_dtype = param_dtype
         self.stages = stages
         self.options = options
@@ -233,13 +235,14 @@ class Pipeline:
             return torch.empty(hidden, dtype=dtype, device=device, requires_grad=True)
 
         stages = []
+        stage_cls = ReshardingStage if self.reshard_per_microbatch else PipelineStage
         for index, module in sorted(self.stages.items()):
             module.boundary_dtype = dtype
             inputs = torch.empty(micro, seq, dtype=ids_dtype, device=device) if index == 0 else boundary()
             last = index == self.num_stages - 1
             outputs = torch.empty((), dtype=torch.float32, device=device, requires_grad=True) if last else boundary()
             stages.append(
-                PipelineStage(
+                stage_cls(
                     module,
                     index,
                     self.num_stages,

@@ -4,6 +4,8 @@
   embeddings from the sequence length, attention mask and position ids. Those, and the targets, are
   chunked by the schedule and handed to every stage locally: all ranks of one pipeline read the same
   batch, so only hidden states (and their gradients) travel between ranks.
+* **Sharded stages.** :class:`ReshardingStage` is torch's ``PipelineStage`` with FSDP2 reducing and resharding
+  after every micro-batch's backward (``pp_reshard_per_microbatch``), not once after the last one.
 * **Loss.** The last stage turns each micro-batch's token-loss *sum* into its share of the global
   token mean: ``sum x data_ranks x loss_scale / valid tokens of the whole batch over all data ranks``.
   Schedules run with ``scale_grads=False``, so the accumulated gradient is exactly the one process
@@ -17,6 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_plugins.parallel.loss import token_losses
@@ -120,3 +125,27 @@ def identity_loss(output: Tensor, target: Tensor) -> Tensor:
     """The pipeline schedule's loss function: the last stage's output already is the scaled loss."""
     # The last stage already returns the scaled loss (it needs the targets and the global token count).
     return output
+
+
+class ReshardingStage(PipelineStage):
+    """A ``PipelineStage`` whose FSDP2 stage module stays sharded between micro-batches.
+
+    torch's stage runs every micro-batch's backward but the last with ``set_reshard_after_backward(False)`` and
+    ``set_requires_gradient_sync(False)``: the stage's parameters stay gathered and its gradients accumulate
+    unsharded (in fp32 under mixed precision) until the schedule's final gradient reduction. Here each
+    micro-batch's backward reshards and reduce-scatters, and FSDP2 adds the reduced shards into the sharded
+    gradients; the final reduction then finds nothing left to reduce. Only the single-pass backward
+    (``"full"``) is changed: zero-bubble schedules are refused with this option
+    (:func:`~lightning_plugins.parallel.pipeline.options.check_pp_reshard`).
+    """
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ) -> tuple[tuple[Tensor | None, ...], list[dict[str, Any]] | None]:
+        if backward_type != "full" or not isinstance(self.submod, FSDPModule):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        self.submod.set_is_last_backward(False)  # the schedule's gradient reduction finalizes, as for torch's
+        self.submod.set_reshard_after_backward(True)
+        self.submod.set_requires_gradient_sync(True)
+        grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        return grads, None
