@@ -488,7 +488,7 @@ def published_cases() -> list[PublishedCase]:
     fsdp8, one = ParallelLayout().resolve(8), ParallelLayout().resolve(1)
     lora16 = LoraOptions(r=16, alpha=32, target_modules=TORCHTUNE_LORA_TARGETS)
     lora8 = LoraOptions(r=8, alpha=16, target_modules=TORCHTUNE_LORA_TARGETS)
-    nf4 = "NF4 modelled (measured with a dense base; weights at NF4 size + one dequantized weight)"
+    nf4 = "NF4 measured (NF4 tensors of the real sizes under FakeTensorMode: FSDP2 gathers them 4-bit, each matmul dequantizes)"
     return [
         PublishedCase(
             "70b_full",

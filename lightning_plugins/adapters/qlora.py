@@ -34,6 +34,7 @@ re-quantizes with its default block sizes (lossy, and fails for small weights).
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -146,7 +147,7 @@ def default_scaler_block_size(shape: torch.Size | tuple[int, ...], block_size: i
 
 
 def quantize_base_to_nf4(
-    model: nn.Module, *, block_size: int = BLOCK_SIZE, scaler_block_size: int | None = None
+    model: nn.Module, *, block_size: int = BLOCK_SIZE, scaler_block_size: int | None = None, shapes_only: bool = False
 ) -> int:
     """Store the frozen linear weights of a peft LoRA model as NF4, in place (QLoRA).
 
@@ -158,6 +159,10 @@ def quantize_base_to_nf4(
         block_size: Elements per quantization block (even; must divide each weight's element count).
         scaler_block_size: Blocks per double-quantization group; ``None`` chooses per weight with
             :func:`default_scaler_block_size` so that every weight shards under FSDP2.
+        shapes_only: The planner's dry run: weights on the meta device become NF4 tensors of the right sizes
+            and no values (their 4-bit codes, scalers and factors on meta; the absmax mean and the 16-entry
+            table, a few bytes, on the CPU, so that a step under ``FakeTensorMode`` on the CPU runs through them).
+            Such a model can be measured, never trained.
 
     Returns:
         How many weights were converted (weights that already are NF4 are left as they are).
@@ -211,7 +216,9 @@ def quantize_base_to_nf4(
         if weight.requires_grad or id(weight) in dense or is_nf4(weight):
             continue
         if id(weight) not in converted:
-            converted[id(weight)] = _to_nf4_parameter(f"{name}.weight", weight, block_size, scaler_block_size, to_nf4)
+            converted[id(weight)] = _to_nf4_parameter(
+                f"{name}.weight", weight, block_size, scaler_block_size, to_nf4, shapes_only
+            )
         module.weight = converted[id(weight)]
     return len(converted)
 
@@ -234,7 +241,7 @@ def _unwrap(module: nn.Module, lora_layer: type) -> nn.Module:
 
 
 def _to_nf4_parameter(
-    name: str, weight: Tensor, block_size: int, scaler_block_size: int | None, to_nf4: Any
+    name: str, weight: Tensor, block_size: int, scaler_block_size: int | None, to_nf4: Any, shapes_only: bool
 ) -> nn.Parameter:
     shape = tuple(weight.shape)
     if isinstance(weight, DTensor):
@@ -242,7 +249,9 @@ def _to_nf4_parameter(
             f"quantize_base_to_nf4: {name} is already distributed ({weight.placements}). Quantize before"
             " `lightning_plugins.parallelize`, which then shards the NF4 weights."
         )
-    if weight.is_meta:
+    if weight.is_meta != shapes_only:
+        if shapes_only:
+            raise ValueError(f"quantize_base_to_nf4(shapes_only=True): {name} is not on the meta device.")
         raise ValueError(
             f"quantize_base_to_nf4: {name} is on the meta device. NF4 codes are computed from the values: load the"
             " real weights first (e.g. `from_pretrained`), then quantize."
@@ -261,7 +270,32 @@ def _to_nf4_parameter(
             f" scaler_block_size={group}. Pass scaler_block_size=None to choose a group size per weight"
             f" (here {default_scaler_block_size(shape, block_size)})."
         )
-    return nn.Parameter(to_nf4(weight.detach().contiguous(), block_size, group), requires_grad=False)
+    nf4 = _nf4_of_shape(weight, block_size, group) if shapes_only else to_nf4(weight.detach().contiguous(), block_size, group)
+    return nn.Parameter(nf4, requires_grad=False)
+
+
+def _nf4_of_shape(weight: Tensor, block_size: int, scaler_block_size: int) -> NF4Tensor:
+    """An ``NF4Tensor`` of ``weight``'s shape holding what ``to_nf4`` would, without values (``shapes_only``).
+
+    Its codes, scalers and factors are on the meta device; the absmax mean and the table on the CPU, where the
+    dry run's fake step reads them with the codes. (``to_nf4`` on a meta weight computes nothing but still walks
+    its blocks in chunks: minutes for a 70B model.)
+    """
+    nf4_tensor = _torchao()[0]
+    args = importlib.import_module(nf4_tensor.__module__).SubclassTensorArgs
+    blocks = weight.numel() // block_size
+    meta = {"device": "meta"}
+    return nf4_tensor(
+        args(weight.size(), weight.stride(), 0, weight.dtype, torch.device("meta"), False),
+        block_size,
+        blocks,
+        scaler_block_size,
+        torch.empty(blocks, dtype=torch.int8, **meta),  # quantized_scalers
+        torch.empty(blocks // scaler_block_size, dtype=weight.dtype, **meta),  # quantization_factor
+        torch.zeros((), dtype=weight.dtype),  # scaler_mean
+        torch.empty(weight.numel() // 2, dtype=torch.uint8, **meta),  # quantized_data
+        torch.zeros(_NF4_TABLE, dtype=weight.dtype),  # nf4
+    )
 
 
 def check_quantized(model: nn.Module, layout: ParallelLayout) -> None:

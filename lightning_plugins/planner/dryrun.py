@@ -18,9 +18,11 @@ Host memory is measured where a lever changes the step: with ``memory.activation
 run in the measured step and move what each layer saves to the meta device, which the tracker counts apart from
 the (fake, CPU) GPU: the GPU peak is what stays, :attr:`RankMemory.host` the most the host holds at once.
 
-Modelled rather than measured, and said so in :attr:`RankMemory.notes`: NF4 bases (QLoRA) are measured
-dense and their parameter bytes scaled to NF4, plus one dequantized weight as a temporary; with
-``memory.cpu_offload`` the sharded parameters, gradients and optimizer state are moved to the host; with
+NF4 bases (QLoRA) are measured as they run: the frozen linears are NF4 tensors of the real sizes
+(:func:`~lightning_plugins.adapters.qlora.quantize_base_to_nf4` with ``shapes_only``), FSDP2 shards and gathers
+their 4-bit codes and scalers through torchao's all-gather extension, and each matmul dequantizes its weight, all
+under ``FakeTensorMode``.
+Modelled rather than measured, and said so in :attr:`RankMemory.notes`: with ``memory.cpu_offload`` the sharded parameters, gradients and optimizer state are moved to the host; with
 ``memory.optimizer_offload`` the optimizer state is (and the optimizer step's GPU temporaries vanish), the host
 holding it with a copy of the trainable parameters and their gradients. Both only move resident state, so one
 measured step serves a workload with and without them (the layout search relies on it).
@@ -90,22 +92,20 @@ def _assembled(
     for (kind, rank), rank_calls in zip(kinds, calls):
         done = [next(results) for _ in rank_calls]
         if len(done) == 1:  # measured as it is: the step's own model was counted
-            state, dense = done[0].pop("state"), done[0].pop("dense_state", None)
+            state = done[0].pop("state")
         else:
-            state, dense = done.pop(0), done.pop(0) if workload.method == "qlora" else None
-        reports.append(_rank_memory(workload, kind, rank, state, dense, done))
+            state = done.pop(0)
+        reports.append(_rank_memory(workload, kind, rank, state, done))
     return reports
 
 
 def _calls_of(workload: Workload, rank: int) -> list[tuple[Callable[..., Any], tuple]]:
     """The fake worlds a rank's dry run needs: one measured step that also counts the state when the rank holds
-    few layers; else its state, (QLoRA) its state with a dense base, and the two measured copies."""
+    few layers; else its state and the two measured copies."""
     copies = _measured_copies(workload, rank)
     if len(copies) == 1:
         return [(partial(measure_step, count=True), (copies[0], rank))]
     calls: list[tuple[Callable[..., Any], tuple]] = [(count_state, (workload, rank))]
-    if workload.method == "qlora":  # the measured steps hold a dense base
-        calls.append((count_state, (replace(workload, lora=replace(workload.lora, quantize="none")), rank)))
     return calls + [(measure_step, (copy, rank)) for copy in copies]
 
 
@@ -117,7 +117,7 @@ def resident_state(workload: Workload) -> list[tuple[str, int, dict[str, int]]]:
 
 
 def _rank_memory(
-    workload: Workload, kind: str, rank: int, state: dict, dense: dict | None, steps: list[dict]
+    workload: Workload, kind: str, rank: int, state: dict, steps: list[dict]
 ) -> RankMemory:
     layers = layers_of_rank(workload, rank)
     intervals, per_layer = _extrapolated(steps, layers)
@@ -129,8 +129,6 @@ def _rank_memory(
             f"peak extrapolated to {layers} layers from copies of the model with {MEASURED_LAYERS[0]} and"
             f" {MEASURED_LAYERS[1]} layers on this rank"
         )
-    if dense is not None:
-        _as_nf4(report, workload, dense)
     report.peak = worst_interval(report.intervals)
     if workload.memory.activation_offload:
         report.notes.append(
@@ -158,7 +156,8 @@ def rank_kinds(workload: Workload) -> list[tuple[str, int]]:
 
 
 def build_parallel_model(workload: Workload) -> nn.Module:
-    """The workload's model on the meta device, with LoRA (dense base) and the layout applied.
+    """The workload's model on the meta device, with LoRA (an NF4 base of the real sizes for QLoRA) and the layout
+    applied.
 
     Runs inside :func:`fake_world`.
     """
@@ -176,6 +175,10 @@ def build_parallel_model(workload: Workload) -> nn.Module:
     if workload.lora is not None:
         with torch.device("meta"):  # the adapters too: their initialization costs seconds at real size
             model = apply_lora(model, replace(workload.lora, quantize="none"))
+        if workload.method == "qlora":
+            from lightning_plugins.adapters.qlora import quantize_base_to_nf4
+
+            quantize_base_to_nf4(model, shapes_only=True)
     # The GPU speed levers change the step time, not what a step holds (see lightning_plugins.parallel.compile).
     eager = replace(workload.options, compile=False, float8=False, async_tp=False)
     return parallelize(model, workload.layout, eager, workload.memory)
@@ -184,32 +187,22 @@ def build_parallel_model(workload: Workload) -> nn.Module:
 def count_state(workload: Workload, rank: int) -> dict[str, int]:
     """Resident parameter, gradient and AdamW bytes of ``rank``, from the engine's sharded tensors (:func:`_state_of`)."""
     with fake_world(rank, workload.world_size):
-        return _state_of(build_parallel_model(workload), nf4=workload.method == "qlora")
+        return _state_of(build_parallel_model(workload))
 
 
-def _state_of(model: nn.Module, *, nf4: bool) -> dict[str, int]:
+def _state_of(model: nn.Module) -> dict[str, int]:
     """Parameter, gradient and AdamW bytes of a parallelized model's local shards.
 
-    With ``nf4`` (QLoRA) the frozen linear weights of the decoder are counted at their NF4 size (4-bit codes,
-    block scales and their factors, as :func:`lightning_plugins.adapters.qlora.nf4_nbytes_for` gives them) per
-    shard: the model is built with a dense base (NF4 needs real weights to quantize).
+    An NF4 shard (QLoRA) counts the bytes it holds (:func:`lightning_plugins.adapters.qlora.nf4_nbytes`: 4-bit
+    codes, block scalers, their factors).
     """
-    from lightning_plugins.adapters.lora import hf_model_of
-    from lightning_plugins.adapters.qlora import nf4_nbytes_for
+    from lightning_plugins.adapters.qlora import is_nf4, nf4_nbytes
 
-    quantized = set()
-    if nf4:  # what quantize_base_to_nf4 converts: frozen nn.Linear weights, not the head
-        head = hf_model_of(model).get_output_embeddings()
-        quantized = {
-            id(module.weight)
-            for module in model.modules()
-            if type(module) is nn.Linear and module is not head and not module.weight.requires_grad
-        }
     params = grads = optimizer = 0
     for param in model.parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         nbytes = local.numel() * local.element_size()
-        params += nf4_nbytes_for(local.numel(), dtype=local.dtype) if id(param) in quantized else nbytes
+        params += nf4_nbytes(local) if is_nf4(local) else nbytes
         if param.requires_grad:
             grads += nbytes
             optimizer += 2 * nbytes + 4  # exp_avg, exp_avg_sq in the parameter's dtype; a float32 step
@@ -237,7 +230,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
     does not depend on the number of layers (the head's forward and backward, the optimizer step, which is the
     last; under a pipeline also every stage's forward and backward of a micro-batch), each with the most bytes
     offloaded to the host during it (``"host"``, activation offload); with ``count`` also the model's ``"state"``
-    (:func:`_state_of`) and, for QLoRA, its ``"dense_state"`` (what the measured step holds).
+    (:func:`_state_of`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -257,10 +250,10 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
         model = build_parallel_model(workload)
         counted = {}
         if count:
-            counted["state"] = _state_of(model, nf4=workload.method == "qlora")
-            if workload.method == "qlora":
-                counted["dense_state"] = _state_of(model, nf4=False)
-        with FakeTensorMode(allow_non_fake_inputs=True):
+            counted["state"] = _state_of(model)
+        with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+            # torchao's NF4 all-gather checks its output's storage by data pointer, which fake tensors warn about.
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)
             model.to_empty(device="cpu")
             optimizer = _warmed_up(model)
             batch = _batch(workload, mesh_of(model), workload.seq_len)
@@ -384,22 +377,3 @@ def _fewer_microbatches(workload: Workload) -> Workload:
         return workload
     rows = workload.micro_batch_size // pipeline.microbatches
     return replace(workload, micro_batch_size=rows * stages, options=replace(workload.options, pp_microbatches=stages))
-
-
-def _as_nf4(report: RankMemory, workload: Workload, dense: dict[str, int]) -> None:
-    """QLoRA: the step is measured with a dense base; its weights take their NF4 size (``report.state``, counted)
-    and one dequantized weight of a layer (the largest) is added as a temporary, in every interval."""
-    saved = dense["parameters"] - report.state["parameters"]
-    config = workload.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    largest = max(config.intermediate_size, config.num_attention_heads * head_dim) * config.hidden_size
-    largest = largest * DTYPES[workload.dtype].itemsize // workload.layout.tp_size
-    for peak in report.intervals:
-        peak["parameters"] -= saved
-        peak["temporaries"] += largest
-        peak["total"] += largest - saved
-    report.notes.append(
-        f"NF4 base: measured dense, its frozen linear weights counted at NF4 size ({saved / 2**30:.2f} GiB less),"
-        f" plus one dequantized weight ({largest / 2**20:.0f} MiB) as a temporary; FSDP2's gathered copies stay"
-        " counted dense (torchao gathers the 4-bit data: an over-estimate)"
-    )

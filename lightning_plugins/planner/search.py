@@ -138,7 +138,9 @@ def candidate_workloads(
     gpus, per_node = cluster.gpus, cluster.gpus_per_node
     full = lora is None
     weights = "fp32" if full and dtype == "bf16" else dtype  # fp32 master weights, bf16 compute
-    for tp in _powers_of_two(min(per_node, gpus)):
+    # NF4 bases do not compose with tensor parallelism (lightning_plugins.adapters.qlora.check_quantized).
+    most_tp = 1 if lora is not None and lora.quantize == "nf4" else min(per_node, gpus)
+    for tp in _powers_of_two(most_tp):
         for cp in _powers_of_two(gpus // tp) if seq_len >= CP_FROM_SEQ_LEN else [1]:
             for pp in _powers_of_two(gpus // (tp * cp)):
                 dp = gpus // (tp * cp * pp)

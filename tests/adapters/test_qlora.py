@@ -5,7 +5,8 @@ dequantization error, and that forward/backward through the NF4 base equals a de
 dequantized weights while only adapters get gradients. One world of 2 gloo ranks: QLoRA trains under
 FSDP2=2, PP=2 and CP=2 exactly as one process trains the same NF4 model (fp32, SGD with momentum, clipping
 that triggers, prompt and padding tokens labelled ``-100``, rows of different lengths, random non-zero
-``lora_B``), the loss falls, and the base stays 4-bit and untouched. Errors: every layout NF4 cannot
+``lora_B``), the loss falls, and the base stays 4-bit and untouched; FSDP2 gathers the base as NF4 (the bytes
+counted at the all-gather). Errors: every layout NF4 cannot
 take and every bad input to the converter.
 """
 
@@ -279,8 +280,43 @@ def _run_case(world_size: int, sizes: dict, options: dict) -> dict[str, float]:
     }
 
 
+def _gathered_bytes(quantize: bool, world_size: int) -> dict[str, int]:
+    """Bytes this rank hands FSDP2's all-gathers in one forward under FSDP2=``world_size`` (every unit gathers
+    once), counted at ``dist.all_gather_single``, and what the local shards predict: for an NF4 shard the 4-bit
+    codes, int8 scalers and factors its ``fsdp_pre_all_gather`` hands over, for a dense one its bytes."""
+    import torch.distributed as dist
+
+    peft_model = qlora_model(quantize=quantize)
+    model = parallelize(peft_model.get_base_model(), ParallelLayout(dp_shard_size=world_size).resolve(world_size))
+    predicted = base = 0
+    for name, param in model.named_parameters():
+        local = param.to_local()
+        if is_nf4(local):
+            inputs, _ = local.fsdp_pre_all_gather(mesh_of(model)["dp_shard_cp"])
+            nbytes = sum(t.numel() * t.element_size() for t in inputs)
+        else:
+            nbytes = local.numel() * local.element_size()
+        predicted += nbytes
+        base += nbytes if "layers." in name and "lora_" not in name and "norm" not in name else 0
+    sent: list[int] = []
+    all_gather = dist.all_gather_single
+
+    def counting(output: torch.Tensor, input: torch.Tensor, *args, **kwargs):
+        sent.append(input.numel() * input.element_size())
+        return all_gather(output, input, *args, **kwargs)
+
+    dist.all_gather_single = counting
+    try:
+        with torch.no_grad():
+            model(**tiny_batch())
+    finally:
+        dist.all_gather_single = all_gather
+    return {"sent": sum(sent), "gathers": len(sent), "predicted": predicted, "base": base}
+
+
 def _world(rank: int, world_size: int, out_dir: str) -> None:
     results = {name: _run_case(world_size, *case) for name, case in CASES.items()}
+    results["gathered"] = {kind: _gathered_bytes(kind == "nf4", world_size) for kind in ("nf4", "dense")}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -306,6 +342,21 @@ def test_qlora_trains_like_one_process(name: str) -> None:
     total = 2 * len(TARGETS) * 2
     held = [diffs["adapters_held"] for diffs in per_rank]
     assert sum(held) == total if name.startswith("pp") else held == [total, total], held
+
+
+def test_fsdp2_gathers_the_base_as_nf4() -> None:
+    """The frozen base crosses FSDP2's all-gather as NF4 (codes, scalers, factors): the bytes sent, counted at the
+    collective, are what the NF4 shards hand over, ~0.13x the same base gathered dense in fp32."""
+    layers = qlora_model(quantize=False).config.num_hidden_layers
+    for results in _results():
+        nf4, dense = results["gathered"]["nf4"], results["gathered"]["dense"]
+        for counted in (nf4, dense):
+            assert counted["gathers"] == layers + 1, counted  # each decoder layer and the root, once
+            assert counted["sent"] == counted["predicted"], counted
+        # The rest (embedding, head, norms, adapters) is the same dense bytes in both models.
+        assert nf4["sent"] - nf4["base"] == dense["sent"] - dense["base"], (nf4, dense)
+        # 4-bit codes + an int8 absmax per 64 weights + the factors of tiny scaler groups, over 32-bit weights.
+        assert 0.125 < nf4["base"] / dense["base"] < 0.14, (nf4, dense)
 
 
 # ------------------------------------------------------------------------------------------------- errors
