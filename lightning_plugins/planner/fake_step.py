@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,15 +76,23 @@ def one_row_tile_only() -> Iterator[None]:
     the next: under fake tensors the widest tile alone has the same peak. At 64K tokens over cp=4 a block has
     thousands of tiles, and running them all made a 70B dry run take over half an hour. The widest is the last full
     tile: causal tiles stop at the last key their last query attends, which grows with the rows (the dry run plans
-    unpacked rows, :func:`unpacked_rows`: no document boxes)."""
+    unpacked rows, :func:`unpacked_rows`: no document boxes). A sliding window's tiles are boxed like documents':
+    the one with the largest box alone."""
     from lightning_plugins.parallel.context import tiles
 
-    original = tiles._tile_starts
+    originals = tiles._tile_starts, tiles._document_tiles
+
+    def largest_box(*args: Any, **kwargs: Any) -> list[tuple[slice, slice]]:
+        boxes = list(originals[1](*args, **kwargs))
+        area = [(rows.stop - rows.start) * (cols.stop - cols.start) for rows, cols in boxes]
+        return [boxes[area.index(max(area))]] if boxes else []
+
     tiles._tile_starts = lambda row_start, row_end, tile: [max(row_start, row_end - tile)]
+    tiles._document_tiles = largest_box
     try:
         yield
     finally:
-        tiles._tile_starts = original
+        tiles._tile_starts, tiles._document_tiles = originals
 
 
 @contextlib.contextmanager

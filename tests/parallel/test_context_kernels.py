@@ -467,6 +467,33 @@ def test_load_balancing_evens_packed_rows() -> None:
     assert sum(head_tail) == sum(attended) and max(head_tail) >= 1.5 * mean, head_tail
 
 
+
+def test_windowed_tiles_are_boxed_to_the_window() -> None:
+    """A sliding window over a long shard: tiles grow to the score budget within the window's box (not the block's
+    width), cover exactly the window's pairs, and are far fewer than row-capped ones (Gemma 3 at 64K over cp=4 had
+    4084 tiles of 16 rows per rank and layer: seconds of Python per layer, and a dry run that did not finish)."""
+    from lightning_plugins.parallel.context.ring import _first_keys
+    from lightning_plugins.parallel.context.tiles import _SCORE_ELEMENTS
+
+    seq, cp, window, batch_heads = 32768, 4, 1024, 16
+    q_pos = sequence_positions(seq, 0, cp, True)
+    starts = _first_keys(q_pos, None, window)
+    row_capped = _SCORE_ELEMENTS // (batch_heads * seq // cp)  # the budget's rows over a whole block's keys
+    tiles, capped_tiles, attended = 0, 0, 0  # capped: at least the block's rows over the capped tile's
+    for source in range(cp):
+        block = active_block(q_pos, sequence_positions(seq, source, cp, True), True, None, starts)
+        if block is None:
+            continue
+        capped_tiles += (block.row_end - block.row_start) // row_capped
+        for rows, cols, mask in row_tiles(block, None, batch_heads):
+            box = (rows.stop - rows.start) * (cols.stop - cols.start)
+            assert box * batch_heads <= _SCORE_ELEMENTS
+            attended += box if mask is None else int(mask.sum())
+            tiles += 1
+    assert attended == sum(min(int(p) + 1, window) for p in q_pos)
+    assert tiles * 10 <= capped_tiles, (tiles, capped_tiles)
+
+
 def test_pad_for_context_parallel() -> None:
     ids = torch.arange(2 * 21).view(2, 21)
     labels = ids + 100

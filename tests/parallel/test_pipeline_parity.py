@@ -188,6 +188,7 @@ TWO_RANKS = [
         for family in ("gemma2", "gemma3", "phi3", "olmo2", "granite", "mistral_sw", "gpt_oss_4l")
         for schedule in ("1f1b", "interleaved_1f1b")
     ],
+    ("glm4", {"pp_size": 2}, {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}, 2),  # GLM-4's four norms
 ]
 U, R = {"cp_backend": "ulysses"}, {"cp_backend": "ring"}
 PP2_CP2 = [

@@ -40,7 +40,7 @@ def test_the_recipes_the_issue_asks_for_are_shipped() -> None:
     assert all(r.layout.ep_size > 1 for r in moe if r.hardware.world_size > 1)
     assert all(r.lora.target_modules for r in moe if r.lora is not None)  # attention: expert LoRA is not assumed
     long_context = [load_recipe(p) for p in RECIPES if p.stem.endswith("_cp")]
-    assert {r.model.path for r in long_context} == {"meta-llama/Llama-3.1-70B", "Qwen/Qwen2.5-72B"}
+    assert {r.model.path for r in long_context} == {"meta-llama/Llama-3.1-70B", "Qwen/Qwen2.5-72B", "google/gemma-3-27b-pt"}
     assert all(r.layout.cp_size > 1 and r.data.max_seq_len >= 32768 for r in long_context)
 
 

@@ -130,8 +130,12 @@ def row_tiles(
     width = block.col_end - block.col_start
     tile = query_tile or max(1, _SCORE_ELEMENTS // (batch_heads * width))
     if block.documents is not None:
+        # A packed or windowed tile is boxed to its own keys, usually far fewer than the block's: without a fixed
+        # query_tile its rows grow while the box stays within the score budget (a 1024-key window over a 16K-key
+        # block: ~200-row tiles, not 16-row ones; 25x fewer tiles, each still under the budget).
+        budget = None if query_tile else max(tile * width, _SCORE_ELEMENTS // batch_heads)
         with unset_fake_temporarily():
-            for rows, cols in _document_tiles(block.documents, block.row_start, block.row_end, tile):
+            for rows, cols in _document_tiles(block.documents, block.row_start, block.row_end, tile, budget):
                 mask = _document_mask(block.documents, rows, cols)
                 yield rows, slice(cols.start - block.col_start, cols.stop - block.col_start), mask
         return
@@ -159,12 +163,15 @@ def _causal_tile(
 _DOCUMENT_WASTE = 2.0
 
 
-def _document_tiles(documents: _Documents, row_start: int, row_end: int, tile: int) -> Iterator[tuple[slice, slice]]:
+def _document_tiles(
+    documents: _Documents, row_start: int, row_end: int, tile: int, budget: Optional[int] = None
+) -> Iterator[tuple[slice, slice]]:
     """Tiles of packed rows ``[row_start, row_end)``: (rows, keys), whole documents per tile, each boxed to its keys.
 
     Rows are cut where a query's first attended key changes (a document begins, in any row of the batch: a tile
-    boxes the union), and a document longer than ``tile`` rows into tiles of ``tile`` rows. Consecutive pieces then
-    merge while the tile stays within ``tile`` rows and its box within :data:`_DOCUMENT_WASTE` times the pairs
+    boxes the union; under a sliding window, every row), and a document longer than ``tile`` rows into tiles of
+    ``tile`` rows. Consecutive pieces then merge while the tile stays within ``tile`` rows (or, given ``budget``,
+    its box within ``budget`` query-key pairs) and its box within :data:`_DOCUMENT_WASTE` times the pairs
     attended; rows that attend no key of this block are skipped.
     """
     q_pos, starts = documents.q_pos[row_start:row_end], documents.starts[:, row_start:row_end]
@@ -183,9 +190,10 @@ def _document_tiles(documents: _Documents, row_start: int, row_end: int, tile: i
         for lo in range(begin, end, tile):
             hi = min(lo + tile, end)
             pairs = sum(last_at[lo:hi]) - first_at[lo] * (hi - lo)
-            if held is not None and held[1] == lo and hi - held[0] <= tile:
+            if held is not None and held[1] == lo:
                 area = (hi - held[0]) * (last_at[hi - 1] - held[2])
-                if area <= _DOCUMENT_WASTE * (held[3] + pairs):
+                small = hi - held[0] <= tile if budget is None else area <= budget
+                if small and area <= _DOCUMENT_WASTE * (held[3] + pairs):
                     held[1], held[3] = hi, held[3] + pairs
                     continue
             if held is not None:
