@@ -28,6 +28,7 @@ from lightning_plugins.parallel.grad import clip_grad_norm_, reduce_partial_stat
 from lightning_plugins.parallel.mesh import attach_mesh, data_mesh, fsdp_mesh, mesh_of
 from lightning_plugins.parallel.save_pretrained import install_save_pretrained
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
+from lightning_plugins.parallel.chunked_loss import install_chunked_loss
 from lightning_plugins.parallel.pipeline import PipelineOptions, apply_pipeline_parallel, pipeline_of
 from lightning_plugins.parallel.pipeline.anatomy import decoder_anatomy
 from lightning_plugins.parallel.tensor import apply_tensor_parallel
@@ -128,7 +129,7 @@ def parallelize(
             reshard_after_forward=memory.reshard_after_forward,
             experts=experts,
         )
-    model.loss_function = ParallelCausalLMLoss(data_mesh(mesh))
+    model.loss_function = ParallelCausalLMLoss(data_mesh(mesh), install_chunked_loss(model, memory.loss_chunk_tokens))
     if data_mesh(mesh) is not None:
         install_global_balance_loss(model, data_mesh(mesh))
     install_save_pretrained(model)

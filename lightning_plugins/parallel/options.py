@@ -125,6 +125,10 @@ class MemoryOptions:
         activation_offload: Saved activations of each decoder layer moved to host memory during forward and
             back in backward (pinned on GPUs; on CPU the copies still run). With ``activation_checkpointing``
             only what checkpointing keeps (a fully checkpointed layer's input) moves.
+        loss_chunk_tokens: Chunked cross entropy: a training forward with labels computes the loss from the final
+            hidden states this many tokens at a time and never builds the ``[tokens, vocab]`` logits (backward
+            recomputes each chunk's; :mod:`lightning_plugins.parallel.chunked_loss`); ``outputs.logits`` is then
+            empty. ``None`` or ``0``: off (full logits, as transformers computes them).
     """
 
     activation_checkpointing: str = "none"
@@ -135,8 +139,15 @@ class MemoryOptions:
     reshard_after_forward: bool = True
     optimizer_offload: bool = False
     activation_offload: bool = False
+    loss_chunk_tokens: int | None = 1024
 
     def __post_init__(self) -> None:
+        chunk = self.loss_chunk_tokens
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
+            raise OptionsError(
+                f"loss_chunk_tokens={chunk!r} must be a number of tokens (e.g. 1024), or 0/None to compute the loss"
+                " from full logits."
+            )
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
             raise OptionsError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of {CHECKPOINTING_MODES}."
