@@ -27,13 +27,14 @@ cover).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_plugins.parallel.loss import IGNORE_INDEX, local_token_losses, next_token_targets
 from lightning_plugins.parallel.pipeline.anatomy import DecoderAnatomy, head_transforms
@@ -41,11 +42,41 @@ from lightning_plugins.parallel.pipeline.anatomy import DecoderAnatomy, head_tra
 __all__ = ["ChunkedHead", "chunked_token_loss_sum", "install_chunked_head", "install_chunked_loss"]
 
 
+@dataclass(frozen=True)
+class _VocabSlice:
+    """This rank's rows of a vocab-sharded head: where they start, the ranks holding the others, and whether each
+    chunk's logits are gathered whole (tensor parallelism without loss parallel: the same math as the full logits
+    gathered by the head) or kept sharded for the vocab-parallel cross entropy (loss parallel)."""
+
+    start: int
+    group: dist.ProcessGroup
+    gather: bool
+
+
+class _GatherVocab(torch.autograd.Function):
+    """All-gather logits along the vocabulary; backward keeps this rank's slice (every rank has the same loss)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup) -> Tensor:
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        ctx.rank, ctx.width = dist.get_rank(group), local.shape[-1]
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width].contiguous(), None
+
+
 def _chunk_losses(
-    hidden: Tensor, weight: Tensor, targets: Tensor, head: DecoderAnatomy, vocab_start: int, group: Any
+    hidden: Tensor, weight: Tensor, targets: Tensor, head: DecoderAnatomy, vocab: _VocabSlice | None
 ) -> Tensor:
     """One chunk: head matmul and logit transforms in the weight's dtype (as the model's forward), then the loss."""
-    return local_token_losses(head.logits(F.linear(hidden, weight)), targets, vocab_start, group)
+    logits = F.linear(hidden, weight)
+    if vocab is None or vocab.gather:
+        logits = logits if vocab is None else _GatherVocab.apply(logits, vocab.group)
+        return local_token_losses(head.logits(logits), targets)
+    return local_token_losses(head.logits(logits), targets, vocab.start, vocab.group)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -59,15 +90,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         targets: Tensor,
         chunk: int,
         head: DecoderAnatomy,
-        vocab_start: int,
-        group: Any,
+        vocab: _VocabSlice | None,
     ) -> Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in _live_chunks(targets, chunk):
             end = start + chunk
-            total += _chunk_losses(hidden[start:end], weight, targets[start:end], head, vocab_start, group).sum()
+            total += _chunk_losses(hidden[start:end], weight, targets[start:end], head, vocab).sum()
         ctx.save_for_backward(hidden, weight, targets)
-        ctx.chunk, ctx.head, ctx.vocab_start, ctx.group = chunk, head, vocab_start, group
+        ctx.chunk, ctx.head, ctx.vocab = chunk, head, vocab
         return total
 
     @staticmethod
@@ -82,18 +112,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             end = start + ctx.chunk
             with torch.enable_grad():
                 x = hidden[start:end].detach().requires_grad_(need_hidden)
-                loss = _chunk_losses(x, w, targets[start:end], ctx.head, ctx.vocab_start, ctx.group).sum()
+                loss = _chunk_losses(x, w, targets[start:end], ctx.head, ctx.vocab).sum()
                 inputs = [t for t, need in ((x, need_hidden), (w, need_weight)) if need]
                 grads = list(torch.autograd.grad(loss * grad_total, inputs))
             if need_hidden:
                 grad_hidden[start:end] = grads.pop(0)
             if need_weight:
                 grad_weight += grads.pop(0)
-        if need_hidden and ctx.group is not None:  # each vocabulary slice contributes a partial sum
-            dist.all_reduce(grad_hidden, group=ctx.group)
+        if need_hidden and ctx.vocab is not None:  # each vocabulary slice contributes a partial sum
+            dist.all_reduce(grad_hidden, group=ctx.vocab.group)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _live_chunks(targets: Tensor, chunk: int) -> list[int]:
@@ -103,7 +133,12 @@ def _live_chunks(targets: Tensor, chunk: int) -> list[int]:
 
 
 def chunked_token_loss_sum(
-    hidden: Tensor, weight: Tensor, targets: Tensor, head: DecoderAnatomy, chunk_tokens: int
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    head: DecoderAnatomy,
+    chunk_tokens: int,
+    gather_vocab: bool = False,
 ) -> Tensor:
     """The sum of next-token losses of ``head.logits(hidden @ weight.T)``, one chunk of tokens at a time.
 
@@ -113,20 +148,22 @@ def chunked_token_loss_sum(
         targets: ``[...]`` targets (``-100``: ignored).
         head: The model's logit transforms.
         chunk_tokens: Tokens per chunk.
+        gather_vocab: With a vocab-sharded weight, gather each chunk's logits whole (the head's output is
+            replicated: no loss parallel) instead of the vocab-parallel cross entropy (loss parallel).
     """
-    vocab_start, group = 0, None
+    vocab = None
     if isinstance(weight, DTensor):
         if weight.placements[-1].is_shard(0):
             mesh = weight.device_mesh
             local = weight.to_local()
-            vocab_start, group = mesh.get_local_rank() * local.shape[0], mesh.get_group()
+            vocab = _VocabSlice(mesh.get_local_rank() * local.shape[0], mesh.get_group(), gather_vocab)
         else:
             local = weight.full_tensor()
         weight = local
     if isinstance(hidden, DTensor):
         hidden = hidden.to_local()
     flat = hidden.reshape(-1, hidden.shape[-1])
-    return _ChunkedLinearCrossEntropy.apply(flat, weight, targets.reshape(-1), chunk_tokens, head, vocab_start, group)
+    return _ChunkedLinearCrossEntropy.apply(flat, weight, targets.reshape(-1), chunk_tokens, head, vocab)
 
 
 class ChunkedHead:
@@ -136,10 +173,11 @@ class ChunkedHead:
         lm_head: The model's head (``nn.Linear`` without bias; see :func:`install_chunked_head`).
         head: The model's logit transforms.
         chunk_tokens: Tokens per chunk.
+        gather_vocab: Under tensor parallelism without loss parallel: see :func:`chunked_token_loss_sum`.
     """
 
-    def __init__(self, lm_head: nn.Module, head: DecoderAnatomy, chunk_tokens: int) -> None:
-        self.lm_head, self.head, self.chunk_tokens = lm_head, head, chunk_tokens
+    def __init__(self, lm_head: nn.Module, head: DecoderAnatomy, chunk_tokens: int, gather_vocab: bool = False) -> None:
+        self.lm_head, self.head, self.chunk_tokens, self.gather_vocab = lm_head, head, chunk_tokens, gather_vocab
         self._targets: Tensor | None = None
         self._loss_sum: Tensor | None = None
         self._logits = lm_head.forward
@@ -158,9 +196,14 @@ class ChunkedHead:
         targets, self._targets = self._targets, None
         if targets is None or hidden.shape[:-1] != targets.shape:
             return self._logits(hidden)
-        self._loss_sum = chunked_token_loss_sum(hidden, self.lm_head.weight, targets, self.head, self.chunk_tokens)
-        local = hidden.to_local() if isinstance(hidden, DTensor) else hidden
-        return local.new_empty(*local.shape[:-1], 0)
+        self._loss_sum = chunked_token_loss_sum(
+            hidden, self.lm_head.weight, targets, self.head, self.chunk_tokens, self.gather_vocab
+        )
+        if not isinstance(hidden, DTensor):
+            return hidden.new_empty(*hidden.shape[:-1], 0)
+        # Tensor parallelism's output hook expects the head's DTensor: an empty one, vocab-sharded as the head's is.
+        local = hidden.to_local()
+        return DTensor.from_local(local.new_empty(*local.shape[:-1], 0), hidden.device_mesh, [Shard(-1)], run_check=False)
 
     def arm_from_call(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """Forward pre-hook of the causal LM: arm a training forward that has labels and the default ignore index."""
@@ -172,7 +215,9 @@ class ChunkedHead:
         self.arm(next_token_targets(labels) if shift_labels is None else shift_labels)
 
 
-def install_chunked_head(model: nn.Module, lm_head: nn.Module | None, chunk_tokens: int | None) -> ChunkedHead | None:
+def install_chunked_head(
+    model: nn.Module, lm_head: nn.Module | None, chunk_tokens: int | None, gather_vocab: bool = False
+) -> ChunkedHead | None:
     """Put a :class:`ChunkedHead` on ``lm_head`` when it is a plain linear head whose loss this reproduces exactly.
 
     Returns:
@@ -186,15 +231,15 @@ def install_chunked_head(model: nn.Module, lm_head: nn.Module | None, chunk_toke
     head = head_transforms(model)
     if head is None:
         return None
-    return ChunkedHead(lm_head, head, chunk_tokens)
+    return ChunkedHead(lm_head, head, chunk_tokens, gather_vocab)
 
 
-def install_chunked_loss(model: nn.Module, chunk_tokens: int | None) -> ChunkedHead | None:
+def install_chunked_loss(model: nn.Module, chunk_tokens: int | None, gather_vocab: bool = False) -> ChunkedHead | None:
     """Chunk the loss of a transformers causal LM: its head (:func:`install_chunked_head`), armed by its forward.
 
     Its ``loss_function`` must be a :class:`~lightning_plugins.parallel.loss.ParallelCausalLMLoss` given the head.
     """
-    chunked = install_chunked_head(model, model.get_output_embeddings(), chunk_tokens)
+    chunked = install_chunked_head(model, model.get_output_embeddings(), chunk_tokens, gather_vocab)
     if chunked is not None:
         model.register_forward_pre_hook(chunked.arm_from_call, with_kwargs=True)
     return chunked
