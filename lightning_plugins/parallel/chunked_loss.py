@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_plugins.parallel.loss import IGNORE_INDEX, local_token_losses, next_token_targets
+from lightning_plugins.parallel.loss import local_token_losses, next_token_targets
 from lightning_plugins.parallel.pipeline.anatomy import DecoderAnatomy, head_transforms
 
 __all__ = ["ChunkedHead", "chunked_token_loss_sum", "install_chunked_head", "install_chunked_loss"]
@@ -93,7 +93,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         vocab: _VocabSlice | None,
     ) -> Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in _live_chunks(targets, chunk):
+        for start in range(0, targets.numel(), chunk):
             end = start + chunk
             total += _chunk_losses(hidden[start:end], weight, targets[start:end], head, vocab).sum()
         ctx.save_for_backward(hidden, weight, targets)
@@ -108,7 +108,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Summed over chunks in fp32 at least (bf16 sums of many chunks would drift).
         grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) if need_weight else None
         w = weight.detach().requires_grad_(need_weight)
-        for start in _live_chunks(targets, ctx.chunk):
+        for start in range(0, targets.numel(), ctx.chunk):
             end = start + ctx.chunk
             with torch.enable_grad():
                 x = hidden[start:end].detach().requires_grad_(need_hidden)
@@ -124,12 +124,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
-
-
-def _live_chunks(targets: Tensor, chunk: int) -> list[int]:
-    """Starts of the chunks holding at least one target (all-ignored chunks add nothing to the loss or gradients)."""
-    live = (targets != IGNORE_INDEX).view(-1)
-    return [start for start in range(0, live.numel(), chunk) if bool(live[start : start + chunk].any())]
 
 
 def chunked_token_loss_sum(

@@ -139,7 +139,7 @@ class MemoryOptions:
     reshard_after_forward: bool = True
     optimizer_offload: bool = False
     activation_offload: bool = False
-    loss_chunk_tokens: int | None = 1024
+    loss_chunk_tokens: int | None = 512
 
     def __post_init__(self) -> None:
         chunk = self.loss_chunk_tokens
