@@ -14,8 +14,9 @@ in backward, where FSDP2 expects it and reduce-scatters it at once; computed in 
 
 It runs inside ``lm_head``'s own call, so every layout's hooks act as for the plain head: FSDP2 has gathered the
 weight, tensor parallelism has handed a replicated (under sequence parallelism: re-gathered) input and holds a
-vocabulary slice of the weight, whose chunks go through the vocab-parallel cross entropy of
-:mod:`lightning_plugins.parallel.loss`. The logit transforms are the model's, as :mod:`.pipeline.anatomy` reads them
+vocabulary slice of the weight: with loss parallel each chunk's logits stay sharded and go through the
+vocab-parallel cross entropy of :mod:`lightning_plugins.parallel.loss`; without it each chunk's logits are gathered
+whole, the same math as the head's gathered logits (only a chunk of them). The logit transforms are the model's, as :mod:`.pipeline.anatomy` reads them
 (``logits_scaling``, ``logit_scale``, ``final_logit_softcapping``), applied to the chunk's logits, never to hidden
 states. The model's forward then gets an empty ``[batch, seq, 0]`` tensor as its logits (transforms of an empty
 tensor are no-ops) and its ``loss_function`` (:class:`~lightning_plugins.parallel.loss.ParallelCausalLMLoss`) takes
