@@ -90,9 +90,14 @@ def test_the_full_logits_never_exist() -> None:
 
 
 def test_head_adapters_and_bias_keep_full_logits() -> None:
+    """A head the chunks would not reproduce exactly keeps transformers' full logits (never a silently wrong loss)."""
+    from peft import LoraConfig, get_peft_model
+
     model = tiny_model("llama")
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
     assert install_chunked_loss(model, 7) is None
+    adapted = get_peft_model(tiny_model("llama"), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    assert install_chunked_loss(adapted.base_model.model, 7) is None  # a LoRA adapter on lm_head
     assert install_chunked_loss(tiny_model("llama"), 0) is None
 
 
