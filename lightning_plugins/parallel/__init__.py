@@ -29,6 +29,7 @@ from lightning_plugins.parallel.grad import clip_grad_norm_, reduce_partial_stat
 from lightning_plugins.parallel.mesh import attach_mesh, data_mesh, fsdp_mesh, mesh_of
 from lightning_plugins.parallel.save_pretrained import install_save_pretrained
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
+from lightning_plugins.parallel.chunked_loss import install_chunked_head, install_chunked_loss
 from lightning_plugins.parallel.pipeline import PipelineOptions, apply_pipeline_parallel, pipeline_of
 from lightning_plugins.parallel.pipeline.anatomy import decoder_anatomy
 from lightning_plugins.parallel.tensor import apply_tensor_parallel
@@ -136,7 +137,9 @@ def parallelize(
             reshard_after_forward=memory.reshard_after_forward,
             experts=experts,
         )
-    model.loss_function = ParallelCausalLMLoss(data_mesh(mesh))
+    model.loss_function = ParallelCausalLMLoss(
+        data_mesh(mesh), install_chunked_loss(model, memory.loss_chunk_tokens, not options.loss_parallel)
+    )
     if data_mesh(mesh) is not None:
         install_global_balance_loss(model, data_mesh(mesh))
     install_save_pretrained(model)
@@ -224,6 +227,11 @@ def _parallelize_pipeline(
         param_dtype=policy.param_dtype,
         reshard_per_microbatch=memory.pp_reshard_per_microbatch,
     )
+    for stage in pipeline_of(model).stages.values():
+        if stage.is_last:
+            stage.chunked = install_chunked_head(
+                model, stage.lm_head, memory.loss_chunk_tokens, not options.loss_parallel
+            )
 
 
 def _refuse_generate(model: nn.Module, reason: str) -> None:

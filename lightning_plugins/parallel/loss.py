@@ -78,15 +78,28 @@ def token_losses(logits: Tensor, targets: Tensor) -> Tensor:
     if isinstance(logits, DTensor) and logits.placements[-1].is_shard():
         mesh = logits.device_mesh
         local = logits.to_local()
-        vocab_start = mesh.get_local_rank() * local.shape[-1]
-        flat = _VocabParallelCrossEntropy.apply(
-            local.reshape(-1, local.shape[-1]), targets.reshape(-1), vocab_start, mesh.get_group()
-        )
-        return flat.view(targets.shape)
+        return local_token_losses(local, targets, mesh.get_local_rank() * local.shape[-1], mesh.get_group())
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
+    return local_token_losses(logits, targets)
+
+
+def local_token_losses(
+    logits: Tensor, targets: Tensor, vocab_start: int = 0, group: dist.ProcessGroup | None = None
+) -> Tensor:
+    """Per-token cross entropy of plain logits: the whole vocabulary, or its slice from ``vocab_start`` over ``group``.
+
+    Args:
+        logits: ``[..., vocab or vocab slice]`` plain tensor (upcast to fp32 at least here).
+        targets: Matching integer targets ``[...]`` (``-100``: ignored, loss 0).
+        vocab_start: The first vocabulary row this rank's slice holds.
+        group: The ranks holding the other slices (three small all-reduces); ``None``: the whole vocabulary.
+    """
+    flat_logits, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if group is not None:
+        return _VocabParallelCrossEntropy.apply(flat_logits, flat_targets, vocab_start, group).view(targets.shape)
     return F.cross_entropy(
-        logits.to(_loss_dtype(logits)).reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="none"
+        flat_logits.to(_loss_dtype(logits)), flat_targets, ignore_index=IGNORE_INDEX, reduction="none"
     ).view(targets.shape)
 
 
@@ -127,10 +140,14 @@ class ParallelCausalLMLoss:
 
     Args:
         data_mesh: Ranks holding different tokens (see :func:`normalize_over_tokens`), or ``None``.
+        chunked: The model's ``ChunkedHead`` (:mod:`lightning_plugins.parallel.chunked_loss`), or ``None``.
     """
 
-    def __init__(self, data_mesh: DeviceMesh | None = None) -> None:
+    def __init__(self, data_mesh: DeviceMesh | None = None, chunked: Any = None) -> None:
         self.data_mesh = data_mesh
+        #: The model's :class:`~lightning_plugins.parallel.chunked_loss.ChunkedHead`, if any: when it computed the
+        #: token-loss sum in place of the logits (a training forward with labels), that sum is used.
+        self.chunked = chunked
 
     def __call__(
         self,
@@ -146,9 +163,11 @@ class ParallelCausalLMLoss:
             labels = labels.masked_fill(labels == ignore_index, IGNORE_INDEX)
         targets = next_token_targets(labels) if shift_labels is None else shift_labels
         targets = targets.to(logits.device)
-        losses = token_losses(logits, targets)
+        loss_sum = None if self.chunked is None else self.chunked.take()
+        if loss_sum is None:
+            loss_sum = token_losses(logits, targets).sum()
         count = (targets != IGNORE_INDEX).sum()
-        return normalize_over_tokens(losses.sum(), count, self.data_mesh, num_items_in_batch)
+        return normalize_over_tokens(loss_sum, count, self.data_mesh, num_items_in_batch)
 
 
 def gather_logits_without_labels(module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:

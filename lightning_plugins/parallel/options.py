@@ -150,6 +150,10 @@ class MemoryOptions:
             all-gather (forward; again in backward with ``reshard_after_forward``) and one reduce-scatter per layer
             per micro-batch instead of per step. Not with zero-bubble schedules (their weight pass needs the
             parameters gathered until then).
+        loss_chunk_tokens: Chunked cross entropy: a training forward with labels computes the loss from the final
+            hidden states this many tokens at a time and never builds the ``[tokens, vocab]`` logits (backward
+            recomputes each chunk's; :mod:`lightning_plugins.parallel.chunked_loss`); ``outputs.logits`` is then
+            empty. ``None`` or ``0``: off (full logits, as transformers computes them).
     """
 
     activation_checkpointing: str = "none"
@@ -161,8 +165,15 @@ class MemoryOptions:
     optimizer_offload: bool = False
     activation_offload: bool = False
     pp_reshard_per_microbatch: bool = False
+    loss_chunk_tokens: int | None = 512
 
     def __post_init__(self) -> None:
+        chunk = self.loss_chunk_tokens
+        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
+            raise OptionsError(
+                f"loss_chunk_tokens={chunk!r} must be a number of tokens (e.g. 1024), or 0/None to compute the loss"
+                " from full logits."
+            )
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
             raise OptionsError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of {CHECKPOINTING_MODES}."

@@ -183,9 +183,10 @@ def estimate_peak(workload: Workload) -> int:
 
     State from the parameter counts and the layout; activations from Korthikanti's formula times
     :data:`ACTIVATION_FACTOR` and the micro-batches a pipeline stage holds; temporaries: the fp32 logits
-    and their gradient, FSDP2's gathered root (embedding, head) and two gathered layers, and under
-    pipeline parallelism the stage's unsharded gradients kept until the last micro-batch (not with
-    ``pp_reshard_per_microbatch``, which reduce-scatters them after every micro-batch).
+    and their gradient (one chunk of ``loss_chunk_tokens`` tokens when the loss is chunked), FSDP2's gathered
+    root (embedding, head) and two gathered layers, and under pipeline parallelism the stage's unsharded
+    gradients kept until the last micro-batch (not with ``pp_reshard_per_microbatch``, which reduce-scatters
+    them after every micro-batch).
     """
     stats, layout, memory = model_stats(workload.config), workload.layout, workload.memory
     weight, compute = _BYTES[workload.dtype], _BYTES.get(memory.param_dtype or workload.dtype, 2)
@@ -233,7 +234,9 @@ def estimate_peak(workload: Workload) -> int:
         kept = layers * in_flight if memory.activation_checkpointing == "none" else 1
         activations += routed_rows * kept
     vocab = stats.vocab_size / (layout.tp_size if workload.options.loss_parallel else 1)
-    temporaries = 3 * tokens * vocab * 4
+    # Chunked cross entropy (memory.loss_chunk_tokens) holds one chunk's fp32 logits and their gradient at a time.
+    chunk = memory.loss_chunk_tokens
+    temporaries = 3 * (min(tokens, chunk) if chunk else tokens) * vocab * 4
     if layout.fsdp_size > 1:
         gathered = stats.layer_params - stats.expert_params + stats.expert_params / layout.ep_size * layout.tp_size
         temporaries += (ends + 2 * gathered) / layout.tp_size * compute

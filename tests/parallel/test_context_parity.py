@@ -58,6 +58,7 @@ CASES = {
         "mistral_sw cp2 ring seq20": ("mistral_sw", CP2, 20, R),
         "mistral_sw cp2 ulysses seq19": ("mistral_sw", CP2, 19, U),
         "gemma2 cp2 ring seq20": ("gemma2", CP2, 20, R),
+        "gemma2 cp2 ring seq20 loss-chunk7": ("gemma2", CP2, 20, {**R, "loss_chunk_tokens": 7}),  # this rank's tokens
         "gemma2 cp2 ulysses seq20 packed": ("gemma2", CP2, 20, {**U, "data": "packed"}),
         "gemma3 cp2 ring seq18 packed": ("gemma3", CP2, 18, {**R, "data": "packed"}),
         "gpt_oss cp2 ring seq20": ("gpt_oss", CP2, 20, R),

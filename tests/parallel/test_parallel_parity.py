@@ -108,7 +108,18 @@ def _check_cases(rank: int, world_size: int, cases: list[tuple[str, dict, dict]]
 
 
 TP2 = {"tp_size": 2}
+# Chunked cross entropy over several chunks (7 tokens: 30 a rank make 5, the last one short; every other case runs it
+# in one chunk by default): FSDP2, TP with loss parallel (vocab-sharded chunks) and without, soft-capped and scaled
+# logits, a tied head, the router's balance loss added to it.
+CHUNKED = [
+    ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
+    ("granite", TP2, {"loss_chunk_tokens": 7}),
+    ("gemma2", TP2, {"loss_parallel": False, "loss_chunk_tokens": 7}),
+    ("llama_tied", TP2, {"sequence_parallel": False, "loss_parallel": False, "loss_chunk_tokens": 7}),
+    ("mixtral_aux", {"ep_size": 2}, {"loss_chunk_tokens": 7}),
+]
 TWO_RANKS = [
+    *CHUNKED,
     *[(family, TP2, {}) for family in ("llama", "qwen2", "qwen3", "mistral", "llama_tied", "gemma")],
     ("llama", TP2, {"sequence_parallel": False, "loss_parallel": False}),
     # Sequence and loss parallelism for families beyond the registered ones, found from their structure: post-norms

@@ -29,7 +29,14 @@ from torch import Tensor, nn
 
 from lightning_plugins.errors import LayoutError
 
-__all__ = ["ATTENTION_KINDS", "DecoderAnatomy", "attention_kinds", "check_stageable_config", "decoder_anatomy"]
+__all__ = [
+    "ATTENTION_KINDS",
+    "DecoderAnatomy",
+    "attention_kinds",
+    "check_stageable_config",
+    "decoder_anatomy",
+    "head_transforms",
+]
 
 #: Attention types (``config.layer_types``) whose masks a stage builds (the names transformers gives them).
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
@@ -183,7 +190,27 @@ def decoder_anatomy(model: nn.Module, pp_size: int = 2) -> DecoderAnatomy:
         embedding_multiplier=None if multiplier is None else float(multiplier),
         embedding_dropout=None if dropout is None else float(dropout),
         rotary_per_layer_type="layer_type" in inspect.signature(base.rotary_emb.forward).parameters,
-        logits_scaling=getattr(model, "logits_scaling", getattr(config, "logits_scaling", None)),
-        logit_scale=getattr(model, "logit_scale", None),
-        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+        **_head_fields(model),
     )
+
+
+def _head_fields(model: nn.Module) -> dict[str, Any]:
+    config = model.config
+    return {
+        "logits_scaling": getattr(model, "logits_scaling", getattr(config, "logits_scaling", None)),
+        "logit_scale": getattr(model, "logit_scale", None),
+        "final_logit_softcapping": getattr(config, "final_logit_softcapping", None),
+    }
+
+
+def head_transforms(model: nn.Module) -> DecoderAnatomy | None:
+    """The causal LM's logit transforms only (what its forward does between ``lm_head`` and the loss).
+
+    Returns:
+        ``None`` when its forward may do more there than :meth:`DecoderAnatomy.logits` applies: a submodule other
+        than the base model and ``lm_head``, or a scalar attribute the transforms do not cover.
+    """
+    children = {name for name, _ in model.named_children()} - {getattr(model, "base_model_prefix", ""), "lm_head"}
+    if children or _scalars(model) - _HEAD_SCALARS or getattr(model, "config", None) is None:
+        return None
+    return DecoderAnatomy(**_head_fields(model))

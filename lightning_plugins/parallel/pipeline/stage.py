@@ -72,6 +72,8 @@ class StageModule(nn.Module):
         self.loss_sums: list[Tensor] = []
         #: The dtype the next stage's receive buffer has (set with the schedule's static shapes).
         self.boundary_dtype: torch.dtype | None = None
+        #: The last stage's chunked head (:mod:`lightning_plugins.parallel.chunked_loss`), or ``None``: full logits.
+        self.chunked: Any = None
 
     @property
     def is_last(self) -> bool:
@@ -113,10 +115,14 @@ class StageModule(nn.Module):
             # A fresh tensor, not a view of the DTensor: zero-bubble schedules detach stage outputs in place.
             out = hidden.to_local().clone() if isinstance(hidden, DTensor) else hidden
             return out if self.boundary_dtype in (None, out.dtype) else out.to(self.boundary_dtype)
-        logits = self.anatomy.logits(self.lm_head(self.norm(hidden)))
         if targets is None:
             raise ValueError("The last pipeline stage needs the next-token `targets` to compute the loss.")
-        loss_sum = token_losses(logits, targets).sum()
+        if self.chunked is not None and torch.is_grad_enabled():
+            self.chunked.arm(targets)  # the head computes the token-loss sum in chunks, never the logits
+        logits = self.lm_head(self.norm(hidden))
+        loss_sum = None if self.chunked is None else self.chunked.take()
+        if loss_sum is None:
+            loss_sum = token_losses(self.anatomy.logits(logits), targets).sum()
         self.loss_sums.append(loss_sum.detach())
         return loss_sum * self.loss_factor
 

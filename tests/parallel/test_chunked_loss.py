@@ -1,0 +1,107 @@
+"""Chunked cross entropy in one process: the loss and every gradient of transformers' own, never the full logits.
+
+Multi-rank layouts (FSDP2, TP with and without loss parallel, CP, PP, experts) run it in the parity tests
+(``loss_chunk_tokens`` cases of tests/parallel/test_parallel_parity.py, test_context_parity.py,
+test_pipeline_parity.py); by default every parity case goes through it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import CONFIGS, make_batch, tiny_model
+from transformers import AutoModelForCausalLM
+
+from lightning_plugins.errors import OptionsError
+from lightning_plugins.parallel.chunked_loss import install_chunked_loss
+from lightning_plugins.parallel.loss import ParallelCausalLMLoss
+from lightning_plugins.parallel.options import MemoryOptions
+
+STEPS, BATCH, SEQ, LR, MAX_NORM = 3, 4, 15, 1.0, 0.5
+
+
+def _chunked(model: torch.nn.Module, chunk: int) -> torch.nn.Module:
+    model.loss_function = ParallelCausalLMLoss(None, install_chunked_loss(model, chunk))
+    assert model.loss_function.chunked is not None
+    return model
+
+
+def _train(model: torch.nn.Module) -> tuple[list[float], list[torch.Tensor]]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        out = model(**make_batch(BATCH, SEQ, model.config.vocab_size, seed=step))
+        out.loss.backward()
+        losses.append(out.loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, [p.detach() for p in model.parameters()]
+
+
+# llama: plain head; gemma2: soft-capped logits; granite: scaled logits; llama_tied: the head is the embedding;
+# mixtral_aux: the router's loss still added. 7 tokens a chunk: 60 tokens make 9 chunks, the last one short, one
+# all-ignored chunk skipped (make_batch's padding).
+@pytest.mark.parametrize("family", ["llama", "gemma2", "granite", "llama_tied", "mixtral_aux"])
+def test_chunked_loss_trains_as_full_logits(family: str) -> None:
+    reference = tiny_model(family)
+    chunked = _chunked(copy.deepcopy(reference), 7)
+    want_losses, want = _train(reference)
+    got_losses, got = _train(chunked)
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), atol=1e-6, rtol=0)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
+
+
+def test_logits_only_when_not_training_with_labels() -> None:
+    model = _chunked(tiny_model("gemma2"), 7)
+    batch = make_batch(2, SEQ, model.config.vocab_size, seed=0)
+    out = model(**batch)
+    assert out.logits.shape == (2, SEQ, 0), "a training forward with labels never builds the logits"
+    with torch.no_grad():  # evaluation: full logits and the same loss
+        evaluated = model(**batch)
+        model.eval()
+        plain = model(**batch)
+    assert evaluated.logits.shape == plain.logits.shape == (2, SEQ, model.config.vocab_size)
+    torch.testing.assert_close(evaluated.loss, out.loss.detach(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(plain.loss, out.loss.detach(), atol=1e-6, rtol=0)
+
+
+def test_the_full_logits_never_exist() -> None:
+    """The largest tensor autograd saves is one chunk's, whatever the sequence length."""
+    config = CONFIGS["llama"]()
+    config.vocab_size = vocab = 96  # no other dimension of the tiny model is 96
+    model = _chunked(AutoModelForCausalLM.from_config(config), 8)
+    saved: list[tuple[int, ...]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if vocab in tensor.shape:
+            saved.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(**make_batch(2, 32, vocab, seed=0)).loss
+        assert saved == [(vocab, config.hidden_size)], f"forward keeps only the head weight, got {saved}"
+        loss.backward()  # each chunk's recomputation saves that chunk's logits (8 rows), the weight (and its view)
+    weight = {(vocab, config.hidden_size), (config.hidden_size, vocab)}
+    assert {shape for shape in saved if shape not in weight} == {(8, vocab)}, saved
+
+
+def test_head_adapters_and_bias_keep_full_logits() -> None:
+    """A head the chunks would not reproduce exactly keeps transformers' full logits (never a silently wrong loss)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("llama")
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
+    assert install_chunked_loss(model, 7) is None
+    adapted = get_peft_model(tiny_model("llama"), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    assert install_chunked_loss(adapted.base_model.model, 7) is None  # a LoRA adapter on lm_head
+    assert install_chunked_loss(tiny_model("llama"), 0) is None
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "1024"])
+def test_bad_chunk_is_refused(bad: object) -> None:
+    with pytest.raises(OptionsError, match="loss_chunk_tokens"):
+        MemoryOptions(loss_chunk_tokens=bad)
