@@ -125,6 +125,9 @@ class MemoryOptions:
         activation_offload: Saved activations of each decoder layer moved to host memory during forward and
             back in backward (pinned on GPUs; on CPU the copies still run). With ``activation_checkpointing``
             only what checkpointing keeps (a fully checkpointed layer's input) moves.
+        efficient_norms: RMSNorms of a known form (Llama's, OLMo 2's, Gemma's) computed bit-identically but saving
+            only their input and the fp32 ``rstd`` per row for backward, not fp32 copies of the activation
+            (:mod:`lightning_plugins.parallel.norms`).
     """
 
     activation_checkpointing: str = "none"
@@ -135,6 +138,7 @@ class MemoryOptions:
     reshard_after_forward: bool = True
     optimizer_offload: bool = False
     activation_offload: bool = False
+    efficient_norms: bool = True
 
     def __post_init__(self) -> None:
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
@@ -155,7 +159,7 @@ class MemoryOptions:
                 raise OptionsError(
                     f"Unknown dtype {name}={value!r} for mixed precision; use one of {sorted(DTYPE_NAMES)}."
                 )
-        for name in ("optimizer_offload", "activation_offload"):
+        for name in ("optimizer_offload", "activation_offload", "efficient_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}.")
         if self.optimizer_offload and self.cpu_offload:
