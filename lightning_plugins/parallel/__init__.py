@@ -110,7 +110,12 @@ def parallelize(
     apply_expert_parallel(layers, experts)  # before tensor parallelism, which replicates what is left over tp
     if resolved.tp_size > 1:
         apply_tensor_parallel(
-            model, family, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
+            model,
+            family,
+            mesh["tp"],
+            sequence_parallel=options.sequence_parallel,
+            loss_parallel=options.loss_parallel,
+            regather=memory.sp_regather,
         )
         if options.loss_parallel:
             model.register_forward_hook(gather_logits_without_labels, with_kwargs=True)
@@ -181,7 +186,12 @@ def _parallelize_pipeline(
         apply_expert_parallel(decoder_layers(kept, family), experts)
         if tp.size() > 1:
             apply_tensor_parallel(
-                kept, family, tp, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
+                kept,
+                family,
+                tp,
+                sequence_parallel=options.sequence_parallel,
+                loss_parallel=options.loss_parallel,
+                regather=memory.sp_regather,
             )
 
     if tp.size() > 1:

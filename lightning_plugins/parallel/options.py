@@ -128,6 +128,10 @@ class MemoryOptions:
         efficient_norms: RMSNorms of a known form (Llama's, OLMo 2's, Gemma's) computed bit-identically but saving
             only their input and the fp32 ``rstd`` per row for backward, not fp32 copies of the activation
             (:mod:`lightning_plugins.parallel.norms`).
+        sp_regather: With sequence parallelism: each region (attention, MLP) keeps its input's sequence shard for
+            backward and all-gathers it again there, instead of keeping the gathered input (one more all-gather per
+            region and step; :mod:`lightning_plugins.parallel.regather`). Not with activation checkpointing or
+            activation offload, which already decide what a layer keeps.
     """
 
     activation_checkpointing: str = "none"
@@ -139,6 +143,7 @@ class MemoryOptions:
     optimizer_offload: bool = False
     activation_offload: bool = False
     efficient_norms: bool = True
+    sp_regather: bool = False
 
     def __post_init__(self) -> None:
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
@@ -159,9 +164,15 @@ class MemoryOptions:
                 raise OptionsError(
                     f"Unknown dtype {name}={value!r} for mixed precision; use one of {sorted(DTYPE_NAMES)}."
                 )
-        for name in ("optimizer_offload", "activation_offload", "efficient_norms"):
+        for name in ("optimizer_offload", "activation_offload", "efficient_norms", "sp_regather"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}.")
+        if self.sp_regather and (self.activation_checkpointing != "none" or self.activation_offload):
+            raise OptionsError(
+                "sp_regather cannot be combined with activation_checkpointing or activation_offload, which already"
+                " decide what each layer keeps for backward (a checkpointed layer keeps only its input). Use"
+                " sp_regather with activation_checkpointing='none' and activation_offload=False, or drop sp_regather."
+            )
         if self.optimizer_offload and self.cpu_offload:
             raise OptionsError(
                 "optimizer_offload and cpu_offload cannot be combined: cpu_offload (FSDP2's CPUOffloadPolicy) already"
