@@ -60,6 +60,8 @@ class Options:
     seq: int = 1024
     batch: int = 1
     families: tuple[str, ...] = FAMILIES
+    plain_norms: bool = False  # MemoryOptions(efficient_norms=False): the models' own RMSNorms (the "before")
+    sp_regather: bool = False  # MemoryOptions(sp_regather=True): regions all-gather their input again in backward
 
 
 def build_config(family: str, opts: Options) -> Any:
@@ -126,8 +128,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def worker(rank: int, opts: Options, checkpoints: dict[str, str], outdir: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    from lightning_plugins import ParallelLayout, ParallelOptions
+    from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions
     from lightning_plugins.parallel import parallelize
+    from lightning_plugins.parallel.norms import use_efficient_norms
 
     warnings.simplefilter("ignore")  # transformers' notes on loading, once per variant and rank
     gen = torch.Generator().manual_seed(0)
@@ -141,10 +144,13 @@ def worker(rank: int, opts: Options, checkpoints: dict[str, str], outdir: str) -
                 dist.barrier()
                 continue
             model = AutoModelForCausalLM.from_pretrained(checkpoints[family], dtype=torch.float32)
-            if name != "one process":
+            memory = MemoryOptions(efficient_norms=not opts.plain_norms, sp_regather=opts.sp_regather)
+            if name == "one process" and memory.efficient_norms:
+                use_efficient_norms(model)  # what parallelize does to the other variants
+            elif name != "one process":
                 sp = name.endswith("SP")
                 options = ParallelOptions(sequence_parallel=sp, loss_parallel=sp)
-                parallelize(model, ParallelLayout(tp_size=WORLD), options)
+                parallelize(model, ParallelLayout(tp_size=WORLD), options, memory)
             model.train()
             activations = LayerActivations(model, model.model.layers)
             with activations.hooks():
@@ -184,8 +190,9 @@ def report(opts: Options, results: list[dict[str, Any]], elapsed: float, command
         " `korthikanti_activations` x 2 (fp32), eager attention with its 5as/h term:",
         "",
         "| family | one process | TP=2 | TP=2 + SP | SP / TP=2 measured | SP / TP=2 formula"
-        " | SP / one process measured | formula (1/tp) | full-sequence tensors under SP | max loss diff |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        " | SP / one process measured | formula (1/tp) | one process / floor | TP=2 + SP / floor"
+        " | full-sequence tensors under SP | max loss diff |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for family in opts.families:
         per_rank = [r[family] for r in results]
@@ -199,6 +206,7 @@ def report(opts: Options, results: list[dict[str, Any]], elapsed: float, command
             f" | {saved['TP=2 + SP'] / saved['TP=2']:.2f} | {formula['TP=2 + SP'] / formula['TP=2']:.2f}"
             f" | {saved['TP=2 + SP'] / saved['one process']:.2f}"
             f" | {formula['TP=2 + SP'] / formula['one process']:.2f}"
+            f" | {saved['one process'] / formula['one process']:.2f} | {saved['TP=2 + SP'] / formula['TP=2 + SP']:.2f}"
             f" | {mib(full)} ({full / saved['TP=2 + SP']:.0%}) | {diff:.1e} |"
         )
     lines += [
@@ -228,12 +236,20 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated subset")
     parser.add_argument("--quick", action="store_true", help="a tiny size: checks the script runs")
+    parser.add_argument("--plain-norms", action="store_true", help="the models' own RMSNorms (efficient_norms=False)")
+    parser.add_argument("--sp-regather", action="store_true", help="regions re-gather their input in backward")
     parser.add_argument("--output", type=Path, help="also write the markdown report here")
     args = parser.parse_args(argv)
-    opts = Options(**{f: getattr(args, f) for f in _SIZE_FIELDS}, families=tuple(args.families.split(",")))
+    opts = Options(
+        **{f: getattr(args, f) for f in _SIZE_FIELDS},
+        families=tuple(args.families.split(",")),
+        plain_norms=args.plain_norms,
+        sp_regather=args.sp_regather,
+    )
     if args.quick:
         opts = Options(
-            hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256, seq=64, families=opts.families
+            hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256, seq=64, families=opts.families,
+            plain_norms=opts.plain_norms, sp_regather=opts.sp_regather,
         )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="sp_fallback_") as tmp:

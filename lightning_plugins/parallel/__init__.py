@@ -27,6 +27,7 @@ from lightning_plugins.parallel.context import apply_context_parallel, context_p
 from lightning_plugins.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
 from lightning_plugins.parallel.grad import clip_grad_norm_, reduce_partial_state, total_grad_norm
 from lightning_plugins.parallel.mesh import attach_mesh, data_mesh, fsdp_mesh, mesh_of
+from lightning_plugins.parallel.norms import use_efficient_norms
 from lightning_plugins.parallel.save_pretrained import install_save_pretrained
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
 from lightning_plugins.parallel.chunked_loss import install_chunked_head, install_chunked_loss
@@ -94,6 +95,8 @@ def parallelize(
     pipeline_options = check_parallelizable(model, resolved, options, memory)
     family = family_for(model, tensor_parallel=resolved.tp_size > 1)
     check_device(options, layout.device_type if isinstance(layout, DeviceMesh) else _device_type(), resolved.tp_size)
+    if memory.efficient_norms:
+        use_efficient_norms(model)
     # Validation is done: from here on collectives run (building the mesh creates process groups).
     mesh = layout if isinstance(layout, DeviceMesh) else resolved.build_mesh(_device_type())
 
@@ -112,7 +115,12 @@ def parallelize(
     apply_expert_parallel(layers, experts)  # before tensor parallelism, which replicates what is left over tp
     if resolved.tp_size > 1:
         apply_tensor_parallel(
-            model, family, mesh["tp"], sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
+            model,
+            family,
+            mesh["tp"],
+            sequence_parallel=options.sequence_parallel,
+            loss_parallel=options.loss_parallel,
+            regather=memory.sp_regather,
         )
         if options.loss_parallel:
             model.register_forward_hook(gather_logits_without_labels, with_kwargs=True)
@@ -189,7 +197,12 @@ def _parallelize_pipeline(
         apply_expert_parallel(decoder_layers(kept, family), experts)
         if tp.size() > 1:
             apply_tensor_parallel(
-                kept, family, tp, sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel
+                kept,
+                family,
+                tp,
+                sequence_parallel=options.sequence_parallel,
+                loss_parallel=options.loss_parallel,
+                regather=memory.sp_regather,
             )
 
     if tp.size() > 1:

@@ -154,6 +154,13 @@ class MemoryOptions:
             hidden states this many tokens at a time and never builds the ``[tokens, vocab]`` logits (backward
             recomputes each chunk's; :mod:`lightning_plugins.parallel.chunked_loss`); ``outputs.logits`` is then
             empty. ``None`` or ``0``: off (full logits, as transformers computes them).
+        efficient_norms: RMSNorms of a known form (Llama's, OLMo 2's, Gemma's) computed bit-identically but saving
+            only their input and the fp32 ``rstd`` per row for backward, not fp32 copies of the activation
+            (:mod:`lightning_plugins.parallel.norms`).
+        sp_regather: With sequence parallelism: each region (attention, MLP) keeps its input's sequence shard for
+            backward and all-gathers it again there, instead of keeping the gathered input (one more all-gather per
+            region and step; :mod:`lightning_plugins.parallel.regather`). Not with activation checkpointing or
+            activation offload, which already decide what a layer keeps.
     """
 
     activation_checkpointing: str = "none"
@@ -166,6 +173,8 @@ class MemoryOptions:
     activation_offload: bool = False
     pp_reshard_per_microbatch: bool = False
     loss_chunk_tokens: int | None = 512
+    efficient_norms: bool = True
+    sp_regather: bool = False
 
     def __post_init__(self) -> None:
         chunk = self.loss_chunk_tokens
@@ -192,9 +201,15 @@ class MemoryOptions:
                 raise OptionsError(
                     f"Unknown dtype {name}={value!r} for mixed precision; use one of {sorted(DTYPE_NAMES)}."
                 )
-        for name in ("optimizer_offload", "activation_offload", "pp_reshard_per_microbatch"):
+        for name in ("optimizer_offload", "activation_offload", "pp_reshard_per_microbatch", "efficient_norms", "sp_regather"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}.")
+        if self.sp_regather and (self.activation_checkpointing != "none" or self.activation_offload):
+            raise OptionsError(
+                "sp_regather cannot be combined with activation_checkpointing or activation_offload, which already"
+                " decide what each layer keeps for backward (a checkpointed layer keeps only its input). Use"
+                " sp_regather with activation_checkpointing='none' and activation_offload=False, or drop sp_regather."
+            )
         if self.optimizer_offload and self.cpu_offload:
             raise OptionsError(
                 "optimizer_offload and cpu_offload cannot be combined: cpu_offload (FSDP2's CPUOffloadPolicy) already"

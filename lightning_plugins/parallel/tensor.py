@@ -39,6 +39,7 @@ from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.experts import OnLocalParameters, TokenLocalBlock, moe_block_name
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
 from lightning_plugins.parallel.vocab_embedding import keep_embedding_grad_sharded
+from lightning_plugins.parallel.regather import RegatherInBackward
 
 # The dimension of attention heads in the [batch, seq, heads, head_dim] tensors that q/k norms see.
 _HEAD_DIM = 2
@@ -51,6 +52,7 @@ def apply_tensor_parallel(
     *,
     sequence_parallel: bool = True,
     loss_parallel: bool = True,
+    regather: bool = False,
 ) -> None:
     """Split ``model`` in place over ``tp_mesh``.
 
@@ -61,6 +63,8 @@ def apply_tensor_parallel(
         sequence_parallel: Shard norms and the residual stream along the sequence between regions.
         loss_parallel: Keep the logits vocab-sharded (``Shard(-1)``); the loss is then computed on the
             shards by :mod:`lightning_plugins.parallel.loss` and the full logits are never gathered.
+        regather: Under sequence parallelism, keep each region's sequence shard for backward and all-gather it
+            again there, instead of the gathered input (:class:`lightning_plugins.parallel.regather.RegatherInBackward`).
     """
     sp = sequence_parallel and family.sequence_parallel
     _check_adapters(model, family)
@@ -77,7 +81,7 @@ def apply_tensor_parallel(
         RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp),
     )
     keep_embedding_grad_sharded(embed)  # else its gradient comes back whole on every rank
-    dropouts = [_parallelize_layer(layer, family, tp_mesh, sp) for layer in decoder_layers(model, family)]
+    dropouts = [_parallelize_layer(layer, family, tp_mesh, sp, sp and regather) for layer in decoder_layers(model, family)]
     if any(dropouts):
         _sync_rng(tp_mesh)
     if family.final_norm:
@@ -101,7 +105,7 @@ def apply_tensor_parallel(
             param.requires_grad_(False)
 
 
-def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMesh, sp: bool) -> bool:
+def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMesh, sp: bool, regather: bool) -> bool:
     """Split one decoder layer; return whether it has LoRA dropout (whose RNG the tp ranks must share).
 
     A mixture-of-experts block is not split: it runs on this rank's tokens (:class:`TokenLocalBlock`).
@@ -133,7 +137,9 @@ def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMes
         _split_by_heads(layer, name, tp_mesh)
     for name in family.tp_regions:
         if not inside(name):
-            layer.get_submodule(name).register_forward_pre_hook(_RegionInput(tp_mesh), with_kwargs=True)
+            region = layer.get_submodule(name)
+            keep_shard = RegatherInBackward(region) if regather else None
+            region.register_forward_pre_hook(_RegionInput(tp_mesh, keep_shard), with_kwargs=True)
     if block is not None:
         TokenLocalBlock(tp_mesh).install(layer.get_submodule(block))
     return dropout
@@ -165,8 +171,8 @@ class _RegionInput:
     locally and all-reduced once.
     """
 
-    def __init__(self, mesh: DeviceMesh) -> None:
-        self.mesh = mesh
+    def __init__(self, mesh: DeviceMesh, regather: RegatherInBackward | None = None) -> None:
+        self.mesh, self.regather = mesh, regather
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         if args:
@@ -177,7 +183,10 @@ class _RegionInput:
 
     def _replicate(self, x: Any) -> Any:
         if isinstance(x, DTensor):
-            return x.redistribute(placements=[Replicate()])
+            gathered = x.redistribute(placements=[Replicate()])
+            if self.regather is not None and x.placements != gathered.placements:
+                self.regather.begin(x, gathered)
+            return gathered
         return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
 
 
