@@ -58,4 +58,14 @@ def check_settings(
             "cpu_offload, param_dtype and reduce_dtype are FSDP2 options and need at least 2 data-parallel ranks"
             " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, use a precision plugin instead."
         )
+    if memory.optimizer_in_backward:
+        split = {name: getattr(layout, name) for name in ("pp_size", "tp_size", "cp_size", "ep_size")}
+        split = {name: size for name, size in split.items() if size > 1}
+        if split:
+            raise OptionsError(
+                f"optimizer_in_backward steps each parameter as soon as backward produced its gradient, which needs"
+                f" gradients that are final then: {', '.join(f'{k}={v}' for k, v in split.items())} reduces or"
+                " accumulates them later. Use FSDP2 (dp_shard_size, dp_replicate_size) or one GPU, or turn"
+                " optimizer_in_backward off."
+            )
     return pipeline

@@ -125,6 +125,11 @@ class MemoryOptions:
         activation_offload: Saved activations of each decoder layer moved to host memory during forward and
             back in backward (pinned on GPUs; on CPU the copies still run). With ``activation_checkpointing``
             only what checkpointing keeps (a fully checkpointed layer's input) moves.
+        optimizer_in_backward: Each parameter's optimizer step runs in backward as soon as its gradient is ready, and
+            the gradient is freed (:mod:`lightning_plugins.parallel.optim_in_backward`): a step never holds all the
+            gradients. Applied where the optimizer is built (``make_optimizer``; your own:
+            ``lightning_plugins.parallel.optim_in_backward.step_in_backward``). Not with gradient clipping, gradient
+            accumulation, or pp/tp/cp/ep > 1.
     """
 
     activation_checkpointing: str = "none"
@@ -135,6 +140,7 @@ class MemoryOptions:
     reshard_after_forward: bool = True
     optimizer_offload: bool = False
     activation_offload: bool = False
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
@@ -155,7 +161,7 @@ class MemoryOptions:
                 raise OptionsError(
                     f"Unknown dtype {name}={value!r} for mixed precision; use one of {sorted(DTYPE_NAMES)}."
                 )
-        for name in ("optimizer_offload", "activation_offload"):
+        for name in ("optimizer_offload", "activation_offload", "optimizer_in_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}.")
         if self.optimizer_offload and self.cpu_offload:

@@ -113,12 +113,17 @@ def resident_state(workload: Workload) -> list[tuple[str, int, dict[str, int]]]:
     """``(kind, rank, state)`` of every kind of rank: the counted part of :func:`dry_run` alone (fast at any size)."""
     kinds = rank_kinds(workload)
     states = forked([(count_state, (workload, rank)) for _, rank in kinds])
+    for state in states:
+        state.pop("largest_gradient")
     return [(kind, rank, state) for (kind, rank), state in zip(kinds, states)]
 
 
 def _rank_memory(
     workload: Workload, kind: str, rank: int, state: dict, dense: dict | None, steps: list[dict]
 ) -> RankMemory:
+    largest = state.pop("largest_gradient")
+    if dense is not None:
+        dense.pop("largest_gradient")
     layers = layers_of_rank(workload, rank)
     intervals, per_layer = _extrapolated(steps, layers)
     offloaded = max(interval.pop("host") for interval in intervals)  # activations on the host at most at once
@@ -131,6 +136,21 @@ def _rank_memory(
         )
     if dense is not None:
         _as_nf4(report, workload, dense)
+    if workload.optimizer != "adamw":  # the step was measured with torch's AdamW: its state as counted instead
+        for peak in report.intervals:
+            moments = min(peak["optimizer"], state["optimizer"])
+            peak["total"] -= peak["optimizer"] - moments
+            peak["optimizer"] = moments
+        report.notes.append(f"{workload.optimizer} state counted (the measured step ran torch's AdamW)")
+    if workload.memory.optimizer_in_backward:  # each gradient applied and freed as produced: the largest at most
+        for peak in report.intervals:
+            alive = min(peak["gradients"], largest)
+            peak["total"] -= peak["gradients"] - alive
+            peak["gradients"] = alive
+        report.notes.append(
+            f"optimizer in backward modelled: gradients at most the largest parameter's ({largest / 2**30:.2f} GiB);"
+            " the optimizer step's temporaries as measured for the whole step (an over-estimate)"
+        )
     report.peak = worst_interval(report.intervals)
     if workload.memory.activation_offload:
         report.notes.append(
@@ -182,16 +202,20 @@ def build_parallel_model(workload: Workload) -> nn.Module:
 def count_state(workload: Workload, rank: int) -> dict[str, int]:
     """Resident parameter, gradient and AdamW bytes of ``rank``, from the engine's sharded tensors (:func:`_state_of`)."""
     with fake_world(rank, workload.world_size):
-        return _state_of(build_parallel_model(workload), nf4=workload.method == "qlora")
+        return _state_of(build_parallel_model(workload), nf4=workload.method == "qlora", optimizer=workload.optimizer)
 
 
-def _state_of(model: nn.Module, *, nf4: bool) -> dict[str, int]:
+def _state_of(model: nn.Module, *, nf4: bool, optimizer: str = "adamw") -> dict[str, int]:
     """Parameter, gradient and AdamW bytes of a parallelized model's local shards.
 
     With ``nf4`` (QLoRA) the frozen linear weights of the decoder are counted at their NF4 size (4-bit codes,
     block scales and their factors, as :func:`lightning_plugins.adapters.qlora.nf4_nbytes_for` gives them) per
-    shard: the model is built with a dense base (NF4 needs real weights to quantize).
+    shard: the model is built with a dense base (NF4 needs real weights to quantize). With ``optimizer="adamw8bit"``
+    the moments of a shard torchao quantizes are 1 byte per value plus an fp32 scale per block
+    (:func:`lightning_plugins.parallel.optimizers.state_nbytes`).
     """
+    from lightning_plugins.parallel.optimizers import state_nbytes
+
     from lightning_plugins.adapters.lora import hf_model_of
     from lightning_plugins.adapters.qlora import nf4_nbytes_for
 
@@ -203,15 +227,16 @@ def _state_of(model: nn.Module, *, nf4: bool) -> dict[str, int]:
             for module in model.modules()
             if type(module) is nn.Linear and module is not head and not module.weight.requires_grad
         }
-    params = grads = optimizer = 0
+    params = grads = moments = largest = 0
     for param in model.parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         nbytes = local.numel() * local.element_size()
         params += nf4_nbytes_for(local.numel(), dtype=local.dtype) if id(param) in quantized else nbytes
         if param.requires_grad:
             grads += nbytes
-            optimizer += 2 * nbytes + 4  # exp_avg, exp_avg_sq in the parameter's dtype; a float32 step
-    return {"parameters": params, "gradients": grads, "optimizer": optimizer}
+            largest = max(largest, nbytes)
+            moments += state_nbytes(optimizer, local)
+    return {"parameters": params, "gradients": grads, "optimizer": moments, "largest_gradient": largest}
 
 
 def layers_of_rank(workload: Workload, rank: int) -> int:
@@ -255,7 +280,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
         model = build_parallel_model(workload)
         counted = {}
         if count:
-            counted["state"] = _state_of(model, nf4=workload.method == "qlora")
+            counted["state"] = _state_of(model, nf4=workload.method == "qlora", optimizer=workload.optimizer)
             if workload.method == "qlora":
                 counted["dense_state"] = _state_of(model, nf4=False)
         with FakeTensorMode(allow_non_fake_inputs=True):

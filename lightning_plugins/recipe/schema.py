@@ -69,6 +69,10 @@ class OptimSection(_Section):
         warmup_steps: Linear warmup from 0 to ``lr``.
         min_lr_ratio: The final learning rate as a fraction of ``lr``.
         max_grad_norm: Clip the global gradient norm to this; ``null`` for no clipping.
+        name: ``adamw`` (torch, fp32 state: 8 bytes per trainable parameter) or ``adamw8bit`` (torchao's
+            ``AdamW8bit``: both moments in 8 bits with a scale per 256 values, about 2 bytes per parameter; tensors
+            under 4096 values per rank keep fp32 state). Not exact against ``adamw``; composes with FSDP2 (sharded
+            DTensor state), DCP checkpoints and ``memory.optimizer_offload``.
     """
 
     lr: float = Field(2e-5, gt=0)
@@ -79,6 +83,7 @@ class OptimSection(_Section):
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     max_grad_norm: float | None = Field(1.0, gt=0)
+    name: Literal["adamw", "adamw8bit"] = "adamw"
 
 
 def _known_names(names: list[str], known: Sequence[str], kind: str, case: Callable[[str], str]) -> list[str]:
@@ -429,6 +434,8 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             f" ({recipe.train.micro_batch_size}) x data-parallel ranks ({layout.dp_size}) = {per_step}. Use"
             f" train.global_batch_size={good}, or change train.micro_batch_size."
         )
+    if recipe.memory.optimizer_in_backward:
+        _check_optimizer_in_backward(recipe, path)
     if layout.pp_size > 1:
         from lightning_plugins.parallel.pipeline import PipelineOptions
 
@@ -464,6 +471,30 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             " process: PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()."
         )
     return recipe
+
+
+def _check_optimizer_in_backward(recipe: Recipe, path: Path) -> None:
+    """``memory.optimizer_in_backward`` applies each gradient as backward produces it: no global norm to clip by, no
+    micro-batches to accumulate, no step to skip."""
+    if recipe.optim.max_grad_norm is not None:
+        raise RecipeError(
+            f"{path}: memory.optimizer_in_backward steps each parameter before the others' gradients exist, so"
+            " optim.max_grad_norm cannot clip by the global norm. Set optim.max_grad_norm: null (torchtune's"
+            " optimizer_in_bwd does not clip either), or turn memory.optimizer_in_backward off."
+        )
+    if recipe.accumulation > 1:
+        raise RecipeError(
+            f"{path}: memory.optimizer_in_backward would step on each micro-batch's gradient, but the recipe"
+            f" accumulates {recipe.accumulation} micro-batches per step. Use train.micro_batch_size ="
+            f" {recipe.samples_per_step // recipe.layout.dp_size} (the whole step's rows per data rank), or turn"
+            " memory.optimizer_in_backward off."
+        )
+    if recipe.train.on_nonfinite == "skip":
+        raise RecipeError(
+            f"{path}: memory.optimizer_in_backward has applied the gradients before a non-finite one can be seen,"
+            " so train.on_nonfinite: skip cannot skip the step. Use train.on_nonfinite: stop, or turn"
+            " memory.optimizer_in_backward off."
+        )
 
 
 def _check_tensor_plan(config: Any) -> None:
