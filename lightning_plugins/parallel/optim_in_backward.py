@@ -14,7 +14,8 @@ What it changes: gradient clipping needs the global norm of all the gradients be
 refused (``optim.max_grad_norm: null``); gradient accumulation would step on each micro-batch's partial gradient,
 so more than one micro-batch per step is refused, and so are pipeline parallelism (its micro-batches accumulate),
 tensor and context parallelism and expert parallelism (their gradients get a last reduction after backward). Checked
-where the settings meet (:func:`lightning_plugins.parallel.checks.check_settings`, the recipe's validation).
+where the settings meet (:func:`lightning_plugins.parallel.checks.check_settings`; the recipe's validation calls
+:func:`check_step_in_backward`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import torch
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["step_in_backward"]
+from lightning_plugins.errors import OptionsError
+
+__all__ = ["check_step_in_backward", "step_in_backward"]
 
 
 def step_in_backward(optimizer: Optimizer, params: Iterable[torch.Tensor] | None = None) -> list[RemovableHandle]:
@@ -51,3 +54,29 @@ def step_in_backward(optimizer: Optimizer, params: Iterable[torch.Tensor] | None
         param.grad = None
 
     return [p.register_post_accumulate_grad_hook(apply_and_free) for p in params if p.requires_grad]
+
+
+def check_step_in_backward(max_grad_norm: float | None, accumulation: int, on_nonfinite: str) -> None:
+    """Refuse what stepping in backward cannot do: clip by the global norm, accumulate micro-batches, skip a step.
+
+    Raises:
+        OptionsError: naming the setting to change (recipe keys ``optim.max_grad_norm``, ``train.micro_batch_size``,
+            ``train.on_nonfinite``).
+    """
+    if max_grad_norm is not None:
+        raise OptionsError(
+            "each parameter steps before the others' gradients exist, so optim.max_grad_norm cannot clip by the"
+            " global norm. Set optim.max_grad_norm: null (torchtune's optimizer_in_bwd does not clip either), or turn"
+            " memory.optimizer_in_backward off."
+        )
+    if accumulation > 1:
+        raise OptionsError(
+            f"it would step on each micro-batch's gradient, but {accumulation} micro-batches are accumulated per"
+            " step. Make train.micro_batch_size the whole step's rows per data rank, or turn"
+            " memory.optimizer_in_backward off."
+        )
+    if on_nonfinite == "skip":
+        raise OptionsError(
+            "the gradients are applied before a non-finite one can be seen, so train.on_nonfinite: skip cannot skip"
+            " the step. Use train.on_nonfinite: stop, or turn memory.optimizer_in_backward off."
+        )

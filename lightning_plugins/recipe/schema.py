@@ -29,11 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lightning_plugins.data import DataConfig
 from lightning_plugins.parallel.layout import ParallelLayout
-from lightning_plugins.errors import LayoutError, OptionsError
+from lightning_plugins.errors import LayoutError, OptionsError, RecipeError
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.run.perf import ProfileOptions
-from lightning_plugins.errors import RecipeError
 
 
 class _Section(BaseModel):
@@ -58,7 +57,7 @@ class ModelSection(_Section):
 
 
 class OptimSection(_Section):
-    """AdamW with linear warmup and a cosine or linear decay.
+    """AdamW (``name``: torch's ``adamw``, or torchao's ``adamw8bit``: 8-bit moments) with linear warmup and a decay.
 
     Attributes:
         lr: Peak learning rate.
@@ -69,10 +68,6 @@ class OptimSection(_Section):
         warmup_steps: Linear warmup from 0 to ``lr``.
         min_lr_ratio: The final learning rate as a fraction of ``lr``.
         max_grad_norm: Clip the global gradient norm to this; ``null`` for no clipping.
-        name: ``adamw`` (torch, fp32 state: 8 bytes per trainable parameter) or ``adamw8bit`` (torchao's
-            ``AdamW8bit``: both moments in 8 bits with a scale per 256 values, about 2 bytes per parameter; tensors
-            under 4096 values per rank keep fp32 state). Not exact against ``adamw``; composes with FSDP2 (sharded
-            DTensor state), DCP checkpoints and ``memory.optimizer_offload``.
     """
 
     lr: float = Field(2e-5, gt=0)
@@ -434,8 +429,8 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             f" ({recipe.train.micro_batch_size}) x data-parallel ranks ({layout.dp_size}) = {per_step}. Use"
             f" train.global_batch_size={good}, or change train.micro_batch_size."
         )
-    if recipe.memory.optimizer_in_backward:
-        _check_optimizer_in_backward(recipe, path)
+    from lightning_plugins.recipe.build import check_optim_levers  # (build imports this module)
+    check_optim_levers(recipe, path)
     if layout.pp_size > 1:
         from lightning_plugins.parallel.pipeline import PipelineOptions
 
@@ -471,30 +466,6 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             " process: PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()."
         )
     return recipe
-
-
-def _check_optimizer_in_backward(recipe: Recipe, path: Path) -> None:
-    """``memory.optimizer_in_backward`` applies each gradient as backward produces it: no global norm to clip by, no
-    micro-batches to accumulate, no step to skip."""
-    if recipe.optim.max_grad_norm is not None:
-        raise RecipeError(
-            f"{path}: memory.optimizer_in_backward steps each parameter before the others' gradients exist, so"
-            " optim.max_grad_norm cannot clip by the global norm. Set optim.max_grad_norm: null (torchtune's"
-            " optimizer_in_bwd does not clip either), or turn memory.optimizer_in_backward off."
-        )
-    if recipe.accumulation > 1:
-        raise RecipeError(
-            f"{path}: memory.optimizer_in_backward would step on each micro-batch's gradient, but the recipe"
-            f" accumulates {recipe.accumulation} micro-batches per step. Use train.micro_batch_size ="
-            f" {recipe.samples_per_step // recipe.layout.dp_size} (the whole step's rows per data rank), or turn"
-            " memory.optimizer_in_backward off."
-        )
-    if recipe.train.on_nonfinite == "skip":
-        raise RecipeError(
-            f"{path}: memory.optimizer_in_backward has applied the gradients before a non-finite one can be seen,"
-            " so train.on_nonfinite: skip cannot skip the step. Use train.on_nonfinite: stop, or turn"
-            " memory.optimizer_in_backward off."
-        )
 
 
 def _check_tensor_plan(config: Any) -> None:

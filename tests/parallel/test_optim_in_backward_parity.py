@@ -116,3 +116,13 @@ def test_optimizer_in_backward_refuses_layouts_that_reduce_gradients_later() -> 
             check_settings(ParallelLayout(**sizes).resolve(2), ParallelOptions(), memory)
     with pytest.raises(OptionsError, match="optimizer_in_backward must be true or false"):
         MemoryOptions(optimizer_in_backward="yes")  # type: ignore[arg-type]
+
+
+def test_optimizer_in_backward_refuses_what_it_cannot_do() -> None:
+    from lightning_plugins.parallel.optim_in_backward import check_step_in_backward
+
+    check_step_in_backward(None, 1, "stop")
+    for args, fix in (((1.0, 1, "stop"), "optim.max_grad_norm: null"), ((None, 2, "stop"), "train.micro_batch_size"),
+                      ((None, 1, "skip"), "train.on_nonfinite: stop")):  # fmt: skip
+        with pytest.raises(OptionsError, match=fix):
+            check_step_in_backward(*args)
