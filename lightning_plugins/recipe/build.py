@@ -15,8 +15,7 @@ from torch.utils.data import DataLoader
 
 from lightning_plugins.parallel.dtypes import DTYPES
 from lightning_plugins.parallel.offload import offload_optimizer
-from lightning_plugins.errors import OptionsError, RecipeError
-from lightning_plugins.parallel.optim_in_backward import check_step_in_backward, step_in_backward
+from lightning_plugins.parallel.optim_in_backward import step_in_backward
 from lightning_plugins.parallel.optimizers import optimizer_class
 from lightning_plugins.planner.hardware import peak_flops
 from lightning_plugins.recipe.schema import Recipe
@@ -33,19 +32,6 @@ def lr_lambda(step: int, total: int, warmup: int, scheduler: str, min_ratio: flo
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     decay = 0.5 * (1 + math.cos(math.pi * progress)) if scheduler == "cosine" else 1 - progress
     return min_ratio + (1 - min_ratio) * decay
-
-
-def check_optim_levers(recipe: Recipe, path: Path) -> None:
-    """Refuse what ``memory.optimizer_in_backward`` cannot do with this recipe (called by the recipe's validation).
-
-    Raises:
-        RecipeError: for gradient clipping, accumulation or ``train.on_nonfinite: skip`` with it.
-    """
-    if recipe.memory.optimizer_in_backward:
-        try:
-            check_step_in_backward(recipe.optim.max_grad_norm, recipe.accumulation, recipe.train.on_nonfinite)
-        except OptionsError as err:
-            raise RecipeError(f"{path}: memory.optimizer_in_backward: {err}") from None
 
 
 def make_optimizer(model: torch.nn.Module, recipe: Recipe, total_steps: int) -> tuple[torch.optim.Optimizer, Any]:
