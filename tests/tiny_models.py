@@ -46,6 +46,9 @@ CONFIGS = {
     "llama_tied_4l": lambda: LlamaConfig(**{**_COMMON, "num_hidden_layers": 4}, tie_word_embeddings=True),
     "qwen3_4l": lambda: Qwen3Config(**{**_COMMON, "num_hidden_layers": 4}, head_dim=8),
     "llama_8l": lambda: LlamaConfig(**{**_COMMON, "num_hidden_layers": 8}),
+    # Wide enough that every matrix holds >= 4096 values per rank under FSDP2=2 (torchao's 8-bit AdamW quantizes
+    # only such tensors, in blocks of 256 that a dim-0 shard of these shapes keeps whole).
+    "llama_8bit_state": lambda: LlamaConfig(**{**_COMMON, "hidden_size": 128, "intermediate_size": 256}),
     # Mixture of experts: 4 routed experts, top-2 (Qwen2-MoE adds a shared expert and a dense layer).
     "mixtral": lambda: MixtralConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2),
     # The router's load-balancing loss on (a large coefficient, so a wrong global reduction shows).

@@ -29,6 +29,7 @@ from lightning_plugins.accelerate.state import broadcast_from_first
 from lightning_plugins.checkpoint import resume_choice
 from lightning_plugins.checkpoint.checks import CHECKPOINT_NAME
 from lightning_plugins.checkpoint.resume_choice import LATEST, agreed_resume
+from lightning_plugins.parallel.optim_in_backward import step_in_backward
 from lightning_plugins.recipe.build import build_loaders, build_model, make_optimizer
 from lightning_plugins.recipe.diff import reset_optimizer
 from lightning_plugins.recipe.finish import check_exportable, export_dir, export_trained, write_results
@@ -118,6 +119,8 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     model, optimizer, train_loader, schedule = accelerator.prepare(model, optimizer, train_loader, schedule)
+    if recipe.memory.optimizer_in_backward:  # the prepared (sharded) parameters: make_optimizer hooked the originals
+        step_in_backward(optimizer.optimizer)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
     ckpt = agreed_resume(out, resume, accelerator.print, broadcast_from_first)  # rank 0's decision, for every rank

@@ -62,4 +62,14 @@ def check_settings(
     check_compile(layout, options, memory)
     if memory.pp_reshard_per_microbatch:
         check_pp_reshard(layout, pipeline, resolved)
+    if memory.optimizer_in_backward:
+        split = {name: getattr(layout, name) for name in ("pp_size", "tp_size", "cp_size", "ep_size")}
+        split = {name: size for name, size in split.items() if size > 1}
+        if split:
+            raise OptionsError(
+                f"optimizer_in_backward steps each parameter as soon as backward produced its gradient, which needs"
+                f" gradients that are final then: {', '.join(f'{k}={v}' for k, v in split.items())} reduces or"
+                " accumulates them later. Use FSDP2 (dp_shard_size, dp_replicate_size) or one GPU, or turn"
+                " optimizer_in_backward off."
+            )
     return pipeline

@@ -161,6 +161,11 @@ class MemoryOptions:
             backward and all-gathers it again there, instead of keeping the gathered input (one more all-gather per
             region and step; :mod:`lightning_plugins.parallel.regather`). Not with activation checkpointing or
             activation offload, which already decide what a layer keeps.
+        optimizer_in_backward: Each parameter's optimizer step runs in backward as soon as its gradient is ready, and
+            the gradient is freed (:mod:`lightning_plugins.parallel.optim_in_backward`): a step never holds all the
+            gradients. Applied where the optimizer is built (``make_optimizer``; your own:
+            ``lightning_plugins.parallel.optim_in_backward.step_in_backward``). Not with gradient clipping, gradient
+            accumulation, or pp/tp/cp/ep > 1.
     """
 
     activation_checkpointing: str = "none"
@@ -175,6 +180,7 @@ class MemoryOptions:
     loss_chunk_tokens: int | None = 512
     efficient_norms: bool = True
     sp_regather: bool = False
+    optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
         chunk = self.loss_chunk_tokens
@@ -201,7 +207,7 @@ class MemoryOptions:
                 raise OptionsError(
                     f"Unknown dtype {name}={value!r} for mixed precision; use one of {sorted(DTYPE_NAMES)}."
                 )
-        for name in ("optimizer_offload", "activation_offload", "pp_reshard_per_microbatch", "efficient_norms", "sp_regather"):
+        for name in ("optimizer_offload", "activation_offload", "pp_reshard_per_microbatch", "efficient_norms", "sp_regather", "optimizer_in_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}.")
         if self.sp_regather and (self.activation_checkpointing != "none" or self.activation_offload):

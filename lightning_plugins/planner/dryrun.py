@@ -113,12 +113,15 @@ def resident_state(workload: Workload) -> list[tuple[str, int, dict[str, int]]]:
     """``(kind, rank, state)`` of every kind of rank: the counted part of :func:`dry_run` alone (fast at any size)."""
     kinds = rank_kinds(workload)
     states = forked([(count_state, (workload, rank)) for _, rank in kinds])
+    for state in states:
+        state.pop("largest_gradient")
     return [(kind, rank, state) for (kind, rank), state in zip(kinds, states)]
 
 
 def _rank_memory(
     workload: Workload, kind: str, rank: int, state: dict, steps: list[dict]
 ) -> RankMemory:
+    largest = state.pop("largest_gradient")
     layers = layers_of_rank(workload, rank)
     intervals, per_layer = _extrapolated(steps, layers)
     offloaded = max(interval.pop("host") for interval in intervals)  # activations on the host at most at once
@@ -128,6 +131,21 @@ def _rank_memory(
         report.notes.append(
             f"peak extrapolated to {layers} layers from copies of the model with {MEASURED_LAYERS[0]} and"
             f" {MEASURED_LAYERS[1]} layers on this rank"
+        )
+    if workload.optimizer != "adamw":  # the step was measured with torch's AdamW: its state as counted instead
+        for peak in report.intervals:
+            moments = min(peak["optimizer"], state["optimizer"])
+            peak["total"] -= peak["optimizer"] - moments
+            peak["optimizer"] = moments
+        report.notes.append(f"{workload.optimizer} state counted (the measured step ran torch's AdamW)")
+    if workload.memory.optimizer_in_backward:  # each gradient applied and freed as produced: the largest at most
+        for peak in report.intervals:
+            alive = min(peak["gradients"], largest)
+            peak["total"] -= peak["gradients"] - alive
+            peak["gradients"] = alive
+        report.notes.append(
+            f"optimizer in backward modelled: gradients at most the largest parameter's ({largest / 2**30:.2f} GiB);"
+            " the optimizer step's temporaries as measured for the whole step (an over-estimate)"
         )
     report.peak = worst_interval(report.intervals)
     if workload.memory.activation_offload:
@@ -187,26 +205,29 @@ def build_parallel_model(workload: Workload) -> nn.Module:
 def count_state(workload: Workload, rank: int) -> dict[str, int]:
     """Resident parameter, gradient and AdamW bytes of ``rank``, from the engine's sharded tensors (:func:`_state_of`)."""
     with fake_world(rank, workload.world_size):
-        return _state_of(build_parallel_model(workload))
+        return _state_of(build_parallel_model(workload), optimizer=workload.optimizer)
 
 
-def _state_of(model: nn.Module) -> dict[str, int]:
-    """Parameter, gradient and AdamW bytes of a parallelized model's local shards.
+def _state_of(model: nn.Module, *, optimizer: str = "adamw") -> dict[str, int]:
+    """Parameter, gradient and optimizer bytes of a parallelized model's local shards.
 
     An NF4 shard (QLoRA) counts the bytes it holds (:func:`lightning_plugins.adapters.qlora.nf4_nbytes`: 4-bit
-    codes, block scalers, their factors).
+    codes, block scalers, their factors). With ``optimizer="adamw8bit"`` the moments of a shard torchao quantizes
+    are 1 byte per value plus an fp32 scale per block (:func:`lightning_plugins.parallel.optimizers.state_nbytes`).
     """
     from lightning_plugins.adapters.qlora import is_nf4, nf4_nbytes
+    from lightning_plugins.parallel.optimizers import state_nbytes
 
-    params = grads = optimizer = 0
+    params = grads = moments = largest = 0
     for param in model.parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         nbytes = local.numel() * local.element_size()
         params += nf4_nbytes(local) if is_nf4(local) else nbytes
         if param.requires_grad:
             grads += nbytes
-            optimizer += 2 * nbytes + 4  # exp_avg, exp_avg_sq in the parameter's dtype; a float32 step
-    return {"parameters": params, "gradients": grads, "optimizer": optimizer}
+            largest = max(largest, nbytes)
+            moments += state_nbytes(optimizer, local)
+    return {"parameters": params, "gradients": grads, "optimizer": moments, "largest_gradient": largest}
 
 
 def layers_of_rank(workload: Workload, rank: int) -> int:
@@ -250,7 +271,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
         model = build_parallel_model(workload)
         counted = {}
         if count:
-            counted["state"] = _state_of(model)
+            counted["state"] = _state_of(model, optimizer=workload.optimizer)
         with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
             # torchao's NF4 all-gather checks its output's storage by data pointer, which fake tensors warn about.
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)

@@ -25,6 +25,7 @@ from lightning_plugins.errors import LayoutError
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import SCHEDULES, MemoryOptions, ParallelOptions
 from lightning_plugins.planner.dryrun import dry_run
+from lightning_plugins.parallel.optimizers import STATE_BYTES_PER_PARAM
 from lightning_plugins.planner.rank_memory import RankMemory, korthikanti_activations, with_offload, with_optimizer_offload
 from lightning_plugins.planner.hardware import Cluster
 from lightning_plugins.planner.model_stats import model_stats
@@ -214,7 +215,14 @@ def estimate_peak(workload: Workload) -> int:
         per_param = 0.5 + 1 / 64 if workload.method == "qlora" else weight
         params = ((layers * stats.layer_params - routed) / shards + routed / layout.fsdp_size) * per_param
         params += ends / shards * weight
-    state = params + trainable * weight * (1 if memory.optimizer_offload else 3)  # gradients (and AdamW's moments)
+    # AdamW's two moments in the parameters' dtype; 8-bit: bytes per value whatever the dtype.
+    moments = 2 * weight if workload.optimizer == "adamw" else STATE_BYTES_PER_PARAM[workload.optimizer]
+    moments *= not memory.optimizer_offload
+    # Gradients: all of them; in backward, each applied and freed as produced (the largest, the embedding, at most).
+    grads = trainable * weight
+    if memory.optimizer_in_backward:
+        grads = min(grads, stats.embedding_params / shards * weight)
+    state = params + grads + trainable * moments  # gradients and the optimizer's moments
     # Activations of one micro-batch, times the micro-batches in flight on the first stage.
     rows = workload.micro_batch_size // (pipeline.microbatches if pipeline else 1)
     in_flight = 1

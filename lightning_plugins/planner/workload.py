@@ -33,6 +33,7 @@ class Workload:
             pipeline splits into ``options.pp_microbatches`` micro-batches), as in a recipe.
         global_batch_size: Rows per optimizer step over all data ranks.
         attn_implementation: transformers' attention implementation the run uses.
+        optimizer: ``optim.name`` of the recipe: ``adamw`` (fp32 moments) or ``adamw8bit`` (8-bit moments).
     """
 
     config: Any
@@ -45,6 +46,7 @@ class Workload:
     micro_batch_size: int = 1
     global_batch_size: int | None = None
     attn_implementation: str = "sdpa"
+    optimizer: str = "adamw"
 
     def __post_init__(self) -> None:
         if self.layout.dp_shard_size == -1:
@@ -102,4 +104,5 @@ class Workload:
             micro_batch_size=recipe.train.micro_batch_size,
             global_batch_size=recipe.samples_per_step,
             attn_implementation=recipe.model.attn_implementation,
+            optimizer=recipe.optim.name,
         )

@@ -15,6 +15,8 @@ from torch.utils.data import DataLoader
 
 from lightning_plugins.parallel.dtypes import DTYPES
 from lightning_plugins.parallel.offload import offload_optimizer
+from lightning_plugins.parallel.optim_in_backward import step_in_backward
+from lightning_plugins.parallel.optimizers import optimizer_class
 from lightning_plugins.planner.hardware import peak_flops
 from lightning_plugins.recipe.schema import Recipe
 from lightning_plugins.checkpoint.resume import ResumableDataLoader, loader_generator
@@ -33,18 +35,22 @@ def lr_lambda(step: int, total: int, warmup: int, scheduler: str, min_ratio: flo
 
 
 def make_optimizer(model: torch.nn.Module, recipe: Recipe, total_steps: int) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW over the trainable parameters only (LoRA: the adapters) and its per-step schedule.
+    """AdamW (``optim.name``: torch's, or torchao's 8-bit one) over the trainable parameters only (LoRA: the
+    adapters) and its per-step schedule.
 
     With ``memory.optimizer_offload`` the AdamW state and step live in host memory
     (:class:`lightning_plugins.parallel.offload.HostOffloadOptimizer`); the schedule drives it the same way.
     """
     optim = recipe.optim
     trainable = [p for p in model.parameters() if p.requires_grad]
-    hyperparameters = {"lr": optim.lr, "betas": optim.betas, "eps": optim.eps, "weight_decay": optim.weight_decay}
+    hyperparameters = {"lr": optim.lr, "betas": tuple(optim.betas), "eps": optim.eps, "weight_decay": optim.weight_decay}
+    adamw = optimizer_class(optim.name)
     if recipe.memory.optimizer_offload:
-        optimizer: torch.optim.Optimizer = offload_optimizer(torch.optim.AdamW, trainable, **hyperparameters)
+        optimizer: torch.optim.Optimizer = offload_optimizer(adamw, trainable, **hyperparameters)
     else:
-        optimizer = torch.optim.AdamW(trainable, **hyperparameters)
+        optimizer = adamw(trainable, **hyperparameters)
+    if recipe.memory.optimizer_in_backward:  # the Accelerate door hooks the prepared (sharded) parameters itself
+        step_in_backward(optimizer)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_lambda(step, total_steps, optim.warmup_steps, optim.scheduler, optim.min_lr_ratio)
     )

@@ -29,11 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lightning_plugins.data import DataConfig
 from lightning_plugins.parallel.layout import ParallelLayout
-from lightning_plugins.errors import LayoutError, OptionsError
+from lightning_plugins.errors import LayoutError, OptionsError, RecipeError
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
+from lightning_plugins.recipe.levers import check_optim_levers
 from lightning_plugins.run.perf import ProfileOptions
-from lightning_plugins.errors import RecipeError
 
 
 class _Section(BaseModel):
@@ -58,7 +58,7 @@ class ModelSection(_Section):
 
 
 class OptimSection(_Section):
-    """AdamW with linear warmup and a cosine or linear decay.
+    """AdamW (``name``: torch's ``adamw``, or torchao's ``adamw8bit``: 8-bit moments) with linear warmup and a decay.
 
     Attributes:
         lr: Peak learning rate.
@@ -79,6 +79,7 @@ class OptimSection(_Section):
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     max_grad_norm: float | None = Field(1.0, gt=0)
+    name: Literal["adamw", "adamw8bit"] = "adamw"
 
 
 def _known_names(names: list[str], known: Sequence[str], kind: str, case: Callable[[str], str]) -> list[str]:
@@ -429,6 +430,7 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             f" ({recipe.train.micro_batch_size}) x data-parallel ranks ({layout.dp_size}) = {per_step}. Use"
             f" train.global_batch_size={good}, or change train.micro_batch_size."
         )
+    check_optim_levers(recipe, path)
     if layout.pp_size > 1:
         from lightning_plugins.parallel.pipeline import PipelineOptions
 

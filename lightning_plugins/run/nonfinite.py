@@ -185,6 +185,8 @@ def check_finite_weights(tensors: Iterable[Tensor], what: str, step: int | None 
     device = None
     for tensor in tensors:
         local = _local(tensor.detach())
+        if type(local) is not Tensor and hasattr(local, "dequantize"):  # torchao's 8-bit optimizer state
+            local = local.dequantize()
         device = device or local.device
         if local.is_floating_point() and local.numel():
             bad = bad.to(local.device) | ~torch.isfinite(local).all()
