@@ -4,7 +4,7 @@ in the same step; ``train.on_nonfinite=skip`` trains on as a run that simply did
 last checkpoint named; neither leaves a checkpoint of the bad step or an export, and the exit status is non-zero.
 
 Two launched runs per layout, one per door, each checking several cases (``tests/scripts/nonfinite_run.py`` injects the
-NaN: rank 1's ``lm_head`` output, which under PP only the last stage has):
+NaN: rank 1's ``lm_head`` input, which under PP only the last stage has):
 
 * skip run: NaN in steps 2, 6 and 7; step 2 is skipped, step 6 too, step 7 is the second consecutive skip: it stops.
 * stop run (the reference): step 2 runs its forward and backward but does not update (no NaN: the hook does not step

@@ -6,9 +6,10 @@
 The hooks are installed here, by patching the runner's ``build_model`` and ``make_optimizer`` before it starts; the
 library holds none. Steps are optimizer steps, 1-based (the checkpoint after step N is ``step=N.ckpt``):
 
-    LIGHTNING_PLUGINS_TEST_NAN=RANK:STEP[,STEP...]   on global rank RANK, the ``lm_head`` output of every training
+    LIGHTNING_PLUGINS_TEST_NAN=RANK:STEP[,STEP...]   on global rank RANK, the ``lm_head`` input of every training
                                                      forward of those steps is multiplied by NaN (the loss and the
-                                                     gradients turn NaN; under PP only the last stage has a head)
+                                                     gradients turn NaN; under PP only the last stage has a head;
+                                                     the input, as the chunked loss computes from it, not logits)
     LIGHTNING_PLUGINS_TEST_NO_STEP=STEP              that optimizer step runs its forward and backward but updates
                                                      nothing: the run that "simply did not take that step"
 """
@@ -56,15 +57,15 @@ def _patch(runner: Any) -> None:
         rank, steps = rank_and_steps.split(":")
         poisoned = {int(s) for s in steps.split(",")}
 
-        def hook(module: Any, inputs: Any, output: Any) -> Any:
+        def hook(module: Any, inputs: tuple) -> Any:
             if module.training and dist.get_rank() == int(rank) and _done[0] + 1 in poisoned:
-                return output * torch.nan
-            return output
+                return (inputs[0] * torch.nan, *inputs[1:])
+            return None
 
         heads = [m for name, m in model.named_modules() if name.split(".")[-1] == "lm_head"]
         assert heads, "no lm_head to poison"
         for head in heads:
-            head.register_forward_hook(hook)
+            head.register_forward_pre_hook(hook)
         return model, tokenizer
 
     runner.make_optimizer = counted_optimizer
