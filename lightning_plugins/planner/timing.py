@@ -347,12 +347,16 @@ def _rank_time(
     trainable = params if method == "full" else layers * lora_layer / t
     reduce_dtype = memory.reduce_dtype or memory.param_dtype
     grad_bytes = trainable * (4.0 if reduce_dtype in ("fp32", "float32") else 2.0)
-    if p > 1:
+    reductions = shape.accumulation
+    if p > 1 and memory.pp_reshard_per_microbatch:
+        # Each micro-batch gathers for its forward and again for its backward, and reduce-scatters its gradients.
+        gathers = shape.accumulation * 2 * shape.microbatches
+        reductions = shape.accumulation * shape.microbatches
+    elif p > 1:
         regather = memory.reshard_after_forward and not shape.split_backward
         gathers = shape.accumulation * (2 * shape.microbatches if regather else 1)
     else:
         gathers = shape.accumulation * (2 if memory.reshard_after_forward else 1)
-    reductions = shape.accumulation
     if fsdp_group > 1:
         _, bw = cluster.link(t * fsdp_group)
         share = (fsdp_group - 1) / fsdp_group

@@ -231,6 +231,23 @@ def test_fsdp_communication_by_hand():
     assert any("inter-node 40 GB/s" in line for line in wide.assumptions)
 
 
+def test_pipeline_stages_resharded_per_microbatch_reduce_each_microbatch():
+    # PP2 x FSDP4, 8 micro-batches. FSDP2 traffic per step is gathers x G + reductions x R (G: a stage's gathered
+    # parameters, R: its gradients). Resharded after forward, a stage gathers for each micro-batch's forward and
+    # backward (16 G) but keeps its gradients unreduced until the last backward (1 R); never resharded, it gathers
+    # once (1 G + 1 R); `pp_reshard_per_microbatch` also reduce-scatters every micro-batch's gradients (16 G + 8 R).
+    layout, options = ParallelLayout(pp_size=2), ParallelOptions(pp_microbatches=8)
+
+    def fsdp(**memory):
+        step = _step("Llama-3.1-70B", layout=layout, options=options, micro_batch_size=8, memory=MemoryOptions(**memory))
+        return step.comm_s["fsdp"]
+
+    resharded, kept = fsdp(), fsdp(reshard_after_forward=False)
+    gradients = (16 * kept - resharded) / 15  # R, from 16 G + R and G + R
+    assert gradients > 0
+    assert fsdp(pp_reshard_per_microbatch=True) == pytest.approx(resharded + 7 * gradients, rel=1e-9)
+
+
 def test_tensor_parallel_communication_by_hand():
     # 70B, TP8 on one node, 1 x 4096 tokens: per layer forward 2 all-gathers + 2 reduce-scatters of the
     # activations (4096 x 8192 x 2 bytes), each moving 7/8 of them; backward the same; plus the embedding output
