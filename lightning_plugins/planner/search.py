@@ -41,6 +41,9 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: FSDP4 without SP 1.11 (the screen takes the larger), with SP 1.32 (0.70 GiB a layer against 0.77 without: SP
 #: saves, as measured). Numbers: benchmarks/RESULTS.md, "Activation floor (issue 28, part A)".
 ACTIVATION_FACTOR = {"plain": 1.21, "sequence_parallel": 1.32}
+#: With ``sp_regather`` the SP regions keep their input's shard instead of the gathered input: the same TP2 + SP run
+#: measures 1.21 (0.64 GiB a layer).
+SP_REGATHER_FACTOR = 1.21 / 1.32
 #: With ``efficient_norms=False`` the models' own RMSNorms keep fp32 copies: the same runs measure 1.44 (FSDP8) and
 #: 1.56 (TP2 + SP) times the floor.
 OWN_NORMS_FACTOR = {"plain": 1.44 / 1.21, "sequence_parallel": 1.56 / 1.32}
@@ -234,6 +237,7 @@ def estimate_peak(workload: Workload) -> int:
     sp = layout.tp_size > 1 and workload.options.sequence_parallel
     kind = "sequence_parallel" if sp else "plain"
     factor = ACTIVATION_FACTOR[kind] * (1 if memory.efficient_norms else OWN_NORMS_FACTOR[kind])
+    factor *= SP_REGATHER_FACTOR if sp and memory.sp_regather else 1
     whole_layer = factor * korthikanti_activations(one, 1)
     per_layer = {
         "none": whole_layer,
