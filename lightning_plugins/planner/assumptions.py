@@ -77,13 +77,16 @@ def step_assumptions(
     fsdp = layout.dp_shard_size * c
     if fsdp > 1:
         regather = memory.reshard_after_forward and not shape.split_backward
-        if layout.pp_size > 1:
+        reductions = "per backward"
+        if layout.pp_size > 1 and memory.pp_reshard_per_microbatch:
+            gathers, reductions = "per micro-batch forward and backward", "per micro-batch"
+        elif layout.pp_size > 1:
             gathers = "per micro-batch forward and backward" if regather else "once per pipeline step"
         else:
             gathers = "per forward and again per backward" if regather else "per forward"
         lines.append(
             f"FSDP over {fsdp} ranks on {link(t * fsdp)}: parameters all-gathered {gathers}, gradients reduce-scattered"
-            " per backward; overlapped with compute except the first gather / last reduce-scatter and any excess"
+            f" {reductions}; overlapped with compute except the first gather / last reduce-scatter and any excess"
             " over compute"
         )
     if layout.dp_replicate_size > 1:
