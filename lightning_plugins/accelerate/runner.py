@@ -152,10 +152,8 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
                     if accelerator.sync_gradients:
                         # With clipping off, the same global norm with no limit (gradients scaled by exactly 1);
                         # stepped in backward, the norm the hooks accumulated before applying each gradient.
-                        if fused is not None:
-                            norm = fused.grad_norm()
-                        else:
-                            norm = accelerator.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm or math.inf)
+                        clip_to = recipe.optim.max_grad_norm or math.inf
+                        norm = fused.grad_norm() if fused else accelerator.clip_grad_norm_(model.parameters(), clip_to)
                         guard.check(progress.step + 1, norm, optimizer)  # a skipped step leaves no gradients
                     optimizer.step()
                     if accelerator.sync_gradients:
