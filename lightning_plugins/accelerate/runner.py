@@ -29,7 +29,7 @@ from lightning_plugins.accelerate.state import broadcast_from_first
 from lightning_plugins.checkpoint import resume_choice
 from lightning_plugins.checkpoint.checks import CHECKPOINT_NAME
 from lightning_plugins.checkpoint.resume_choice import LATEST, agreed_resume
-from lightning_plugins.parallel.optim_in_backward import step_in_backward
+from lightning_plugins.parallel.optim_in_backward import StepInBackward, step_in_backward
 from lightning_plugins.recipe.build import build_loaders, build_model, make_optimizer
 from lightning_plugins.recipe.diff import reset_optimizer
 from lightning_plugins.recipe.finish import check_exportable, export_dir, export_trained, write_results
@@ -104,8 +104,9 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     # Workers started by torchrun (`accelerate launch`) must not outlive it.
     preemption = Preemption(train.preempt_signals, watch_parent="TORCHELASTIC_RUN_ID" in os.environ)
     preemption.install()
+    stepped_early = accelerator.builtin == "DeepSpeed" or recipe.memory.optimizer_in_backward
     guard = NonFiniteGuard(
-        train.on_nonfinite, train.max_skipped_steps, lambda: resume_choice.latest_checkpoint(out), accelerator.builtin == "DeepSpeed"
+        train.on_nonfinite, train.max_skipped_steps, lambda: resume_choice.latest_checkpoint(out), stepped_early
     )
     set_seed(train.seed)
     model, tokenizer = build_model(recipe, on_meta=accelerator.builtin is None)
@@ -119,8 +120,9 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     model, optimizer, train_loader, schedule = accelerator.prepare(model, optimizer, train_loader, schedule)
+    fused: StepInBackward | None = None
     if recipe.memory.optimizer_in_backward:  # the prepared (sharded) parameters: make_optimizer hooked the originals
-        step_in_backward(optimizer.optimizer)
+        fused = step_in_backward(optimizer.optimizer)
     if eval_loader is not None:
         eval_loader = accelerator.prepare(eval_loader)
     ckpt = agreed_resume(out, resume, accelerator.print, broadcast_from_first)  # rank 0's decision, for every rank
@@ -148,8 +150,10 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
                     guard.observe_loss(loss)
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
-                        # With clipping off, the same global norm with no limit (gradients scaled by exactly 1).
-                        norm = accelerator.clip_grad_norm_(model.parameters(), recipe.optim.max_grad_norm or math.inf)
+                        # With clipping off, the same global norm with no limit (gradients scaled by exactly 1);
+                        # stepped in backward, the norm the hooks accumulated before applying each gradient.
+                        clip_to = recipe.optim.max_grad_norm or math.inf
+                        norm = fused.grad_norm() if fused else accelerator.clip_grad_norm_(model.parameters(), clip_to)
                         guard.check(progress.step + 1, norm, optimizer)  # a skipped step leaves no gradients
                     optimizer.step()
                     if accelerator.sync_gradients:

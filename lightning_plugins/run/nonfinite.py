@@ -59,7 +59,8 @@ class NonFiniteGuard:
         max_skipped_steps: With ``skip``: stop after this many consecutive skipped steps.
         last_checkpoint: Returns the newest complete checkpoint (named in the error), or ``None``.
         stepped_in_backward: The optimizer already stepped when the guard runs (Accelerate's DeepSpeed steps inside
-            ``backward``): ``skip`` is refused, and ``stop`` says that the weights took the step.
+            ``backward``, and so does ``memory.optimizer_in_backward``): ``skip`` is refused, and ``stop`` says that
+            the weights took the step.
 
     Raises:
         LayoutError: ``skip`` where the optimizer steps inside backward.
@@ -76,9 +77,10 @@ class NonFiniteGuard:
             raise ValueError(f"train.on_nonfinite={policy!r}: expected 'stop' or 'skip'")
         if policy == "skip" and stepped_in_backward:
             raise LayoutError(
-                "train.on_nonfinite=skip: the optimizer steps inside backward (Accelerate's DeepSpeed), before the"
-                " guard sees the step's loss and gradient norm, so no step can be skipped. Use train.on_nonfinite=stop"
-                " (the default), or the engine's own sharding (layout.dp_shard_size) instead of the DeepSpeed config."
+                "train.on_nonfinite=skip: the optimizer steps inside backward (Accelerate's DeepSpeed, or"
+                " memory.optimizer_in_backward), before the guard sees the step's loss and gradient norm, so no step"
+                " can be skipped. Use train.on_nonfinite=stop (the default), or turn memory.optimizer_in_backward"
+                " off, or use the engine's own sharding (layout.dp_shard_size) instead of the DeepSpeed config."
             )
         self.stepped_in_backward = stepped_in_backward
         self.policy = policy
@@ -100,7 +102,9 @@ class NonFiniteGuard:
 
         Args:
             step: The optimizer step about to be taken (1-based: the checkpoint after it is ``step=<step>``).
-            grad_norm: The global gradient norm (identical on every rank); ``None`` where the door cannot have it
+            grad_norm: The global gradient norm (identical on every rank; under ``memory.optimizer_in_backward``
+                the one its hooks accumulated, ``StepInBackward.grad_norm()`` of
+                :mod:`lightning_plugins.parallel.optim_in_backward`); ``None`` where the door cannot have it
                 (Accelerate's DeepSpeed clips inside its engine): the loss alone is checked.
             optimizer: Its gradients are set to ``None`` when the step is skipped.
 

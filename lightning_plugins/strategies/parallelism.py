@@ -38,6 +38,7 @@ from lightning_plugins.parallel import (
     pipeline_of,
 )
 from lightning_plugins.parallel.context import context_parallel_batch
+from lightning_plugins.parallel.optim_in_backward import check_step_in_backward, stepping_in_backward
 from lightning_plugins.parallel.pipeline.runtime import GradHandOff
 from lightning_plugins.strategies.checkpoint_io import ShardedCheckpoints
 from lightning_plugins.strategies.balance import add_balance
@@ -165,7 +166,9 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
         self._norm_step = -1  # the optimizer step (1-based) `grad_norm` belongs to
         #: The last checkpoint this strategy wrote or resumed from (named when the non-finite guard stops the run).
         self.last_checkpoint: Path | None = None
-        self.nonfinite = NonFiniteGuard(on_nonfinite, max_skipped_steps, lambda: self.last_checkpoint)
+        self.nonfinite = NonFiniteGuard(
+            on_nonfinite, max_skipped_steps, lambda: self.last_checkpoint, self.memory.optimizer_in_backward
+        )
 
     @override
     def _configure_launcher(self) -> None:
@@ -301,6 +304,8 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
             _PARALLELIZED.add(model)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if stepping_in_backward(optimizer) is not None:  # Trainer(gradient_clip_val=...): the gradients are gone
+            check_step_in_backward(clip_val, 1, "stop")
         parameters = self.precision_plugin.main_params(optimizer)
         assert self.lightning_module is not None
         self._norm_step = self.lightning_module.trainer.global_step + 1
@@ -311,10 +316,15 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
         """After the gradients are reduced and clipped, before the optimizer steps: the non-finite guard's decision.
 
         With clipping off, the global norm is computed by the same path with no limit (gradients scaled by exactly 1).
+        Where the optimizer steps in backward (``memory.optimizer_in_backward``) no gradient is left: the norm is the
+        one its hooks accumulated before applying each gradient.
         """
         assert self.lightning_module is not None
         step = self.lightning_module.trainer.global_step + 1
-        if self._norm_step != step:
+        fused = stepping_in_backward(optimizer)
+        if fused is not None:
+            self._norm_step, self.grad_norm = step, fused.grad_norm()
+        elif self._norm_step != step:
             self._clip_grad_by_norm(optimizer, math.inf)
         self.nonfinite.check(step, self.grad_norm, optimizer)
 

@@ -4,13 +4,17 @@ Same math, so exact in fp32: per-step losses and final weights of AdamW with wei
 that changes the learning rate every step, over several steps, in one process and under FSDP2=2 (the hook fires on
 the sharded parameter after the reduce-scatter), also with the optimizer on the host (``optimizer_offload``). The
 gradients must be gone after each backward (a hook that did not fire cannot pass: the door's ``step()`` then finds
-no gradient). A DCP checkpoint of the in-backward optimizer resumed into a fresh model continues exactly. One
-launched world of 2 ranks; the refusals (clipping's global norm, layouts that reduce gradients later) in-process.
+no gradient). Each step's gradient norm, accumulated by the hooks before each gradient is applied, is the global norm
+the ordinary step's ``clip_grad_norm_`` computes (what ``train/grad_norm`` logs and the non-finite guard checks), and a
+NaN gradient stops the run under ``on_nonfinite: stop``. A DCP checkpoint of the in-backward optimizer resumed into a
+fresh model continues exactly. One launched world of 2 ranks; the refusals (clipping's global norm, layouts that
+reduce gradients later) in-process.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
@@ -23,9 +27,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor
 
 from lightning_plugins import MemoryOptions, OptionsError, ParallelLayout, parallelize
+from lightning_plugins.errors import NonFiniteError
+from lightning_plugins.parallel import clip_grad_norm_
 from lightning_plugins.parallel.checks import check_settings
 from lightning_plugins.parallel.offload import offload_optimizer
-from lightning_plugins.parallel.optim_in_backward import step_in_backward
+from lightning_plugins.parallel.optim_in_backward import step_in_backward, stepping_in_backward
+from lightning_plugins.run.nonfinite import NonFiniteGuard
 from lightning_plugins.parallel.options import ParallelOptions
 from lightning_plugins.recipe.build import lr_lambda
 
@@ -49,7 +56,7 @@ def _build(initial: torch.nn.Module, fsdp: int, in_backward: bool, offload: bool
     return model, optimizer, schedule
 
 
-def _train(model, optimizer, schedule, steps: range, rows: slice, in_backward: bool) -> list[float]:
+def _train(model, optimizer, schedule, steps: range, rows: slice, in_backward: bool, norms: list | None = None):
     losses = []
     for step in steps:
         batch = {k: v[rows] for k, v in make_batch(BATCH, SEQ, model.config.vocab_size, seed=step).items()}
@@ -57,11 +64,37 @@ def _train(model, optimizer, schedule, steps: range, rows: slice, in_backward: b
         loss.backward()
         held = [p for p in model.parameters() if p.grad is not None]
         assert not held if in_backward else held, "in backward: every gradient applied and freed"
+        # What the doors log as train/grad_norm and hand to the non-finite guard.
+        fused = stepping_in_backward(optimizer)
+        assert (fused is not None) == in_backward
+        norm = fused.grad_norm() if in_backward else clip_grad_norm_(model.parameters(), math.inf)
+        if norms is not None:
+            norms.append(norm.item())
         optimizer.step()  # what a door does: nothing left to do in backward mode
         schedule.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def _nan_gradient_stops(initial: torch.nn.Module, fsdp: int, rows: slice) -> None:
+    """A NaN in the gradients of all the layers below the final norm (the loss stays finite): the hooks' norm is
+    NaN on every rank, and the guard stops the run (saying that the weights already took the step)."""
+    model, optimizer, _ = _build(initial, fsdp, True, False)
+    guard = NonFiniteGuard("stop", 10, stepped_in_backward=True)
+
+    def poison(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+
+    model.model.norm.register_forward_hook(poison)
+    batch = {k: v[rows] for k, v in make_batch(BATCH, SEQ, model.config.vocab_size, seed=0).items()}
+    loss = model(**batch).loss
+    guard.observe_loss(loss)
+    loss.backward()
+    assert torch.isfinite(loss)
+    said = r"^optimizer step 1: a non-finite gradient norm \(nan; the global norm, seen by rank\(s\) \[0, 1\]\)\. "
+    with pytest.raises(NonFiniteError, match=said + "Training stopped after the optimizer had stepped inside backward"):
+        guard.check(1, stepping_in_backward(optimizer).grad_norm(), optimizer)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -80,11 +113,17 @@ def _check(rank: int, world_size: int, tmp: str) -> None:
     for fsdp, offload in ((1, False), (world_size, False), (world_size, True)):
         where = f"fsdp={fsdp}, optimizer_offload={offload}"
         rows = slice(None) if fsdp == 1 else slice(rank * BATCH // fsdp, (rank + 1) * BATCH // fsdp)
-        plain = _build(initial, fsdp, False, offload)
-        want = _train(*plain, range(STEPS), rows, False)
-        fused = _build(initial, fsdp, True, offload)
-        got = _train(*fused, range(STEPS), rows, True)
+        plain, plain_norms = _build(initial, fsdp, False, offload), []
+        want = _train(*plain, range(STEPS), rows, False, plain_norms)
+        fused, fused_norms = _build(initial, fsdp, True, offload), []
+        got = _train(*fused, range(STEPS), rows, True, fused_norms)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=TOL, rtol=0, msg=lambda m: f"{where}: {m}")
+        assert all(norm > 0 for norm in plain_norms), plain_norms
+        # The first step's gradients are the same in both runs; later ones, from the same weights to within TOL.
+        torch.testing.assert_close(torch.tensor(fused_norms), torch.tensor(plain_norms), rtol=1e-6, atol=0,
+                                   msg=lambda m: f"{where}: grad_norm {m}")  # fmt: skip
+        if not offload:
+            _nan_gradient_stops(initial, fsdp, rows)
         assert all(not torch.equal(_full(p), q) for p, q in zip(plain[0].parameters(), initial.parameters()))
         _same_weights(fused[0], plain[0], where)
     # Resume the (FSDP2, host-stepped) in-backward optimizer from a DCP checkpoint.
