@@ -197,9 +197,9 @@ def build_parallel_model(workload: Workload) -> nn.Module:
             from lightning_plugins.adapters.qlora import quantize_base_to_nf4
 
             quantize_base_to_nf4(model, shapes_only=True)
-    # The GPU speed levers change the step time, not what a step holds (see lightning_plugins.parallel.compile).
-    eager = replace(workload.options, compile=False, float8=False, async_tp=False)
-    return parallelize(model, workload.layout, eager, workload.memory)
+    # The options as a GPU run takes them: on the fake process group the engine applies float8 (what a step holds)
+    # and leaves compile and async TP out (the step time); see lightning_plugins.parallel.compile.
+    return parallelize(model, workload.layout, workload.options, workload.memory)
 
 
 def count_state(workload: Workload, rank: int) -> dict[str, int]:
