@@ -22,7 +22,7 @@ from lightning_plugins.parallel.activation import apply_activation_checkpointing
 from lightning_plugins.parallel.experts import apply_expert_parallel, expert_meshes
 from lightning_plugins.parallel.router_loss import check_router_loss, install_global_balance_loss
 from lightning_plugins.parallel.checks import check_settings
-from lightning_plugins.parallel.compile import apply_compile, apply_float8, check_device, enable_async_tp
+from lightning_plugins.parallel.compile import apply_compile, apply_float8, check_device, enable_async_tp, simulated
 from lightning_plugins.parallel.context import apply_context_parallel, context_parallel_batch
 from lightning_plugins.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
 from lightning_plugins.parallel.grad import clip_grad_norm_, reduce_partial_state, total_grad_norm
@@ -94,7 +94,8 @@ def parallelize(
         return model
     pipeline_options = check_parallelizable(model, resolved, options, memory)
     family = family_for(model, tensor_parallel=resolved.tp_size > 1)
-    check_device(options, layout.device_type if isinstance(layout, DeviceMesh) else _device_type(), resolved.tp_size)
+    if not simulated():  # the planner's dry run simulates a GPU world on CPU (see lightning_plugins.parallel.compile)
+        check_device(options, layout.device_type if isinstance(layout, DeviceMesh) else _device_type(), resolved.tp_size)
     if memory.efficient_norms:
         use_efficient_norms(model)
     # Validation is done: from here on collectives run (building the mesh creates process groups).
@@ -130,7 +131,7 @@ def parallelize(
     apply_activation_checkpointing(
         layers, memory.activation_checkpointing, memory.every_n_layers, offload=memory.activation_offload
     )
-    if options.compile:  # after TP and AC, before FSDP2 (torchtitan's order)
+    if options.compile and not simulated():  # after TP and AC, before FSDP2 (torchtitan's order)
         if options.async_tp:
             enable_async_tp(mesh["tp"])
         apply_compile(layers)

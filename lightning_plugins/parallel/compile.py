@@ -9,9 +9,14 @@ never do.
 float8 swaps the ``nn.Linear`` layers of the decoder for torchao's ``Float8Linear`` (tensorwise scaling; FSDP2
 all-gathers their weights in float8) before any other step; it needs a GPU of compute capability 8.9 or newer.
 Async TP turns on inductor's micro-pipelining of the TP collectives with the matmuls and symmetric memory on the
-TP group; it needs NCCL. Both are refused on CPU, before anything is applied. The planner's dry run (CPU, fake
-tensors) leaves all three out: they change the step time (:mod:`lightning_plugins.planner.timing`), not which
-tensors a step holds, except float8's gathered weights (1 byte instead of 2), which the dry run counts at bf16.
+TP group; it needs NCCL. Both are refused on CPU, before anything is applied.
+
+On torch's fake process group (:func:`simulated`: the planner's dry run, a GPU world simulated on CPU under fake
+tensors, where no kernel runs) nothing is refused for the device, float8 is applied as on a GPU (it changes the
+tensors a step holds: FSDP2 gathers the weights in float8, 1 byte instead of 2, and the linears save float8 copies
+of their inputs for backward), and compile and async TP are left out: they change the kernels and so the step
+time (:mod:`lightning_plugins.planner.timing`), and compiling real-size layers under fake tensors would cost the
+dry run minutes. Inductor's fusions can also save fewer activations than eager does: the dry run counts eager's.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -26,10 +32,16 @@ from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 
-__all__ = ["apply_compile", "apply_float8", "check_compile", "check_device", "enable_async_tp"]
+__all__ = ["apply_compile", "apply_float8", "check_compile", "check_device", "enable_async_tp", "simulated"]
 
 #: Compute capability float8 matmuls (``torch._scaled_mm``) need.
 FLOAT8_CAPABILITY = (8, 9)
+
+
+def simulated() -> bool:
+    """Whether this process runs on torch's fake process group (the planner's dry run): a GPU world simulated, no
+    device to refuse a lever for and no kernel to compile. A real run on CPU is on gloo, and is refused as such."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
 
 
 def check_compile(layout: ParallelLayout, options: ParallelOptions, memory: MemoryOptions) -> None:

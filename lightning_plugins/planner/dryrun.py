@@ -26,6 +26,10 @@ Modelled rather than measured, and said so in :attr:`RankMemory.notes`: with ``m
 ``memory.optimizer_offload`` the optimizer state is (and the optimizer step's GPU temporaries vanish), the host
 holding it with a copy of the trainable parameters and their gradients. Both only move resident state, so one
 measured step serves a workload with and without them (the layout search relies on it).
+float8 linears (``parallel.float8``) are measured as a GPU runs them: on the fake process group the engine converts
+the decoder's linears to torchao's ``Float8Linear`` and FSDP2 gathers their weights in float8 under
+``FakeTensorMode``; ``compile`` and ``async_tp`` are left out there, changing the kernels (the step time), not the
+tensors (:mod:`lightning_plugins.parallel.compile`).
 A mixture-of-experts step routes balanced (:func:`~lightning_plugins.planner.fake_step.balanced_routing`): fake
 tensors have no routing counts, so every expert gets the same pairs; the all-to-all buffers of expert parallelism
 are measured with them.
@@ -197,9 +201,9 @@ def build_parallel_model(workload: Workload) -> nn.Module:
             from lightning_plugins.adapters.qlora import quantize_base_to_nf4
 
             quantize_base_to_nf4(model, shapes_only=True)
-    # The GPU speed levers change the step time, not what a step holds (see lightning_plugins.parallel.compile).
-    eager = replace(workload.options, compile=False, float8=False, async_tp=False)
-    return parallelize(model, workload.layout, eager, workload.memory)
+    # The options as a GPU run takes them: on the fake process group the engine applies float8 (what a step holds)
+    # and leaves compile and async TP out (the step time); see lightning_plugins.parallel.compile.
+    return parallelize(model, workload.layout, workload.options, workload.memory)
 
 
 def count_state(workload: Workload, rank: int) -> dict[str, int]:

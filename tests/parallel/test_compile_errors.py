@@ -1,12 +1,20 @@
-"""The GPU speed levers' settings: typed, refused early with the fix named, and GPU-only levers refused on CPU."""
+"""The GPU speed levers' settings: typed, refused early with the fix named, and GPU-only levers refused on CPU (a
+real run on gloo), not on torch's fake process group (the planner's dry run, which simulates the GPU world)."""
 
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
+from tiny_models import tiny_model
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torchao.float8.float8_linear import Float8Linear
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
+from lightning_plugins import parallelize
 from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel.checks import check_settings
-from lightning_plugins.parallel.compile import check_device
+from lightning_plugins.parallel.compile import check_device, simulated
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.options import ParallelOptions, with_settings
 
@@ -65,3 +73,32 @@ def test_gpu_only_levers_are_refused_on_cpu(settings: dict, needs: str) -> None:
 def test_compile_with_tp_is_refused_on_cpu() -> None:
     with pytest.raises(OptionsError, match=r"compile=True with tp_size=2 is not supported on 'cpu' \(gloo\)"):
         check_device(ParallelOptions(compile=True), "cpu", tp_size=2)
+
+
+def test_a_real_cpu_run_still_refuses_float8_through_parallelize(tmp_path) -> None:
+    """gloo is a real run on CPU: ``parallelize`` refuses float8 before converting anything, naming the fix."""
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/store")
+    try:
+        assert not simulated()
+        model = tiny_model("llama_8bit_state")
+        with pytest.raises(OptionsError, match=r"float8=True needs a CUDA GPU .* on 'cpu'\. Set float8=False"):
+            parallelize(model, ParallelLayout(), ParallelOptions(compile=True, float8=True))
+        assert not any(isinstance(m, Float8Linear) for m in model.modules())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_fake_process_group_simulates_a_gpu_run_float8_applied_compile_left_out() -> None:
+    """On torch's fake process group (the planner's dry run) float8 converts the decoder's linears as on a GPU and
+    FSDP2 holds their weights as torchao's float8-gathering tensors; no layer is compiled (the step time only)."""
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        assert simulated()
+        model = tiny_model("llama_8bit_state")
+        parallelize(model, ParallelLayout(), ParallelOptions(compile=True, float8=True))
+        linears = [m for name, m in model.named_modules() if isinstance(m, nn.Linear) and "lm_head" not in name]
+        assert linears and all(isinstance(m, Float8Linear) for m in linears)
+        assert all(isinstance(m.weight.to_local(), WeightWithDynamicFloat8CastTensor) for m in linears)
+        assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+    finally:
+        dist.destroy_process_group()
