@@ -429,6 +429,7 @@ def test_unsplittable_adapters_are_refused_under_tensor_parallelism() -> None:
         ({"target_modules": []}, r"lora target_modules=\[\] must be a non-empty list"),
         ({"target_modules": ["q_proj", ""]}, r"must be a non-empty list of module names"),
         ({"quantize": "int4"}, r"lora quantize='int4' is not one of \('none', 'nf4'\)"),
+        ({"autocast_adapter_dtype": "no"}, r"lora autocast_adapter_dtype='no' must be true or false"),
     ],
 )
 def test_bad_lora_options(settings: dict, match: str) -> None:
@@ -460,3 +461,73 @@ def test_full_model_export_collects_every_pipeline_stage() -> None:
     result = _results(2)[0]["pipeline_full_export"]
     assert result["logits"] <= TOL, result
     assert result["architectures"] == ["LlamaForCausalLM"], result  # not the pipelined subclass
+
+
+# ------------------------------------------------------------------------------- adapters in the base's dtype
+
+
+def _adapter_dtypes(model: nn.Module) -> set[torch.dtype]:
+    return {p.dtype for n, p in model.named_parameters() if "lora_" in n}
+
+
+@pytest.mark.parametrize("autocast,expected", [(True, torch.float32), (False, torch.bfloat16)])
+def test_autocast_adapter_dtype_decides_the_adapters_dtype_of_a_bf16_base(autocast: bool, expected: torch.dtype) -> None:
+    model = apply_lora(tiny_model("llama").to(torch.bfloat16), LoraOptions(autocast_adapter_dtype=autocast))
+    assert _adapter_dtypes(model) == {expected}
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    # An fp32 base (FSDP2 mixed precision keeps fp32 master weights): fp32 adapters either way.
+    assert _adapter_dtypes(apply_lora(tiny_model("llama"), LoraOptions(autocast_adapter_dtype=autocast))) == {
+        torch.float32
+    }
+    assert LoraOptions().autocast_adapter_dtype  # peft's default
+
+
+STEPS_BF16 = 6
+
+
+def _bf16_world(rank: int, world_size: int, out_dir: str) -> None:
+    """LoRA with bf16 adapters next to a bf16 base under FSDP2: trains, and exports an adapter plain peft loads."""
+    torch.manual_seed(1)
+    model = apply_lora(tiny_model("llama").to(torch.bfloat16), LoraOptions(r=RANK, alpha=ALPHA, autocast_adapter_dtype=False))
+    model.config.use_cache = False
+    parallelize(model, ParallelLayout(dp_shard_size=world_size).resolve(world_size))
+    batch = _prepare(model)(_batch(model.config.vocab_size, 0, 0))
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-2)
+    losses = []
+    model.train()
+    for _ in range(STEPS_BF16):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    result = {
+        "losses": losses,
+        "adapter_dtypes": sorted({str(p.to_local().dtype) for p in trainable_parameters(model)}),
+        "state_dtypes": sorted({str(v.to_local().dtype) for s in optimizer.state.values() for k, v in s.items() if k != "step"}),
+    }
+    trained = _logits(model)
+    adapter_dir = export_hf(model, Path(out_dir) / "adapter")
+    if rank == 0:
+        from safetensors import safe_open
+
+        with safe_open(str(adapter_dir / "adapter_model.safetensors"), "pt") as saved:
+            result["saved_dtypes"] = sorted({str(saved.get_slice(k).get_dtype()) for k in saved.keys()})
+        base = tiny_model("llama").to(torch.bfloat16)
+        loaded = PeftModel.from_pretrained(base, adapter_dir, autocast_adapter_dtype=False)
+        result["loaded_dtypes"] = sorted(str(d) for d in _adapter_dtypes(loaded))
+        result["loaded_logits"] = (_logits(loaded).float() - trained.float()).abs().max().item()
+        result["logits_scale"] = trained.float().abs().max().item()
+        Path(out_dir, "result.json").write_text(json.dumps(result))
+    dist.barrier()
+
+
+def test_bf16_adapters_train_under_fsdp2_and_load_in_plain_peft() -> None:
+    with tempfile.TemporaryDirectory() as out_dir:
+        run_world(_bf16_world, 2, out_dir)
+        result = json.loads(Path(out_dir, "result.json").read_text())
+    assert result["adapter_dtypes"] == result["state_dtypes"] == ["torch.bfloat16"], result
+    losses = result["losses"]
+    assert losses[-1] < losses[0] - 0.1, losses  # it trains
+    assert result["saved_dtypes"] == ["BF16"] and result["loaded_dtypes"] == ["torch.bfloat16"], result
+    assert result["loaded_logits"] == 0.0, result  # the same bf16 computation on the gathered weights
