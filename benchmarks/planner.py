@@ -649,9 +649,9 @@ def published_section() -> Section:
             f'torchtune\'s README table ([README]({TORCHTUNE_README}), "Memory and training speed": peak memory'
             ' per GPU, "batch size 2 (without gradient accumulation), a dataset packed to sequence length 2048, and'
             ' torch compile enabled") with the settings of the recipe configs behind each row: bf16 weights (AdamW'
-            " state in bf16 too), activation checkpointing on, AdamW, LoRA on q/v/o and the MLP with bf16 adapters (peft's"
-            " `autocast_adapter_dtype=False`, recipe key `lora.autocast_adapter_dtype: false`). The planner runs each"
-            ' as `dry_run` with `dtype="bf16"`, `activation_checkpointing="full"`, 2 rows x 2048 tokens; GiB at the'
+            " state in bf16 too), activation checkpointing on, AdamW, LoRA on q/v/o and the MLP with bf16 adapters"
+            " (peft's `autocast_adapter_dtype=False`, recipe key `lora.autocast_adapter_dtype: false`). The planner runs"
+            ' each as `dry_run` with `dtype="bf16"`, `activation_checkpointing="full"`, 2 rows x 2048 tokens; GiB at the'
             " worst rank kind's peak. The loss is chunked in both (torchtune's `LinearCrossEntropyLoss`; here"
             " `memory.loss_chunk_tokens`, 512 tokens by default), so neither holds the full-vocabulary fp32 logits"
             f" (2 x 2048 x {c8.vocab_size} x 4 B = {logits / GIB:.2f} GiB a copy). Not matched in any row:"
