@@ -73,6 +73,14 @@ class LoraOptions:
             full next to the adapters and saved with them, e.g. a mixture of experts' router: ``["gate"]`` (Mixtral,
             Qwen-MoE) or ``["router"]`` (gpt-oss). Under tensor parallelism only modules inside a mixture-of-experts
             block can be (the block runs whole on each rank's tokens).
+        autocast_adapter_dtype: peft's ``get_peft_model(..., autocast_adapter_dtype=...)``, under peft's name. ``True``
+            (peft's default) upcasts the adapters of a bf16/fp16 base to fp32: each adapted projection then casts its
+            input to fp32 and keeps that copy for backward, and the adapters' gradients and AdamW state are fp32.
+            ``False`` keeps the adapters in the base's dtype (bf16 adapters next to a bf16 base, as torchtune
+            trains them; with ``quantize: nf4`` the adapters stay in the dtype the base had before quantization).
+            It changes nothing for an fp32 base, so nothing under FSDP2 mixed precision with fp32 master weights
+            (``model.dtype: fp32``, ``memory.param_dtype: bf16``): the adapters are fp32 already and FSDP2 casts
+            them for compute.
     """
 
     r: int = 16
@@ -83,6 +91,7 @@ class LoraOptions:
     quantize: Literal["none", "nf4"] = "none"
     target_parameters: tuple[str, ...] | None = None
     modules_to_save: tuple[str, ...] | None = None
+    autocast_adapter_dtype: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:
@@ -115,6 +124,11 @@ class LoraOptions:
             )
         if self.quantize not in QUANTIZE:
             raise OptionsError(f"lora quantize={self.quantize!r} is not one of {QUANTIZE} ('nf4' for QLoRA).")
+        if not isinstance(self.autocast_adapter_dtype, bool):
+            raise OptionsError(
+                f"lora autocast_adapter_dtype={self.autocast_adapter_dtype!r} must be true or false (false keeps the"
+                " adapters in the base model's dtype, e.g. bf16; true, peft's default, upcasts them to fp32)."
+            )
 
 
 def hf_model_of(model: nn.Module) -> nn.Module:
@@ -204,7 +218,7 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> PeftModel:
     with warnings.catch_warnings():
         # peft reads a transformers attribute deprecated in 5.x: not something the user can act on.
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        peft_model = get_peft_model(model, config)
+        peft_model = get_peft_model(model, config, autocast_adapter_dtype=options.autocast_adapter_dtype)
     if options.quantize == "nf4":
         from lightning_plugins.adapters.qlora import quantize_base_to_nf4
 

@@ -195,7 +195,10 @@ def build_parallel_model(workload: Workload) -> nn.Module:
     model.config.use_cache = False
     model.train()
     if workload.lora is not None:
-        with torch.device("meta"):  # the adapters too: their initialization costs seconds at real size
+        # The adapters on meta too (their initialization costs seconds at real size), created in the base's dtype:
+        # peft casts adapters to their base layer's dtype except on meta, then upcasts them to fp32 unless
+        # lora.autocast_adapter_dtype is off.
+        with torch.device("meta"), default_dtype(DTYPES[workload.dtype]):
             model = apply_lora(model, replace(workload.lora, quantize="none"))
         if workload.method == "qlora":
             from lightning_plugins.adapters.qlora import quantize_base_to_nf4

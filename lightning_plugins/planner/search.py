@@ -218,11 +218,13 @@ def estimate_peak(workload: Workload) -> int:
         per_param = 0.5 + 1 / 64 if workload.method == "qlora" else weight
         params = ((layers * stats.layer_params - routed) / shards + routed / layout.fsdp_size) * per_param
         params += ends / shards * weight
-    # AdamW's two moments in the parameters' dtype; 8-bit: bytes per value whatever the dtype.
-    moments = 2 * weight if workload.optimizer == "adamw" else STATE_BYTES_PER_PARAM[workload.optimizer]
+    # peft upcasts adapters to fp32 unless lora.autocast_adapter_dtype is off (then they keep the model's dtype).
+    trained = 4 if workload.lora is not None and workload.lora.autocast_adapter_dtype else weight
+    # AdamW's two moments in the trained parameters' dtype; 8-bit: bytes per value whatever the dtype.
+    moments = 2 * trained if workload.optimizer == "adamw" else STATE_BYTES_PER_PARAM[workload.optimizer]
     moments *= not memory.optimizer_offload
     # Gradients: all of them; in backward, each applied and freed as produced (the largest, the embedding, at most).
-    grads = trainable * weight
+    grads = trainable * trained
     if memory.optimizer_in_backward:
         grads = min(grads, stats.embedding_params / shards * weight)
     state = params + grads + trainable * moments  # gradients and the optimizer's moments

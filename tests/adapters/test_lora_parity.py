@@ -429,6 +429,7 @@ def test_unsplittable_adapters_are_refused_under_tensor_parallelism() -> None:
         ({"target_modules": []}, r"lora target_modules=\[\] must be a non-empty list"),
         ({"target_modules": ["q_proj", ""]}, r"must be a non-empty list of module names"),
         ({"quantize": "int4"}, r"lora quantize='int4' is not one of \('none', 'nf4'\)"),
+        ({"autocast_adapter_dtype": "no"}, r"lora autocast_adapter_dtype='no' must be true or false"),
     ],
 )
 def test_bad_lora_options(settings: dict, match: str) -> None:

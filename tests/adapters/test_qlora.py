@@ -104,6 +104,21 @@ def test_every_frozen_decoder_linear_becomes_nf4_and_the_rest_stays_dense() -> N
     assert quantize_base_to_nf4(model) == 0, "a second call must leave the NF4 weights alone"
 
 
+def test_adapters_keep_the_bf16_dtype_next_to_the_nf4_base_with_autocast_adapter_dtype_off() -> None:
+    from lightning_plugins.adapters.lora import LoraOptions, apply_lora
+
+    model = AutoModelForCausalLM.from_pretrained(ASSETS.model_dir, dtype=torch.bfloat16)
+    model = apply_lora(model, LoraOptions(r=4, alpha=8, target_modules=TARGETS, quantize="nf4", autocast_adapter_dtype=False))
+    adapters = {name: param for name, param in model.named_parameters() if param.requires_grad}
+    assert adapters and all("lora_" in name and param.dtype == torch.bfloat16 for name, param in adapters.items())
+    bases = [weight for _, weight in nf4_weights(model)]
+    assert bases and all(weight.dtype == torch.bfloat16 for weight in bases)
+    batch = tiny_batch()
+    loss = model(**batch).loss
+    loss.backward()
+    assert all(param.grad is not None and param.grad.dtype == torch.bfloat16 for param in adapters.values())
+
+
 @pytest.mark.parametrize(
     "family,config",
     [

@@ -74,21 +74,25 @@ def test_405b_tp8_pp8_fsdp8_state_per_pipeline_rank() -> None:
         _close(state, {"parameters": 4 * per_rank, "gradients": 4 * per_rank, "optimizer": 8 * per_rank})
 
 
-def test_lora_state_trains_only_the_adapters() -> None:
+@pytest.mark.parametrize("autocast,adapter_bytes", [(True, 4), (False, 2)])
+def test_lora_state_trains_only_the_adapters(autocast: bool, adapter_bytes: int) -> None:
     config = _config("Llama-3.1-8B")
     lora = LoraOptions(
-        r=16, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        r=16,
+        target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        autocast_adapter_dtype=autocast,
     )
     workload = Workload(config, ParallelLayout().resolve(8), lora=lora, dtype="bf16")
     [(_, _, state)] = resident_state(workload)
     adapters = config.num_hidden_layers * _lora_layer(config, 16)
-    # peft keeps adapters in fp32 on a bf16 base (autocast_adapter_dtype), so their AdamW state is fp32 too.
+    # peft keeps adapters in fp32 on a bf16 base (autocast_adapter_dtype, its default), so their AdamW state is fp32
+    # too; with it off they are bf16 like the base.
     _close(
         state,
         {
-            "parameters": (2 * _total(config) + 4 * adapters) / 8,
-            "gradients": 4 * adapters / 8,
-            "optimizer": 8 * adapters / 8,
+            "parameters": (2 * _total(config) + adapter_bytes * adapters) / 8,
+            "gradients": adapter_bytes * adapters / 8,
+            "optimizer": 2 * adapter_bytes * adapters / 8,
         },
     )
 

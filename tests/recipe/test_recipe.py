@@ -27,8 +27,17 @@ def test_overrides_and_print_config(capsys: pytest.CaptureFixture) -> None:
     main(["finetune", str(TINY / "lora_tp2.yaml"), "--print-config", "--lora.r=32", "--train.max_steps", "7"])
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["lora"]["r"] == 32 and printed["train"]["max_steps"] == 7
+    assert printed["lora"]["autocast_adapter_dtype"] is True  # peft's default
     assert printed["layout"]["dp_shard_size"] == 1  # resolved against hardware.devices
     assert Path(printed["data"]["train"]).is_absolute()
+
+
+def test_lora_autocast_adapter_dtype_round_trips(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    main(["finetune", str(TINY / "lora_tp2.yaml"), "--print-config", "--lora.autocast_adapter_dtype=false"])
+    printed = capsys.readouterr().out
+    assert yaml.safe_load(printed)["lora"]["autocast_adapter_dtype"] is False
+    (tmp_path / "printed.yaml").write_text(printed)  # the printed recipe loads as the same recipe
+    assert load_recipe(tmp_path / "printed.yaml") == load_recipe(TINY / "lora_tp2.yaml", ["lora.autocast_adapter_dtype=false"])
 
 
 def _recipe(tmp_path: Path, **changes: dict) -> Path:
