@@ -69,7 +69,7 @@ def test_a_qlora_model_runs_the_lean_linear_and_trains_as_with_torchaos(monkeypa
     converted = quantize_base_to_nf4(model)
     linears = [module for module in model.modules() if isinstance(module, NF4Linear)]
     assert converted == len(linears) > 0
-    model.activation_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     batch = {"input_ids": torch.randint(0, model.config.vocab_size, (2, 12))}
     batch["labels"] = batch["input_ids"].clone()
