@@ -11,8 +11,10 @@ The format: each block of ``block_size`` (64) consecutive row-major elements bec
 into the NF4 table plus one absmax; the absmaxes are quantized again to int8 in groups of
 ``scaler_block_size`` blocks ("double quantization"), each group keeping one factor in the weight's
 dtype. That is ~4.13 bits per weight: 0.258x the bf16 bytes (0.28x is NF4 without double quantization).
-``F.linear`` on an ``NF4Tensor`` dequantizes the weight to the input's dtype on every call, forward and
-backward (torchao's ``LinearNF4``); the base never gets a gradient.
+Each converted linear becomes an :class:`~lightning_plugins.adapters.nf4_linear.NF4Linear` (in place), which
+dequantizes the weight to the input's dtype on every call, forward and backward, with torchao's values but
+in bounded chunks (:mod:`lightning_plugins.adapters.nf4_linear`; torchao's own ``LinearNF4`` holds ~7x the
+dense weight in transients); the base never gets a gradient.
 
 How it composes (checked by :func:`check_quantized` before any collective):
 
@@ -44,6 +46,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_plugins.adapters.experts import is_expert_adapter
+from lightning_plugins.adapters.nf4_linear import NF4Linear
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.errors import LayoutError
 
@@ -195,7 +198,7 @@ def quantize_base_to_nf4(
                 " nn.Linear weights, and 3-D expert weights are not. QLoRA on a mixture-of-experts model adapts"
                 " attention (target_modules) with the experts left in the model's dtype: leave target_parameters out."
             )
-        if type(base) is not nn.Linear and not isinstance(base, nn.Embedding):
+        if type(base) not in (nn.Linear, NF4Linear) and not isinstance(base, nn.Embedding):
             raise ValueError(
                 f"quantize_base_to_nf4: the LoRA layer {name} wraps a {type(base).__name__}; NF4 bases are supported"
                 " for nn.Linear (embeddings stay dense). Leave this module out of `target_modules`."
@@ -209,17 +212,21 @@ def quantize_base_to_nf4(
     to_nf4 = _torchao()[1]
     converted: dict[int, nn.Parameter] = {}  # a weight shared by two linears is converted once
     for name, module in model.named_modules():
-        # Exact type: a subclass may compute its output without `F.linear`, which NF4 relies on.
+        # Exact type: a subclass may compute its output otherwise; NF4Linear computes it with `nf4_linear`.
         if type(module) is not nn.Linear or id(module) in skipped:
             continue
         weight = module.weight
-        if weight.requires_grad or id(weight) in dense or is_nf4(weight):
+        if weight.requires_grad or id(weight) in dense:
+            continue
+        if is_nf4(weight):  # already NF4 (shared with a linear converted above, or quantized by hand)
+            module.__class__ = NF4Linear
             continue
         if id(weight) not in converted:
             converted[id(weight)] = _to_nf4_parameter(
                 f"{name}.weight", weight, block_size, scaler_block_size, to_nf4, shapes_only
             )
         module.weight = converted[id(weight)]
+        module.__class__ = NF4Linear  # in place: peft's LoRA layer, hooks and parameter names stay as they are
     return len(converted)
 
 
