@@ -458,6 +458,10 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             " (the default), then merge it into the dense base in one process: PeftModel.from_pretrained(base,"
             " adapter_dir).merge_and_unload()."
         )
+    if recipe.lora is not None and recipe.lora.quantize == "nf4" and recipe.parallel.float8:
+        from lightning_plugins.adapters.qlora import FLOAT8_WITH_NF4
+
+        raise RecipeError(f"{path}: parallel.float8 with lora.quantize: nf4: {FLOAT8_WITH_NF4}")
     unmerged = [key for key in ("target_parameters", "modules_to_save") if recipe.lora and getattr(recipe.lora, key)]
     if unmerged and recipe.train.merge_lora:
         raise RecipeError(
