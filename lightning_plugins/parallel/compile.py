@@ -48,8 +48,8 @@ def check_compile(layout: ParallelLayout, options: ParallelOptions, memory: Memo
     """Refuse the layouts the speed levers do not compose with (no weights, no collective needed).
 
     Raises:
-        OptionsError: ``compile`` (and so ``float8``) with pipeline, context or expert parallelism, with TP and activation
-            checkpointing, or with activation offload; ``async_tp`` without TP.
+        OptionsError: ``compile`` (and so ``float8``) with pipeline, context or expert parallelism, with TP and
+            activation checkpointing, or with activation offload; ``async_tp`` without TP.
     """
     if options.compile:
         for size, what, why in (

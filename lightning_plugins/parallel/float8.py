@@ -33,7 +33,9 @@ class _FrozenWeightMatmul(torch.autograd.Function):
     """``input @ weight_t`` in float8 with the gradient of the input only; the weight is saved, the input is not."""
 
     @staticmethod
-    def forward(ctx: Any, input_hp: torch.Tensor, weight_hp_t: torch.Tensor, mm_config: Any, config: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any, input_hp: torch.Tensor, weight_hp_t: torch.Tensor, mm_config: Any, config: Any
+    ) -> torch.Tensor:
         ctx.save_for_backward(weight_hp_t)
         ctx.mm_config, ctx.config = mm_config, config
         return matmul_with_hp_or_float8_args.forward(_NoSave(), input_hp, weight_hp_t, mm_config, config)
@@ -44,14 +46,15 @@ class _FrozenWeightMatmul(torch.autograd.Function):
         c, shape = ctx.config, grad_output.shape
         # torchao's grad_input, as matmul_with_hp_or_float8_args.backward computes it (same casts, same matmul).
         grad = grad_output.reshape(-1, shape[-1])
-        if not tensor_already_casted_to_fp8(grad) and c.cast_config_grad_output.scaling_type is not ScalingType.DISABLED:
+        cast = c.cast_config_grad_output
+        if not tensor_already_casted_to_fp8(grad) and cast.scaling_type is not ScalingType.DISABLED:
             grad = hp_tensor_to_float8_dynamic(
                 grad,
-                c.cast_config_grad_output.target_dtype,
+                cast.target_dtype,
                 ctx.mm_config,
                 gemm_input_role=GemmInputRole.GRAD_OUTPUT,
-                scaling_granularity=c.cast_config_grad_output.scaling_granularity,
-                axiswise_dim=get_maybe_axiswise_dim(-1, c.cast_config_grad_output.scaling_granularity),
+                scaling_granularity=cast.scaling_granularity,
+                axiswise_dim=get_maybe_axiswise_dim(-1, cast.scaling_granularity),
                 round_scales_to_power_of_2=c.round_scales_to_power_of_2,
             )
         weight = weight_hp_t

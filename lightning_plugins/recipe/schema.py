@@ -32,7 +32,7 @@ from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.errors import LayoutError, OptionsError, RecipeError
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
-from lightning_plugins.recipe.levers import check_optim_levers
+from lightning_plugins.recipe.levers import check_levers
 from lightning_plugins.run.perf import ProfileOptions
 
 
@@ -430,7 +430,7 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             f" ({recipe.train.micro_batch_size}) x data-parallel ranks ({layout.dp_size}) = {per_step}. Use"
             f" train.global_batch_size={good}, or change train.micro_batch_size."
         )
-    check_optim_levers(recipe, path)
+    check_levers(recipe, path)
     if layout.pp_size > 1:
         from lightning_plugins.parallel.pipeline import PipelineOptions
 
@@ -458,10 +458,6 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             " (the default), then merge it into the dense base in one process: PeftModel.from_pretrained(base,"
             " adapter_dir).merge_and_unload()."
         )
-    if recipe.lora is not None and recipe.lora.quantize == "nf4" and recipe.parallel.float8:
-        from lightning_plugins.adapters.qlora import FLOAT8_WITH_NF4
-
-        raise RecipeError(f"{path}: parallel.float8 with lora.quantize: nf4: {FLOAT8_WITH_NF4}")
     unmerged = [key for key in ("target_parameters", "modules_to_save") if recipe.lora and getattr(recipe.lora, key)]
     if unmerged and recipe.train.merge_lora:
         raise RecipeError(
