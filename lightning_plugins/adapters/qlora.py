@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from lightning_plugins.adapters.experts import is_expert_adapter
 from lightning_plugins.adapters.nf4_linear import NF4Linear
 from lightning_plugins.parallel.layout import ParallelLayout
-from lightning_plugins.errors import LayoutError
+from lightning_plugins.errors import LayoutError, OptionsError
 
 if TYPE_CHECKING:
     from torchao.quantization import NF4Tensor
@@ -70,6 +70,14 @@ MAX_SCALER_BLOCK_SIZE = 256
 #: With ``scaler_block_size=None``, each weight stays shardable over up to this many FSDP2 ranks
 #: (where its row count allows): real-size layers keep groups of 256, tiny ones get smaller groups.
 SHARDABLE_RANKS = 64
+
+#: Why float8 linears and an NF4 base do not compose, and the fix (the recipe's keys and the engine's options).
+FLOAT8_WITH_NF4 = (
+    "float8=True (parallel.float8) with NF4 base weights (QLoRA, lora.quantize: nf4) is not supported: torchao's"
+    " Float8Linear casts a dense bf16 weight to float8 at each step, and an NF4 weight is 4-bit codes dequantized"
+    " at each matmul, which no float8 kernel takes. Set parallel.float8: false (float8=False) for QLoRA, or"
+    " lora.quantize: none to train LoRA on a bf16 base with float8."
+)
 #: Entries of the NF4 lookup table each ``NF4Tensor`` carries.
 _NF4_TABLE = 16
 
@@ -305,7 +313,7 @@ def _nf4_of_shape(weight: Tensor, block_size: int, scaler_block_size: int) -> NF
     )
 
 
-def check_quantized(model: nn.Module, layout: ParallelLayout) -> None:
+def check_quantized(model: nn.Module, layout: ParallelLayout, float8: bool = False) -> None:
     """Refuse a layout that NF4 base weights cannot take, before any collective runs.
 
     Call from ``parallelize`` after the layout is resolved; a model without NF4 weights passes at once.
@@ -313,8 +321,10 @@ def check_quantized(model: nn.Module, layout: ParallelLayout) -> None:
     Args:
         model: The model about to be parallelized.
         layout: A resolved layout (``dp_shard_size`` not ``-1``).
+        float8: Whether float8 linears were asked for (``ParallelOptions.float8``).
 
     Raises:
+        OptionsError: with ``float8``: an NF4 base cannot be a float8 linear.
         LayoutError: under tensor parallelism (naming a layout of the same world size that works), or when
             FSDP2 cannot split a weight into equal shards of whole rows and whole scaler groups (naming the
             weight, its shape, the shard count and the fix).
@@ -322,6 +332,8 @@ def check_quantized(model: nn.Module, layout: ParallelLayout) -> None:
     weights = dict(nf4_weights(model))
     if not weights:
         return
+    if float8:
+        raise OptionsError(FLOAT8_WITH_NF4)
     if layout.dp_shard_size == -1:
         raise LayoutError("check_quantized needs a resolved layout: call `layout.resolve(world_size)` first.")
     if layout.tp_size > 1:

@@ -1,7 +1,9 @@
 """``parallelize``: turn a transformers causal LM into its parallel form, in one canonical order.
 
-Order: pipeline split -> float8 linears -> tensor/sequence parallel -> context parallel -> activation checkpointing
--> torch.compile per layer -> FSDP2 (each later step wraps what the earlier ones produced; FSDP2 must see the final DTensors).
+Order: float8 linears -> tensor/sequence parallel -> context parallel -> activation checkpointing -> torch.compile
+per layer -> FSDP2 (each later step wraps what the earlier ones produced; FSDP2 must see the final DTensors). Under
+pipeline parallelism each stage runs the same order after the split, without float8 and compile (both refused with
+``pp_size > 1`` by :func:`~lightning_plugins.parallel.compile.check_compile`).
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ def check_parallelizable(
     pipeline_options = check_settings(layout, options, memory, getattr(model, "config", None))
     if pipeline_options is not None:
         decoder_anatomy(model, layout.pp_size)  # a forward a stage cannot reproduce is refused here
-    check_quantized(model, layout)
+    check_quantized(model, layout, float8=options.float8)
     check_router_loss(getattr(model, "config", None), splits_tokens=max(layout.tp_size, layout.cp_size, layout.pp_size) > 1)
     return pipeline_options
 

@@ -201,6 +201,7 @@ def predict(run: dict[str, Any], efficiency: float | None = None) -> StepTime:
         kernels=kernels,
         async_tp=run.get("async_tp", False),
         recompute_fraction=recompute,
+        float8_tp=kernels.float8,  # torchtitan's float8 runs use torchao's float8 TP styles
     )
 
 

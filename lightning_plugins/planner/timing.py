@@ -75,8 +75,9 @@ class Kernels:
         name: Key in :data:`KERNELS`.
         efficiency: Fraction of the dense bf16 peak the model FLOPs and recomputation run at (everything
             but communication and the bubble; fitted by :func:`fit_efficiencies`).
-        float8: float8 linears (torchao, tensorwise scaling): FSDP all-gathers float8 weights and tensor
-            parallelism all-gathers float8 activations; the FLOPs still count against the bf16 peak.
+        float8: float8 linears (torchao, tensorwise scaling): FSDP all-gathers float8 weights; the FLOPs still
+            count against the bf16 peak. Tensor parallelism gathers float8 activations only with torchao's float8
+            TP styles (torchtitan's runs; ``estimate_step_time(float8_tp=True)``): this engine's plans gather bf16.
         attention: The class whose efficiency attention (scores and weighted values) runs at; ``None`` is this
             one. float8 speeds up the linears only: the attention kernel stays bf16.
         description: What runs, for the printed assumptions.
@@ -170,6 +171,7 @@ def estimate_step_time(
     kernels: str | Kernels | None = None,
     async_tp: bool | None = None,
     recompute_fraction: float | None = None,
+    float8_tp: bool = False,
 ) -> StepTime:
     """Estimate one optimizer step of ``layout`` on ``cluster``.
 
@@ -193,6 +195,9 @@ def estimate_step_time(
             :data:`ASYNC_TP_HIDDEN` of them); ``None`` follows ``options.async_tp``.
         recompute_fraction: Overrides the share of a checkpointed layer's forward that is recomputed (e.g.
             torchtitan's op-level policy, :func:`torchtitan_op_sac`); ``None`` follows ``memory``.
+        float8_tp: With float8 kernels, whether the sequence-parallel all-gathers carry float8 activations
+            (torchao's ``Float8ColwiseParallel``/``PrepareFloat8ModuleInput``, as torchtitan's calibrating runs use);
+            ``False``: this engine's TP plans, which gather bf16 activations (the float8 cast follows the gather).
 
     Raises:
         PlannerError: for an unresolved layout, a world size that is not the cluster's, an unknown method or
@@ -222,6 +227,7 @@ def estimate_step_time(
             async_tp,
             recompute_fraction,
             r,
+            float8_tp=float8_tp and kern.float8,
         )
         for r in range(layout.pp_size)
     ]
@@ -262,6 +268,8 @@ def _rank_time(
     async_tp: bool,
     recompute_fraction: float | None,
     pp_rank: int,
+    *,
+    float8_tp: bool = False,
 ) -> dict[str, Any]:
     """Time of pipeline rank ``pp_rank`` (any data/TP/CP rank of it: they do the same work)."""
     layout = shape.layout
@@ -292,7 +300,7 @@ def _rank_time(
 
     if t > 1:
         _, bw = cluster.link(t)
-        gather = act * (0.5 if kern.float8 and shape.sequence_parallel else 1.0)
+        gather = act * (0.5 if float8_tp and shape.sequence_parallel else 1.0)
         fwd = 2 * (t - 1) / t * (gather + act)  # 2 all-gathers + 2 reduce-scatters (or 2 all-reduces) per layer
         bwd = 4 * (t - 1) / t * act
         # Recomputation re-runs the layer's collectives too; op-level selective saves no collective output.

@@ -32,7 +32,7 @@ from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.errors import LayoutError, OptionsError, RecipeError
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
-from lightning_plugins.recipe.levers import check_optim_levers
+from lightning_plugins.recipe.levers import check_levers
 from lightning_plugins.run.perf import ProfileOptions
 
 
@@ -430,7 +430,7 @@ def _check(recipe: Recipe, path: Path) -> Recipe:
             f" ({recipe.train.micro_batch_size}) x data-parallel ranks ({layout.dp_size}) = {per_step}. Use"
             f" train.global_batch_size={good}, or change train.micro_batch_size."
         )
-    check_optim_levers(recipe, path)
+    check_levers(recipe, path)
     if layout.pp_size > 1:
         from lightning_plugins.parallel.pipeline import PipelineOptions
 

@@ -15,6 +15,7 @@ from lightning_plugins import parallelize
 from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel.checks import check_settings
 from lightning_plugins.parallel.compile import check_device, simulated
+from lightning_plugins.parallel.float8 import FrozenFloat8Linear
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.options import ParallelOptions, with_settings
 
@@ -100,5 +101,52 @@ def test_the_fake_process_group_simulates_a_gpu_run_float8_applied_compile_left_
         assert linears and all(isinstance(m, Float8Linear) for m in linears)
         assert all(isinstance(m.weight.to_local(), WeightWithDynamicFloat8CastTensor) for m in linears)
         assert all(layer._compiled_call_impl is None for layer in model.model.layers)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sizes", [{"pp_size": 2}, {"cp_size": 2}, {"ep_size": 2}])
+def test_float8_where_compile_is_refused_is_refused_by_name(sizes: dict) -> None:
+    """float8 needs compile: with pipeline, context or expert parallelism the refusal names float8 too, so a run
+    never drops it without a word."""
+    options, memory = with_settings("test", compile=True, float8=True)
+    with pytest.raises(OptionsError, match=r"compile=True and float8=True are not supported .* Set compile=False and"):
+        check_settings(ParallelLayout(**sizes), options, memory)
+
+
+def _fake_world(world_size: int = 2) -> None:
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+def test_float8_converts_the_lora_base_projections_not_the_adapters() -> None:
+    """Under peft, float8 converts each LoRA layer's ``base_layer`` (and the linears LoRA leaves alone), never the
+    rank-sized ``lora_A``/``lora_B`` (here r=16, which the shape filter alone would let through), nor ``lm_head``."""
+    from peft.tuners.lora import LoraLayer
+
+    from lightning_plugins.adapters.lora import LoraOptions, apply_lora
+
+    _fake_world()
+    try:
+        model = apply_lora(tiny_model("llama_8bit_state"), LoraOptions(r=16))
+        parallelize(model, ParallelLayout(), ParallelOptions(compile=True, float8=True))
+        lora = [m for m in model.modules() if isinstance(m, LoraLayer)]
+        assert lora and all(type(m.base_layer) is FrozenFloat8Linear for m in lora)  # frozen: no input saved
+        adapters = [a for m in lora for a in (*m.lora_A.values(), *m.lora_B.values())]
+        assert adapters and all(type(a) is nn.Linear for a in adapters)
+        assert not any(isinstance(m, Float8Linear) for name, m in model.named_modules() if "lm_head" in name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_qlora_with_float8_is_refused_before_anything_is_applied() -> None:
+    """An NF4 base cannot be a float8 linear: ``parallelize`` refuses the pair, naming the recipe keys and the fix."""
+    from lightning_plugins.adapters.lora import LoraOptions, apply_lora
+
+    _fake_world()
+    try:
+        model = apply_lora(tiny_model("llama_8bit_state"), LoraOptions(r=16, quantize="nf4"))
+        with pytest.raises(OptionsError, match=r"float8=True \(parallel\.float8\) with NF4 base weights .* Set"):
+            parallelize(model, ParallelLayout(), ParallelOptions(compile=True, float8=True))
+        assert not any(isinstance(m, Float8Linear) for m in model.modules())
     finally:
         dist.destroy_process_group()

@@ -373,3 +373,17 @@ def test_compile_float8_and_async_tp_options_pick_the_faster_calibrated_rates():
     )
     assert async_tp.exposed_s["tp"] < eager_tp.exposed_s["tp"]
     assert any("async TP" in line for line in async_tp.assumptions)
+
+
+def test_float8_tp_gathers_bf16_activations_in_this_engine_float8_only_in_torchtitans_runs():
+    """This engine's TP plans all-gather bf16 activations under float8 (the cast follows the gather): the TP
+    traffic is bf16's. torchtitan's calibrating runs gather float8 (torchao's float8 TP styles): half the forward's
+    sequence all-gathers, so less TP traffic; FSDP2's float8 weight gathers count in both."""
+    tp = ParallelLayout(dp_shard_size=4, tp_size=2)
+    bf16, engine, titan = (
+        _step(layout=tp, options=ParallelOptions(compile=True, float8=f), seq_len=4096, float8_tp=t)
+        for f, t in ((False, False), (True, False), (True, True))
+    )
+    assert engine.comm_s["tp"] == bf16.comm_s["tp"]
+    assert titan.comm_s["tp"] < engine.comm_s["tp"]
+    assert engine.comm_s["fsdp"] == titan.comm_s["fsdp"] < bf16.comm_s["fsdp"]

@@ -73,6 +73,7 @@ def _recipe(tmp_path: Path, **changes: dict) -> Path:
         ({"lora": {"r": 0}}, r"lora: lora r=0 must be a positive integer"),
         ({"lora": {"target_modules": ["qkv"]}}, r"lora: apply_lora: target_modules \['qkv'\] name no module of LlamaForCausalLM.*q_proj"),
         ({"lora": {"quantize": "nf4"}, "train": {"merge_lora": True}}, r"merge_lora with lora\.quantize: nf4"),
+        ({"lora": {"quantize": "nf4"}, "parallel": {"compile": True, "float8": True}}, r"parallel\.float8 with lora\.quantize: nf4: .*Set parallel\.float8: false"),
         ({"train": {"preempt_signals": ["SIGTREM"]}}, r"train\.preempt_signals: unknown signal 'SIGTREM': did you mean SIGTERM\?"),
     ],
 )
