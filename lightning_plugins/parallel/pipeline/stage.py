@@ -143,6 +143,12 @@ class ReshardingStage(PipelineStage):
     gradients; the final reduction then finds nothing left to reduce. Only the single-pass backward
     (``"full"``) is changed: zero-bubble schedules are refused with this option
     (:func:`~lightning_plugins.parallel.pipeline.options.check_pp_reshard`).
+
+    torch >= 2.15 runs FSDP2 stages in manual backward finalization: a parameter group whose post-backward hook
+    never fires (the first stage's root, whose inputs are token ids: the embedding) is only marked pending until the
+    schedule's final reduction, its whole gradient kept unsharded across the micro-batches. Each micro-batch's
+    backward here therefore ends with ``finalize_backward()``, which reduces that group too (as torch 2.13's
+    post-backward callback did) and ends FSDP2's backward iteration; the next forward starts a new one.
     """
 
     def backward_maybe_with_nosync(
@@ -154,4 +160,6 @@ class ReshardingStage(PipelineStage):
         self.submod.set_reshard_after_backward(True)
         self.submod.set_requires_gradient_sync(True)
         grads = stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"])
+        if hasattr(self.submod, "finalize_backward"):  # torch >= 2.15 (manual backward finalization)
+            self.submod.finalize_backward()
         return grads, None
