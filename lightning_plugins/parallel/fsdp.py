@@ -3,10 +3,11 @@
 Units (as torchtitan and torchtune's ``custom_sharded_layers``): each decoder layer; the embedding; the final norm
 with the head; then the root, which FSDP2 never reshards after forward, so whatever it holds stays gathered from
 the start of forward to the end of backward on every data rank (2 x 1.96 GiB for Llama-3.1-70B's embedding and
-head in bf16). Alone, the embedding is resharded after its forward (a frozen one, as under LoRA, is never gathered
-again: its output needs no gradient, so backward does not come back to it); the norm and head, needed again at once
-by backward, stay gathered until their post-backward reshard. A tied embedding and head (one weight) stay one unit:
-the root, as before.
+head in bf16). Alone, the embedding is resharded after its forward and not gathered again: backward reads none of
+its weights (frozen, as under LoRA, or a lookup table, whose gradient only scatters rows). The norm and head,
+needed again at once by backward, stay gathered until their post-backward reshard; every layer, the last one too,
+is resharded after forward (ZeRO-3) and gathered again in backward. A tied embedding and head (one weight) stay one
+unit: the root, as before.
 """
 
 from __future__ import annotations
@@ -73,19 +74,18 @@ def apply_fsdp(
         head: The final norm and the output head ``model`` holds (``None`` entries are skipped), one unit.
     """
     kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload or OffloadPolicy()}
-    last = len(layers) - 1
-    for index, layer in enumerate(layers):
-        keep = reshard_after_forward and index < last
+    for layer in layers:
         if experts is not None:
             for _, module in expert_modules(layer):
-                fully_shard(module, **{**kwargs, "mesh": experts.fsdp}, reshard_after_forward=keep)
+                fully_shard(module, **{**kwargs, "mesh": experts.fsdp}, reshard_after_forward=reshard_after_forward)
                 module.set_gradient_divide_factor(float(experts.data_ranks))
                 # gloo has no pre-scaled sum: divide around a plain sum instead (torch 2.13 divides twice when the
                 # shard group is one rank, so only where it is larger).
                 shards = experts.fsdp.size(experts.fsdp.ndim - 1)
                 module.set_force_sum_reduction_for_comms(experts.fsdp.device_type == "cpu" and shards > 1)
-        # The last layer's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(layer, reshard_after_forward=keep, **kwargs)
+        # The last layer too: the head's backward runs first, while FSDP2 gathers the layer again (kept gathered,
+        # it would add a layer to the step's peak, at the end of forward when the head is gathered).
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     head = [module for module in head if module is not None]
     if not _tied(embedding, head):
         if embedding is not None:
