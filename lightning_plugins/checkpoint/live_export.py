@@ -126,13 +126,24 @@ def _check_mergeable(model: nn.Module, adapted: bool) -> None:
             " PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()."
         )
     for name, module in model.named_modules():
-        plain_lora = type(module) is LoraLinear and not module.lora_variant
+        plain_lora = _own_class(module) is LoraLinear and not module.lora_variant
         if isinstance(module, AuxiliaryTrainingWrapper) or (_is_lora(module) and not plain_lora):
             raise ValueError(
                 f"export_hf(merge=True) merges plain LoRA on linear layers; {name} ({type(module).__name__}) is not."
                 " Export the adapter (merge=False) and merge it with peft in one process:"
                 " PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()."
             )
+
+
+def _own_class(module: nn.Module) -> type:
+    """The module's class, under the ``FSDP<class>`` that ``fully_shard`` puts in front of it (an adapted head is a
+    unit of its own)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+    return cls
 
 
 def _is_lora(module: nn.Module) -> bool:

@@ -19,7 +19,7 @@ from lightning_plugins.errors import LayoutError
 from lightning_plugins.adapters.lora import hf_model_of
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.adapters.qlora import check_quantized
-from lightning_plugins.parallel.families import ModelFamily, check_supported, decoder_layers, family_for
+from lightning_plugins.parallel.families import ModelFamily, check_supported, decoder_layers, family_for, final_norm
 from lightning_plugins.parallel.activation import apply_activation_checkpointing
 from lightning_plugins.parallel.experts import apply_expert_parallel, expert_meshes
 from lightning_plugins.parallel.router_loss import check_router_loss, install_global_balance_loss
@@ -147,6 +147,8 @@ def parallelize(
             offload=offload_policy(memory.cpu_offload, mesh.device_type),
             reshard_after_forward=memory.reshard_after_forward,
             experts=experts,
+            embedding=model.get_input_embeddings(),
+            head=(final_norm(model, family), model.get_output_embeddings()),
         )
     model.loss_function = ParallelCausalLMLoss(
         data_mesh(mesh), install_chunked_loss(model, memory.loss_chunk_tokens, not options.loss_parallel)

@@ -217,6 +217,17 @@ def decoder_layers(model: nn.Module, family: ModelFamily) -> nn.ModuleList:
     )
 
 
+def final_norm(model: nn.Module, family: ModelFamily) -> nn.Module | None:
+    """The norm between the last decoder layer and the head: the family's, else the base model's ``norm`` (the piece
+    a pipeline stage runs, see :mod:`~lightning_plugins.parallel.pipeline.anatomy`); ``None`` when neither is a norm.
+    """
+    try:
+        norm = model.get_submodule(family.final_norm) if family.final_norm else getattr(getattr(model, "base_model", model), "norm", None)
+    except AttributeError:
+        return None
+    return norm if isinstance(norm, nn.Module) and _is_norm(norm) else None
+
+
 def check_supported(model: Any) -> None:
     """Refuse models that are already wrapped by another data-parallel engine."""
     from torch.distributed.fsdp import FullyShardedDataParallel

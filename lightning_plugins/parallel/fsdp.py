@@ -1,6 +1,18 @@
-"""FSDP2 over the data dimensions: per-layer ``fully_shard``, HSDP, mixed precision and CPU offload."""
+"""FSDP2 over the data dimensions: per-layer ``fully_shard``, HSDP, mixed precision and CPU offload.
+
+Units (as torchtitan and torchtune's ``custom_sharded_layers``): each decoder layer; the embedding; the final norm
+with the head; then the root, which FSDP2 never reshards after forward, so whatever it holds stays gathered from
+the start of forward to the end of backward on every data rank (2 x 1.96 GiB for Llama-3.1-70B's embedding and
+head in bf16). Alone, the embedding is resharded after its forward and not gathered again: backward reads none of
+its weights (frozen, as under LoRA, or a lookup table, whose gradient only scatters rows). The norm and head,
+needed again at once by backward, stay gathered until their post-backward reshard; every layer, the last one too,
+is resharded after forward (ZeRO-3) and gathered again in backward. A tied embedding and head (one weight) stay one
+unit: the root, as before.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -42,8 +54,10 @@ def apply_fsdp(
     offload: OffloadPolicy | None = None,
     reshard_after_forward: bool = True,
     experts: ExpertMeshes | None = None,
+    embedding: nn.Module | None = None,
+    head: Sequence[nn.Module | None] = (),
 ) -> None:
-    """Shard each decoder layer and then the root (embeddings, final norm, ``lm_head``).
+    """Shard each decoder layer, the embedding, the final norm with the head, then the root (see the module doc).
 
     Args:
         model: The (possibly tensor-parallel) model.
@@ -56,19 +70,43 @@ def apply_fsdp(
         experts: Under expert parallelism, the expert meshes: each experts module is its own unit, sharded over
             ``experts.fsdp`` (the data ranks that do not split the experts). An expert's gradient sums the tokens that
             the ``ep`` ranks sent it, so it is divided by all the data ranks, as the dense weights' are.
+        embedding: The input embedding ``model`` holds (``None``: none, e.g. a later pipeline stage).
+        head: The final norm and the output head ``model`` holds (``None`` entries are skipped), one unit.
     """
     kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload or OffloadPolicy()}
-    last = len(layers) - 1
-    for index, layer in enumerate(layers):
-        keep = reshard_after_forward and index < last
+    for layer in layers:
         if experts is not None:
             for _, module in expert_modules(layer):
-                fully_shard(module, **{**kwargs, "mesh": experts.fsdp}, reshard_after_forward=keep)
+                fully_shard(module, **{**kwargs, "mesh": experts.fsdp}, reshard_after_forward=reshard_after_forward)
                 module.set_gradient_divide_factor(float(experts.data_ranks))
                 # gloo has no pre-scaled sum: divide around a plain sum instead (torch 2.13 divides twice when the
                 # shard group is one rank, so only where it is larger).
                 shards = experts.fsdp.size(experts.fsdp.ndim - 1)
                 module.set_force_sum_reduction_for_comms(experts.fsdp.device_type == "cpu" and shards > 1)
-        # The last layer's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(layer, reshard_after_forward=keep, **kwargs)
+        # The last layer too: the head's backward runs first, while FSDP2 gathers the layer again (kept gathered,
+        # it would add a layer to the step's peak, at the end of forward when the head is gathered).
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    head = [module for module in head if module is not None]
+    if not _tied(embedding, head):
+        if embedding is not None:
+            fully_shard(embedding, reshard_after_forward=reshard_after_forward, **kwargs)
+            # FSDP2 prefetches it in backward as the last unit to run; a lookup's gradient needs no weight values.
+            embedding.set_unshard_in_backward(not _backward_needs_no_weights(embedding))
+        if head:
+            fully_shard(head if len(head) > 1 else head[0], reshard_after_forward=False, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+
+
+def _backward_needs_no_weights(embedding: nn.Module) -> bool:
+    """Whether backward reads none of ``embedding``'s parameters: all frozen (LoRA), or a plain lookup table (an
+    ``nn.Embedding`` subclass holding its weight only, whose gradient is the output gradient scattered to rows)."""
+    params = list(embedding.parameters())
+    if not any(param.requires_grad for param in params):
+        return True
+    return isinstance(embedding, nn.Embedding) and not list(embedding.children()) and params == [embedding.weight]
+
+
+def _tied(embedding: nn.Module | None, head: list[nn.Module]) -> bool:
+    """Whether the embedding and a head module share their weight (``tie_word_embeddings``): one unit, the root."""
+    weight = getattr(embedding, "weight", None)
+    return weight is not None and any(getattr(module, "weight", None) is weight for module in head)

@@ -193,9 +193,9 @@ def estimate_peak(workload: Workload) -> int:
     State from the parameter counts and the layout; activations from Korthikanti's formula times
     :data:`ACTIVATION_FACTOR` and the micro-batches a pipeline stage holds; temporaries: the fp32 logits
     and their gradient (one chunk of ``loss_chunk_tokens`` tokens when the loss is chunked), FSDP2's gathered
-    root (embedding, head) and two gathered layers, and under pipeline parallelism the stage's unsharded
-    gradients kept until the last micro-batch (not with ``pp_reshard_per_microbatch``, which reduce-scatters
-    them after every micro-batch).
+    embedding or final norm + head (each its own unit; a tied pair: both, in the root) and two gathered layers,
+    and under pipeline parallelism the stage's unsharded gradients kept until the last micro-batch (not with
+    ``pp_reshard_per_microbatch``, which reduce-scatters them after every micro-batch).
     """
     stats, layout, memory = model_stats(workload.config), workload.layout, workload.memory
     weight, compute = _BYTES[workload.dtype], _BYTES.get(memory.param_dtype or workload.dtype, 2)
@@ -260,7 +260,11 @@ def estimate_peak(workload: Workload) -> int:
     temporaries = 3 * (min(tokens, chunk) if chunk else tokens) * vocab * 4
     if layout.fsdp_size > 1:
         gathered = stats.layer_params - stats.expert_params + stats.expert_params / layout.ep_size * layout.tp_size
-        temporaries += (ends + 2 * gathered) / layout.tp_size * compute
+        # The embedding and the final norm + head are FSDP2 units of their own, gathered at different moments; a
+        # tied pair stays in the root, gathered through the whole step with the rest of it.
+        gathered_ends = max(stats.embedding_params, stats.head_params + stats.norm_params)
+        gathered_ends = ends if stats.tied_embeddings else gathered_ends
+        temporaries += (gathered_ends + 2 * gathered) / layout.tp_size * compute
         if layout.pp_size > 1 and not memory.pp_reshard_per_microbatch:
             temporaries += trainable * layout.fsdp_size * weight
     if memory.cpu_offload:

@@ -47,7 +47,8 @@ def apply_pipeline_parallel(
 
     Order: split (with expert, tensor then context parallelism applied in between, see :func:`split_into_stages`) ->
     activation checkpointing of the kept layers -> FSDP2 per stage module (each stage is its own root),
-    called as ``fully_shard_stage(stage, layers, reshard_after_forward=...)``.
+    called as ``fully_shard_stage(stage, layers, reshard_after_forward=..., embedding=..., head=...)`` (the
+    embedding, final norm and head the stage holds, their own units unless tied).
     Afterwards ``model(**batch)`` runs the whole batch through the pipeline (see :class:`Pipeline`).
 
     Zero-bubble schedules (``interleaved_zero_bubble``, ``zbv_zero_bubble``, ``dualpipev``) compute weight
@@ -72,10 +73,13 @@ def apply_pipeline_parallel(
         activation_checkpointing(decoder_layers(model, family))
     if fully_shard_stage is not None:
         for stage in stages.values():
+            # A tied weight stays in the stage root unit, as before: its embedding and head may sit in two stages.
             fully_shard_stage(
                 stage,
                 list(stage.layers.values()),
                 reshard_after_forward=reshard_after_forward and not options.spec.split_backward,
+                embedding=None if tied else stage.embed,
+                head=() if tied else (stage.norm, stage.lm_head),
             )
         if tied and model.get_input_embeddings() is not None and model.get_output_embeddings() is not None:
             # FSDP2 gave the head a new (sharded) parameter; the kept embedding module names the same one.
