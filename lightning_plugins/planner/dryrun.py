@@ -299,8 +299,15 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
                 stage.register_full_backward_pre_hook(mark)
             head = hf_model_of(model).get_output_embeddings()
             if head is not None:  # the head's logits and loss apart from the layers before and after them
-                head.register_forward_pre_hook(mark)
-                head.register_full_backward_hook(mark)
+
+                def mark_forward_and_backward(_: nn.Module, args: tuple[Any, ...]) -> None:
+                    mark()
+                    # The chunked loss computes inside the head and hands back empty logits: the head's own backward
+                    # hook would never fire. Its input's gradient marks the end of the loss's backward either way.
+                    if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                        args[0].register_hook(mark)
+
+                head.register_forward_pre_hook(mark_forward_and_backward)
             with tracker, warnings.catch_warnings():
                 # The first stage's input (token ids) takes no gradient: torch says its backward hook fires anyway.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
@@ -377,10 +384,21 @@ def _extrapolated(steps: list[dict[str, list[dict[str, int]]]], layers: int) -> 
         )
     small, large = MEASURED_LAYERS
     scale = (layers - small) / (large - small)
-    peaks = [{key: a[key] + round((b[key] - a[key]) * scale) for key in a} for a, b in zip(low, high)]
+    peaks = [_line(a, b, scale) for a, b in zip(low, high)]
     worst = max(range(len(peaks)), key=lambda index: peaks[index]["total"])
     per_layer = (high[worst]["activations"] - low[worst]["activations"]) / (large - small)
     return [_folded(peak) for peak in peaks], round(per_layer)
+
+
+def _line(low: dict[str, int], high: dict[str, int], scale: float) -> dict[str, int]:
+    """One interval's peak extrapolated category by category; where the two copies peaked at different moments (a
+    category shrinking with the layers so fast it would go negative), that category is kept at the larger copy's."""
+    peak = {key: low[key] + round((high[key] - low[key]) * scale) for key in low if key != "total"}
+    for key, nbytes in peak.items():
+        if nbytes < 0:
+            peak[key] = high[key]
+    peak["total"] = sum(nbytes for key, nbytes in peak.items() if key != "host")
+    return peak
 
 
 def _folded(peak: dict[str, int]) -> dict[str, int]:

@@ -94,14 +94,17 @@ def with_offload(report: RankMemory) -> None:
     """FSDP2 CPU offload: sharded parameters, gradients and optimizer state live on the host."""
     state = report.state
     report.host += sum(state.values())
-    moved = {
-        "parameters": min(report.peak["parameters"], state["parameters"]),
-        "gradients": min(report.peak["gradients"], state["gradients"]),
-        "optimizer": report.peak["optimizer"],
-    }
-    for key, nbytes in moved.items():
-        report.peak[key] -= nbytes
-    report.peak["total"] -= sum(moved.values())
+    intervals = [dict(peak) for peak in report.intervals]
+    for peak in intervals:  # each interval without what lives on the host, then the largest
+        moved = {
+            "parameters": min(peak["parameters"], state["parameters"]),
+            "gradients": min(peak["gradients"], state["gradients"]),
+            "optimizer": peak["optimizer"],
+        }
+        for key, nbytes in moved.items():
+            peak[key] -= nbytes
+        peak["total"] -= sum(moved.values())
+    report.peak = worst_interval(intervals)
     report.notes.append("CPU offload modelled: sharded parameters, gradients and AdamW state counted on the host")
 
 

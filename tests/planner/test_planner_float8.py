@@ -46,12 +46,13 @@ def test_float8_halves_the_gathered_linear_weights_and_leaves_the_state() -> Non
         assert fp8.state == bf16.state
         linear = _linear_params(CONFIG) // tp  # bytes one gathered layer's linears save (2 -> 1 per weight)
         layer_bf16 = 2 * (linear + 2 * h)
-        forward, backward = bf16.intervals[0], bf16.intervals[1]
+        # Intervals: forward to the head, the head and the loss (forward and backward), the layers' backward, the step.
+        forward, backward = bf16.intervals[0], bf16.intervals[2]
         gathered = round(forward["temporaries"] / layer_bf16)  # layers held gathered at once in the forward
         assert gathered >= 2, forward  # the current layer and the prefetched next one at least
         saved = forward["temporaries"] - fp8.intervals[0]["temporaries"]
         assert saved == pytest.approx(gathered * linear, rel=1e-4), (tp, saved, gathered, linear)
-        saved = backward["temporaries"] - fp8.intervals[1]["temporaries"]
+        saved = backward["temporaries"] - fp8.intervals[2]["temporaries"]
         assert saved >= linear * (1 - 1e-4), (tp, saved, linear)
         for peak, other in zip(bf16.intervals, fp8.intervals):
             assert other["activations"] == pytest.approx(peak["activations"], abs=64), (tp, peak, other)
