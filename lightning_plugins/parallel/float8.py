@@ -45,32 +45,25 @@ class _FrozenWeightMatmul(torch.autograd.Function):
         (weight_hp_t,) = ctx.saved_tensors
         c, shape = ctx.config, grad_output.shape
         # torchao's grad_input, as matmul_with_hp_or_float8_args.backward computes it (same casts, same matmul).
-        grad = grad_output.reshape(-1, shape[-1])
-        cast = c.cast_config_grad_output
-        if not tensor_already_casted_to_fp8(grad) and cast.scaling_type is not ScalingType.DISABLED:
-            grad = hp_tensor_to_float8_dynamic(
-                grad,
-                cast.target_dtype,
-                ctx.mm_config,
-                gemm_input_role=GemmInputRole.GRAD_OUTPUT,
-                scaling_granularity=cast.scaling_granularity,
-                axiswise_dim=get_maybe_axiswise_dim(-1, cast.scaling_granularity),
-                round_scales_to_power_of_2=c.round_scales_to_power_of_2,
-            )
-        weight = weight_hp_t
-        cast = c.cast_config_weight_for_grad_input
-        if not tensor_already_casted_to_fp8(weight) and cast.scaling_type is not ScalingType.DISABLED:
-            weight = hp_tensor_to_float8_dynamic(
-                weight,
-                cast.target_dtype,
-                ctx.mm_config,
-                gemm_input_role=GemmInputRole.WEIGHT,
-                scaling_granularity=cast.scaling_granularity,
-                axiswise_dim=get_maybe_axiswise_dim(-1, cast.scaling_granularity),
-                round_scales_to_power_of_2=c.round_scales_to_power_of_2,
-            )
+        grad = _cast(grad_output.reshape(-1, shape[-1]), c.cast_config_grad_output, GemmInputRole.GRAD_OUTPUT, ctx, c)
+        weight = _cast(weight_hp_t, c.cast_config_weight_for_grad_input, GemmInputRole.WEIGHT, ctx, c)
         grad_input = torch.mm(grad, weight.t())
         return grad_input.reshape(*shape[:-1], grad_input.shape[-1]), None, None, None
+
+
+def _cast(tensor: torch.Tensor, cast: Any, role: GemmInputRole, ctx: Any, config: Any) -> torch.Tensor:
+    """``tensor`` in float8 as torchao's backward casts it for ``role`` (unless already cast or casting is off)."""
+    if tensor_already_casted_to_fp8(tensor) or cast.scaling_type is ScalingType.DISABLED:
+        return tensor
+    return hp_tensor_to_float8_dynamic(
+        tensor,
+        cast.target_dtype,
+        ctx.mm_config,
+        gemm_input_role=role,
+        scaling_granularity=cast.scaling_granularity,
+        axiswise_dim=get_maybe_axiswise_dim(-1, cast.scaling_granularity),
+        round_scales_to_power_of_2=config.round_scales_to_power_of_2,
+    )
 
 
 class FrozenFloat8Linear(Float8Linear):
