@@ -89,14 +89,38 @@ def test_the_full_logits_never_exist() -> None:
     assert {shape for shape in saved if shape not in weight} == {(8, vocab)}, saved
 
 
+def test_the_head_gradient_is_built_once() -> None:
+    """Backward sums the head's gradient block by block in fp32 and casts it once: no chunk makes a whole
+    [vocab, hidden] gradient of its own (2 GiB a chunk at Llama-3.1-70B's head in bf16)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    config = CONFIGS["llama"]()
+    config.vocab_size = vocab = 96
+    model = _chunked(AutoModelForCausalLM.from_config(config), 8)
+    whole = (vocab, config.hidden_size)
+    made: list[str] = []
+
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == whole and func._schema.name != "aten::t":
+                made.append(func._schema.name)
+            return out
+
+    loss = model(**make_batch(2, 32, vocab, seed=0)).loss  # 64 tokens: 8 chunks
+    with Outputs():
+        loss.backward()
+    assert len([name for name in made if name not in ("aten::view", "aten::detach", "aten::_unsafe_view")]) <= 2, made
+
+
 def test_head_adapters_and_bias_keep_full_logits() -> None:
     """A head the chunks would not reproduce exactly keeps transformers' full logits (never a silently wrong loss)."""
-    from peft import LoraConfig, get_peft_model
+    from lightning_plugins.adapters.lora import LoraOptions, apply_lora
 
     model = tiny_model("llama")
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.config.vocab_size))
     assert install_chunked_loss(model, 7) is None
-    adapted = get_peft_model(tiny_model("llama"), LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+    adapted = apply_lora(tiny_model("llama"), LoraOptions(r=2, target_modules=("q_proj", "lm_head")))
     assert install_chunked_loss(adapted.base_model.model, 7) is None  # a LoRA adapter on lm_head
     assert install_chunked_loss(tiny_model("llama"), 0) is None
 
