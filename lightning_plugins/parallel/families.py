@@ -222,7 +222,10 @@ def final_norm(model: nn.Module, family: ModelFamily) -> nn.Module | None:
     a pipeline stage runs, see :mod:`~lightning_plugins.parallel.pipeline.anatomy`); ``None`` when neither is a norm.
     """
     try:
-        norm = model.get_submodule(family.final_norm) if family.final_norm else getattr(getattr(model, "base_model", model), "norm", None)
+        if family.final_norm:
+            norm = model.get_submodule(family.final_norm)
+        else:
+            norm = getattr(getattr(model, "base_model", model), "norm", None)
     except AttributeError:
         return None
     return norm if isinstance(norm, nn.Module) and _is_norm(norm) else None
