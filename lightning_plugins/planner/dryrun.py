@@ -285,7 +285,9 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
             model.to_empty(device="cpu")
             optimizer = _warmed_up(model)
             batch = _batch(workload, mesh_of(model), workload.seq_len)
-            tracker = StepMemTracker(model)
+            # CPU offload: the sharded state lives on the host; the GPU's peak is chosen without it (with_offload).
+            host = ("parameters", "gradients", "optimizer") if workload.memory.cpu_offload else ()
+            tracker = StepMemTracker(model, on_host=host)
             tracker.track_external(model, optimizer, *batch.values())
             intervals: list[dict[str, int]] = []
 

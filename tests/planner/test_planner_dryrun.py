@@ -171,3 +171,20 @@ def test_dry_run_predicts_the_peak_of_real_runs() -> None:
             assert distance <= 0.15 * truth["total"], where
             for key in ("parameters", "optimizer"):
                 assert predicted.peak[key] == pytest.approx(truth[key], rel=0.01), where
+
+
+def test_cpu_offload_peak_is_the_gpus() -> None:
+    """Under FSDP2's CPU offload the sharded state lives on the host: the GPU's peak moment is chosen without it.
+    Chosen by a total that counts it (the host's gradients pile up as backward runs), the two measured copies peaked
+    at different moments and Llama-3.1-70B's extrapolated peak lost the layer inputs that activation checkpointing
+    keeps (and went negative in some categories)."""
+    from lightning_plugins.planner import load_model_config
+
+    config = load_model_config("Llama-3.1-70B")
+    memory = MemoryOptions(activation_checkpointing="full", cpu_offload=True)
+    work = Workload(config, ParallelLayout().resolve(8), memory=memory, dtype="bf16", seq_len=2048, micro_batch_size=2)
+    [rank] = dry_run(work)
+    assert all(nbytes >= 0 for nbytes in rank.peak.values()), rank.peak
+    kept = config.num_hidden_layers * 2 * 2048 * config.hidden_size * 2  # each layer's input, bf16
+    assert rank.peak["activations"] >= kept, (rank.peak, kept)
+    assert rank.peak["parameters"] == rank.peak["optimizer"] == 0  # on the host
