@@ -226,14 +226,13 @@ def quantize_base_to_nf4(
         weight = module.weight
         if weight.requires_grad or id(weight) in dense:
             continue
-        if is_nf4(weight):  # already NF4 (shared with a linear converted above, or quantized by hand)
-            module.__class__ = NF4Linear
-            continue
-        if id(weight) not in converted:
-            converted[id(weight)] = _to_nf4_parameter(
-                f"{name}.weight", weight, block_size, scaler_block_size, to_nf4, shapes_only
-            )
-        module.weight = converted[id(weight)]
+        # Not yet NF4 (one already NF4 was shared with a linear converted above, or quantized by hand): convert it.
+        if not is_nf4(weight):
+            if id(weight) not in converted:
+                converted[id(weight)] = _to_nf4_parameter(
+                    f"{name}.weight", weight, block_size, scaler_block_size, to_nf4, shapes_only
+                )
+            module.weight = converted[id(weight)]
         module.__class__ = NF4Linear  # in place: peft's LoRA layer, hooks and parameter names stay as they are
     return len(converted)
 
