@@ -29,6 +29,7 @@ from lightning_plugins.parallel.context import apply_context_parallel, context_p
 from lightning_plugins.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
 from lightning_plugins.parallel.grad import clip_grad_norm_, reduce_partial_state, total_grad_norm
 from lightning_plugins.parallel.mesh import attach_mesh, data_mesh, fsdp_mesh, mesh_of
+from lightning_plugins.parallel.gated_mlp import use_efficient_mlps
 from lightning_plugins.parallel.norms import use_efficient_norms
 from lightning_plugins.parallel.save_pretrained import install_save_pretrained
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
@@ -100,6 +101,8 @@ def parallelize(
         check_device(options, layout.device_type if isinstance(layout, DeviceMesh) else _device_type(), resolved.tp_size)
     if memory.efficient_norms:
         use_efficient_norms(model)
+    if memory.efficient_mlp:
+        use_efficient_mlps(model)
     # Validation is done: from here on collectives run (building the mesh creates process groups).
     mesh = layout if isinstance(layout, DeviceMesh) else resolved.build_mesh(_device_type())
 

@@ -59,7 +59,7 @@ _FORMS: dict[str, tuple[str, str]] = {
 }
 
 
-def _source(function: Any) -> str | None:
+def method_source(function: Any) -> str | None:
     """A method's source, dedented, without comments, blank lines and trailing remarks; ``None`` if unreadable."""
     try:
         text = textwrap.dedent(inspect.getsource(function))
@@ -73,10 +73,10 @@ def norm_form(module: nn.Module) -> tuple[str, str] | None:
     """``(form, epsilon attribute)`` when ``module`` is an RMSNorm this module can compute, else ``None``."""
     if not isinstance(getattr(module, "weight", None), torch.Tensor) or any(True for _ in module.children()):
         return None
-    form = _FORMS.get(_source(type(module).forward) or "")
+    form = _FORMS.get(method_source(type(module).forward) or "")
     if form is None or not isinstance(getattr(module, form[1], None), float):
         return None
-    if form[0] == "gemma" and _source(getattr(type(module), "_norm", None)) != _GEMMA_NORM.strip():
+    if form[0] == "gemma" and method_source(getattr(type(module), "_norm", None)) != _GEMMA_NORM.strip():
         return None
     return form
 

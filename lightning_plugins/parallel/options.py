@@ -157,6 +157,10 @@ class MemoryOptions:
         efficient_norms: RMSNorms of a known form (Llama's, OLMo 2's, Gemma's) computed bit-identically but saving
             only their input and the fp32 ``rstd`` per row for backward, not fp32 copies of the activation
             (:mod:`lightning_plugins.parallel.norms`).
+        efficient_mlp: Gated MLPs of a known form (SwiGLU/GeGLU: Llama's ``down_proj(act_fn(gate_proj(x)) *
+            up_proj(x))``, Phi-3's fused ``gate_up_proj``) computed bit-identically but saving ``gate`` and ``up`` only,
+            recomputing the activation in backward: one intermediate-width tensor less per layer
+            (:mod:`lightning_plugins.parallel.gated_mlp`).
         sp_regather: With sequence parallelism: each region (attention, MLP) keeps its input's sequence shard for
             backward and all-gathers it again there, instead of keeping the gathered input (one more all-gather per
             region and step; :mod:`lightning_plugins.parallel.regather`). Not with activation checkpointing or
@@ -179,6 +183,7 @@ class MemoryOptions:
     pp_reshard_per_microbatch: bool = False
     loss_chunk_tokens: int | None = 512
     efficient_norms: bool = True
+    efficient_mlp: bool = True
     sp_regather: bool = False
     optimizer_in_backward: bool = False
 
@@ -207,7 +212,7 @@ class MemoryOptions:
                 raise OptionsError(
                     f"Unknown dtype {name}={value!r} for mixed precision; use one of {sorted(DTYPE_NAMES)}."
                 )
-        for name in ("optimizer_offload", "activation_offload", "pp_reshard_per_microbatch", "efficient_norms", "sp_regather", "optimizer_in_backward"):
+        for name in ("optimizer_offload", "activation_offload", "pp_reshard_per_microbatch", "efficient_norms", "efficient_mlp", "sp_regather", "optimizer_in_backward"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be true or false, got {getattr(self, name)!r}.")
         if self.sp_regather and (self.activation_checkpointing != "none" or self.activation_offload):
