@@ -36,16 +36,19 @@ from lightning_plugins.planner.workload import Workload
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: Saved activations of a Llama layer (HF, SDPA) over Korthikanti's flash formula, as the dry run measures them
-#: with the default levers (``efficient_norms``; SwiGLU's extra intermediate-width tensors; with sequence parallelism
-#: also the gathered region inputs): Llama-3.1-8B at 8K tokens, fp32 weights computing in bf16, FSDP8 1.21, TP2 x
-#: FSDP4 without SP 1.11 (the screen takes the larger), with SP 1.32 (0.70 GiB a layer against 0.77 without: SP
-#: saves, as measured). Numbers: benchmarks/RESULTS.md, "Activation floor (issue 28, part A)".
-ACTIVATION_FACTOR = {"plain": 1.21, "sequence_parallel": 1.32}
+#: with the default levers (``efficient_norms``, ``efficient_mlp``; with sequence parallelism also the gathered region
+#: inputs): Llama-3.1-8B at 8K tokens, fp32 weights computing in bf16, FSDP8 1.00, TP2 x FSDP4 without SP 0.96 (the
+#: screen takes the larger), with SP 1.12 (0.59 GiB a layer against 0.66 without: SP saves, as measured). Numbers:
+#: benchmarks/RESULTS.md, "Activation floor (issue 28, part A)" (``python benchmarks/activation_floor.py``).
+ACTIVATION_FACTOR = {"plain": 1.00, "sequence_parallel": 1.12}
 #: With ``sp_regather`` the SP regions keep their input's shard instead of the gathered input: the same TP2 + SP run
-#: measures 1.21 (0.64 GiB a layer).
-SP_REGATHER_FACTOR = 1.21 / 1.32
-#: With ``efficient_norms=False`` the models' own RMSNorms keep fp32 copies: the same runs measure 1.44 (FSDP8) and
-#: 1.56 (TP2 + SP) times the floor.
+#: measures 1.00 (0.53 GiB a layer).
+SP_REGATHER_FACTOR = 1.00 / 1.12
+#: With ``efficient_mlp=False`` the gated MLPs also keep their activation's output: the same runs measure 1.21 (FSDP8)
+#: and 1.32 (TP2 + SP) times the floor.
+OWN_MLP_FACTOR = {"plain": 1.21 / 1.00, "sequence_parallel": 1.32 / 1.12}
+#: With ``efficient_norms=False`` the models' own RMSNorms keep fp32 copies: with neither lever the same runs measure
+#: 1.44 (FSDP8) and 1.56 (TP2 + SP) times the floor.
 OWN_NORMS_FACTOR = {"plain": 1.44 / 1.21, "sequence_parallel": 1.56 / 1.32}
 #: Selective (op-level) checkpointing keeps this share of the saved activations (8B FSDP8 at 8K: 31.2 / 55.2 GiB).
 SELECTIVE_KEEPS = 0.57
@@ -239,6 +242,7 @@ def estimate_peak(workload: Workload) -> int:
     sp = layout.tp_size > 1 and workload.options.sequence_parallel
     kind = "sequence_parallel" if sp else "plain"
     factor = ACTIVATION_FACTOR[kind] * (1 if memory.efficient_norms else OWN_NORMS_FACTOR[kind])
+    factor *= 1 if memory.efficient_mlp else OWN_MLP_FACTOR[kind]
     factor *= SP_REGATHER_FACTOR if sp and memory.sp_regather else 1
     whole_layer = factor * korthikanti_activations(one, 1)
     per_layer = {

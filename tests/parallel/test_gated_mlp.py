@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from _autograd import saved_bytes
 from tiny_models import make_batch, tiny_model
 from torch import nn
 
@@ -36,20 +37,6 @@ FAMILIES = [
 _ACT = {"llama": "act_fn", "phi3": "activation_fn", "experts": "act_fn"}
 
 
-def _saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd saves while ``fn`` runs (parameters excluded)."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, nn.Parameter):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize("family,forms,count", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_same_bits_and_less_saved(family: str, forms: set[str], count: int, dtype: torch.dtype) -> None:
@@ -60,7 +47,7 @@ def test_same_bits_and_less_saved(family: str, forms: set[str], count: int, dtyp
     assert {form for m in model.modules() if (form := mlp_form(m)) is not None} == {(f, _ACT[f]) for f in forms}
     assert use_efficient_mlps(model) == 0  # already swapped
     batch = make_batch(2, 9, reference.config.vocab_size, seed=1)
-    saved = [_saved_bytes(lambda: one(**batch)) for one in (reference, model)]
+    saved = [saved_bytes(lambda: one(**batch)) for one in (reference, model)]
     assert saved[1] < saved[0] if count else saved[1] == saved[0]
     outs = [one(**batch) for one in (reference, model)]
     for out in outs:
@@ -78,7 +65,7 @@ def test_same_bits_and_less_saved(family: str, forms: set[str], count: int, dtyp
     x = torch.randn(2, 9, reference.config.hidden_size, dtype=dtype, requires_grad=True)
     width = mlp.down_proj.in_features
     activation = x.numel() // x.shape[-1] * width * x.element_size()
-    assert _saved_bytes(lambda: plain(x)) - _saved_bytes(lambda: mlp(x)) == activation
+    assert saved_bytes(lambda: plain(x)) - saved_bytes(lambda: mlp(x)) == activation
     grad = torch.randn_like(x)
     results = []
     for one in (plain, mlp):
@@ -120,7 +107,7 @@ def test_other_mlps_are_left_alone() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.down_proj(self.act_fn(self.gate_proj(x)) + self.up_proj(x))
 
-    class Learned(nn.Module):  # an activation with its own parameters: its gradient would be lost, so kept as is
+    class Learned(nn.Module):  # an activation this does not know (with a parameter, whose gradient it would lose)
         def __init__(self) -> None:
             super().__init__()
             self.alpha = nn.Parameter(torch.ones(()))

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from _autograd import saved_bytes
 from tiny_models import make_batch, tiny_model
 from torch import nn
 
@@ -19,20 +20,6 @@ from lightning_plugins.parallel.options import MemoryOptions
 
 # (tiny family, the form its norms take, how many norms it has: 2 per layer + the final one, + q/k norms)
 FAMILIES = [("llama", "llama", 5), ("qwen3", "llama", 9), ("olmo2", "olmo2", 17), ("gemma", "gemma", 5), ("gemma3", "gemma", 25)]
-
-
-def _saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd saves while ``fn`` runs (parameters excluded)."""
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, nn.Parameter):
-            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(storages.values())
 
 
 @pytest.mark.parametrize("family,form,count", FAMILIES)
@@ -65,7 +52,7 @@ def test_same_bits_and_less_saved(family: str, form: str, count: int, dtype: tor
     del plain.forward  # back to the class's own forward
     x = torch.randn(2, 9, norm.weight.shape[0], dtype=dtype, requires_grad=True)
     rows = x.numel() // x.shape[-1]
-    assert _saved_bytes(lambda: norm(x)) == x.numel() * x.element_size() + rows * 4
+    assert saved_bytes(lambda: norm(x)) == x.numel() * x.element_size() + rows * 4
     # Alone (its input a leaf), the norm is bit-identical in fp32 too.
     grad = torch.randn_like(x)
     results = []
@@ -76,7 +63,7 @@ def test_same_bits_and_less_saved(family: str, form: str, count: int, dtype: tor
         results.append((out, x.grad, one.weight.grad))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
-    assert _saved_bytes(lambda: plain(x)) > x.numel() * 4  # at least one fp32 copy of the activation
+    assert saved_bytes(lambda: plain(x)) > x.numel() * 4  # at least one fp32 copy of the activation
 
 
 def test_other_norms_are_left_alone() -> None:

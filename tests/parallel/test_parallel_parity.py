@@ -114,7 +114,9 @@ TP2 = {"tp_size": 2}
 CHUNKED = [
     ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
     ("granite", TP2, {"loss_chunk_tokens": 7}),
-    ("gemma2", TP2, {"loss_parallel": False, "loss_chunk_tokens": 7}),
+    # `gemma2_capped`, not `gemma2`: the tiny `gemma2`'s own fp32 run drifts 3e-6 from fp64 (below), which reached
+    # 1.08e-5 here on one machine (the same with efficient_mlp off; 8.9e-6 with efficient_norms off); this one 9.5e-7.
+    ("gemma2_capped", TP2, {"loss_parallel": False, "loss_chunk_tokens": 7}),
     ("llama_tied", TP2, {"sequence_parallel": False, "loss_parallel": False, "loss_chunk_tokens": 7}),
     ("mixtral_aux", {"ep_size": 2}, {"loss_chunk_tokens": 7}),
 ]
