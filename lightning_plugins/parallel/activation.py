@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -92,22 +93,65 @@ def apply_activation_checkpointing(
 
 
 
+class _Shared:
+    """One host copy that several saved tensors share (a tensor saved by several ops, and reshaped views of it),
+    brought back to its device once, by the first of them backward needs."""
+
+    __slots__ = ("packed", "device")
+
+    def __init__(self, packed: Any) -> None:
+        self.packed, self.device = packed, None
+
+    def unpack(self) -> torch.Tensor:
+        if self.device is None:
+            self.device = offload.from_host(self.packed)
+        return self.device
+
+
+class _View(NamedTuple):
+    """A saved view of a tensor moved whole: its geometry over the shared copy."""
+
+    shared: _Shared
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # storage offset relative to the viewed tensor's
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if isinstance(packed, _Shared):
+        return packed.unpack()
+    if isinstance(packed, _View):
+        whole = packed.shared.unpack()
+        return whole.as_strided(packed.size, packed.stride, whole.storage_offset() + packed.offset)
+    return packed
+
+
 class offload_saved_tensors(saved_tensors_hooks):  # a context manager, named like torch's save_on_cpu
     """Tensors saved for backward go to host memory (:func:`lightning_plugins.parallel.offload.to_host`) and come back to
-    their device when backward unpacks them; parameters stay. A tensor saved by several ops is moved once."""
+    their device when backward unpacks them; parameters stay. A tensor saved by several ops, or as views that cover it
+    whole (a linear saves its input reshaped to 2-D: q, k and v each their own view of the norm's output), is moved
+    once each way."""
 
     def __init__(self) -> None:
-        moved: dict[int, tuple[Any, Any]] = {}  # id(tensor) -> (tensor, packed): the same tensor saved again
+        moved: dict[int, tuple[torch.Tensor, int, _Shared]] = {}  # id(tensor) -> (tensor, its version, its copy)
 
         def pack(tensor: torch.Tensor) -> Any:
-            seen = moved.get(id(tensor))
-            if seen is not None and seen[0] is tensor and seen[1][0] == tensor._version:
-                return seen[1][1]
-            packed = offload.to_host(tensor)
-            moved[id(tensor)] = (tensor, (tensor._version, packed))
-            return packed
+            base = None if isinstance(tensor, DTensor) else tensor._base
+            whole = base if base is not None and base.numel() == tensor.numel() else tensor
+            seen = moved.get(id(whole))
+            if seen is not None and seen[0] is whole and seen[1] == whole._version:
+                shared = seen[2]
+            else:
+                packed = offload.to_host(whole)
+                if packed is whole:  # stays where it is (a parameter, an expanded view)
+                    return tensor
+                shared = _Shared(packed)
+                moved[id(whole)] = (whole, whole._version, shared)
+            if whole is tensor:
+                return shared
+            return _View(shared, tensor.size(), tensor.stride(), tensor.storage_offset() - whole.storage_offset())
 
-        super().__init__(pack, offload.from_host)
+        super().__init__(pack, _unpack)
         self._moved = moved
 
     def __exit__(self, *args: object) -> None:

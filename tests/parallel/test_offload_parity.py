@@ -294,3 +294,56 @@ def test_offloaded_optimizer_follows_parameters_replaced_before_its_first_step()
     hosted.param_groups[0]["params"] = old
     with pytest.raises(RuntimeError, match="replaced after it stepped"):
         hosted.step()
+
+
+def test_activation_offload_moves_each_saved_tensor_once() -> None:
+    """A tensor saved by several ops, or as reshaped views of it (each linear saves its input as its own 2-D view: q,
+    k and v of the norm's output), goes to the host once and comes back once; gradients stay bit-identical."""
+    from lightning_plugins.parallel import offload
+    from lightning_plugins.parallel.activation import offload_saved_tensors
+
+    reference = tiny_model("llama")
+    model = copy.deepcopy(reference)
+    batch = make_batch(2, 16, reference.config.vocab_size, seed=0)
+    layer = model.model.layers[0]
+
+    def around_layer(context: torch.autograd.graph.saved_tensors_hooks) -> None:
+        handles = [layer.register_forward_pre_hook(lambda *_: context.__enter__()),
+                   layer.register_forward_hook(lambda *_: context.__exit__(None, None, None))]  # fmt: skip
+        model(**batch).loss.backward()
+        for handle in handles:
+            handle.remove()
+
+    storages: dict[int, int] = {}  # what the layer saves without the lever: distinct storages it would move
+
+    def census(tensor: torch.Tensor) -> torch.Tensor:
+        if offload.to_host(tensor) is not tensor:  # not a parameter nor an expanded view, which stay
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    around_layer(torch.autograd.graph.saved_tensors_hooks(census, lambda t: t))
+    model.zero_grad(set_to_none=True)
+    moved, returned = [], []
+    to_host, from_host = offload.to_host, offload.from_host
+
+    def counted_to_host(tensor: torch.Tensor) -> object:
+        packed = to_host(tensor)
+        if packed is not tensor:
+            moved.append(tensor.untyped_storage().nbytes())
+        return packed
+
+    def counted_from_host(packed: object) -> torch.Tensor:
+        tensor = from_host(packed)
+        if tensor is not packed:
+            returned.append(packed)
+        return tensor
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(offload, "to_host", counted_to_host)
+        patch.setattr(offload, "from_host", counted_from_host)
+        around_layer(offload_saved_tensors())
+    assert (len(moved), sum(moved)) == (len(storages), sum(storages.values())), "each storage moved once"
+    assert len(returned) == len(moved), "and brought back once"
+    reference(**batch).loss.backward()
+    for (name, want), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
