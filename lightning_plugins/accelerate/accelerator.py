@@ -6,11 +6,11 @@ Accelerate does the rest of what it always does, told about data-parallel ranks 
 
 from __future__ import annotations
 
-import contextlib
+import math
 import os
 import re
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -31,18 +31,21 @@ from lightning_plugins.accelerate.settings import (
     builtin_path,
     check_builtin,
     describe_launch,
+    join_slowly,
     launched_world,
     merge_sizes,
+    parallelism_config_off,
 )
 from lightning_plugins.accelerate.state import load_training_state, next_state_dir, numbered_states, save_training_state
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
-from lightning_plugins.run.faults import join_timeout, set_collective_timeout
+from lightning_plugins.run.faults import set_collective_timeout
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.experts_balance import ExpertBalance
 from lightning_plugins.parallel.layout import ParallelLayout, given_sizes
 from lightning_plugins.checkpoint.load import is_on_meta, parallelize_and_load
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import check_settings, clip_grad_norm_, mesh_of, pipeline_of
+from lightning_plugins.parallel.optim_in_backward import check_step_in_backward, stepping_in_backward
 from lightning_plugins.parallel.pipeline.runtime import GradHandOff
 from lightning_plugins.parallel.teardown import release_at_exit, release_process_groups
 from lightning_plugins.parallel.families import find_hf_model
@@ -161,8 +164,8 @@ class ParallelAccelerator(Accelerator):
                     " engine's FSDP2 (dp_shard_size, memory.cpu_offload)."
                 )
             return
-        timeout = _join_slowly(kwargs)
-        with _accelerate_parallelism_config_off():  # it refuses MULTI_CPU and would build a second mesh
+        timeout = join_slowly(kwargs)
+        with parallelism_config_off():  # it refuses MULTI_CPU and would build a second mesh
             super().__init__(**kwargs)
         set_collective_timeout(timeout)  # joined: from now on every collective is bounded by it
         if not dist.is_initialized():  # one process: a world of one, so the engine's path is the same
@@ -346,7 +349,14 @@ class ParallelAccelerator(Accelerator):
 
     @override
     def clip_grad_norm_(self, parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2) -> Tensor:
-        """Clip by the norm of all gradients of every rank (sharded, replicated, and across pipeline stages)."""
+        """Clip by the norm of all gradients of every rank (sharded, replicated, and across pipeline stages).
+
+        Where an optimizer steps in backward (``step_in_backward``) its gradients are applied and gone: a finite
+        ``max_norm`` is refused, and ``max_norm=math.inf`` returns the step's global norm its hooks summed."""
+        fused = next(filter(None, (stepping_in_backward(getattr(o, "optimizer", o)) for o in self._optimizers)), None)
+        if fused is not None:
+            check_step_in_backward(None if math.isinf(max_norm) else max_norm, 1, "stop")
+            return fused.grad_norm()
         if self.builtin:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         self.unscale_gradients()
@@ -470,31 +480,3 @@ def _on(device: torch.device, target: torch.device) -> bool:
 
 def _canonical(name: str) -> str:
     return _WRAPPER_NAMES.sub("", name)
-
-
-@contextlib.contextmanager
-def _accelerate_parallelism_config_off() -> Iterator[None]:
-    """Hide the launch's ``ACCELERATE_USE_PARALLELISM_CONFIG`` from ``Accelerator.__init__`` (its sizes were read)."""
-    value = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
-    try:
-        yield
-    finally:
-        if value is not None:
-            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = value
-
-
-def _join_slowly(kwargs: dict[str, Any]) -> Any:
-    """The collective timeout of an ``InitProcessGroupKwargs`` in ``kwargs["kwargs_handlers"]`` (``None`` without
-    one); the handler is replaced by a copy that lets ranks take at least torch's default to join (the timeout
-    bounds the collectives once they have)."""
-    from dataclasses import replace
-
-    from accelerate.utils import InitProcessGroupKwargs
-
-    handlers = list(kwargs.get("kwargs_handlers") or ())
-    for index, handler in enumerate(handlers):
-        if isinstance(handler, InitProcessGroupKwargs) and handler.timeout is not None:
-            handlers[index] = replace(handler, timeout=join_timeout(handler.timeout))
-            kwargs["kwargs_handlers"] = handlers
-            return handler.timeout
-    return None

@@ -8,13 +8,16 @@ DeepSpeed or FSDP path keeps that path, which shards data-parallel ranks only.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.run.faults import join_timeout
 
 #: ``ParallelLayout`` field -> the variable ``accelerate launch`` exports for the config's ``parallelism_config_*`` key.
 LAUNCH_SIZE_VARIABLES = {
@@ -139,3 +142,31 @@ def check_builtin(owner: str, layout: ParallelLayout, path: str) -> None:
             " accelerate_configs/1node_8gpu.yaml, or cpu_2proc.yaml here) so the engine applies the layout, or"
             " keep the layout data-parallel (pp_size, tp_size, cp_size and ep_size 1)."
         )
+
+
+@contextlib.contextmanager
+def parallelism_config_off() -> Iterator[None]:
+    """Hide the launch's ``ACCELERATE_USE_PARALLELISM_CONFIG`` from ``Accelerator.__init__`` (its sizes were read)."""
+    value = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = value
+
+
+def join_slowly(kwargs: dict[str, Any]) -> Any:
+    """The collective timeout of an ``InitProcessGroupKwargs`` in ``kwargs["kwargs_handlers"]`` (``None`` without
+    one); the handler is replaced by a copy that lets ranks take at least torch's default to join (the timeout
+    bounds the collectives once they have)."""
+    from dataclasses import replace
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    handlers = list(kwargs.get("kwargs_handlers") or ())
+    for index, handler in enumerate(handlers):
+        if isinstance(handler, InitProcessGroupKwargs) and handler.timeout is not None:
+            handlers[index] = replace(handler, timeout=join_timeout(handler.timeout))
+            kwargs["kwargs_handlers"] = handlers
+            return handler.timeout
+    return None

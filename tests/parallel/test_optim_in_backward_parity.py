@@ -6,7 +6,8 @@ the sharded parameter after the reduce-scatter), also with the optimizer on the 
 gradients must be gone after each backward (a hook that did not fire cannot pass: the door's ``step()`` then finds
 no gradient). Each step's gradient norm, accumulated by the hooks before each gradient is applied, is the global norm
 the ordinary step's ``clip_grad_norm_`` computes (what ``train/grad_norm`` logs and the non-finite guard checks), and a
-NaN gradient stops the run under ``on_nonfinite: stop``. A DCP checkpoint of the in-backward optimizer resumed into a
+NaN gradient stops the run under ``on_nonfinite: stop``; a user's own Accelerate loop gets that norm from
+``clip_grad_norm_(params, inf)`` and a clear refusal for a finite limit. A DCP checkpoint of the in-backward optimizer resumed into a
 fresh model continues exactly. One launched world of 2 ranks; the refusals (clipping's global norm, layouts that
 reduce gradients later) in-process.
 """
@@ -140,7 +141,30 @@ def _check(rank: int, world_size: int, tmp: str) -> None:
     torch.testing.assert_close(torch.tensor(_train(fresh, fresh_optimizer, fresh_schedule, more, rows, True)),
                                torch.tensor(_train(model, optimizer, schedule, more, rows, True)), atol=TOL, rtol=0)  # fmt: skip
     _same_weights(fresh, model, "resumed")
+    _accelerator_loop(initial, rank, world_size)
     dist.barrier()
+
+
+def _accelerator_loop(initial: torch.nn.Module, rank: int, world_size: int) -> None:
+    """A user's own loop through the Accelerate door (FSDP2 over the world): ``clip_grad_norm_`` cannot clip what
+    the optimizer already applied, and without a limit it returns the step's global norm, as the ordinary step's."""
+    from lightning_plugins.accelerate import ParallelAccelerator
+
+    batch = make_batch(BATCH, SEQ, initial.config.vocab_size, seed=0)
+    plain = copy.deepcopy(initial)
+    plain(**batch).loss.backward()
+    want = torch.nn.utils.clip_grad_norm_(plain.parameters(), math.inf)
+    accelerator = ParallelAccelerator(cpu=True)
+    model = copy.deepcopy(initial)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    step_in_backward(optimizer.optimizer)
+    rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    accelerator.backward(model(**{k: v[rows] for k, v in batch.items()}).loss)
+    assert all(p.grad is None for p in model.parameters()), "applied in backward and freed"
+    with pytest.raises(OptionsError, match="cannot clip by the global norm"):
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    norm = accelerator.clip_grad_norm_(model.parameters(), math.inf)
+    torch.testing.assert_close(norm, want, rtol=1e-6, atol=0)
 
 
 def test_optimizer_in_backward_trains_exactly_as_the_ordinary_step(tmp_path: Path) -> None:
