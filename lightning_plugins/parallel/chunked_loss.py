@@ -3,10 +3,11 @@
 A causal LM's forward builds ``[batch, seq, vocab]`` logits with ``lm_head`` and the loss upcasts them to fp32; at
 2 x 2048 tokens and a 128K vocabulary that is 1.96 GiB a copy, and autograd keeps more than one until backward.
 :class:`ChunkedHead` replaces what ``lm_head`` computes while a loss is armed: the token-loss sum over chunks of
-``chunk_tokens`` tokens (head matmul, the model's logit transforms, cross entropy), keeping only the hidden states
-and the weight for backward, which recomputes each chunk's logits and turns them into the chunk's gradients at once
-(like torchtune's ``LinearCrossEntropyLoss`` and Cut Cross-Entropy). At most one chunk's logits and their gradient
-live at a time; the cost is one more head matmul per step.
+``chunk_tokens`` tokens (head matmul, the model's logit transforms, cross entropy), keeping only the hidden states,
+the weight and each token's log normaliser for backward, which recomputes the logits a tile at a time (a block of
+vocabulary rows by a chunk of tokens) and turns each tile into its gradients at once (like torchtune's
+``LinearCrossEntropyLoss`` and Cut Cross-Entropy). At most one tile's logits and their gradient live at a time, and
+the weight's gradient is summed in fp32 one block of rows at a time; the cost is one more head matmul per step.
 
 Recompute (rather than Liger's gradients computed during forward) because the weight's gradient then exists only
 in backward, where FSDP2 expects it and reduce-scatters it at once; computed in forward it would be a full fp32
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_plugins.parallel.loss import local_token_losses, next_token_targets
+from lightning_plugins.parallel.loss import IGNORE_INDEX, local_token_losses, next_token_targets
 from lightning_plugins.parallel.pipeline.anatomy import DecoderAnatomy, head_transforms
 
 __all__ = ["ChunkedHead", "chunked_token_loss_sum", "install_chunked_head", "install_chunked_loss"]
@@ -54,42 +55,71 @@ class _VocabSlice:
     gather: bool
 
 
-class _GatherVocab(torch.autograd.Function):
-    """All-gather logits along the vocabulary; backward keeps this rank's slice (every rank has the same loss)."""
+def _gather_vocab(local: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """All-gather logits along the vocabulary (forward only: backward works on this rank's rows alone)."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
 
-    @staticmethod
-    def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup) -> Tensor:
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, local.contiguous(), group=group)
-        ctx.rank, ctx.width = dist.get_rank(group), local.shape[-1]
-        return torch.cat(parts, dim=-1)
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad[..., ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width].contiguous(), None
+def _sharded_logsumexp(logits: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``logsumexp`` over vocab-sharded logits: the global max first, so no slice's exponentials overflow."""
+    peak = logits.max(dim=-1).values
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    sums = (logits - peak.unsqueeze(-1)).exp_().sum(dim=-1)
+    dist.all_reduce(sums, group=group)
+    return peak + sums.log()
 
 
 def _chunk_losses(
     hidden: Tensor, weight: Tensor, targets: Tensor, head: DecoderAnatomy, vocab: _VocabSlice | None
-) -> Tensor:
-    """One chunk: head matmul and logit transforms in the weight's dtype (as the model's forward), then the loss."""
-    return _losses_of(F.linear(hidden, weight), targets, head, vocab)
-
-
-def _losses_of(logits: Tensor, targets: Tensor, head: DecoderAnatomy, vocab: _VocabSlice | None) -> Tensor:
-    """A chunk's token losses from its head output (the logit transforms, then the cross entropy)."""
+) -> tuple[Tensor, Tensor]:
+    """One chunk's token losses and each token's log normaliser (``logsumexp`` of its transformed logits, which
+    backward turns the recomputed logits into the softmax with): the head matmul and logit transforms in the
+    weight's dtype (as the model's forward), the loss math in fp32 at least (as :func:`local_token_losses`)."""
+    logits = F.linear(hidden, weight)
+    if vocab is not None and vocab.gather:
+        logits = _gather_vocab(logits, vocab.group)
+    logits = head.logits(logits)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # once: the loss's upcast is then a no-op
     if vocab is None or vocab.gather:
-        logits = logits if vocab is None else _GatherVocab.apply(logits, vocab.group)
-        return local_token_losses(head.logits(logits), targets)
-    return local_token_losses(head.logits(logits), targets, vocab.start, vocab.group)
+        return local_token_losses(logits, targets), logits.logsumexp(dim=-1)
+    return local_token_losses(logits, targets, vocab.start, vocab.group), _sharded_logsumexp(logits, vocab.group)
 
 
-#: Row blocks of the head's fp32 gradient sum (see :meth:`_ChunkedLinearCrossEntropy.backward`).
+def _logit_grad(logits: Tensor, lse: Tensor, rows: Tensor, scale: Tensor, head: DecoderAnatomy) -> Tensor:
+    """The loss's gradient with respect to one tile of head output (a chunk of tokens x a block of vocab rows).
+
+    Args:
+        logits: ``[tokens, block]`` head output, in the weight's dtype.
+        lse: Each token's log normaliser from forward.
+        rows: Each token's target row within the block (outside ``[0, block)``: not in this block, or ignored).
+        scale: Each token's loss gradient (0: an ignored token).
+        head: The model's logit transforms.
+    """
+    logits.requires_grad_()  # backward runs without grad mode: the transforms are chained through by autograd
+    with torch.enable_grad():
+        transformed = head.logits(logits)
+    # softmax - onehot(target), times the loss gradient: what F.cross_entropy's backward gives, in its fp32.
+    grad = (transformed.detach().to(lse.dtype) - lse.unsqueeze(-1)).exp_()
+    hit = (rows >= 0) & (rows < grad.shape[-1])
+    grad.scatter_add_(-1, rows.clamp(0, grad.shape[-1] - 1).unsqueeze(-1), -hit.to(grad.dtype).unsqueeze(-1))
+    grad = grad.mul_(scale.unsqueeze(-1)).to(transformed.dtype)  # as the loss's upcast hands it back
+    if transformed is logits:  # no transform
+        return grad
+    (grad,) = torch.autograd.grad(transformed, logits, grad)
+    return grad
+
+
+#: Vocabulary row blocks of the backward pass. Each block's fp32 weight-gradient sum (and the fp32 copy of its
+#: weight rows the hidden gradient is summed with) is 1/8 of a whole fp32 head: 245 MiB at Llama 3's 128K x 4096
+#: head, against the 1.96 GiB of a whole fp32 sum; more blocks would shave little more and make each tile's
+#: matmuls narrower.
 _GRAD_BLOCKS = 8
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Sum of token losses of ``hidden @ weight.T`` over chunks; backward recomputes each chunk's logits."""
+    """Sum of token losses of ``hidden @ weight.T`` over chunks; backward recomputes the logits tile by tile."""
 
     @staticmethod
     def forward(
@@ -102,47 +132,55 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         vocab: _VocabSlice | None,
     ) -> Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        lse = hidden.new_empty(targets.shape, dtype=torch.promote_types(weight.dtype, torch.float32))
         for start in range(0, targets.numel(), chunk):
             end = start + chunk
-            total += _chunk_losses(hidden[start:end], weight, targets[start:end], head, vocab).sum()
-        ctx.save_for_backward(hidden, weight, targets)
+            losses, lse[start:end] = _chunk_losses(hidden[start:end], weight, targets[start:end], head, vocab)
+            total += losses.sum()
+        ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk, ctx.head, ctx.vocab = chunk, head, vocab
         return total
 
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        # The weight's gradient is summed over chunks in fp32 at least (bf16 sums of many chunks would drift), in
-        # blocks of rows: each chunk adds its share block by block (never a whole [vocab, hidden] gradient per chunk:
-        # 2 GiB at Llama-3.1-70B's head in bf16), and at the end each block is cast to the weight's dtype and freed in
-        # turn, so the fp32 sum and the result never both exist whole.
-        accumulate = torch.promote_types(weight.dtype, torch.float32)
-        rows = -(-weight.shape[0] // _GRAD_BLOCKS)
-        blocks = [torch.zeros_like(part, dtype=accumulate) for part in weight.split(rows)] if need_weight else []
-        for start in range(0, targets.numel(), ctx.chunk):
-            end = start + ctx.chunk
-            x = hidden[start:end]
-            logits = F.linear(x, weight).requires_grad_()  # a leaf: backward runs without grad mode
-            with torch.enable_grad():
-                loss = _losses_of(logits, targets[start:end], ctx.head, ctx.vocab).sum()
-                (grad_logits,) = torch.autograd.grad(loss * grad_total, [logits])
-            del logits, loss  # this chunk's logits: freed before the next chunk's are built
-            if need_hidden:  # as F.linear's backward: in the weight's dtype
-                grad_hidden[start:end] = grad_logits @ weight
-            if blocks:  # each block's rows of grad_logits.T @ x, added in fp32 (no [vocab, hidden] chunk gradient)
-                x = x.to(accumulate)
-                for block, part in zip(blocks, grad_logits.split(rows, dim=-1)):
-                    block.addmm_(part.t().to(accumulate), x)
-        if need_hidden and ctx.vocab is not None:  # each vocabulary slice contributes a partial sum
-            dist.all_reduce(grad_hidden, group=ctx.vocab.group)
-        grad_weight = None
-        if blocks:
-            grad_weight = torch.empty_like(weight)
-            for index, part in enumerate(grad_weight.split(rows)):
-                part.copy_(blocks[index])
-                blocks[index] = None  # freed as soon as it is cast
+        accumulate = lse.dtype
+        # Per token: its target's row in this rank's rows (ignored: none) and its loss gradient (ignored: 0).
+        valid = targets != IGNORE_INDEX
+        rows = (targets - (0 if ctx.vocab is None else ctx.vocab.start)).masked_fill(~valid, -1)
+        scale = valid.to(accumulate) * grad_total
+        # Vocabulary blocks outside, token chunks inside: the weight's gradient is summed over the chunks in fp32 (bf16
+        # sums of many chunks would drift) one block of rows at a time, then cast into its rows, so no fp32 sum of the
+        # whole head ever exists. The hidden states' gradient sums each block's share in fp32 ([tokens, hidden]).
+        grad_hidden = torch.zeros_like(hidden, dtype=accumulate) if need_hidden else None
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        height = -(-weight.shape[0] // _GRAD_BLOCKS)
+        for first in range(0, weight.shape[0], height):
+            block = weight[first : first + height]
+            wide = block.to(accumulate) if need_hidden else None
+            grad_block = None
+            if need_weight:  # an fp32 weight sums straight into its gradient's rows
+                grad_block = grad_weight[first : first + height]
+                direct = grad_block.dtype == accumulate
+                grad_block = grad_block.zero_() if direct else torch.zeros_like(block, dtype=accumulate)
+            for start in range(0, targets.numel(), ctx.chunk):
+                end = start + ctx.chunk
+                x = hidden[start:end]
+                logits = F.linear(x, block)  # as forward, in the weight's dtype
+                grad_logits = _logit_grad(logits, lse[start:end], rows[start:end] - first, scale[start:end], ctx.head)
+                if grad_block is not None:
+                    grad_block.addmm_(grad_logits.t().to(accumulate), x.to(accumulate))
+                if grad_hidden is not None:
+                    grad_hidden[start:end].addmm_(grad_logits.to(accumulate), wide)
+                del logits, grad_logits  # this tile's: freed before the next one is built
+            if grad_block is not None and grad_block.dtype != weight.dtype:
+                grad_weight[first : first + height].copy_(grad_block)
+            del wide, grad_block  # this block's fp32 rows: freed before the next block's exist
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+            if ctx.vocab is not None:  # each vocabulary slice contributes a partial sum
+                dist.all_reduce(grad_hidden, group=ctx.vocab.group)
         return grad_hidden, grad_weight, None, None, None, None
 
 
