@@ -58,7 +58,7 @@ from lightning_plugins.planner.fake_step import (
     unpacked_rows,
 )
 from lightning_plugins.planner.forked import forked
-from lightning_plugins.planner.measure import StepMemTracker
+from lightning_plugins.planner.measure import StepMemTracker, mark_intervals
 from lightning_plugins.planner.rank_memory import RankMemory, with_offload, with_optimizer_offload, worst_interval
 from lightning_plugins.planner.workload import Workload
 
@@ -262,7 +262,6 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lightning_plugins.adapters.lora import hf_model_of
     from lightning_plugins.parallel.offload import host_device
     from lightning_plugins.parallel import mesh_of, pipeline_of
 
@@ -289,27 +288,9 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
             host = ("parameters", "gradients", "optimizer") if workload.memory.cpu_offload else ()
             tracker = StepMemTracker(model, on_host=host)
             tracker.track_external(model, optimizer, *batch.values())
-            intervals: list[dict[str, int]] = []
-
-            def mark(*_: Any) -> None:  # the peak since the last mark, then a new interval
-                intervals.append({**tracker.by_category("peak"), "host": tracker.by_category("peak", "meta")["total"]})
-                tracker.restart_peak()
-
-            pipeline = pipeline_of(model)
-            for stage in pipeline.stages.values() if pipeline is not None else ():
-                stage.register_forward_pre_hook(mark)
-                stage.register_full_backward_pre_hook(mark)
-            head = hf_model_of(model).get_output_embeddings()
-            if head is not None:  # the head's logits and loss apart from the layers before and after them
-
-                def mark_forward_and_backward(_: nn.Module, args: tuple[Any, ...]) -> None:
-                    mark()
-                    # The chunked loss computes inside the head and hands back empty logits: the head's own backward
-                    # hook would never fire. Its input's gradient marks the end of the loss's backward either way.
-                    if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                        args[0].register_hook(mark)
-
-                head.register_forward_pre_hook(mark_forward_and_backward)
+            intervals, mark, _ = mark_intervals(
+                tracker, model, lambda: {**tracker.by_category("peak"), "host": tracker.by_category("peak", "meta")["total"]}
+            )
             with tracker, warnings.catch_warnings():
                 # The first stage's input (token ids) takes no gradient: torch says its backward hook fires anyway.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
@@ -319,7 +300,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
                     "ignore", message="FSDP2-wrapped module .* returned a view", category=UserWarning
                 )
                 output = model(**batch)
-                if pipeline is None:  # a pipeline's forward runs backward too
+                if pipeline_of(model) is None:  # a pipeline's forward runs backward too
                     output.loss.backward()
                 mark()
                 optimizer.step()

@@ -320,6 +320,42 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     }
 
 
+def mark_intervals(tracker: StepMemTracker, model: nn.Module, peak: Callable[[], dict[str, int]]) -> tuple[list[dict[str, int]], Callable[..., None], list[Any]]:
+    """Cut a tracked step into intervals where its structure changes, so that a real step and its dry run can be
+    compared moment by moment: each pipeline stage's forward and backward, the head's logits and loss apart from the
+    layers before and after them. Call the returned ``mark`` after backward and after the optimizer step too.
+
+    Returns:
+        ``(intervals, mark, handles)``: the list each ``mark`` appends ``peak()`` to (then the tracker's peak starts
+        again), the mark, and the hooks' handles (``remove()`` them when done).
+    """
+    from lightning_plugins.adapters.lora import hf_model_of
+    from lightning_plugins.parallel import pipeline_of
+
+    intervals: list[dict[str, int]] = []
+
+    def mark(*_: Any) -> None:  # the peak since the last mark, then a new interval
+        intervals.append(peak())
+        tracker.restart_peak()
+
+    handles = []
+    pipeline = pipeline_of(model)
+    for stage in pipeline.stages.values() if pipeline is not None else ():
+        handles += [stage.register_forward_pre_hook(mark), stage.register_full_backward_pre_hook(mark)]
+    head = hf_model_of(model).get_output_embeddings()
+    if head is not None:
+
+        def mark_forward_and_backward(_: nn.Module, args: tuple[Any, ...]) -> None:
+            mark()
+            # The chunked loss computes inside the head and hands back empty logits: the head's own backward hook would
+            # never fire. Its input's gradient marks the end of the loss's backward either way.
+            if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                args[0].register_hook(mark)
+
+        handles.append(head.register_forward_pre_hook(mark_forward_and_backward))
+    return intervals, mark, handles
+
+
 def _run_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -364,9 +400,10 @@ def measure_step_memory(
         device: The device whose memory is reported.
 
     Returns:
-        ``{"peak": {category: bytes, ..., "total": bytes}, "state": {"parameters", "gradients", "optimizer"},
-        "after_backward": {category: bytes, ..., "total": bytes}}``: the categories of :data:`CATEGORIES` as
-        the tracker saw them at the moment of the peak; the state from :func:`training_state_bytes`, counted
+        ``{"peak": {category: bytes, ..., "total": bytes}, "intervals": [...], "state": {"parameters", "gradients",
+        "optimizer"}, "after_backward": {category: bytes, ..., "total": bytes}}``: the categories of :data:`CATEGORIES`
+        as the tracker saw them at the moment of the peak, and at the peak of each interval of the step
+        (:func:`mark_intervals`, as the dry run cuts it); the state from :func:`training_state_bytes`, counted
         from the tensors right after the tracked backward; and the tracker's categories at that same moment
         (which should hold exactly that state: a check of the tracker's bookkeeping).
 
@@ -383,12 +420,19 @@ def measure_step_memory(
         _run_step(model, optimizer, batch)
     tracker = StepMemTracker(model)
     tracker.track_external(model, optimizer, *batch.values(), *_pipeline_buffers(model))
-    result: dict[str, dict[str, int]] = {}
+    result: dict[str, Any] = {}
+    intervals, mark, handles = mark_intervals(tracker, model, lambda: tracker.by_category("peak", device))
+    peak: dict[str, int] = {}
 
     def after_backward() -> None:
         result["after_backward"] = tracker.by_category("current", device)
         result["state"] = training_state_bytes(model, optimizer)
+        mark()
 
     with tracker:
         _run_step(model, optimizer, batch, after_backward=after_backward)
-    return {"peak": tracker.by_category("peak", device), **result}
+        mark()
+    for handle in handles:
+        handle.remove()
+    peak = max((interval for interval in intervals if interval["total"]), key=lambda interval: interval["total"])
+    return {"peak": peak, "intervals": [interval for interval in intervals if interval["total"]], **result}

@@ -141,11 +141,14 @@ def test_extrapolation_from_fewer_layers_matches_measuring_them_all(monkeypatch:
 
 
 def test_dry_run_predicts_the_peak_of_real_runs() -> None:
-    """Each small layout, run for real on gloo (tests/_memory.py), and its dry run on a fake process group.
+    """Each small layout, run for real on gloo (tests/_memory.py), and its dry run on a fake process group, moment by
+    moment: both cut the step into the same intervals (:func:`lightning_plugins.planner.measure.mark_intervals`).
 
-    The total is within 10%. The breakdown by category agrees up to where in the step the peak falls
-    (a few MiB of logits or gradients either side of the start of backward): its L1 distance is within
-    15% of the total. Parameters and optimizer state agree within 1%.
+    At each interval's peak the total is within 10% and the breakdown by category agrees, its L1 distance within 15%
+    of the total (a fake process group holds a few MiB more than gloo in places: the tiny TP2 layout's layers'
+    backward 1 MiB more, 35.14 against 34.15, next to a head interval of 34.66 against 34.67, so comparing the two
+    steps' overall peaks could pair different moments). Parameters and optimizer state agree within 1% at the real
+    peak's moment.
     """
     from _memory import CONFIG, LAYOUTS, SEQ_LEN, measured
 
@@ -163,14 +166,19 @@ def test_dry_run_predicts_the_peak_of_real_runs() -> None:
             micro_batch_size=spec.rows,
         )
         for predicted in dry_run(workload):
-            truth = dict(real[name][f"rank{predicted.rank}"]["peak"])
-            truth["other"] += truth.pop("buffers")
-            where = f"{name} {predicted.kind}: predicted {predicted.peak}, measured {truth}"
-            assert predicted.total == pytest.approx(truth["total"], rel=0.10), where
-            distance = sum(abs(predicted.peak[k] - truth[k]) for k in rank_memory.PEAK_CATEGORIES)
-            assert distance <= 0.15 * truth["total"], where
+            truths = [dict(interval) for interval in real[name][f"rank{predicted.rank}"]["intervals"]]
+            for truth in truths:
+                truth["other"] += truth.pop("buffers")
+            assert len(predicted.intervals) == len(truths), f"{name}: {predicted.intervals} vs {truths}"
+            for index, (guess, truth) in enumerate(zip(predicted.intervals, truths)):
+                where = f"{name} {predicted.kind} interval {index}: predicted {guess}, measured {truth}"
+                assert guess["total"] == pytest.approx(truth["total"], rel=0.10), where
+                distance = sum(abs(guess[k] - truth[k]) for k in rank_memory.PEAK_CATEGORIES)
+                assert distance <= 0.15 * truth["total"], where
+            at_peak = max(range(len(truths)), key=lambda index: truths[index]["total"])
+            assert predicted.total == pytest.approx(truths[at_peak]["total"], rel=0.10), name
             for key in ("parameters", "optimizer"):
-                assert predicted.peak[key] == pytest.approx(truth[key], rel=0.01), where
+                assert predicted.intervals[at_peak][key] == pytest.approx(truths[at_peak][key], rel=0.01), name
 
 
 def test_cpu_offload_peak_is_the_gpus() -> None:
