@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_plugins.parallel.compile import simulated
 from lightning_plugins.parallel.loss import IGNORE_INDEX, local_token_losses, next_token_targets
 from lightning_plugins.parallel.pipeline.anatomy import DecoderAnatomy, head_transforms
 
@@ -111,11 +112,21 @@ def _logit_grad(logits: Tensor, lse: Tensor, rows: Tensor, scale: Tensor, head: 
     return grad
 
 
-#: Vocabulary row blocks of the backward pass. Each block's fp32 weight-gradient sum (and the fp32 copy of its
-#: weight rows the hidden gradient is summed with) is 1/8 of a whole fp32 head: 245 MiB at Llama 3's 128K x 4096
-#: head, against the 1.96 GiB of a whole fp32 sum; more blocks would shave little more and make each tile's
-#: matmuls narrower.
+#: Vocabulary row blocks of the backward pass. Each block's fp32 weight-gradient sum (and an fp32 product of the
+#: block's size, or on a CPU the fp32 copy of its weight rows) is 1/8 of a whole fp32 head: 245 MiB at Llama 3's
+#: 128K x 4096 head, against the 1.96 GiB of a whole fp32 sum; more blocks would shave little more and make each
+#: tile's matmuls narrower.
 _GRAD_BLOCKS = 8
+
+
+def _add_product(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out += a @ b`` summed in ``out``'s dtype (fp32). On GPUs, and in the planner's dry run that simulates one,
+    16-bit operands stay in their dtype (tensor cores) with an fp32 product (``mm``'s ``out_dtype``); CPUs have no
+    such kernel, so there they are upcast first (CPU matmuls run faster in fp32 than in bf16 anyway)."""
+    if a.dtype != out.dtype and (a.is_cuda or simulated()):
+        out.add_(torch.mm(a, b, out_dtype=out.dtype))
+    else:
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -158,7 +169,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         height = -(-weight.shape[0] // _GRAD_BLOCKS)
         for first in range(0, weight.shape[0], height):
             block = weight[first : first + height]
-            wide = block.to(accumulate) if need_hidden else None
             grad_block = None
             if need_weight:  # an fp32 weight sums straight into its gradient's rows
                 grad_block = grad_weight[first : first + height]
@@ -170,13 +180,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 logits = F.linear(x, block)  # as forward, in the weight's dtype
                 grad_logits = _logit_grad(logits, lse[start:end], rows[start:end] - first, scale[start:end], ctx.head)
                 if grad_block is not None:
-                    grad_block.addmm_(grad_logits.t().to(accumulate), x.to(accumulate))
+                    _add_product(grad_block, grad_logits.t(), x)
                 if grad_hidden is not None:
-                    grad_hidden[start:end].addmm_(grad_logits.to(accumulate), wide)
+                    _add_product(grad_hidden[start:end], grad_logits, block)
                 del logits, grad_logits  # this tile's: freed before the next one is built
             if grad_block is not None and grad_block.dtype != weight.dtype:
                 grad_weight[first : first + height].copy_(grad_block)
-            del wide, grad_block  # this block's fp32 rows: freed before the next block's exist
+            del grad_block  # this block's fp32 sum: freed before the next block's exists
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
             if ctx.vocab is not None:  # each vocabulary slice contributes a partial sum
