@@ -3,6 +3,7 @@
 The root is never resharded after forward, so what it holds stays gathered through the whole step. Alone, the
 embedding is sharded again after its forward (and, frozen under LoRA, never gathered again), while the norm and
 head stay gathered from their forward into backward, then are sharded; a tied embedding and head stay one unit.
+No unit's flat all-gather output outlives its copy-out in forward.
 Parity for each case is checked against one process (fp32, SGD, several steps).
 """
 
@@ -44,6 +45,11 @@ def _count_gathers(module: torch.nn.Module, counts: dict[str, int], name: str) -
         return result
 
     group.unshard = counted
+
+
+def _kept_all_gather(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 still holds a flat all-gather output (its forward's deferred free) as ``module`` starts."""
+    return fully_shard.state(module)._comm_ctx.all_gather_state is not None
 
 
 def _train(model: torch.nn.Module, rows: slice, inspect=None) -> list[float]:
@@ -97,6 +103,14 @@ def _check(rank: int, world_size: int, family: str, lora: bool, settings: dict) 
         _count_gathers(embed, counts, "embedding")
         _count_gathers(head, counts, "head")
 
+    # Each unit's flat all-gather output is freed once copied out: none is left when a unit's forward starts (FSDP2
+    # keeps it until the next unit has gathered: the last layer's, the head's and the head's parameters at once).
+    kept: list[bool] = []
+    for layer in hf.model.layers:
+        layer.register_forward_pre_hook(lambda module, args: kept.append(_kept_all_gather(module)))
+    if not family.endswith("_tied"):
+        head.register_forward_pre_hook(lambda module, args: kept.append(_kept_all_gather(module)))
+
     def inspect(moment: str) -> None:
         if family.endswith("_tied"):
             return
@@ -118,6 +132,7 @@ def _check(rank: int, world_size: int, family: str, lora: bool, settings: dict) 
         # Once a step each: the embedding's backward needs no weights (frozen, or a lookup's gradient), so it is
         # not gathered again; the head stays gathered from its forward into backward.
         assert counts == {"embedding": STEPS, "head": STEPS}, counts
+    assert len(kept) >= STEPS * (len(hf.model.layers) + (not family.endswith("_tied"))) and not any(kept), kept
 
 
 @pytest.mark.parametrize(
