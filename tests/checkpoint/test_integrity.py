@@ -114,6 +114,7 @@ def test_verify_and_export_refuse_a_damaged_checkpoint(
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
 
 
+@pytest.mark.slow
 def test_a_full_disk_ends_every_rank_and_the_run_resumes_past_a_damaged_checkpoint(
     reference: Path, tmp_path: Path
 ) -> None:

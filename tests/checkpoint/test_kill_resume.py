@@ -46,16 +46,19 @@ LAYOUTS = {
     "lora_fsdp2": ("lora_fsdp2_chat.yaml", ["--train.micro_batch_size=2", "--lora.dropout=0.1"]),
 }
 ASYNC = ["--train.async_checkpoint=true"]
-# (layout, door, kill point, the checkpoint the resume must start from, the partial save the kill leaves, extra args)
+SLOW = pytest.mark.slow
+# (layout, door, kill point, the checkpoint the resume must start from, the partial save the kill leaves, extra args).
+# The default suite kills a Lightning run mid-step and an Accelerate run mid-save (async); the other combinations
+# are slow.
 CASES = [
     ("tp", "finetune", "batch:7:1", 2, None, []),  # rank 1 dies in step 3's second micro-batch
-    ("pp", "finetune", "save:4:before_rename", 2, 4, []),  # both doors publish through resume.publish
-    ("pp", "accelerate", "batch:10", 4, None, []),  # between saves: step 5's first micro-batch
-    ("lora_fsdp2", "finetune", "save:4:mid_dcp", 2, 4, []),
-    ("lora_fsdp2", "accelerate", "batch:5:0", 2, None, []),  # rank 0 dies in step 2's second micro-batch
+    pytest.param("pp", "finetune", "save:4:before_rename", 2, 4, [], marks=SLOW),  # both doors publish alike
+    pytest.param("pp", "accelerate", "batch:10", 4, None, [], marks=SLOW),  # between saves: step 5's first micro-batch
+    pytest.param("lora_fsdp2", "finetune", "save:4:mid_dcp", 2, 4, [], marks=SLOW),
+    pytest.param("lora_fsdp2", "accelerate", "batch:5:0", 2, None, [], marks=SLOW),  # rank 0, step 2's 2nd micro-batch
     # Asynchronous saves (killed and resumed runs alike): rank 0's background writer dies before DCP's .metadata
     # while training goes on.
-    ("tp", "finetune", "save:4:mid_dcp", 2, 4, ASYNC),
+    pytest.param("tp", "finetune", "save:4:mid_dcp", 2, 4, ASYNC, marks=SLOW),
     ("pp", "accelerate", "save:4:mid_dcp", 2, 4, ASYNC),
 ]
 
@@ -129,7 +132,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str],
     return reference
 
 
-IDS = [f"{c[0]}-{c[1]}" + ("-async" if c[5] else "") for c in CASES]
+IDS = [f"{c[0]}-{c[1]}" + ("-async" if c[5] else "") for c in (getattr(c, "values", c) for c in CASES)]
 
 
 @pytest.mark.parametrize(("layout", "door", "kill", "resumed", "partial", "options"), CASES, ids=IDS)
@@ -193,7 +196,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("door", list(CHAINS))
+@pytest.mark.parametrize("door", [pytest.param("finetune", marks=SLOW), "accelerate"])
 def test_preempted_run_resumes_on_the_same_trajectory(
     references: Callable[[str, str], list[tuple[int, float]]], tmp_path: Path, door: str
 ) -> None:

@@ -57,6 +57,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"lightning4": root / "lightning4", "accelerate6": root / "accelerate6"}
 
 
+@pytest.mark.slow
 def test_raised_max_steps_continues_the_longer_run(runs: dict[str, Path], tmp_path: Path) -> None:
     """The checkpoint records its recipe (covered by its checksums); a raised max_steps is said once and applied."""
     checkpoint = runs["lightning4"] / "checkpoints" / "step=4.ckpt"

@@ -82,6 +82,7 @@ def _export(checkpoint: Path, out: Path, *args: str) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_full_tp2_exports_and_resumes(trained_base: Path, tmp_path: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(trained_base)
     assert model(torch.tensor([[1, 5, 6]])).logits.isfinite().all()
@@ -113,6 +114,7 @@ def adapted(trained_base: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     return {recipe: root / recipe for recipe in extra}
 
 
+@pytest.mark.slow
 def test_lora_tp2_writes_an_adapter(trained_base: Path, adapted: dict[str, Path], tmp_path: Path) -> None:
     from peft import PeftModel
 
@@ -133,6 +135,7 @@ def test_lora_tp2_writes_an_adapter(trained_base: Path, adapted: dict[str, Path]
         torch.testing.assert_close(streamed.state_dict()[name], weight, rtol=1e-6, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_qlora_and_packed_chat(adapted: dict[str, Path]) -> None:
     for recipe in ("qlora_fsdp2.yaml", "lora_fsdp2_chat.yaml"):
         _falls(adapted[recipe], 0.97)

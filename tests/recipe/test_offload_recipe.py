@@ -8,6 +8,8 @@ parameters; the offloaded optimizer makes its host copies from those on first us
 
 from __future__ import annotations
 
+import pytest
+
 import csv
 import shutil
 from pathlib import Path
@@ -25,6 +27,7 @@ def _losses(metrics: Path) -> dict[int, float]:
         return {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(handle) if row.get("train/loss")}
 
 
+@pytest.mark.slow
 def test_optimizer_offload_recipe_trains_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "run"
     clean_stdout(accelerate_launch(TINY / "full_tp2.yaml", out, *SHORT))

@@ -66,6 +66,7 @@ def test_lightning_dead_rank_ends_the_job_naming_it(tmp_path: Path) -> None:
     assert re.search(r"RankFailure: rank 1 \(pid \d+\) was killed by SIGKILL; rank 0 then stopped", last), last
 
 
+@pytest.mark.slow
 def test_lightning_rank_failing_after_the_run_fails_the_job(tmp_path: Path) -> None:
     """Lightning's launcher reports the launching rank's own status only: a rank that crashed on its way out, after
     training, left a job that looked successful. The launching rank now waits for its ranks when it exits."""
@@ -75,6 +76,7 @@ def test_lightning_rank_failing_after_the_run_fails_the_job(tmp_path: Path) -> N
     assert (tmp_path / "run" / "hf" / "config.json").is_file()  # the run itself finished
 
 
+@pytest.mark.slow
 def test_lightning_hung_rank_ends_by_the_collective_timeout(tmp_path: Path) -> None:
     proc, elapsed = _run("lightning", "hang", 1, tmp_path)
     last = proc.stderr.strip().splitlines()[-1]

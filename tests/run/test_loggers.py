@@ -190,7 +190,7 @@ def _check_manifest(out: Path, recipe: Recipe, door: str) -> None:
         assert (out / exported / "run.json").read_text() == (out / "run.json").read_text(), exported
 
 
-@pytest.mark.parametrize("door", ["lightning", "accelerate"])
+@pytest.mark.parametrize("door", ["lightning", pytest.param("accelerate", marks=pytest.mark.slow)])
 def test_loggers_and_manifest(tmp_path: Path, door: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # reading the run's file store back, as the run wrote it
     network = _Listener()

@@ -38,8 +38,12 @@ LAYOUTS = {
     "pp": ("full_pp2.yaml", ["--train.micro_batch_size=8", "--parallel.pp_microbatches=2"]),
     "lora_fsdp2": ("lora_fsdp2_chat.yaml", ["--train.micro_batch_size=2"]),
 }
-# (layout, the door of the skip run, the door of the stop run)
-CASES = [("tp", "accelerate", "finetune"), ("pp", "finetune", "accelerate"), ("lora_fsdp2", "accelerate", "finetune")]
+#: (layout, the door that skips, the door that stops): each door does both once in the default suite; LoRA is slow.
+CASES = [
+    ("tp", "accelerate", "finetune"),
+    ("pp", "finetune", "accelerate"),
+    pytest.param("lora_fsdp2", "accelerate", "finetune", marks=pytest.mark.slow),
+]
 #: Metric rows (0-based steps) both runs took alike: before the skipped step 2, and after it up to step 5.
 COMPARED = [0, 2, 3, 4]
 
@@ -72,7 +76,7 @@ def _written(out: Path) -> list[str]:
     return sorted(p.name for p in (out / "checkpoints").iterdir()) + exports
 
 
-@pytest.mark.parametrize(("layout", "skip_door", "stop_door"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("layout", "skip_door", "stop_door"), CASES, ids=["tp", "pp", "lora_fsdp2"])
 def test_nonfinite_steps_are_skipped_or_stop_the_run(
     tmp_path: Path, layout: str, skip_door: str, stop_door: str
 ) -> None:

@@ -149,6 +149,7 @@ def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproces
     return out, proc
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_held_directory_is_refused_at_once(
     first_run: tuple[Path, subprocess.CompletedProcess],
 ) -> None:
@@ -165,7 +166,7 @@ def test_a_second_run_on_a_held_directory_is_refused_at_once(
     take_run_lock(out).release()
 
 
-@pytest.mark.parametrize("door", ["finetune", "accelerate"])
+@pytest.mark.parametrize("door", ["finetune", pytest.param("accelerate", marks=pytest.mark.slow)])
 def test_a_checkpoint_appearing_while_a_job_starts_is_ignored_by_every_rank(
     first_run: tuple[Path, subprocess.CompletedProcess], tmp_path: Path, door: str
 ) -> None:

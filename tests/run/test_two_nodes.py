@@ -68,6 +68,7 @@ def _wait_for_row(out: Path, step: int, nodes: Nodes, timeout: float) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_lightning_door_preempted_on_one_node_then_node_lost_then_resumed(
     tmp_path: Path, reference: list[tuple[int, float]]
 ) -> None:
@@ -97,6 +98,7 @@ def test_lightning_door_preempted_on_one_node_then_node_lost_then_resumed(
     _resume_on_two_nodes("finetune", out, complete[-1], reference)
 
 
+@pytest.mark.slow
 def test_accelerate_door_preempted_on_one_node_then_resumed(tmp_path: Path, reference: list[tuple[int, float]]) -> None:
     """SIGTERM to node 1's ``accelerate launch`` only: every rank of both nodes stops at one step with its checkpoint;
     the same two-node command resumes from it on the one-node trajectory."""

@@ -7,6 +7,8 @@ layout cannot run is refused with the layout's error before anything is parallel
 
 from __future__ import annotations
 
+import pytest
+
 from pathlib import Path
 
 from _world import run_script
@@ -38,6 +40,7 @@ STRATEGIES = {
 }
 
 
+@pytest.mark.slow
 def test_configure_model_under_every_strategy(tmp_path: Path) -> None:
     results = run_script(SCRIPT, tmp_path)
     assert sorted(results) == sorted(STRATEGIES)

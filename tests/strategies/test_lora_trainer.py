@@ -13,7 +13,7 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "lora_trainer.py"
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_lora_under_every_strategy(devices: int, tmp_path: Path) -> None:
     results = run_script(SCRIPT, tmp_path, "--devices", str(devices))
     assert len(results) == {2: 6, 4: 2}[devices]
