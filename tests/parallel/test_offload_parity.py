@@ -228,6 +228,7 @@ def _check_cases(rank: int, world_size: int, tmp: str) -> None:
         dist.barrier()
 
 
+@pytest.mark.slow
 def test_offload_levers_train_exactly_as_without_them(tmp_path: Path) -> None:
     run_world(_check_cases, 4, str(tmp_path))
 

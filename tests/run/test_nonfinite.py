@@ -38,10 +38,10 @@ LAYOUTS = {
     "pp": ("full_pp2.yaml", ["--train.micro_batch_size=8", "--parallel.pp_microbatches=2"]),
     "lora_fsdp2": ("lora_fsdp2_chat.yaml", ["--train.micro_batch_size=2"]),
 }
-#: (layout, the door that skips, the door that stops): each door does both once in the default suite; LoRA is slow.
+#: (layout, the door that skips, the door that stops): the default suite runs TP; the others are slow.
 CASES = [
     ("tp", "accelerate", "finetune"),
-    ("pp", "finetune", "accelerate"),
+    pytest.param("pp", "finetune", "accelerate", marks=pytest.mark.slow),
     pytest.param("lora_fsdp2", "accelerate", "finetune", marks=pytest.mark.slow),
 ]
 #: Metric rows (0-based steps) both runs took alike: before the skipped step 2, and after it up to step 5.

@@ -15,7 +15,7 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "pipeline_trainer.py"
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_pipeline_trainer_matches_one_process_and_resumes(devices: int, tmp_path: Path) -> None:
     results = run_script(SCRIPT, tmp_path, "--devices", str(devices))
     resumes = {name: results.pop(name) for name in list(results) if name.startswith("resume")}

@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "trainer_parity.py"
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_trainer_matches_one_process_and_resumes(devices: int, tmp_path: Path) -> None:
     results = run_script(SCRIPT, tmp_path, "--devices", str(devices))
     resume = results.pop("resume")
