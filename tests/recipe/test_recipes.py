@@ -9,7 +9,6 @@ import csv
 import hashlib
 import re
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -144,23 +143,24 @@ def _losses(metrics: Path) -> list[float]:
         return [float(row["train/loss"]) for row in csv.DictReader(handle) if row.get("train/loss")]
 
 
-def _unique(twins: dict[str, Path], key_of: Callable[[Path], str]) -> dict[str, str]:
-    """``fingerprint -> the first recipe with it``."""
+@pytest.mark.slow
+@pytest.mark.parametrize("door", ["lightning", "accelerate"])
+def test_every_recipe_trains_tiny_through_the_door(twins: dict[str, Path], door: str) -> None:
+    """Each recipe's tiny twin (same family, layout kinds, method, levers) trains a few real optimizer steps and its
+    loss falls. Twins identical but for their paths (e.g. LoRA FSDP8 of Llama 8B and 70B) run once; through
+    accelerate, twins that differ only in their model family run once too (the Lightning door runs every family).
+    One launched world per world size runs all of its twins one after another. Slow (about 18 minutes for both doors):
+    the doors' own tests train the tiny recipes, and the engine's parity tests every family."""
+    key_of = _door_fingerprint if door == "accelerate" else _fingerprint
     unique: dict[str, str] = {}
     for name, twin in twins.items():
         unique.setdefault(key_of(twin), name)
-    return unique
-
-
-def _train(twins: dict[str, Path], door: str, names: list[str]) -> list[str]:
-    """Train the twins ``names`` through ``door``, one launched world per world size running its twins one after
-    another; the problems (a run whose loss did not fall)."""
     by_world: dict[int, list[str]] = {}
-    for name in names:
+    for name in unique.values():
         by_world.setdefault(load_recipe(twins[name]).hardware.world_size, []).append(name)
     script = Path(__file__).parents[1] / "scripts" / "smoke_recipes.py"
-    for world, group in sorted(by_world.items()):
-        paths = [str(twins[name]) for name in group]
+    for world, names in sorted(by_world.items()):
+        paths = [str(twins[name]) for name in names]
         if door == "accelerate":
             config = ROOT / "accelerate_configs" / f"cpu_{world}proc.yaml"
             launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config),
@@ -170,26 +170,14 @@ def _train(twins: dict[str, Path], door: str, names: list[str]) -> list[str]:
             proc = run_command([sys.executable, str(script), door, *paths], cwd=ROOT, timeout=1200)
         clean_stdout(proc)
     problems = []
-    for name in names:
+    for fingerprint, name in unique.items():
         losses = _losses(twins[name].parent / "run" / door / "metrics.csv")
         if len(losses) != STEPS or not (losses[-1] < 0.95 * losses[0] and min(losses[STEPS // 2 :]) < 0.9 * losses[0]):
-            problems.append(f"{door} {name}: losses {losses}")
-    return problems
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("door", ["lightning", "accelerate"])
-def test_every_recipe_trains_tiny_through_the_door(twins: dict[str, Path], door: str) -> None:
-    """Each recipe's tiny twin (same family, layout kinds, method, levers) trains a few real optimizer steps and its
-    loss falls. Twins identical but for their paths (e.g. LoRA FSDP8 of Llama 8B and 70B) run once; through
-    accelerate, twins that differ only in their model family run once too (the Lightning door runs every family).
-    Slow (about 18 minutes for both doors): the doors' own tests train the tiny recipes, the engine's every family."""
-    key_of = _door_fingerprint if door == "accelerate" else _fingerprint
-    unique = _unique(twins, key_of)
-    problems = _train(twins, door, list(unique.values()))
+            problems.append(f"{name}: losses {losses}")
     assert not problems, "\n".join(problems)
+    ran = set(unique.values())
     for name, twin in twins.items():  # every recipe is covered by a twin that ran
-        assert key_of(twin) in unique, name
+        assert key_of(twin) in unique and unique[key_of(twin)] in ran, name
 
 
 def test_tiny_command_writes_a_twin_and_says_how_to_run_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
