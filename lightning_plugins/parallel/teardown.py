@@ -64,8 +64,11 @@ def release_process_groups() -> int:
         if isinstance(registry, dict):
             registry.clear()
     _forget_deepspeed_defaults()
-    if any(ref() is not None for ref in groups):
-        gc.collect()  # groups held only by garbage in reference cycles (a finished run's model, trainer) go now
+    if groups:
+        # Garbage in reference cycles (a finished run's model, trainer) goes now, not in the interpreter's finalization:
+        # it may hold a group, or only what keeps a destroyed group's transport and its thread alive (a collective's
+        # work object holds the gloo context, whose device runs the ``gloo_tcp_loop`` thread).
+        gc.collect()
     for ref in groups:
         group = ref()
         if group is not None:
