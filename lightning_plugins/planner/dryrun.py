@@ -253,12 +253,13 @@ def layers_of_rank(workload: Workload, rank: int) -> int:
 def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[str, dict[str, int]]:
     """Bytes by category at the peak of each phase of one training step of ``workload`` on ``rank``.
 
-    Returns ``{"intervals": [peak, ...]}``, measured under ``FakeTensorMode`` in the state a first step leaves
-    (:func:`_warmed_up`): the peak of each interval of the step, the intervals cut where the step's structure
-    does not depend on the number of layers (the head's forward and backward, the optimizer step, which is the
+    Returns ``{"intervals": [peak, ...], "bounding": [peak, ...]}``, measured under ``FakeTensorMode`` in the state a
+    first step leaves (:func:`_warmed_up`): the peak of each interval of the step, the intervals cut where the
+    step's structure does not depend on the number of layers (:func:`~lightning_plugins.planner.measure.mark_intervals`:
+    the head's forward and backward, the first and last decoder layers' backward, the optimizer step, which is the
     last; under a pipeline also every stage's forward and backward of a micro-batch), each with the most bytes
-    offloaded to the host during it (``"host"``, activation offload); with ``count`` also the model's ``"state"``
-    (:func:`_state_of`).
+    offloaded to the host during it (``"host"``, activation offload); ``"bounding"`` without the interior of the
+    layers' backward; with ``count`` also the model's ``"state"`` (:func:`_state_of`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -306,7 +307,9 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 mark()
-    return {"intervals": [peak for peak in intervals if peak["total"]], **counted}
+    # Extrapolated from copies with more or fewer layers, the interior of the layers' backward is left out: its peak
+    # lies between those of the first and last layers' (mark_intervals), and its moment may differ between copies.
+    return {"intervals": intervals.kept(), "bounding": intervals.kept(interior=False), **counted}
 
 
 def _warmed_up(model: nn.Module) -> torch.optim.Optimizer:
@@ -353,14 +356,16 @@ def _measured_copies(workload: Workload, rank: int) -> list[Workload]:
 def _extrapolated(steps: list[dict[str, list[dict[str, int]]]], layers: int) -> tuple[list[dict[str, int]], int]:
     """Each interval's peak at ``layers`` layers (buffers folded into "other") and the activations one layer adds.
 
-    Each interval's peak (:func:`measure_step`) is extrapolated linearly from the two measured copies; the step's
-    peak is the largest (:func:`_worst`): within an interval the peak falls at the same point whatever the layer
-    count (the end of forward, or the end of backward), so each is linear in the layers, while the step's overall
-    peak may move from one interval to another as layers are added.
+    Each bounding interval's peak (:func:`measure_step`) is extrapolated linearly from the two measured copies; the
+    step's peak is the largest (:func:`worst_interval`): within an interval the peak falls at the same point whatever
+    the layer count (the end of forward, inside the first or the last layer's backward), so each is linear in the
+    layers, while the step's overall peak may move from one interval to another as layers are added. The interior
+    of the layers' backward, whose peak may fall at its start in one copy and at its end in the other, is left out:
+    its peak lies between those of the first and last layers' backward.
     """
     if len(steps) == 1:
         return [_folded(peak) for peak in steps[0]["intervals"]], 0
-    low, high = steps[0]["intervals"], steps[1]["intervals"]
+    low, high = steps[0]["bounding"], steps[1]["bounding"]
     if len(low) != len(high):
         raise RuntimeError(
             f"dry run: the measured copies ran {len(low)} and {len(high)} intervals; cannot extrapolate."

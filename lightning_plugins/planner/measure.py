@@ -320,37 +320,87 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     }
 
 
-def mark_intervals(tracker: StepMemTracker, model: nn.Module, peak: Callable[[], dict[str, int]]) -> tuple[list[dict[str, int]], Callable[..., None], list[Any]]:
+class Intervals(list):
+    """The peaks :func:`mark_intervals` records, in order, and which of them are *interior*: a backward through
+    the decoder layers between the first and the last it runs (see :func:`mark_intervals`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interior: set[int] = set()
+
+    def kept(self, *, interior: bool = True) -> list[dict[str, int]]:
+        """The intervals that held anything (``interior=False``: less the interior ones)."""
+        return [peak for index, peak in enumerate(self) if peak["total"] and (interior or index not in self.interior)]
+
+
+def mark_intervals(
+    tracker: StepMemTracker, model: nn.Module, peak: Callable[[], dict[str, int]]
+) -> tuple[Intervals, Callable[..., None], list[Any]]:
     """Cut a tracked step into intervals where its structure changes, so that a real step and its dry run can be
     compared moment by moment: each pipeline stage's forward and backward, the head's logits and loss apart from the
-    layers before and after them. Call the returned ``mark`` after backward and after the optimizer step too.
+    layers before and after them, and a backward through the decoder layers into the first layer it runs, the
+    layers between, and the last (the first in the model). Call the returned ``mark`` after backward and after the
+    optimizer step too.
+
+    The layers' backward is cut (with 4 layers or more) so that each peak falls at the same moment whatever the
+    number of layers: it holds the inputs of the layers still to run (checkpointing) and the gradients of those done,
+    both linear in the layer index, so the peak of a backward through all of them may fall at its start or at its
+    end, and copies of a model with more or fewer layers (the dry run's) may peak at different ends. Cut into the
+    first layer's backward, the second's (the first with the layer before still reduce-scattering its gradients, as
+    every later one), the interior and the last layer's, each but the interior peaks inside one layer's backward,
+    and the interior's peak lies between those of the second and the last (linear in the layer index).
 
     Returns:
-        ``(intervals, mark, handles)``: the list each ``mark`` appends ``peak()`` to (then the tracker's peak starts
-        again), the mark, and the hooks' handles (``remove()`` them when done).
+        ``(intervals, mark, handles)``: the :class:`Intervals` each ``mark`` appends ``peak()`` to (then the tracker's
+        peak starts again), the mark, and the hooks' handles (``remove()`` them when done).
     """
     from lightning_plugins.adapters.lora import hf_model_of
     from lightning_plugins.parallel import pipeline_of
+    from lightning_plugins.parallel.families import decoder_layers, family_for
 
-    intervals: list[dict[str, int]] = []
+    intervals = Intervals()
 
     def mark(*_: Any) -> None:  # the peak since the last mark, then a new interval
         intervals.append(peak())
         tracker.restart_peak()
 
+    def mark_interior(*_: Any) -> None:
+        intervals.interior.add(len(intervals))
+        mark()
+
+    def on_input_gradient(then: Callable[..., None]) -> Callable[..., None]:
+        """A forward pre-hook that calls ``then`` when backward has computed the gradient of the module's input (a
+        recomputing forward, inside backward, is left alone)."""
+
+        def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
+            first = args[0] if args else None
+            if isinstance(first, torch.Tensor) and first.requires_grad and torch._C._current_graph_task_id() == -1:
+                first.register_hook(then)
+
+        return hook
+
     handles = []
     pipeline = pipeline_of(model)
     for stage in pipeline.stages.values() if pipeline is not None else ():
         handles += [stage.register_forward_pre_hook(mark), stage.register_full_backward_pre_hook(mark)]
-    head = hf_model_of(model).get_output_embeddings()
+    hf_model = hf_model_of(model)
+    layers = set(decoder_layers(hf_model, family_for(hf_model, tensor_parallel=False)))
+    for root in pipeline.stages.values() if pipeline is not None else (model,):
+        own = [module for module in root.modules() if module in layers]
+        if len(own) >= 4:  # backward runs the last layer, the one before, the interior ones, then the first
+            handles += [
+                own[-1].register_forward_pre_hook(on_input_gradient(mark)),
+                own[-2].register_forward_pre_hook(on_input_gradient(mark)),
+                own[1].register_forward_pre_hook(on_input_gradient(mark_interior)),
+            ]
+    head = hf_model.get_output_embeddings()
     if head is not None:
 
-        def mark_forward_and_backward(_: nn.Module, args: tuple[Any, ...]) -> None:
+        def mark_forward_and_backward(module: nn.Module, args: tuple[Any, ...]) -> None:
             mark()
             # The chunked loss computes inside the head and hands back empty logits: the head's own backward hook would
             # never fire. Its input's gradient marks the end of the loss's backward either way.
-            if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
-                args[0].register_hook(mark)
+            on_input_gradient(mark)(module, args)
 
         handles.append(head.register_forward_pre_hook(mark_forward_and_backward))
     return intervals, mark, handles
@@ -422,7 +472,6 @@ def measure_step_memory(
     tracker.track_external(model, optimizer, *batch.values(), *_pipeline_buffers(model))
     result: dict[str, Any] = {}
     intervals, mark, handles = mark_intervals(tracker, model, lambda: tracker.by_category("peak", device))
-    peak: dict[str, int] = {}
 
     def after_backward() -> None:
         result["after_backward"] = tracker.by_category("current", device)
@@ -434,5 +483,5 @@ def measure_step_memory(
         mark()
     for handle in handles:
         handle.remove()
-    peak = max((interval for interval in intervals if interval["total"]), key=lambda interval: interval["total"])
-    return {"peak": peak, "intervals": [interval for interval in intervals if interval["total"]], **result}
+    kept = intervals.kept()
+    return {"peak": max(kept, key=lambda interval: interval["total"]), "intervals": kept, **result}
