@@ -339,16 +339,18 @@ def mark_intervals(
     """Cut a tracked step into intervals where its structure changes, so that a real step and its dry run can be
     compared moment by moment: each pipeline stage's forward and backward, the head's logits and loss apart from the
     layers before and after them, and a backward through the decoder layers into the first layer it runs, the
-    layers between, and the last (the first in the model). Call the returned ``mark`` after backward and after the
+    layers between, and the last two (the first two in the model). Call the returned ``mark`` after backward and after the
     optimizer step too.
 
     The layers' backward is cut (with 4 layers or more) so that each peak falls at the same moment whatever the
     number of layers: it holds the inputs of the layers still to run (checkpointing) and the gradients of those done,
     both linear in the layer index, so the peak of a backward through all of them may fall at its start or at its
-    end, and copies of a model with more or fewer layers (the dry run's) may peak at different ends. Cut into the
-    first layer's backward, the second's (the first with the layer before still reduce-scattering its gradients, as
-    every later one), the interior and the last layer's, each but the interior peaks inside one layer's backward,
-    and the interior's peak lies between those of the second and the last (linear in the layer index).
+    end, and copies of a model with more or fewer layers (the dry run's) may peak at different ends. The first and
+    the last layer backward runs differ from the others (FSDP2: the first has no earlier layer still reduce-scattering
+    its gradients, the last none to prefetch), so the cuts are: the first layer's backward, the second's, the
+    interior, the one before the last's, and the last's. Each but the interior peaks inside one layer's backward;
+    the interior's layers run as the second and the one before the last do, so its peak lies between theirs (linear
+    in the layer index). With 4 layers the interior is empty.
 
     Returns:
         ``(intervals, mark, handles)``: the :class:`Intervals` each ``mark`` appends ``peak()`` to (then the tracker's
@@ -387,11 +389,12 @@ def mark_intervals(
     layers = set(decoder_layers(hf_model, family_for(hf_model, tensor_parallel=False)))
     for root in pipeline.stages.values() if pipeline is not None else (model,):
         own = [module for module in root.modules() if module in layers]
-        if len(own) >= 4:  # backward runs the last layer, the one before, the interior ones, then the first
+        if len(own) >= 4:  # backward runs the last layer, the one before, the interior ones, the second, the first
             handles += [
                 own[-1].register_forward_pre_hook(on_input_gradient(mark)),
                 own[-2].register_forward_pre_hook(on_input_gradient(mark)),
-                own[1].register_forward_pre_hook(on_input_gradient(mark_interior)),
+                own[2].register_forward_pre_hook(on_input_gradient(mark_interior)),  # after the one above when 4
+                own[1].register_forward_pre_hook(on_input_gradient(mark)),
             ]
     head = hf_model.get_output_embeddings()
     if head is not None:

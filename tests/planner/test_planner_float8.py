@@ -46,7 +46,8 @@ def test_float8_halves_the_gathered_linear_weights_and_leaves_the_state() -> Non
         assert fp8.state == bf16.state
         linear = _linear_params(CONFIG) // tp  # bytes one gathered layer's linears save (2 -> 1 per weight)
         layer_bf16 = 2 * (linear + 2 * h)
-        # Intervals: forward to the head, the head and the loss (forward and backward), the layers' backward, the step.
+        # Intervals: forward to the head, the head and the loss (forward and backward), each layer's backward (four
+        # layers: the last's first), the step.
         forward, backward = bf16.intervals[0], bf16.intervals[2]
         gathered = round(forward["temporaries"] / layer_bf16)  # layers held gathered at once in the forward
         assert gathered >= 2, forward  # the current layer and the prefetched next one at least
@@ -54,8 +55,10 @@ def test_float8_halves_the_gathered_linear_weights_and_leaves_the_state() -> Non
         assert saved == pytest.approx(gathered * linear, rel=1e-4), (tp, saved, gathered, linear)
         saved = backward["temporaries"] - fp8.intervals[2]["temporaries"]
         assert saved >= linear * (1 - 1e-4), (tp, saved, linear)
-        for peak, other in zip(bf16.intervals, fp8.intervals):
-            assert other["activations"] == pytest.approx(peak["activations"], abs=64), (tp, peak, other)
+        # The forward's peak holds every activation saved for backward. The backward's peaks fall at other moments of
+        # a layer's backward once the gathered weights are smaller, so their split into categories is not compared.
+        assert len(fp8.intervals) == len(bf16.intervals)
+        assert fp8.intervals[0]["activations"] == pytest.approx(forward["activations"], abs=64), (tp, forward)
 
 
 def test_float8_lora_keeps_the_activations_of_bf16_lora() -> None:
