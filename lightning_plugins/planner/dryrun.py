@@ -256,10 +256,11 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
     Returns ``{"intervals": [peak, ...], "bounding": [peak, ...]}``, measured under ``FakeTensorMode`` in the state a
     first step leaves (:func:`_warmed_up`): the peak of each interval of the step, the intervals cut where the
     step's structure does not depend on the number of layers (:func:`~lightning_plugins.planner.measure.mark_intervals`:
-    the head's forward and backward, the first and last decoder layers' backward, the optimizer step, which is the
-    last; under a pipeline also every stage's forward and backward of a micro-batch), each with the most bytes
-    offloaded to the host during it (``"host"``, activation offload); ``"bounding"`` without the interior of the
-    layers' backward; with ``count`` also the model's ``"state"`` (:func:`_state_of`).
+    the head's forward and backward, the optimizer step, which is the last; without a pipeline the backward of the
+    first two and the last two decoder layers apart from the interior ones; under a pipeline every stage's forward
+    and backward of a micro-batch), each with the most bytes offloaded to the host during it (``"host"``, activation
+    offload); ``"bounding"`` without the interior of the layers' backward; with ``count`` also the model's
+    ``"state"`` (:func:`_state_of`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -338,9 +338,9 @@ def mark_intervals(
 ) -> tuple[Intervals, Callable[..., None], list[Any]]:
     """Cut a tracked step into intervals where its structure changes, so that a real step and its dry run can be
     compared moment by moment: each pipeline stage's forward and backward, the head's logits and loss apart from the
-    layers before and after them, and a backward through the decoder layers into the first layer it runs, the
-    layers between, and the last two (the first two in the model). Call the returned ``mark`` after backward and after the
-    optimizer step too.
+    layers before and after them, and a backward through the decoder layers (without a pipeline) into the first
+    layer it runs, the one after, the layers between, and the last two (the first two in the model). Call the
+    returned ``mark`` after backward and after the optimizer step too.
 
     The layers' backward is cut (with 4 layers or more) so that each peak falls at the same moment whatever the
     number of layers: it holds the inputs of the layers still to run (checkpointing) and the gradients of those done,
@@ -350,7 +350,8 @@ def mark_intervals(
     its gradients, the last none to prefetch), so the cuts are: the first layer's backward, the second's, the
     interior, the one before the last's, and the last's. Each but the interior peaks inside one layer's backward;
     the interior's layers run as the second and the one before the last do, so its peak lies between theirs (linear
-    in the layer index). With 4 layers the interior is empty.
+    in the layer index). With 4 layers the interior is empty. A pipeline's stages are left whole: the dry run's
+    copies may hold fewer than 4 layers per stage in one copy and more in the other (interleaved stages).
 
     Returns:
         ``(intervals, mark, handles)``: the :class:`Intervals` each ``mark`` appends ``peak()`` to (then the tracker's
@@ -387,15 +388,14 @@ def mark_intervals(
         handles += [stage.register_forward_pre_hook(mark), stage.register_full_backward_pre_hook(mark)]
     hf_model = hf_model_of(model)
     layers = set(decoder_layers(hf_model, family_for(hf_model, tensor_parallel=False)))
-    for root in pipeline.stages.values() if pipeline is not None else (model,):
-        own = [module for module in root.modules() if module in layers]
-        if len(own) >= 4:  # backward runs the last layer, the one before, the interior ones, the second, the first
-            handles += [
-                own[-1].register_forward_pre_hook(on_input_gradient(mark)),
-                own[-2].register_forward_pre_hook(on_input_gradient(mark)),
-                own[2].register_forward_pre_hook(on_input_gradient(mark_interior)),  # after the one above when 4
-                own[1].register_forward_pre_hook(on_input_gradient(mark)),
-            ]
+    own = [module for module in model.modules() if module in layers] if pipeline is None else []
+    if len(own) >= 4:  # backward runs the last layer, the one before, the interior ones, the second, the first
+        handles += [
+            own[-1].register_forward_pre_hook(on_input_gradient(mark)),
+            own[-2].register_forward_pre_hook(on_input_gradient(mark)),
+            own[2].register_forward_pre_hook(on_input_gradient(mark_interior)),  # after the one above when 4
+            own[1].register_forward_pre_hook(on_input_gradient(mark)),
+        ]
     head = hf_model.get_output_embeddings()
     if head is not None:
 
