@@ -309,7 +309,8 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
                 optimizer.zero_grad(set_to_none=True)
                 mark()
     # Extrapolated from copies with more or fewer layers, the interior of the layers' backward is left out: its peak
-    # lies between those of the first and last layers' (mark_intervals), and its moment may differ between copies.
+    # lies between those of the second layer and the one before the last (mark_intervals), at a moment that may differ
+    # between copies.
     return {"intervals": intervals.kept(), "bounding": intervals.kept(interior=False), **counted}
 
 
@@ -359,10 +360,10 @@ def _extrapolated(steps: list[dict[str, list[dict[str, int]]]], layers: int) -> 
 
     Each bounding interval's peak (:func:`measure_step`) is extrapolated linearly from the two measured copies; the
     step's peak is the largest (:func:`worst_interval`): within an interval the peak falls at the same point whatever
-    the layer count (the end of forward, inside the first or the last layer's backward), so each is linear in the
-    layers, while the step's overall peak may move from one interval to another as layers are added. The interior
-    of the layers' backward, whose peak may fall at its start in one copy and at its end in the other, is left out:
-    its peak lies between those of the first and last layers' backward.
+    the layer count (the end of forward, inside one of the first two or the last two layers' backward), so each is
+    linear in the layers, while the step's overall peak may move from one interval to another as layers are added.
+    The interior of the layers' backward, whose peak may fall at its start in one copy and at its end in the other,
+    is left out: its peak lies between those of the second layer and the one before the last.
     """
     if len(steps) == 1:
         return [_folded(peak) for peak in steps[0]["intervals"]], 0

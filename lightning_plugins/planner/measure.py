@@ -322,7 +322,7 @@ def training_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 class Intervals(list):
     """The peaks :func:`mark_intervals` records, in order, and which of them are *interior*: a backward through
-    the decoder layers between the first and the last it runs (see :func:`mark_intervals`)."""
+    the decoder layers after the first two it runs and before the last two (see :func:`mark_intervals`)."""
 
     def __init__(self) -> None:
         super().__init__()
