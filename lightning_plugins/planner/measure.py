@@ -398,12 +398,13 @@ def mark_intervals(
         ]
     head = hf_model.get_output_embeddings()
     if head is not None:
+        # The chunked loss computes inside the head and hands back empty logits: the head's own backward hook would
+        # never fire. Its input's gradient marks the end of the loss's backward either way.
+        mark_loss_backward = on_input_gradient(mark)
 
         def mark_forward_and_backward(module: nn.Module, args: tuple[Any, ...]) -> None:
             mark()
-            # The chunked loss computes inside the head and hands back empty logits: the head's own backward hook would
-            # never fire. Its input's gradient marks the end of the loss's backward either way.
-            on_input_gradient(mark)(module, args)
+            mark_loss_backward(module, args)
 
         handles.append(head.register_forward_pre_hook(mark_forward_and_backward))
     return intervals, mark, handles

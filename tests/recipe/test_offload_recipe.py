@@ -8,12 +8,11 @@ parameters; the offloaded optimizer makes its host copies from those on first us
 
 from __future__ import annotations
 
-import pytest
-
 import csv
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from _launch import TINY, accelerate_launch, clean_stdout
 

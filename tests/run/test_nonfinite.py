@@ -76,7 +76,7 @@ def _written(out: Path) -> list[str]:
     return sorted(p.name for p in (out / "checkpoints").iterdir()) + exports
 
 
-@pytest.mark.parametrize(("layout", "skip_door", "stop_door"), CASES, ids=["tp", "pp", "lora_fsdp2"])
+@pytest.mark.parametrize(("layout", "skip_door", "stop_door"), CASES, ids=[getattr(c, "values", c)[0] for c in CASES])
 def test_nonfinite_steps_are_skipped_or_stop_the_run(
     tmp_path: Path, layout: str, skip_door: str, stop_door: str
 ) -> None:

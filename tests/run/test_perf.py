@@ -105,7 +105,9 @@ def _trace_totals(trace: Path) -> tuple[float, dict[str, float]]:
     return next(e["dur"] for e in events if e["name"] == WINDOW) / 1e6, dict(by_op)
 
 
-@pytest.mark.parametrize(("door", "slow", "stalled"), [pytest.param("finetune", 1, 0, marks=pytest.mark.slow), ("accelerate", 0, 1)])
+@pytest.mark.parametrize(
+    ("door", "slow", "stalled"), [pytest.param("finetune", 1, 0, marks=pytest.mark.slow), ("accelerate", 0, 1)]
+)
 def test_profile_names_the_straggler_and_the_data_stall(tmp_path: Path, door: str, slow: int, stalled: int) -> None:
     out = tmp_path / "out"
     spec = f"forward:{slow}:{STRAGGLE_S},data:{stalled}:{STALL_S}"

@@ -7,10 +7,9 @@ layout cannot run is refused with the layout's error before anything is parallel
 
 from __future__ import annotations
 
-import pytest
-
 from pathlib import Path
 
+import pytest
 from _world import run_script
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "configure_model.py"
