@@ -72,7 +72,7 @@ class MemoryLayout:
 
 
 _SP = ParallelOptions(sequence_parallel=True, loss_parallel=True)
-#: The layouts, by name. 2 ranks: TP, FSDP2, PP 1F1B, CP (Ulysses, ring), LoRA; 4 ranks: TP x FSDP2 with and without AC.
+#: The layouts, by name. 2 ranks: TP, FSDP2, PP 1F1B, CP (Ulysses, ring), LoRA, LoRA with the tiled MLP; 4 ranks: TP x FSDP2 with and without AC.
 LAYOUTS: dict[str, MemoryLayout] = {
     "tp2": MemoryLayout(2, ParallelLayout(tp_size=2), _SP),
     "fsdp2": MemoryLayout(2, ParallelLayout(dp_shard_size=2)),
@@ -80,6 +80,13 @@ LAYOUTS: dict[str, MemoryLayout] = {
     "cp2_ulysses": MemoryLayout(2, ParallelLayout(cp_size=2), ParallelOptions(cp_backend="ulysses")),
     "cp2_ring": MemoryLayout(2, ParallelLayout(cp_size=2), ParallelOptions(cp_backend="ring")),
     "lora_fsdp2": MemoryLayout(2, ParallelLayout(dp_shard_size=2), lora=LoraOptions(r=8, alpha=16)),
+    # The tiled MLP (8 tiles of 64 tokens) in checkpointed layers.
+    "lora_fsdp2_tiled": MemoryLayout(
+        2,
+        ParallelLayout(dp_shard_size=2),
+        memory=MemoryOptions(activation_checkpointing="full", mlp_chunk_tokens=64),
+        lora=LoraOptions(r=8, alpha=16),
+    ),
     # The chunked default, with the embedding and the norm + head as FSDP2 units of their own. The dry run is compared
     # with the real run interval by interval (test_planner_dryrun.py): the fake process group holds a few MB more
     # than gloo around the loss-parallel head, so the two steps' overall peaks can fall at different moments.

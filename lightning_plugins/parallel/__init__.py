@@ -31,6 +31,7 @@ from lightning_plugins.parallel.grad import clip_grad_norm_, reduce_partial_stat
 from lightning_plugins.parallel.mesh import attach_mesh, data_mesh, fsdp_mesh, mesh_of
 from lightning_plugins.parallel.gated_mlp import use_efficient_mlps
 from lightning_plugins.parallel.norms import use_efficient_norms
+from lightning_plugins.parallel.tiled_mlp import use_tiled_mlps
 from lightning_plugins.parallel.save_pretrained import install_save_pretrained
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
 from lightning_plugins.parallel.chunked_loss import install_chunked_head, install_chunked_loss
@@ -103,6 +104,8 @@ def parallelize(
         use_efficient_norms(model)
     if memory.efficient_mlp:
         use_efficient_mlps(model)
+    if memory.mlp_chunk_tokens:  # after the efficient MLP, whose forward each tile then runs
+        use_tiled_mlps(model, memory.mlp_chunk_tokens)
     # Validation is done: from here on collectives run (building the mesh creates process groups).
     mesh = layout if isinstance(layout, DeviceMesh) else resolved.build_mesh(_device_type())
 

@@ -15,6 +15,7 @@ from lightning_plugins.parallel.context.checks import check_context_parallel
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, check_pipeline_layout, check_pp_reshard
+from lightning_plugins.parallel.tiled_mlp import check_tiled_mlp
 
 __all__ = ["check_settings"]
 
@@ -60,6 +61,7 @@ def check_settings(
             " (dp_shard_size, dp_replicate_size or cp_size > 1); with one data rank, use a precision plugin instead."
         )
     check_compile(layout, options, memory)
+    check_tiled_mlp(memory.mlp_chunk_tokens, layout.tp_size, options.compile)
     if memory.pp_reshard_per_microbatch:
         check_pp_reshard(layout, pipeline, resolved)
     if memory.optimizer_in_backward:

@@ -130,24 +130,36 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+        # autograd's formulas, in its order, so the values are bit-identical; computed with few full-size fp32
+        # temporaries at once (the normalised activation only for the weight's gradient, then freed; products in
+        # place on tensors made here; the variance term per row, broadcast): the norm's backward is a layer's
+        # backward peak once the MLP is tiled.
         x, weight, rstd = ctx.saved_tensors
         xf = x.to(torch.float32)
-        hf = xf * rstd
         grad_weight = None
         if ctx.form == "llama":  # out = weight * h, h = hf.to(dtype)
-            h = hf.to(x.dtype)
             if ctx.needs_input_grad[1]:
+                h = (xf * rstd).to(x.dtype)
                 grad_weight = (grad * h).sum_to_size(weight.shape).to(weight.dtype)
-            grad_hf = (grad * weight).to(h.dtype).to(torch.float32)
+                del h
+            grad_hf = (grad * weight).to(x.dtype).to(torch.float32)
         else:  # olmo2: out = (weight * hf).to(dtype); gemma: out = (hf * (1 + weight.float())).to(dtype)
-            g32 = grad.to(torch.float32) if ctx.form == "gemma" else grad.to((weight * hf).dtype)
-            scale = 1.0 + weight.float() if ctx.form == "gemma" else weight
+            gemma = ctx.form == "gemma"
+            g32 = grad.to(torch.float32 if gemma else torch.promote_types(weight.dtype, torch.float32))
+            scale = 1.0 + weight.float() if gemma else weight
             if ctx.needs_input_grad[1]:
-                grad_weight = (g32 * hf if ctx.form == "gemma" else hf * g32).sum_to_size(weight.shape).to(weight.dtype)
+                hf = xf * rstd
+                grad_weight = (g32 * hf if gemma else hf * g32).sum_to_size(weight.shape).to(weight.dtype)
+                del hf
             grad_hf = (g32 * scale).to(torch.float32)
-        # hf = xf * rstd; rstd = rsqrt(mean(xf ** 2) + eps): autograd's formulas, in its order.
+            del g32
+        # hf = xf * rstd; rstd = rsqrt(mean(xf ** 2) + eps). grad_hf is this function's own tensor; xf is too unless
+        # x was fp32 already. Products commute bit for bit, and dividing the row's term before broadcasting it gives
+        # each element the value dividing the broadcast gives.
         grad_rstd = (grad_hf * xf).sum(-1, keepdim=True)
         grad_var = -0.5 * grad_rstd * rstd.pow(3)
-        grad_sq = grad_var.expand(xf.shape) / xf.shape[-1]
-        grad_x = grad_hf * rstd + grad_sq * (2.0 * xf)
+        grad_sq = grad_var / xf.shape[-1]
+        grad_x = grad_hf.mul_(rstd)
+        two_x = xf.mul_(2.0) if xf is not x else 2.0 * xf
+        grad_x.add_(two_x.mul_(grad_sq))
         return grad_x.to(x.dtype), grad_weight, None, None

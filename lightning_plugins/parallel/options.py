@@ -154,6 +154,10 @@ class MemoryOptions:
             hidden states this many tokens at a time and never builds the ``[tokens, vocab]`` logits (backward
             recomputes each chunk's; :mod:`lightning_plugins.parallel.chunked_loss`); ``outputs.logits`` is then
             empty. ``None`` or ``0``: off (full logits, as transformers computes them).
+        mlp_chunk_tokens: Tiled MLP: each dense MLP of the decoder computed this many tokens at a time, saving only its
+            input and recomputing each tile in backward, so its intermediate-width tensors exist for one tile at a
+            time; one more MLP forward per step (:mod:`lightning_plugins.parallel.tiled_mlp`). Not with
+            ``tp_size > 1`` or ``compile``. ``None`` or ``0``: off.
         efficient_norms: RMSNorms of a known form (Llama's, OLMo 2's, Gemma's) computed bit-identically but saving
             only their input and the fp32 ``rstd`` per row for backward, not fp32 copies of the activation
             (:mod:`lightning_plugins.parallel.norms`).
@@ -182,18 +186,19 @@ class MemoryOptions:
     activation_offload: bool = False
     pp_reshard_per_microbatch: bool = False
     loss_chunk_tokens: int | None = 512
+    mlp_chunk_tokens: int | None = None
     efficient_norms: bool = True
     efficient_mlp: bool = True
     sp_regather: bool = False
     optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
-        chunk = self.loss_chunk_tokens
-        if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
-            raise OptionsError(
-                f"loss_chunk_tokens={chunk!r} must be a number of tokens (e.g. 1024), or 0/None to compute the loss"
-                " from full logits."
-            )
+        for name, example in (("loss_chunk_tokens", "the loss from full logits"), ("mlp_chunk_tokens", "the MLP whole")):
+            chunk = getattr(self, name)
+            if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
+                raise OptionsError(
+                    f"{name}={chunk!r} must be a number of tokens (e.g. 1024), or 0/None to compute {example}."
+                )
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
             raise OptionsError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of {CHECKPOINTING_MODES}."

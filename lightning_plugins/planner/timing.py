@@ -6,7 +6,8 @@ The model, per optimizer step, for the slowest rank (pipeline stages differ: the
   base of LoRA) divided by ``peak x efficiency``. The efficiency is calibrated, one per class of kernels
   (:data:`KERNELS`), against published runs (:data:`CALIBRATION`). Recomputation adds forward FLOPs:
   full checkpointing one more forward of every layer, ``every_n_layers`` of every N-th, op-level selective
-  the elementwise ops (:data:`SELECTIVE_RECOMPUTE`). QLoRA's NF4 dequantisation slows compute by
+  the elementwise ops (:data:`SELECTIVE_RECOMPUTE`); the tiled MLP (``mlp_chunk_tokens``) one more forward of each
+  dense MLP (:data:`MLP_LINEARS`). QLoRA's NF4 dequantisation slows compute by
   :data:`QLORA_SLOWDOWN`.
 * **Tensor parallel.** Per layer and micro-batch, forward and backward: two all-gathers and two
   reduce-scatters of the activations (sequence parallel) or two all-reduces (the same bytes), on the
@@ -291,7 +292,8 @@ def _rank_time(
     head_time = mm_factor * 2.0 * stats.vocab_size * stats.hidden_size / rate if last else 0.0
     compute = tokens / t * (layers * layer_time + head_time) * slowdown
     rec = _recompute_share(memory, layers, recompute_fraction)
-    recompute = tokens / t * layers * rec * (mm_fwd + attn_fwd) * slowdown
+    tiled = 2.0 * _mlp_matmul_params(stats) / rate if memory.mlp_chunk_tokens else 0.0  # each tile's forward again
+    recompute = tokens / t * layers * (rec * (mm_fwd + attn_fwd) + tiled) * slowdown
     busy = compute + recompute
 
     comm: dict[str, float] = {k: 0.0 for k in ("fsdp", "tp", "cp", "pp", "dp_replicate", "offload", "ep")}
@@ -413,6 +415,15 @@ def _rank_time(
         "exposed": exposed,
         "bubble_s": bubble_s,
     }
+
+
+#: The linears of a dense gated MLP (a MoE's shared expert's too), which the tiled MLP computes once more in backward.
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
+
+
+def _mlp_matmul_params(stats: ModelStats) -> int:
+    """Matmul weights of a decoder layer's dense MLPs (what ``mlp_chunk_tokens`` tiles)."""
+    return sum(fan_in * fan_out for name, fan_in, fan_out in stats.linears if name in MLP_LINEARS)
 
 
 def _recompute_share(memory: MemoryOptions, layers: int, override: float | None) -> float:

@@ -108,7 +108,7 @@ def _check_cases(rank: int, world_size: int, cases: list[tuple[str, dict, dict]]
 
 
 TP2 = {"tp_size": 2}
-# Chunked cross entropy over several chunks (7 tokens: 30 a rank make 5, the last one short; every other case runs it
+# Chunked cross entropy (and the tiled MLP) over several chunks (7 tokens: 30 a rank make 5, the last one short; every other case runs it
 # in one chunk by default): FSDP2, TP with loss parallel (vocab-sharded chunks) and without, soft-capped and scaled
 # logits, a tied head, the router's balance loss added to it.
 CHUNKED = [
@@ -119,6 +119,8 @@ CHUNKED = [
     ("gemma2_capped", TP2, {"loss_parallel": False, "loss_chunk_tokens": 7}),
     ("llama_tied", TP2, {"sequence_parallel": False, "loss_parallel": False, "loss_chunk_tokens": 7}),
     ("mixtral_aux", {"ep_size": 2}, {"loss_chunk_tokens": 7}),
+    # The tiled MLP (7 tokens a tile, the last one short) in a checkpointed layer, FSDP2 gathering its weights.
+    ("llama", {"dp_shard_size": 2}, {"mlp_chunk_tokens": 7, "activation_checkpointing": "full"}),
 ]
 TWO_RANKS = [
     *CHUNKED,
