@@ -571,6 +571,20 @@ def published_cases() -> list[PublishedCase]:
             " cannot have been measured there",
             "405B_qlora.yaml",
         ),
+        PublishedCase(
+            "8b_lora_tiled",
+            "Llama-3.1-8B LoRA, 1x RTX 4090, with the tiled MLP",
+            16.2,
+            "16.2 GiB",
+            "row 5 with `memory.mlp_chunk_tokens: 1024`, `memory.loss_chunk_tokens: 256`",
+            lambda: Workload(
+                c8, one, memory=replace(ac, mlp_chunk_tokens=1024, loss_chunk_tokens=256), lora=lora8, **tt
+            ),
+            "the tiled MLP (one more MLP forward a step) and smaller loss chunks: the peak is then the last layer's"
+            " backward, whose attention recomputed for all 4096 tokens (0.2 GiB) and the tile's and the norm's"
+            " temporaries sit on the floor and the adapters' AdamW state (16.07 GiB)",
+            "8B_lora_single_device.yaml",
+        ),
     ]
 
 
