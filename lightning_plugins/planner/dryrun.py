@@ -286,9 +286,13 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
             model.to_empty(device="cpu")
             optimizer = _warmed_up(model)
             batch = _batch(workload, mesh_of(model), workload.seq_len)
-            # CPU offload: the sharded state lives on the host; the GPU's peak is chosen without it (with_offload).
-            host = ("parameters", "gradients", "optimizer") if workload.memory.cpu_offload else ()
-            tracker = StepMemTracker(model, on_host=host)
+            # The peak's moment is chosen without what the modelled run does not hold on the GPU then: CPU offload's
+            # sharded state (on the host: with_offload), optimizer_in_backward's gradients (freed as produced; counted
+            # at most the largest afterwards, _rank_memory).
+            memory = workload.memory
+            left_out = ("parameters", "gradients", "optimizer") if memory.cpu_offload else ()
+            left_out += ("gradients",) if memory.optimizer_in_backward else ()
+            tracker = StepMemTracker(model, left_out=left_out)
             tracker.track_external(model, optimizer, *batch.values())
             intervals, mark, _ = mark_intervals(
                 tracker, model, lambda: {**tracker.by_category("peak"), "host": tracker.by_category("peak", "meta")["total"]}

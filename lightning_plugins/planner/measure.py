@@ -155,12 +155,13 @@ class StepMemTracker(MemTracker):
     ``MemTracker``.
     """
 
-    def __init__(self, model: nn.Module | None = None, *, on_host: tuple[str, ...] = ()) -> None:
-        """``on_host``: categories (:data:`CATEGORIES`) that live in host memory (FSDP2's CPU offload: the sharded
-        parameters, gradients and optimizer state): still counted, but left out when choosing the peak's moment,
-        which is the GPU's."""
+    def __init__(self, model: nn.Module | None = None, *, left_out: tuple[str, ...] = ()) -> None:
+        """``left_out``: categories (:data:`CATEGORIES`) still counted, but left out when choosing the peak's moment:
+        those in host memory (FSDP2's CPU offload: the sharded parameters, gradients and optimizer state; the moment
+        is the GPU's), or freed as they are produced in the run being modelled (``optimizer_in_backward``'s
+        gradients, which the measured step, with the optimizer after backward, accumulates)."""
         super().__init__()
-        self._on_host = [reftype for reftype, name in _NAMES.items() if name in on_host]
+        self._left_out = [reftype for reftype, name in _NAMES.items() if name in left_out]
         self._mod_tracker = _NestedBackwardModTracker()
         self._fsdp_groups = list(_fsdp_param_groups(model)) if model is not None else []
         #: Storages whose category is fixed (FSDP2's gathered parameters): modules re-file them as parameters.
@@ -175,9 +176,9 @@ class StepMemTracker(MemTracker):
                         for winfo in self._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP):
                             self._fixed[winfo] = _MemRefType.TEMP
         super().__enter__()
-        if self._on_host:  # MemTracker starts from the totals: the device's share instead
+        if self._left_out:  # MemTracker starts from the totals: the device's share instead
             self._peak_mem = {
-                dev: snap[_TOTAL_KEY] - sum(snap.get(reftype, 0) for reftype in self._on_host)
+                dev: snap[_TOTAL_KEY] - sum(snap.get(reftype, 0) for reftype in self._left_out)
                 for dev, snap in self._peak_mem_snap.items()
             }
         return self
@@ -238,7 +239,7 @@ class StepMemTracker(MemTracker):
         # Only the peak per device: ``MemTracker`` also updates every active module's own peak after every
         # operation, which makes a step's tracking cost grow with the square of the number of layers.
         for dev, snapshot in self._curr_mem_snap.items():
-            on_device = snapshot[_TOTAL_KEY] - sum(snapshot.get(reftype, 0) for reftype in self._on_host)
+            on_device = snapshot[_TOTAL_KEY] - sum(snapshot.get(reftype, 0) for reftype in self._left_out)
             if self._peak_mem.get(dev, -1) < on_device:
                 self._peak_mem[dev] = on_device
                 self._peak_mem_snap[dev] = dict(snapshot)  # {category: bytes}: a shallow copy is a full one
