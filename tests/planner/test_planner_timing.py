@@ -248,6 +248,18 @@ def test_pipeline_stages_resharded_per_microbatch_reduce_each_microbatch():
     assert fsdp(pp_reshard_per_microbatch=True) == pytest.approx(resharded + 7 * gradients, rel=1e-9)
 
 
+def test_tiled_mlp_adds_one_mlp_forward_by_hand():
+    # 8B on one node, FSDP8, 1 x 4096 tokens a rank: the tiled MLP computes each tile again in backward, one more
+    # forward of the MLP's three 4096 x 14336 matmuls per layer (2 FLOPs a weight and token), at the dense kernels'
+    # rate, whether or not the layers are checkpointed.
+    rate = GPUS["H100"].peak_flops * KERNELS[kernels_for(ParallelOptions())].efficiency
+    extra = 4096 * 32 * 2 * 3 * 4096 * 14336 / rate
+    for checkpointing in ("none", "full"):
+        plain = _step(memory=MemoryOptions(activation_checkpointing=checkpointing))
+        tiled = _step(memory=MemoryOptions(activation_checkpointing=checkpointing, mlp_chunk_tokens=1024))
+        assert tiled.recompute_s - plain.recompute_s == pytest.approx(extra, rel=1e-9), checkpointing
+
+
 def test_tensor_parallel_communication_by_hand():
     # 70B, TP8 on one node, 1 x 4096 tokens: per layer forward 2 all-gathers + 2 reduce-scatters of the
     # activations (4096 x 8192 x 2 bytes), each moving 7/8 of them; backward the same; plus the embedding output
