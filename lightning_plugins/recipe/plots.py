@@ -50,7 +50,10 @@ def plot_losses(metrics_csv: str | Path, out_png: str | Path) -> Path:
     axes.set_xlabel("optimizer step")
     axes.set_ylabel("loss")
     axes.grid(alpha=0.3)
-    axes.legend()
+    if any(series.values()):
+        axes.legend()
+    else:  # a run shorter than train.log_every logged no loss: say so rather than draw an empty legend
+        axes.text(0.5, 0.5, "no loss logged (a run shorter than train.log_every)", ha="center", transform=axes.transAxes)
     figure.tight_layout()
     out = Path(out_png)
     figure.savefig(out, dpi=120)
