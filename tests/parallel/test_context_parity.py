@@ -38,6 +38,10 @@ CASES = {
         "llama cp2 ring seq16": ("llama", CP2, 16, R),
         "llama cp2 ulysses seq13": ("llama", CP2, 13, U),
         "llama cp2 ring seq13 full-ac": ("llama", CP2, 13, {**R, "activation_checkpointing": "full"}),
+        # The tiled MLP on this rank's shard of the tokens (tiles of 5, the last one short), checkpointed.
+        "llama cp2 ring seq13 full-ac tiled-mlp": (
+            "llama", CP2, 13, {**R, "activation_checkpointing": "full", "mlp_chunk_tokens": 5}
+        ),
         # Ulysses runs the model's own attention implementation on the full sequence: eager here.
         "llama cp2 ulysses-eager seq13": ("llama", CP2, 13, {**U, "inner": "eager"}),
         "qwen3 cp2 ring seq15": ("qwen3", CP2, 15, R),
