@@ -193,11 +193,11 @@ class MemoryOptions:
     optimizer_in_backward: bool = False
 
     def __post_init__(self) -> None:
-        for name, example in (("loss_chunk_tokens", "the loss from full logits"), ("mlp_chunk_tokens", "the MLP whole")):
+        for name, off in (("loss_chunk_tokens", "the loss from full logits"), ("mlp_chunk_tokens", "the MLP whole")):
             chunk = getattr(self, name)
             if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0):
                 raise OptionsError(
-                    f"{name}={chunk!r} must be a number of tokens (e.g. 1024), or 0/None to compute {example}."
+                    f"{name}={chunk!r} must be a number of tokens (e.g. 1024), or 0/None to compute {off}."
                 )
         if self.activation_checkpointing not in CHECKPOINTING_MODES:
             raise OptionsError(

@@ -74,9 +74,9 @@ class _TiledForward:
         self.module, self.forward, self.tokens = module, forward, tokens
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        trainable = tuple(p for p in self.module.parameters() if p.requires_grad)
         if x.shape[:-1].numel() <= self.tokens:
             return self.forward(x)
+        trainable = tuple(p for p in self.module.parameters() if p.requires_grad)
         if not torch.is_grad_enabled() or not (x.requires_grad or trainable):
             with torch.no_grad():
                 return _tiles(self.forward, x, self.tokens)
