@@ -31,6 +31,14 @@ tracker either fails or files real memory in another category than the one it be
   it enters, which raises ``cannot register a hook on a tensor that doesn't require gradient``; hooks go on
   trainable parameters only.
 
+And one phantom: DTensor derives an operation's output shape (the first time it meets that operation, shapes and
+placements) by running it on fake tensors of the *global* shapes
+(``ShardingPropagator._propagate_tensor_meta_non_cached``). Under the dry run's fake mode, which DTensor then
+uses, ``MemTracker`` counted those tensors, which no device ever holds: 2.9 GiB of temporaries at the head of
+Qwen2.5-32B under TP4, an fp32 copy of the whole ``[152064, 5120]`` weight gradient where each rank holds a
+quarter. Whether that fell at the peak's moment depended on when torch first met the operation (torch 2.15 met
+this one at the head, 2.13 elsewhere). Here the tracker lets those calls through untracked.
+
 And one leak: ``ModTracker`` hooks the inputs and outputs of every module with
 ``torch.autograd.graph.register_multi_grad_hook`` and drops the handles. In its default mode that hook's closure
 keeps the ``grad_fn`` of each hooked tensor, and the ``grad_fn`` keeps the hook: a cycle through C++ that Python's
@@ -51,7 +59,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from copy import deepcopy
+from functools import wraps
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,6 +77,7 @@ from torch.distributed._tools.mem_tracker import (
 from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -166,6 +177,9 @@ class StepMemTracker(MemTracker):
         self._fsdp_groups = list(_fsdp_param_groups(model)) if model is not None else []
         #: Storages whose category is fixed (FSDP2's gathered parameters): modules re-file them as parameters.
         self._fixed: dict[_WeakRefInfo, _MemRefType] = {}
+        #: Inside DTensor's shape propagation (fake tensors of global shapes): nothing to track.
+        self._propagating = 0
+        self._untracked_propagation: Any = None
 
     def __enter__(self) -> Self:
         if self._depth == 0:
@@ -175,6 +189,8 @@ class StepMemTracker(MemTracker):
                         # Registered at its current size (0 when resharded); resizes are followed from here on.
                         for winfo in self._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP):
                             self._fixed[winfo] = _MemRefType.TEMP
+            self._untracked_propagation = _propagation_untracked(self)
+            self._untracked_propagation.__enter__()
         super().__enter__()
         if self._left_out:  # MemTracker starts from the totals: the device's share instead
             self._peak_mem = {
@@ -182,6 +198,12 @@ class StepMemTracker(MemTracker):
                 for dev, snap in self._peak_mem_snap.items()
             }
         return self
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        if self._depth == 0 and self._untracked_propagation is not None:
+            self._untracked_propagation.__exit__(None, None, None)
+            self._untracked_propagation = None
 
     def _update_and_maybe_create_winfos(
         self, t: Tensor, reftype: _MemRefType, update_existing: bool = False
@@ -228,6 +250,8 @@ class StepMemTracker(MemTracker):
         mod_stats.snapshots.setdefault(_ModState.PRE_FW, []).append(deepcopy(snapshot))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self._propagating:
+            return func(*args, **(kwargs or {}))
         res = super().__torch_dispatch__(func, types, args, kwargs)
         if res is not NotImplemented and func is torch.ops.fsdp.all_gather_copy_in.default:
             # (all-gather input, flat all-gather output): communication buffers, not activations.
@@ -256,6 +280,26 @@ class StepMemTracker(MemTracker):
         categories = {name: int(snapshot.get(reftype, 0)) for reftype, name in _NAMES.items()}
         categories["total"] = int(snapshot.get(_TOTAL_KEY, 0))
         return categories
+
+
+@contextmanager
+def _propagation_untracked(tracker: StepMemTracker) -> Iterator[None]:
+    """While active, DTensor's output-shape propagation runs past ``tracker`` (see the module docstring)."""
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    @wraps(propagate)
+    def untracked(*args: Any, **kwargs: Any) -> Any:
+        tracker._propagating += 1
+        try:
+            return propagate(*args, **kwargs)
+        finally:
+            tracker._propagating -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
 
 
 def _fsdp_param_groups(model: nn.Module) -> Iterator[Any]:

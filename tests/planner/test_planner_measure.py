@@ -19,11 +19,16 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from _memory import CONFIG, LAYOUTS, MemoryLayout, make_model, measured
 from tiny_models import make_batch, tiny_model
 
 from lightning_plugins.adapters.lora import LoraOptions
-from lightning_plugins.planner.measure import CATEGORIES, measure_step_memory
+from lightning_plugins.planner.measure import CATEGORIES, StepMemTracker, measure_step_memory
 
 FP32 = 4  # bytes per element: the model is fp32
 ADAM_STEP = 4  # AdamW's `step` is a float32 scalar tensor per parameter (not capturable, not fused)
@@ -178,3 +183,22 @@ def test_one_process_step_and_the_tracker_leaves_nothing_behind() -> None:
     assert result["peak"]["parameters"] == sum(params) and result["peak"]["activations"] > 0
     with pytest.raises(ValueError, match="steps_before=0"):
         measure_step_memory(model, optimizer, batch, steps_before=0)
+
+
+def test_dtensor_shape_propagation_is_not_counted() -> None:
+    """DTensor derives an operation's output shape, the first time it meets it, by running it on fake tensors of the
+    global shapes: no rank ever holds those, and the tracker must not count them (under the dry run's fake tensors
+    they made a 2.9 GiB phantom at Qwen2.5-32B's TP4 head). The shapes here are met nowhere else, so the propagation
+    runs under the tracker."""
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (8,))
+        with FakeTensorMode():  # as in the dry run
+            weight = DTensor.from_local(torch.randn(13, 29), mesh, [Shard(0)])  # global [104, 29]
+            with StepMemTracker() as tracker:
+                doubled = weight.to(torch.float64)
+        local = doubled.to_local()
+        assert doubled.shape == (104, 29) and local.shape == (13, 29)
+        assert tracker.by_category("peak")["total"] == local.numel() * local.element_size()
+    finally:
+        dist.destroy_process_group()
