@@ -65,7 +65,7 @@ def _readme_peaks() -> dict[str, float]:
     release = ".".join(torch.__version__.split(".")[:2])
     paragraph = re.search(rf"^On torch {re.escape(release)}\b.*?\n\n", text, re.M | re.S)
     if paragraph:
-        peaks.update({name: float(peak) for name, peak in re.findall(r"`([\w.\-/]+)` \*\*([\d.]+)\*\*", paragraph[0])})
+        peaks.update({name: float(peak) for name, peak in re.findall(r"`([\w.\-/]+)`\s+\*\*([\d.]+)\*\*", paragraph[0])})
     return peaks
 
 
