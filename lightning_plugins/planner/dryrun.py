@@ -58,7 +58,8 @@ from lightning_plugins.planner.fake_step import (
     unpacked_rows,
 )
 from lightning_plugins.planner.forked import forked
-from lightning_plugins.planner.measure import StepMemTracker, mark_intervals
+from lightning_plugins.planner.intervals import mark_intervals
+from lightning_plugins.planner.measure import StepMemTracker
 from lightning_plugins.planner.rank_memory import RankMemory, with_offload, with_optimizer_offload, worst_interval
 from lightning_plugins.planner.workload import Workload
 
@@ -255,12 +256,12 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
 
     Returns ``{"intervals": [peak, ...], "bounding": [peak, ...]}``, measured under ``FakeTensorMode`` in the state a
     first step leaves (:func:`_warmed_up`): the peak of each interval of the step, the intervals cut where the
-    step's structure does not depend on the number of layers (:func:`~lightning_plugins.planner.measure.mark_intervals`:
-    the head's forward and backward, the optimizer step, which is the last; without a pipeline the backward of the
-    first two and the last two decoder layers apart from the interior ones; under a pipeline every stage's forward
-    and backward of a micro-batch), each with the most bytes offloaded to the host during it (``"host"``, activation
-    offload); ``"bounding"`` without the interior of the layers' backward; with ``count`` also the model's
-    ``"state"`` (:func:`_state_of`).
+    step's structure does not depend on the number of layers
+    (:func:`~lightning_plugins.planner.intervals.mark_intervals`: the head's forward and backward, the optimizer
+    step, which is the last; without a pipeline the backward of the first two and the last two decoder layers apart
+    from the interior ones; under a pipeline every stage's forward and backward of a micro-batch), each with the
+    most bytes offloaded to the host during it (``"host"``, activation offload); ``"bounding"`` without the interior
+    of the layers' backward; with ``count`` also the model's ``"state"`` (:func:`_state_of`).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
