@@ -59,7 +59,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from copy import deepcopy
 from functools import wraps
 from typing import TYPE_CHECKING, Any
@@ -181,7 +180,7 @@ class StepMemTracker(MemTracker):
         self._fixed: dict[_WeakRefInfo, _MemRefType] = {}
         #: Inside DTensor's shape propagation (fake tensors of global shapes): nothing to track.
         self._propagating = 0
-        self._untracked_propagation: Any = None
+        self._propagate: Callable[..., Any] | None = None
 
     def __enter__(self) -> Self:
         if self._depth == 0:
@@ -191,8 +190,8 @@ class StepMemTracker(MemTracker):
                         # Registered at its current size (0 when resharded); resizes are followed from here on.
                         for winfo in self._update_and_maybe_create_winfos(tensor, _MemRefType.TEMP):
                             self._fixed[winfo] = _MemRefType.TEMP
-            self._untracked_propagation = _propagation_untracked(self)
-            self._untracked_propagation.__enter__()
+            self._propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._untracked(self._propagate)
         super().__enter__()
         if self._left_out:  # MemTracker starts from the totals: the device's share instead
             self._peak_mem = {
@@ -203,9 +202,21 @@ class StepMemTracker(MemTracker):
 
     def __exit__(self, *args: Any) -> None:
         super().__exit__(*args)
-        if self._depth == 0 and self._untracked_propagation is not None:
-            self._untracked_propagation.__exit__(None, None, None)
-            self._untracked_propagation = None
+        if self._depth == 0:
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
+
+    def _untracked(self, propagate: Callable[..., Any]) -> Callable[..., Any]:
+        """``propagate`` (DTensor's output-shape propagation) run past this tracker (see the module docstring)."""
+
+        @wraps(propagate)
+        def untracked(*args: Any, **kwargs: Any) -> Any:
+            self._propagating += 1
+            try:
+                return propagate(*args, **kwargs)
+            finally:
+                self._propagating -= 1
+
+        return untracked
 
     def _update_and_maybe_create_winfos(
         self, t: Tensor, reftype: _MemRefType, update_existing: bool = False
@@ -282,26 +293,6 @@ class StepMemTracker(MemTracker):
         categories = {name: int(snapshot.get(reftype, 0)) for reftype, name in _NAMES.items()}
         categories["total"] = int(snapshot.get(_TOTAL_KEY, 0))
         return categories
-
-
-@contextmanager
-def _propagation_untracked(tracker: StepMemTracker) -> Iterator[None]:
-    """While active, DTensor's output-shape propagation runs past ``tracker`` (see the module docstring)."""
-    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    @wraps(propagate)
-    def untracked(*args: Any, **kwargs: Any) -> Any:
-        tracker._propagating += 1
-        try:
-            return propagate(*args, **kwargs)
-        finally:
-            tracker._propagating -= 1
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = untracked
-    try:
-        yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
 
 
 def _fsdp_param_groups(model: nn.Module) -> Iterator[Any]:

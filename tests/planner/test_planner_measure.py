@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from _memory import CONFIG, LAYOUTS, MemoryLayout, make_model, measured
 from tiny_models import make_batch, tiny_model
@@ -193,10 +194,12 @@ def test_dtensor_shape_propagation_is_not_counted() -> None:
     dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
     try:
         mesh = init_device_mesh("cpu", (8,))
+        propagate = ShardingPropagator._propagate_tensor_meta_non_cached
         with FakeTensorMode():  # as in the dry run
             weight = DTensor.from_local(torch.randn(13, 29), mesh, [Shard(0)])  # global [104, 29]
             with StepMemTracker() as tracker:
                 doubled = weight.to(torch.float64)
+        assert ShardingPropagator._propagate_tensor_meta_non_cached is propagate  # restored on exit
         local = doubled.to_local()
         assert doubled.shape == (104, 29) and local.shape == (13, 29)
         assert tracker.by_category("peak")["total"] == local.numel() * local.element_size()
