@@ -5,7 +5,12 @@ which keeps several fp32 copies of the activation per norm for backward (the fp3
 value, and in Llama's form the down-cast result). :class:`_RMSNormFunction` runs the same operations, in the
 same order, with autograd off, saves the input in its own dtype and the fp32 ``rstd`` (one value per row),
 and in backward recomputes the rest and applies the very formulas autograd would (``derivatives.yaml``), so
-forward and backward are bit-identical to the original in fp32 and bf16.
+forward and backward are bit-identical to the original in fp32 and bf16. Every op but the weight's gradient is
+row-local, so forward and the input's gradient run on blocks of rows (:data:`_BLOCK_ELEMENTS`, 16 MiB per fp32
+temporary): their fp32 temporaries (the upcast input, the normalised value, the products) are one block's, not
+up to three fp32 copies of the whole activation (a layer's peak once its MLP is tiled; several GiB at long
+context). The weight's gradient (one sum over all rows, as autograd's) is computed whole, only when the weight
+trains. DTensors (below) are not cut into blocks: a slice of a sharded tensor would redistribute it.
 
 A norm is swapped by its forward contract, not its class name: a module whose ``forward`` source is one of
 the three forms transformers ships (:data:`_FORMS`: Llama's ``weight * x.to(dtype)``, OLMo 2's
@@ -19,10 +24,12 @@ from __future__ import annotations
 
 import inspect
 import textwrap
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 _LLAMA = '''
 def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -122,44 +129,97 @@ def _scale(hf: torch.Tensor, weight: torch.Tensor, form: str, dtype: torch.dtype
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> torch.Tensor:
-        xf = x.to(torch.float32)
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, weight, rstd)
         ctx.form = form
-        return _scale(xf * rstd, weight, form, x.dtype)
+        rows = _rows_per_block(x, weight)
+        if rows is None:
+            out, rstd = _normalise(x, weight, eps, form)
+        else:
+            dtype = torch.promote_types(weight.dtype, x.dtype) if form == "llama" else x.dtype  # as _scale's
+            out = x.new_empty(x.shape, dtype=dtype)
+            rstd = x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+            for x_rows, out_rows, rstd_rows in _row_blocks(rows, x, out, rstd):
+                out_rows[:], rstd_rows[:] = _normalise(x_rows, weight, eps, form)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
-        # autograd's formulas, in its order, so the values are bit-identical; computed with few full-size fp32
-        # temporaries at once (the normalised activation only for the weight's gradient, then freed; products in
-        # place on tensors made here; the variance term per row, broadcast): the norm's backward is a layer's
-        # backward peak once the MLP is tiled.
+        # autograd's formulas, in its order, so the values are bit-identical, with few full-size fp32 temporaries at
+        # once: the weight's gradient first (the normalised activation made for it, then freed), then the input's,
+        # a block of rows at a time (every op is row-local), so its fp32 temporaries are one block's.
         x, weight, rstd = ctx.saved_tensors
-        xf = x.to(torch.float32)
-        grad_weight = None
-        if ctx.form == "llama":  # out = weight * h, h = hf.to(dtype)
-            if ctx.needs_input_grad[1]:
-                h = (xf * rstd).to(x.dtype)
-                grad_weight = (grad * h).sum_to_size(weight.shape).to(weight.dtype)
-                del h
-            grad_hf = (grad * weight).to(x.dtype).to(torch.float32)
-        else:  # olmo2: out = (weight * hf).to(dtype); gemma: out = (hf * (1 + weight.float())).to(dtype)
-            gemma = ctx.form == "gemma"
-            g32 = grad.to(torch.float32 if gemma else torch.promote_types(weight.dtype, torch.float32))
-            scale = 1.0 + weight.float() if gemma else weight
-            if ctx.needs_input_grad[1]:
-                hf = xf * rstd
-                grad_weight = (g32 * hf if gemma else hf * g32).sum_to_size(weight.shape).to(weight.dtype)
-                del hf
-            grad_hf = (g32 * scale).to(torch.float32)
-            del g32
-        # hf = xf * rstd; rstd = rsqrt(mean(xf ** 2) + eps). grad_hf is this function's own tensor; xf is too unless
-        # x was fp32 already. Products commute bit for bit, and dividing the row's term before broadcasting it gives
-        # each element the value dividing the broadcast gives.
-        grad_rstd = (grad_hf * xf).sum(-1, keepdim=True)
-        grad_var = -0.5 * grad_rstd * rstd.pow(3)
-        grad_sq = grad_var / xf.shape[-1]
-        grad_x = grad_hf.mul_(rstd)
-        two_x = xf.mul_(2.0) if xf is not x else 2.0 * xf
-        grad_x.add_(two_x.mul_(grad_sq))
-        return grad_x.to(x.dtype), grad_weight, None, None
+        grad_weight = _weight_grad(grad, x, weight, rstd, ctx.form) if ctx.needs_input_grad[1] else None
+        if not ctx.needs_input_grad[0]:
+            return None, grad_weight, None, None
+        rows = _rows_per_block(x, weight)
+        if rows is None:
+            return _input_grad(grad, x, weight, rstd, ctx.form), grad_weight, None, None
+        grad_x = x.new_empty(x.shape)
+        for out, grad_rows, x_rows, rstd_rows in _row_blocks(rows, grad_x, grad, x, rstd):
+            out[:] = _input_grad(grad_rows, x_rows, weight, rstd_rows, ctx.form)
+        return grad_x, grad_weight, None, None
+
+
+#: Elements of a block of rows (4M: 16 MiB per fp32 temporary, 1024 rows of width 4096): large enough that each
+#: kernel still moves 16 MB or more, so that a block's launches do not outlast its work on a GPU.
+_BLOCK_ELEMENTS = 1 << 22
+
+
+def _rows_per_block(x: torch.Tensor, weight: torch.Tensor) -> int | None:
+    """Rows of ``x`` per block, or ``None`` when one block holds them all or a tensor is a DTensor."""
+    rows = max(1, _BLOCK_ELEMENTS // x.shape[-1])
+    if isinstance(x, DTensor) or isinstance(weight, DTensor) or x.numel() <= rows * x.shape[-1]:
+        return None
+    return rows
+
+
+def _row_blocks(rows: int, *tensors: torch.Tensor) -> Iterator[list[torch.Tensor]]:
+    """The same block of ``rows`` rows of each tensor (flattened to ``[rows, last dim]``), block after block."""
+    flat = [t.reshape(-1, t.shape[-1]) for t in tensors]
+    for start in range(0, flat[0].shape[0], rows):
+        yield [t[start : start + rows] for t in flat]
+
+
+def _normalise(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm's output and ``rstd`` for the rows of ``x``, in the model's own operations."""
+    xf = x.to(torch.float32)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return _scale(xf * rstd, weight, form, x.dtype), rstd
+
+
+def _weight_grad(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, form: str
+) -> torch.Tensor:
+    """The weight's gradient, as autograd computes it for ``form`` (over all rows at once: one sum, autograd's)."""
+    hf = x.to(torch.float32) * rstd
+    if form == "llama":  # out = weight * h, h = hf.to(dtype)
+        product = grad * hf.to(x.dtype)
+    elif form == "gemma":  # out = (hf * (1 + weight.float())).to(dtype)
+        product = grad.to(torch.float32) * hf
+    else:  # olmo2: out = (weight * hf).to(dtype)
+        product = hf * grad.to(torch.promote_types(weight.dtype, torch.float32))
+    del hf
+    return product.sum_to_size(weight.shape).to(weight.dtype)
+
+
+def _input_grad(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, form: str
+) -> torch.Tensor:
+    """The input's gradient, as autograd computes it for ``form``, for the rows of ``x`` given (row-local)."""
+    xf = x.to(torch.float32)
+    if form == "llama":
+        grad_hf = (grad * weight).to(x.dtype).to(torch.float32)
+    elif form == "gemma":
+        grad_hf = (grad.to(torch.float32) * (1.0 + weight.float())).to(torch.float32)
+    else:
+        grad_hf = (grad.to(torch.promote_types(weight.dtype, torch.float32)) * weight).to(torch.float32)
+    # hf = xf * rstd; rstd = rsqrt(mean(xf ** 2) + eps). grad_hf is this function's own tensor; xf is too unless
+    # x was fp32 already. Products commute bit for bit, and dividing the row's term before broadcasting it gives
+    # each element the value dividing the broadcast gives.
+    grad_rstd = (grad_hf * xf).sum(-1, keepdim=True)
+    grad_var = -0.5 * grad_rstd * rstd.pow(3)
+    grad_sq = grad_var / xf.shape[-1]
+    grad_x = grad_hf.mul_(rstd)
+    two_x = xf.mul_(2.0) if xf is not x else 2.0 * xf
+    grad_x.add_(two_x.mul_(grad_sq))
+    return grad_x.to(x.dtype)

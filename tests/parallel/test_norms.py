@@ -6,6 +6,7 @@ tests/parallel/test_parallel_parity.py, where every tensor-parallel case runs th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -13,8 +14,10 @@ import torch
 from _autograd import saved_bytes
 from tiny_models import make_batch, tiny_model
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_plugins.errors import OptionsError
+from lightning_plugins.parallel import norms
 from lightning_plugins.parallel.norms import _EfficientForward, norm_form, use_efficient_norms
 from lightning_plugins.parallel.options import MemoryOptions
 
@@ -64,6 +67,49 @@ def test_same_bits_and_less_saved(family: str, form: str, count: int, dtype: tor
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert saved_bytes(lambda: plain(x)) > x.numel() * 4  # at least one fp32 copy of the activation
+
+
+@pytest.mark.parametrize("family", ["llama", "olmo2", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backward_in_blocks_of_rows(family: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward and the input's gradient a block of rows at a time: bit-identical, no fp32 temporary over a block."""
+    norm = next(m for m in tiny_model(family).to(dtype).modules() if norm_form(m) is not None)
+    with torch.no_grad():
+        norm.weight.normal_()
+    plain = copy.deepcopy(norm)
+    assert use_efficient_norms(norm) == 1
+    width = norm.weight.shape[0]
+    monkeypatch.setattr(norms, "_BLOCK_ELEMENTS", 2 * width)  # 21 rows: 10 blocks of 2 and one of 1
+    x = torch.randn(3, 7, width, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    for trainable in (True, False):
+        results, largest = [], FloatTemporaries()
+        for one in (plain, norm):
+            x.grad = one.weight.grad = None
+            one.weight.requires_grad_(trainable)
+            with largest if one is norm else contextlib.nullcontext():
+                out = one(x)
+                out.backward(grad)
+            results.append((out, x.grad, one.weight.grad))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+        # In bf16 any whole-size fp32 tensor is a temporary (in fp32 the result is one). The weight's gradient (one
+        # sum over all rows, autograd's) is the only step over all rows at once.
+        if dtype == torch.bfloat16 and not trainable:
+            assert 0 < largest.numel <= 2 * width
+
+
+class FloatTemporaries(TorchDispatchMode):
+    """The largest fp32 tensor any operation makes while it is entered (``numel``)."""
+
+    numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32:
+                self.numel = max(self.numel, tensor.numel())
+        return out
 
 
 def test_other_norms_are_left_alone() -> None:
