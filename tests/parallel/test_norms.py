@@ -71,7 +71,7 @@ def test_same_bits_and_less_saved(family: str, form: str, count: int, dtype: tor
 
 @pytest.mark.parametrize("family", ["llama", "olmo2", "gemma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_backward_in_blocks_of_rows(family: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rows_in_blocks(family: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """Forward and the input's gradient a block of rows at a time: bit-identical, no fp32 temporary over a block."""
     norm = next(m for m in tiny_model(family).to(dtype).modules() if norm_form(m) is not None)
     with torch.no_grad():
