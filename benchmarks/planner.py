@@ -599,15 +599,24 @@ LLAMA_FACTORY = (
 )
 
 
+#: Bytes per element of a workload's dtype.
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _tokens_per_gpu(workload: Workload, *, residual: bool) -> int:
+    """Tokens of a micro-batch one GPU holds: split over context parallelism, and over TP too for the residual stream
+    under sequence parallelism (``residual``); inside a TP region (the MLP's width split instead) not over TP."""
+    layout = workload.layout
+    split = layout.cp_size * (layout.tp_size if residual and workload.options.sequence_parallel else 1)
+    return workload.micro_batch_size * workload.seq_len // split
+
+
 def _floor(workload: Workload, worst: RankMemory) -> int:
     """What any engine holds at these settings once forward ends under full activation checkpointing: the weights
     resident on the GPU (as the dry run counts them) and each layer's input, kept for its recomputation."""
     assert workload.memory.activation_checkpointing == "full", "the floor assumes full activation checkpointing"
-    layout = workload.layout
-    split = layout.cp_size * (layout.tp_size if workload.options.sequence_parallel else 1)
-    tokens = workload.micro_batch_size * workload.seq_len // split
-    inputs = worst.layers * tokens * workload.config.hidden_size * {"fp32": 4, "bf16": 2, "fp16": 2}[workload.dtype]
-    return worst.peak["parameters"] + inputs
+    tokens = _tokens_per_gpu(workload, residual=True)
+    return worst.peak["parameters"] + worst.layers * tokens * workload.config.hidden_size * _BYTES[workload.dtype]
 
 
 def _untiled_bound(workload: Workload, worst: RankMemory) -> int:
@@ -616,11 +625,8 @@ def _untiled_bound(workload: Workload, worst: RankMemory) -> int:
     linears at their storage size: NF4's 4 bits, its scales left out), and what the MLP's backward of the layer
     recomputed first needs at once: three ``[tokens, intermediate]`` tensors (the gradient of ``act(gate) * up``, and
     ``gate`` and ``up``, to take the two factors' gradients)."""
-    layout, config = workload.layout, workload.config
-    nbytes = {"fp32": 4, "bf16": 2, "fp16": 2}[workload.dtype]
-    split = layout.cp_size * (layout.tp_size if workload.options.sequence_parallel else 1)
-    tokens = workload.micro_batch_size * workload.seq_len // split
-    mlp = 3 * tokens * config.intermediate_size // layout.tp_size * nbytes
+    layout, config, nbytes = workload.layout, workload.config, _BYTES[workload.dtype]
+    mlp = 3 * _tokens_per_gpu(workload, residual=False) * config.intermediate_size // layout.tp_size * nbytes
     gathered = 0
     if layout.dp_shard_size > 1:
         layer = _meta_model(config, "AutoModelForCausalLM").model.layers[0]

@@ -6,6 +6,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def saved_bytes(fn: Callable[[], object]) -> int:
@@ -20,3 +22,19 @@ def saved_bytes(fn: Callable[[], object]) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(storages.values())
+
+
+class LargestTensor(TorchDispatchMode):
+    """The bytes of the largest tensor any operation creates while it is on (views of existing ones aside), of
+    ``dtype`` only when given."""
+
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.dtype, self.largest = dtype, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for tensor in () if func.is_view else tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and self.dtype in (None, tensor.dtype):
+                self.largest = max(self.largest, tensor.numel() * tensor.element_size())
+        return out

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _autograd import LargestTensor
 from peft import LoraConfig, get_peft_model
 from tiny_models import tiny_model
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 from torchao.quantization import to_nf4
@@ -171,21 +170,6 @@ def test_a_transposed_nf4_weight_is_refused_with_the_fix() -> None:
         dequantize_nf4(weight.t(), torch.float32)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """The bytes of the largest tensor any operation creates (views of existing ones aside)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for tensor in () if func.is_view else tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                self.largest = max(self.largest, tensor.numel() * tensor.element_size())
-        return out
-
-
 @pytest.mark.parametrize("shape", [(53248, 16384), (16384, 53248)], ids=["gate", "down"])
 def test_a_405b_mlp_weight_is_never_dense_whole_under_fake_tensors(shape: tuple[int, int]) -> None:
     """Llama-3.1-405B's MLP weights (1.6 GiB dense in bf16), as the dry run multiplies them: in forward and backward
@@ -197,7 +181,7 @@ def test_a_405b_mlp_weight_is_never_dense_whole_under_fake_tensors(shape: tuple[
         base.to_empty(device="cpu")
         weight = base.weight
         x = torch.empty(1, 2048, in_features, dtype=torch.bfloat16, requires_grad=True)
-        largest = _LargestTensor()
+        largest = LargestTensor()
         with largest:
             out = nf4_linear(x, weight)
             out.backward(torch.ones_like(out))

@@ -11,10 +11,9 @@ import copy
 
 import pytest
 import torch
-from _autograd import saved_bytes
+from _autograd import LargestTensor, saved_bytes
 from tiny_models import make_batch, tiny_model
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel import norms
@@ -83,7 +82,7 @@ def test_rows_in_blocks(family: str, dtype: torch.dtype, monkeypatch: pytest.Mon
     x = torch.randn(3, 7, width, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
     for trainable in (True, False):
-        results, largest = [], FloatTemporaries()
+        results, largest = [], LargestTensor(torch.float32)
         for one in (plain, norm):
             x.grad = one.weight.grad = None
             one.weight.requires_grad_(trainable)
@@ -96,20 +95,7 @@ def test_rows_in_blocks(family: str, dtype: torch.dtype, monkeypatch: pytest.Mon
         # In bf16 any whole-size fp32 tensor is a temporary (in fp32 the result is one). The weight's gradient (one
         # sum over all rows, autograd's) is the only step over all rows at once.
         if dtype == torch.bfloat16 and not trainable:
-            assert 0 < largest.numel <= 2 * width
-
-
-class FloatTemporaries(TorchDispatchMode):
-    """The largest fp32 tensor any operation makes while it is entered (``numel``)."""
-
-    numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for tensor in torch.utils._pytree.tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32:
-                self.numel = max(self.numel, tensor.numel())
-        return out
+            assert 0 < largest.largest <= 2 * width * 4
 
 
 def test_other_norms_are_left_alone() -> None:
