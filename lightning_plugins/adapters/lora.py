@@ -21,6 +21,7 @@ import math
 import sys
 import warnings
 from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_plugins.adapters.meta_base import real_adapters_on_meta_base
 from lightning_plugins.errors import LayoutError, OptionsError
 
 if TYPE_CHECKING:
@@ -176,8 +178,11 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 def apply_lora(model: nn.Module, options: LoraOptions) -> PeftModel:
     """Wrap a transformers causal LM with LoRA adapters (``peft.get_peft_model``); NF4 base for QLoRA.
 
-    Call it before :func:`lightning_plugins.parallelize`, on a model with real weights, after seeding every
-    rank identically (adapters start from the global RNG; replicated halves must agree across ranks).
+    Call it before :func:`lightning_plugins.parallelize`, after seeding every rank identically (adapters start from
+    the global RNG; replicated halves must agree across ranks), on a model with real weights or on the meta device.
+    On the meta device the adapters are built real (as on a loaded model, see :mod:`.meta_base`) and the base stays
+    on meta (with ``quantize="nf4"`` as NF4 weights of the right sizes), for each rank to read its slices of the
+    checkpoint after ``parallelize`` (:func:`lightning_plugins.checkpoint.load.load_sharded_safetensors`).
 
     Args:
         model: A transformers causal LM (``AutoModelForCausalLM``), not parallelized and not yet wrapped.
@@ -215,14 +220,16 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> PeftModel:
         bias="none",
         task_type="CAUSAL_LM",
     )
-    with warnings.catch_warnings():
+    on_meta = any(param.is_meta for param in model.parameters())
+    with warnings.catch_warnings(), real_adapters_on_meta_base(model) if on_meta else nullcontext():
         # peft reads a transformers attribute deprecated in 5.x: not something the user can act on.
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=options.autocast_adapter_dtype)
     if options.quantize == "nf4":
         from lightning_plugins.adapters.qlora import quantize_base_to_nf4
 
-        quantize_base_to_nf4(peft_model)
+        # On the meta device, NF4 weights of the right sizes: each rank quantizes what it keeps when it loads.
+        quantize_base_to_nf4(peft_model, shapes_only=on_meta)
     return peft_model
 
 

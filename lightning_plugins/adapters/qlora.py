@@ -29,7 +29,9 @@ How it composes (checked by :func:`check_quantized` before any collective):
   a transposed ``NF4Tensor`` that torchao 0.18 multiplies with the wrong shape.
 
 Order: load the real weights -> ``peft.get_peft_model`` -> :func:`quantize_base_to_nf4` ->
-``lightning_plugins.parallelize``. Do not ``copy.deepcopy`` a quantized model: torchao's ``clone``
+``lightning_plugins.parallelize``; or, what a recipe does, on the meta device: ``apply_lora`` (NF4 weights of the right
+sizes, no values) -> ``parallelize`` -> :func:`~lightning_plugins.checkpoint.load.load_sharded_safetensors` (each
+weight read and quantized whole, one at a time, and each rank keeps its FSDP2 rows: no rank holds the dense base). Do not ``copy.deepcopy`` a quantized model: torchao's ``clone``
 re-quantizes with its default block sizes (lossy, and fails for small weights).
 """
 
@@ -170,8 +172,8 @@ def quantize_base_to_nf4(
         block_size: Elements per quantization block (even; must divide each weight's element count).
         scaler_block_size: Blocks per double-quantization group; ``None`` chooses per weight with
             :func:`default_scaler_block_size` so that every weight shards under FSDP2.
-        shapes_only: The planner's dry run: weights on the meta device become NF4 tensors of the right sizes
-            and no values (their 4-bit codes, scalers and factors on meta; the absmax mean and the 16-entry
+        shapes_only: Weights on the meta device become NF4 tensors of the right sizes and no values, for the
+            planner's dry run to measure and for the sharded loader to fill (each rank its rows) (their 4-bit codes, scalers and factors on meta; the absmax mean and the 16-entry
             table, a few bytes, on the CPU, so that a step under ``FakeTensorMode`` on the CPU runs through them).
             Such a model can be measured, never trained.
 

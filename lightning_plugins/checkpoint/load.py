@@ -2,7 +2,11 @@
 
 No rank ever materialises the full model: the model is built on the meta device, parallelized (its
 parameters become DTensors that know their global shape and placements), given empty local storage,
-and each local shard is filled from ``safe_open(...).get_slice(name)[rows, cols]``. A checkpoint in the hub's
+and each local shard is read from the file as its rows (a column shard: bounded chunks of rows, cut as they arrive;
+:func:`.safetensors_io.read_slice`, no ``mmap``), one tensor at a time. Every path goes through here: a full
+fine-tune, LoRA (adapters built real on the meta-device base, :mod:`lightning_plugins.adapters.meta_base`), QLoRA
+(each NF4 weight quantized whole, one at a time, and its rows kept), experts under EP (a rank reads only its
+experts), the text decoder of a multimodal checkpoint (:mod:`.text_tower`). A checkpoint in the hub's
 layout (what transformers 5 ``save_pretrained`` writes: a mixture-of-experts layer's experts as per-expert 2-D
 tensors, which transformers fuses into 3-D ones at load time) is read through :mod:`.hub_names`: a rank reads only
 the experts (and rows) it holds; MXFP4 experts (gpt-oss on the hub) are read dequantized through :mod:`.mxfp4`.
@@ -11,6 +15,8 @@ the experts (and rows) it holds; MXFP4 experts (gpt-oss on the hub) are read deq
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_plugins.adapters.meta_base import ADAPTER_NAME
 from lightning_plugins.checkpoint.hub_names import StackedExperts, hub_source
+from lightning_plugins.checkpoint.safetensors_io import LazySlice, read_header
 from lightning_plugins.checkpoint.mxfp4 import Mxfp4Experts, forget_mxfp4, mxfp4_source
 from lightning_plugins.checkpoint.text_tower import checkpoint_config, is_multimodal, text_config, tower_sources
 from lightning_plugins.parallel.layout import ParallelLayout
@@ -80,6 +88,11 @@ def load_sharded_safetensors(
 ) -> None:
     """Give a meta-device (parallelized) model storage and fill each rank's shards from the checkpoint.
 
+    Only what is on the meta device is read: a peft model's base (its ``base_layer`` and ``modules_to_save`` copies
+    under the checkpoint's names), while adapters built real (:func:`~lightning_plugins.adapters.lora.apply_lora` on
+    a meta-device model) keep their values. Each tensor is read as this rank's slice, one at a time; an NF4 weight
+    (QLoRA) is read whole, one at a time, quantized as one process quantizes it, and this rank keeps its rows.
+
     Args:
         model: The model, typically after :func:`~lightning_plugins.parallelize` on the meta device.
         checkpoint_dir: An HF checkpoint directory (``*.safetensors``, optionally sharded with an index).
@@ -87,6 +100,7 @@ def load_sharded_safetensors(
 
     Raises:
         KeyError: when the checkpoint lacks a parameter of the model (names are listed).
+        LayoutError: when LoRA adapters are on the meta device (a checkpoint of the base holds none).
     """
     mesh = mesh_of(model)
     if device is None:
@@ -96,56 +110,122 @@ def load_sharded_safetensors(
             else "cpu"
         )
     index = checkpoint_index(checkpoint_dir)
-    state = dict(model.named_parameters())
-    state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
-    sources = _hub_sources(model, state, index, checkpoint_dir)
-    missing = sorted(name for source in sources.values() for name in _names(source) if name not in index)
-    if any(".lora_" in name or ".base_layer." in name for name in missing):
+    todo = {name: tensor for name, tensor in _state(model).items() if _is_meta(tensor)}
+    adapters = sorted(name for name in todo if ADAPTER_NAME.search(name))
+    if adapters:
         raise LayoutError(
-            f"The model is a peft (LoRA) model on the meta device, but {checkpoint_dir} is an HF checkpoint: it holds"
-            " no adapter weights, and its base weights are not under peft's names. Build the base model with its"
-            " weights (`AutoModelForCausalLM.from_pretrained`) and then `get_peft_model`, or build it on the meta"
-            " device without adapters."
+            f"The model's LoRA adapters are on the meta device ({adapters[0]}, ...), and {checkpoint_dir} is an HF"
+            " checkpoint of the base: it holds no adapter weights. Build the adapters with"
+            " `lightning_plugins.adapters.lora.apply_lora(model, LoraOptions(...))`, which creates them real on a meta-device"
+            " model, or build the base with its weights (`AutoModelForCausalLM.from_pretrained`) before"
+            " `get_peft_model`."
         )
+    names = {name: checkpoint_name(name) for name in todo}
+    sources = _hub_sources(model, {names[n]: t for n, t in todo.items()}, index, checkpoint_dir)
+    missing = sorted(name for source in sources.values() for name in _names(source) if name not in index)
     if missing:
         raise KeyError(
             f"The checkpoint in {checkpoint_dir} lacks {len(missing)} tensors of the model, e.g. {missing[:5]}."
         )
-    _check_shapes(state, index, sources)  # before any storage is touched: nothing is half-loaded
-    # `to_empty` gives every module its own new tensor, which would untie shared weights (tied
-    # embeddings): remember who shares what and tie them again.
-    shared = _shared_parameters(model)
-    model.to_empty(device=device)
-    for owner_name, others in shared.items():
-        for name in others:
-            module_name, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(module_name), leaf, model.get_parameter(owner_name))
-    state = dict(model.named_parameters())
-    state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
-    handles: dict[Path, Any] = {}
-    try:
+    _check_shapes({names[n]: t for n, t in todo.items()}, index, sources)  # before any storage: nothing half-loaded
+    _give_storage(model, device)
+    state = _state(model)
+    headers = {file: read_header(file) for file in sorted(set(index.values()))}
 
-        def get_slice(name: str) -> Any:
-            file = index[name]
-            if file not in handles:
-                handles[file] = safe_open(file, framework="pt")
-            return handles[file].get_slice(name)
+    def get_slice(name: str) -> LazySlice:
+        header, start = headers[index[name]]
+        return LazySlice(index[name], header[name], start)
 
-        for name, tensor in state.items():
-            source = sources[name]
-            if isinstance(source, StackedExperts):
-                piece = source.read(get_slice, _local_slices(tensor), tensor.shape)
-            elif isinstance(source, Mxfp4Experts):
-                piece = source.read(get_slice, _local_slices(tensor), tensor.shape, tensor.dtype)
-            else:
-                piece = get_slice(source)[_local_slices(tensor)]
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            local.copy_(piece.to(dtype=local.dtype))
-    finally:
-        handles.clear()
+    for name in todo:
+        tensor, source = state[name], sources[names[name]]
+        if _is_nf4(tensor):
+            _load_nf4(model, name, tensor, get_slice(source)[:])
+            continue
+        if isinstance(source, StackedExperts):
+            piece = source.read(get_slice, _local_slices(tensor), tensor.shape)
+        elif isinstance(source, Mxfp4Experts):
+            piece = source.read(get_slice, _local_slices(tensor), tensor.shape, tensor.dtype)
+        else:
+            piece = get_slice(source)[_local_slices(tensor)]
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local.copy_(piece)  # cast as it is copied
     _reinit_nonpersistent_buffers(model, device)
     if any(isinstance(source, Mxfp4Experts) for source in sources.values()):
         forget_mxfp4(model.config)
+
+
+#: What peft inserts into a base model's names (``q_proj.base_layer.weight``, ``gate.modules_to_save.default.weight``,
+#: ``gate.original_module.weight``): the checkpoint names the same tensor without it.
+_PEFT_PART = re.compile(r"\.(?:base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+
+
+def checkpoint_name(name: str) -> str:
+    """The name in an HF checkpoint of the base tensor ``name`` of a (possibly peft-wrapped) transformers model."""
+    return _PEFT_PART.sub("", name)
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer of ``model``, by its (first) name."""
+    state = dict(model.named_parameters())
+    state.update((name, buf) for name, buf in model.named_buffers() if _is_persistent(model, name))
+    return state
+
+
+def _is_meta(tensor: torch.Tensor) -> bool:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.is_meta or (_is_nf4(local) and local.quantized_data.is_meta)
+
+
+def _is_nf4(tensor: torch.Tensor) -> bool:
+    if "torchao" not in sys.modules:
+        return False
+    from lightning_plugins.adapters.qlora import is_nf4
+
+    return is_nf4(tensor)
+
+
+def _give_storage(model: nn.Module, device: torch.device | str) -> None:
+    """Empty storage on ``device`` for every meta tensor of ``model`` (not NF4 weights: :func:`_load_nf4` makes
+    those); a tensor held under several names (tied embeddings) stays one tensor."""
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in list(store.items()):
+                if tensor is None or not _is_meta(tensor) or _is_nf4(tensor):
+                    continue
+                if id(tensor) not in done:
+                    empty = torch.empty_like(tensor, device=device)
+                    done[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+                store[name] = done[id(tensor)]
+
+
+def _load_nf4(model: nn.Module, name: str, tensor: torch.Tensor, full: torch.Tensor) -> None:
+    """Quantize the checkpoint's whole weight ``full`` as the meta NF4 weight ``tensor`` says (its dtype, block and
+    scaler block sizes), keep this rank's rows (FSDP2's dim-0 shard), and put it in place of ``tensor``.
+
+    The whole weight is quantized, not this rank's rows alone: NF4's double quantization subtracts the mean of every
+    block's absmax, so a rank's rows quantized alone would differ from one process's. One weight is whole at a time.
+    """
+    from lightning_plugins.adapters.qlora import _torchao
+
+    meta = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    nf4 = _torchao()[1](full.to(meta.dtype).contiguous(), meta.block_size, meta.scaler_block_size)
+    if isinstance(tensor, DTensor):
+        rows, *rest = _local_slices(tensor)
+        if any(part != slice(0, size) for part, size in zip(rest, tensor.shape[1:])):
+            raise LayoutError(f"{name}: an NF4 weight is sharded along dim 0 only (FSDP2), not {tensor.placements}.")
+        shards = tensor.shape[0] // meta.shape[0]
+        piece = torch.chunk(nf4, shards, dim=0)[rows.start // meta.shape[0]]
+        local = nf4.new_zeros(piece.shape)  # its own storage: the whole weight is freed
+        local.copy_(piece)
+        nf4 = DTensor.from_local(
+            local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
+    replacement = nn.Parameter(nf4, requires_grad=False)
+    for module in model.modules():
+        for leaf, param in list(module._parameters.items()):
+            if param is tensor:
+                module._parameters[leaf] = replacement
 
 
 Source = str | StackedExperts | Mxfp4Experts
@@ -208,18 +288,6 @@ def _check_shapes(state: dict[str, torch.Tensor], index: dict[str, Path], source
             f"The checkpoint in {index[wrong[0][0]].parent} holds {len(wrong)} tensor(s) of another shape than the model"
             f" built from its config: {shown}. It belongs to a different model: check model.path and its config.json."
         )
-
-
-def _shared_parameters(model: nn.Module) -> dict[str, list[str]]:
-    """First name of each parameter held under several names -> its other names."""
-    first: dict[int, str] = {}
-    shared: dict[str, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            shared.setdefault(first[id(param)], []).append(name)
-        else:
-            first[id(param)] = name
-    return shared
 
 
 def _is_persistent(model: nn.Module, name: str) -> bool:

@@ -20,7 +20,10 @@ from typing import IO
 import torch
 from torch import Tensor
 
-__all__ = ["SafetensorsDirectory", "TensorSpec", "read_header", "read_tensor", "write_streaming"]
+__all__ = ["LazySlice", "SafetensorsDirectory", "TensorSpec", "read_header", "read_slice", "read_tensor", "write_streaming"]
+
+#: Bytes read at a time when a slice keeps part of each row: its other dimensions are cut as each chunk arrives.
+CHUNK_BYTES = 64 * 2**20
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -118,6 +121,56 @@ def read_tensor(path: str | Path, entry: dict, data_start: int) -> Tensor:
             if handle.readinto(view) != end - begin:
                 raise ValueError(f"{path} is truncated: {entry} lies past its end.")
     return tensor
+
+
+def read_slice(path: str | Path, entry: dict, data_start: int, index: tuple[slice, ...]) -> Tensor:
+    """``tensor[index]`` of the tensor that header ``entry`` of file ``path`` describes, reading only its rows.
+
+    A slice that keeps whole rows is read straight into the result; one that keeps part of each row (a column shard)
+    is read :data:`CHUNK_BYTES` of rows at a time, each chunk cut as it arrives: the peak is the result plus one chunk.
+
+    Args:
+        index: One ``slice`` (step 1) per leading dimension; the dimensions it leaves out are kept whole.
+    """
+    dtype = _FROM_NAME.get(entry["dtype"])
+    if dtype is None:
+        raise ValueError(f"{path}: dtype {entry['dtype']} is not supported here.")
+    shape = entry["shape"]
+    if not shape:
+        return read_tensor(path, entry, data_start)
+    bounds = [part.indices(size)[:2] for part, size in zip((*index, *[slice(None)] * len(shape))[: len(shape)], shape)]
+    (lo, hi), rest = bounds[0], bounds[1:]
+    out = torch.empty([max(0, b - a) for a, b in bounds], dtype=dtype)
+    row_bytes = math.prod(shape[1:]) * out.element_size()
+    whole_rows = all(b - a == size for (a, b), size in zip(rest, shape[1:]))
+    step = max(1, hi - lo) if whole_rows else max(1, CHUNK_BYTES // max(1, row_bytes))
+    cut = (slice(None), *(slice(a, b) for a, b in rest))
+    with open(path, "rb") as handle:
+        for start in range(lo, hi, step):
+            stop = min(hi, start + step)
+            chunk = out[start - lo : stop - lo] if whole_rows else torch.empty((stop - start, *shape[1:]), dtype=dtype)
+            handle.seek(data_start + entry["data_offsets"][0] + start * row_bytes)
+            if chunk.numel() and handle.readinto(memoryview(chunk.reshape(-1).view(torch.uint8).numpy())) != (
+                stop - start
+            ) * row_bytes:
+                raise ValueError(f"{path} is truncated: {entry} lies past its end.")
+            if not whole_rows:
+                out[start - lo : stop - lo] = chunk[cut]
+    return out
+
+
+class LazySlice:
+    """One tensor of a safetensors file, read only when sliced (safetensors' ``get_slice`` API, without ``mmap``:
+    the pages read do not stay resident in this process)."""
+
+    def __init__(self, path: str | Path, entry: dict, data_start: int) -> None:
+        self.path, self.entry, self.data_start = path, entry, data_start
+
+    def get_shape(self) -> list[int]:
+        return list(self.entry["shape"])
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> Tensor:
+        return read_slice(self.path, self.entry, self.data_start, index if isinstance(index, tuple) else (index,))
 
 
 class SafetensorsDirectory:

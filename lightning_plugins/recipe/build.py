@@ -7,7 +7,6 @@ trains the same way through either.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,35 +57,40 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, total_steps: int) -> 
 
 
 def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Module, Any]:
-    """The tokenizer and the model to train: on the meta device for a full fine-tune of a local checkpoint
-    (each rank then reads only its slices; ``on_meta=False`` loads it whole, as DeepSpeed and Accelerate's
-    FSDP expect), loaded and wrapped with LoRA adapters otherwise."""
+    """The tokenizer and the model to train, on the meta device: each rank reads only its slices of the checkpoint
+    once the door has applied the layout (:func:`~lightning_plugins.checkpoint.load.parallelize_and_load`).
+
+    Every path takes it: a local directory or a hub id (its snapshot, fetched once per node,
+    :func:`~lightning_plugins.checkpoint.snapshot.local_checkpoint`), a full fine-tune, LoRA (the adapters built real,
+    the base on meta) and QLoRA (NF4 weights of the right sizes, quantized by each rank as it loads), the text decoder
+    of a multimodal checkpoint. ``on_meta=False`` loads the weights whole instead, as DeepSpeed and Accelerate's own
+    FSDP expect.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from lightning_plugins.checkpoint.load import load_sharded_safetensors
+    from lightning_plugins.checkpoint.snapshot import local_checkpoint
     from lightning_plugins.checkpoint.text_tower import is_multimodal, text_config
     from lightning_plugins.data import prepare_model_for_packing
 
     spec = recipe.model
     remote = {"trust_remote_code": spec.trust_remote_code}  # off unless the recipe says so
-    tokenizer = AutoTokenizer.from_pretrained(spec.path, **remote)
+    path = local_checkpoint(spec.path, **remote)
+    tokenizer = AutoTokenizer.from_pretrained(path, **remote)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     kwargs = {"dtype": DTYPES[spec.dtype], "attn_implementation": spec.attn_implementation}
-    config = AutoConfig.from_pretrained(spec.path, **remote)
-    if is_multimodal(config):  # Gemma 3 27B: train the text decoder, read from the multimodal checkpoint
+    config = AutoConfig.from_pretrained(path, **remote)
+    if on_meta or is_multimodal(config):  # Gemma 3 27B: train the text decoder, read from the multimodal checkpoint
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(text_config(config), **kwargs, **remote)
-        if not on_meta or recipe.lora is not None:
-            load_sharded_safetensors(model, spec.path)
-    elif on_meta and recipe.lora is None and Path(spec.path).is_dir():
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, **kwargs, **remote)
+        if not on_meta:
+            load_sharded_safetensors(model, path)
     else:
         from lightning_plugins.checkpoint.mxfp4 import dequantized
 
         kwargs.update(dequantized(config))  # MXFP4 experts (gpt-oss) load dense, to train
-        model = AutoModelForCausalLM.from_pretrained(spec.path, config=config, **kwargs, **remote)
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs, **remote)
     model.train()  # from_pretrained returns eval mode: dropout (LoRA's too) would be off
     model.config.use_cache = False  # training: no KV cache (it would also grow under recomputation)
     if recipe.data.packing and recipe.layout.cp_size == 1:

@@ -66,12 +66,13 @@ def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path: Path) -> 
         empty = source.read(handle.get_slice, none_held, ours[gate_up].shape, torch.float32)
         assert empty.shape == (0, 32, 128)
 
-    # The recipe's LoRA path (transformers' from_pretrained, then peft) loads the experts dense too.
+    # The recipe's LoRA path (the base on the meta device under its adapters, then read) loads the experts dense too.
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(ROOT / "recipes" / "tiny" / "model" / file, tmp_path / file)
     overrides = [f"model.path={tmp_path}", "model.attn_implementation=eager"]
     lora = load_recipe(ROOT / "recipes" / "tiny" / "lora_fsdp2_chat.yaml", overrides)
     built, _ = build_model(lora)
+    load_sharded_safetensors(built.get_base_model(), tmp_path)
     assert torch.equal(built.get_parameter(f"base_model.model.{gate_up}"), ours[gate_up])
 
     # bf16: what the dequantization gives in bf16, bit for bit.

@@ -73,8 +73,8 @@ def test_text_decoder_loads_from_a_multimodal_checkpoint(
 
 
 def test_recipe_model_is_the_text_decoder(multimodal: Gemma3ForConditionalGeneration, tmp_path: Path) -> None:
-    """The recipe builds the decoder: on the meta device for a full fine-tune (its loader reads the tower), and
-    with the checkpoint's weights under its LoRA adapters."""
+    """The recipe builds the decoder on the meta device, for a full fine-tune and under LoRA adapters alike; its
+    loader then reads the decoder's tensors of the multimodal checkpoint."""
     multimodal.save_pretrained(tmp_path)
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(ROOT / "recipes" / "tiny" / "model" / file, tmp_path / file)
@@ -84,6 +84,7 @@ def test_recipe_model_is_the_text_decoder(multimodal: Gemma3ForConditionalGenera
     assert full.config.name_or_path == str(tmp_path)
     lora, _ = build_model(load_recipe(ROOT / "recipes" / "tiny" / "lora_fsdp2_chat.yaml", overrides))
     base = lora.get_base_model()
-    assert type(base).__name__ == "Gemma3ForCausalLM"
+    assert type(base).__name__ == "Gemma3ForCausalLM" and base.model.norm.weight.is_meta
+    load_sharded_safetensors(base, base.config.name_or_path)
     assert torch.equal(base.model.norm.weight, multimodal.model.language_model.norm.weight)
     assert torch.equal(base.model.embed_tokens.weight, multimodal.model.language_model.embed_tokens.weight)
