@@ -141,14 +141,13 @@ def load_sharded_safetensors(
         if _is_nf4(tensor):
             _load_nf4(model, name, tensor, get_slice(source)[:])
             continue
-        if isinstance(source, StackedExperts):
-            piece = source.read(get_slice, _local_slices(tensor), tensor.shape)
-        elif isinstance(source, Mxfp4Experts):
-            piece = source.read(get_slice, _local_slices(tensor), tensor.shape, tensor.dtype)
-        else:
-            piece = get_slice(source)[_local_slices(tensor)]
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        local.copy_(piece)  # cast as it is copied
+        if isinstance(source, StackedExperts):
+            local.copy_(source.read(get_slice, _local_slices(tensor), tensor.shape))
+        elif isinstance(source, Mxfp4Experts):
+            local.copy_(source.read(get_slice, _local_slices(tensor), tensor.shape, tensor.dtype))
+        else:
+            get_slice(source).read_into(_local_slices(tensor), local)  # straight into the shard where it can
     _reinit_nonpersistent_buffers(model, device)
     if any(isinstance(source, Mxfp4Experts) for source in sources.values()):
         forget_mxfp4(model.config)

@@ -123,7 +123,9 @@ def read_tensor(path: str | Path, entry: dict, data_start: int) -> Tensor:
     return tensor
 
 
-def read_slice(path: str | Path, entry: dict, data_start: int, index: tuple[slice, ...]) -> Tensor:
+def read_slice(
+    path: str | Path, entry: dict, data_start: int, index: tuple[slice, ...], out: Tensor | None = None
+) -> Tensor:
     """``tensor[index]`` of the tensor that header ``entry`` of file ``path`` describes, reading only its rows.
 
     A slice that keeps whole rows is read straight into the result; one that keeps part of each row (a column shard)
@@ -131,6 +133,8 @@ def read_slice(path: str | Path, entry: dict, data_start: int, index: tuple[slic
 
     Args:
         index: One ``slice`` (step 1) per leading dimension; the dimensions it leaves out are kept whole.
+        out: Where the slice goes (of its shape; another dtype is cast): read into directly when it is contiguous
+            and of the file's dtype. A new tensor when ``None``.
     """
     dtype = _FROM_NAME.get(entry["dtype"])
     if dtype is None:
@@ -140,7 +144,9 @@ def read_slice(path: str | Path, entry: dict, data_start: int, index: tuple[slic
         return read_tensor(path, entry, data_start)
     bounds = [part.indices(size)[:2] for part, size in zip((*index, *[slice(None)] * len(shape))[: len(shape)], shape)]
     (lo, hi), rest = bounds[0], bounds[1:]
-    out = torch.empty([max(0, b - a) for a, b in bounds], dtype=dtype)
+    given = out
+    if out is None or out.dtype != dtype or not out.is_contiguous():
+        out = torch.empty([max(0, b - a) for a, b in bounds], dtype=dtype)
     row_bytes = math.prod(shape[1:]) * out.element_size()
     whole_rows = all(b - a == size for (a, b), size in zip(rest, shape[1:]))
     step = max(1, hi - lo) if whole_rows else max(1, CHUNK_BYTES // max(1, row_bytes))
@@ -156,6 +162,9 @@ def read_slice(path: str | Path, entry: dict, data_start: int, index: tuple[slic
                 raise ValueError(f"{path} is truncated: {entry} lies past its end.")
             if not whole_rows:
                 out[start - lo : stop - lo] = chunk[cut]
+    if given is not None and given is not out:
+        given.copy_(out)
+        return given
     return out
 
 
@@ -170,7 +179,11 @@ class LazySlice:
         return list(self.entry["shape"])
 
     def __getitem__(self, index: slice | tuple[slice, ...]) -> Tensor:
-        return read_slice(self.path, self.entry, self.data_start, index if isinstance(index, tuple) else (index,))
+        return self.read_into(index if isinstance(index, tuple) else (index,), None)
+
+    def read_into(self, index: tuple[slice, ...], out: Tensor | None) -> Tensor:
+        """``self[index]``, into ``out`` (see :func:`read_slice`)."""
+        return read_slice(self.path, self.entry, self.data_start, index, out)
 
 
 class SafetensorsDirectory:
