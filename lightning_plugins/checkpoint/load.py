@@ -5,7 +5,7 @@ parameters become DTensors that know their global shape and placements), given e
 and each local shard is read from the file as its rows (a column shard: bounded chunks of rows, cut as they arrive;
 :func:`.safetensors_io.read_slice`, no ``mmap``), one tensor at a time. Every path goes through here: a full
 fine-tune, LoRA (adapters built real on the meta-device base, :mod:`lightning_plugins.adapters.meta_base`), QLoRA
-(each NF4 weight quantized whole, one at a time, and its rows kept), experts under EP (a rank reads only its
+(each rank quantizes the rows it keeps, :mod:`.nf4_rows`), experts under EP (a rank reads only its
 experts), the text decoder of a multimodal checkpoint (:mod:`.text_tower`). A checkpoint in the hub's
 layout (what transformers 5 ``save_pretrained`` writes: a mixture-of-experts layer's experts as per-expert 2-D
 tensors, which transformers fuses into 3-D ones at load time) is read through :mod:`.hub_names`: a rank reads only
@@ -29,6 +29,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from lightning_plugins.adapters.meta_base import ADAPTER_NAME
 from lightning_plugins.checkpoint.hub_names import StackedExperts, hub_source
+from lightning_plugins.checkpoint.nf4_rows import quantize_rows
 from lightning_plugins.checkpoint.safetensors_io import LazySlice, read_header
 from lightning_plugins.checkpoint.mxfp4 import Mxfp4Experts, forget_mxfp4, mxfp4_source
 from lightning_plugins.checkpoint.text_tower import checkpoint_config, is_multimodal, text_config, tower_sources
@@ -90,8 +91,8 @@ def load_sharded_safetensors(
 
     Only what is on the meta device is read: a peft model's base (its ``base_layer`` and ``modules_to_save`` copies
     under the checkpoint's names), while adapters built real (:func:`~lightning_plugins.adapters.lora.apply_lora` on
-    a meta-device model) keep their values. Each tensor is read as this rank's slice, one at a time; an NF4 weight
-    (QLoRA) is read whole, one at a time, quantized as one process quantizes it, and this rank keeps its rows.
+    a meta-device model) keep their values. Each tensor is read as this rank's slice, one at a time; of an NF4 weight
+    (QLoRA) a rank quantizes its rows, bit for bit as one process quantizes the whole (:mod:`.nf4_rows`).
 
     Args:
         model: The model, typically after :func:`~lightning_plugins.parallelize` on the meta device.
@@ -139,7 +140,7 @@ def load_sharded_safetensors(
     for name in todo:
         tensor, source = state[name], sources[names[name]]
         if _is_nf4(tensor):
-            _load_nf4(model, name, tensor, get_slice(source)[:])
+            _load_nf4(model, name, tensor, get_slice(source), device)
             continue
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         if isinstance(source, StackedExperts):
@@ -198,27 +199,17 @@ def _give_storage(model: nn.Module, device: torch.device | str) -> None:
                 store[name] = done[id(tensor)]
 
 
-def _load_nf4(model: nn.Module, name: str, tensor: torch.Tensor, full: torch.Tensor) -> None:
-    """Quantize the checkpoint's whole weight ``full`` as the meta NF4 weight ``tensor`` says (its dtype, block and
-    scaler block sizes), keep this rank's rows (FSDP2's dim-0 shard), and put it in place of ``tensor``.
-
-    The whole weight is quantized, not this rank's rows alone: NF4's double quantization subtracts the mean of every
-    block's absmax, so a rank's rows quantized alone would differ from one process's. One weight is whole at a time.
-    """
-    from lightning_plugins.adapters.qlora import _torchao
-
+def _load_nf4(model: nn.Module, name: str, tensor: torch.Tensor, weight: LazySlice, device: torch.device | str) -> None:
+    """Quantize this rank's rows of the checkpoint's ``weight`` as the meta NF4 ``tensor`` says (its dtype, block and
+    scaler block sizes; FSDP2's dim-0 shard, :mod:`.nf4_rows`) and put the result in place of ``tensor``."""
     meta = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    nf4 = _torchao()[1](full.to(meta.dtype).contiguous(), meta.block_size, meta.scaler_block_size)
+    rows, *rest = _local_slices(tensor)
+    if any(part.indices(size)[:2] != (0, size) for part, size in zip(rest, tensor.shape[1:])):
+        raise LayoutError(f"{name}: an NF4 weight is sharded along dim 0 only (FSDP2), not {tensor.placements}.")
+    nf4 = quantize_rows(weight, rows, meta, device)
     if isinstance(tensor, DTensor):
-        rows, *rest = _local_slices(tensor)
-        if any(part != slice(0, size) for part, size in zip(rest, tensor.shape[1:])):
-            raise LayoutError(f"{name}: an NF4 weight is sharded along dim 0 only (FSDP2), not {tensor.placements}.")
-        shards = tensor.shape[0] // meta.shape[0]
-        piece = torch.chunk(nf4, shards, dim=0)[rows.start // meta.shape[0]]
-        local = nf4.new_zeros(piece.shape)  # its own storage: the whole weight is freed
-        local.copy_(piece)
         nf4 = DTensor.from_local(
-            local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+            nf4, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
         )
     replacement = nn.Parameter(nf4, requires_grad=False)
     for module in model.modules():
