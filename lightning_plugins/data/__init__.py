@@ -15,6 +15,8 @@ Modules:
   directories, with ``file:line`` errors.
 * :mod:`~lightning_plugins.data.encoding`: prompt/completion and chat records to token ids and labels.
 * :mod:`~lightning_plugins.data.dataset`: :func:`build_dataset`, the dataset a training run reads.
+* :mod:`~lightning_plugins.data.prepared`: that dataset tokenized once per node into ``data.cache_dir`` and
+  memory-mapped by every rank (a file lock, an atomic rename, a key of everything that changes the rows).
 * :mod:`~lightning_plugins.data.packing`: first-fit packing, padded and packed collation, and the
   attention checks packing needs.
 * :mod:`~lightning_plugins.data.tiny`: the tiny assets shipped in ``recipes/tiny`` and :func:`exact_match`.

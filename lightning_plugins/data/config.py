@@ -38,6 +38,11 @@ class DataConfig:
         packing: Concatenate samples into rows of ``max_seq_len`` tokens (see
             :mod:`lightning_plugins.data.packing`).
         split_seed: Seed of the random hold-out split.
+        cache_dir: Where the tokenized (and packed) data is prepared once per node and memory-mapped by every
+            rank (see :mod:`lightning_plugins.data.prepared`); relative paths are resolved by :meth:`resolve`.
+            ``None``: ``lightning_plugins/prepared/`` in the ``datasets`` cache (``HF_DATASETS_CACHE``, by default
+            ``~/.cache/huggingface/datasets``), which works offline. A directory local to each node prepares once per
+            node; one shared by the nodes (with ``flock`` locks), once per job.
     """
 
     train: str
@@ -48,6 +53,7 @@ class DataConfig:
     truncation: Literal["truncate", "error"] = "truncate"
     packing: bool = False
     split_seed: int = 0
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:
@@ -76,6 +82,8 @@ class DataConfig:
             DataError: if a file or directory does not exist, naming the key and both paths.
         """
         resolved = {key: _resolved(key, getattr(self, key), Path(base_dir)) for key in self._path_keys()}
+        if self.cache_dir is not None:  # need not exist yet: the first run creates it
+            resolved["cache_dir"] = str((Path(base_dir) / Path(self.cache_dir).expanduser()).resolve())
         return replace(self, **resolved)
 
     def _path_keys(self) -> tuple[str, ...]:

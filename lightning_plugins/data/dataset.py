@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import random
 from pathlib import Path
 from typing import Any, Literal
@@ -11,7 +10,8 @@ from lightning_plugins.data.config import DataConfig, existing_path, hub_dataset
 from lightning_plugins.errors import DataError
 from lightning_plugins.data.encoding import ENCODERS, fit_to_length
 from lightning_plugins.data.loading import quiet_datasets, Source
-from lightning_plugins.data.packing import packed_dataset
+from lightning_plugins.data.packing import write_packed
+from lightning_plugins.data.prepared import DATA_FILE, cache_root, entry_name, file_identity, prepared
 
 def _detect_format(config: DataConfig, source: Source) -> str:
     columns = set(source.dataset.column_names)
@@ -39,6 +39,11 @@ def build_dataset(config: DataConfig, tokenizer: Any, split: Literal["train", "e
     Rows are ``{"input_ids", "labels"}`` samples, or with ``config.packing`` packed rows that also carry
     ``position_ids``. Samples left without a supervised token by truncation are dropped.
 
+    The rows are prepared once per node (:mod:`lightning_plugins.data.prepared`): the first process tokenizes (and
+    packs) into an Arrow file in ``data.cache_dir``, the others wait for it, and every process gets the same file
+    memory-mapped, not a copy of its own. A single process, a Lightning or an Accelerate run, under any launcher,
+    calls it the same way, before or after its process group exists.
+
     Args:
         config: The data section; paths should be resolved (:meth:`DataConfig.resolve`).
         tokenizer: The model's Hugging Face tokenizer (fast, for chat templates without generation markers).
@@ -51,16 +56,36 @@ def build_dataset(config: DataConfig, tokenizer: Any, split: Literal["train", "e
     if split not in ("train", "eval"):
         raise DataError(f"split must be 'train' or 'eval', got {split!r}.")
     if split == "eval" and not config.has_eval:
-        raise DataError("There is no evaluation split: set data.eval (a file) or data.eval_fraction (e.g. 0.05).")
+        raise DataError(
+            f"There is no evaluation split of data.train ({config.train}): set data.eval (a file) or data.eval_fraction"
+            " (e.g. 0.05)."
+        )
     key = "eval" if split == "eval" and config.eval is not None else "train"
     value = getattr(config, key)
     hub = not Path(value).expanduser().exists() and hub_dataset(value) is not None
-    source = Source(value if hub else existing_path(key, value), key)
+    if hub:  # loaded from datasets' own cache (or the hub): its fingerprint names the version read
+        source = Source(value, key)
+        identity = source.dataset._fingerprint
+    else:
+        path, source = existing_path(key, value), None
+        identity = file_identity(path)
+    name = entry_name(config, tokenizer, split, identity)
+
+    def write(directory: Path) -> dict[str, Any]:
+        return _tokenize(config, tokenizer, split, source or Source(path, key), directory, name)
+
+    return prepared(cache_root(config), name, write, f"data.{key} ({value})")
+
+
+def _tokenize(
+    config: DataConfig, tokenizer: Any, split: str, source: Source, directory: Path, name: str
+) -> dict[str, Any]:
+    """Writes the split's rows to ``directory/data.arrow`` (tokenized, then packed); returns what they came from."""
     fmt = _detect_format(config, source)
     dataset, indices = source.dataset, None
     if config.eval is None and config.eval_fraction > 0:
-        indices = _held_out(dataset.num_rows, config)[split == "eval"]
-        dataset = dataset.select(indices)
+        indices = _held_out(dataset.num_rows, config, source)[split == "eval"]
+        dataset = dataset.select(indices, keep_in_memory=True)  # the row numbers only: the records stay mapped
     encode = ENCODERS[fmt]
     seen = {"longest": 0, "tokens": 0}  # for the message when truncation leaves nothing
 
@@ -79,38 +104,41 @@ def build_dataset(config: DataConfig, tokenizer: Any, split: Literal["train", "e
                 out["labels"].append(example["labels"])
         return out
 
+    samples_file = directory / ("samples.arrow" if config.packing else DATA_FILE)
     with quiet_datasets():
-        dataset = dataset.map(
+        samples = dataset.map(
             tokenize,
             batched=True,
             with_indices=True,
             remove_columns=dataset.column_names,
-            keep_in_memory=True,
-            new_fingerprint=_fingerprint(dataset._fingerprint, config, tokenizer, split),
+            cache_file_name=str(samples_file),  # written to a file as it goes, not held in memory
+            load_from_cache_file=False,
+            new_fingerprint=name,  # else datasets would hash the closure (tokenizer included), slowly
         )
-    if dataset.num_rows == 0:
+    if samples.num_rows == 0:
         raise DataError(
-            f"data.{key}: truncation at data.max_seq_len={config.max_seq_len} left nothing to train on: all"
+            f"data.{source.key}: truncation at data.max_seq_len={config.max_seq_len} left nothing to train on: all"
             f" {len(indices) if indices is not None else source.dataset.num_rows} {split} records of {source.path} were"
             f" dropped ({seen['tokens']} tokens), none has a trained (completion or assistant) token in its first"
             f" {config.max_seq_len}. Raise data.max_seq_len (the longest record has {seen['longest']} tokens), or"
             " shorten the prompts."
         )
+    rows = samples.num_rows
     if config.packing:
-        dataset = packed_dataset(dataset, config.max_seq_len)
-    return dataset
+        rows = write_packed(samples, config.max_seq_len, directory / DATA_FILE)
+        del samples
+        samples_file.unlink()
+    return {"source": str(source.path), "split": split, "format": fmt, "rows": rows, "tokens": seen["tokens"],
+            "config": repr(config)}  # fmt: skip
 
 
-def _held_out(n: int, config: DataConfig) -> tuple[list[int], list[int]]:
+def _held_out(n: int, config: DataConfig, source: Source) -> tuple[list[int], list[int]]:
     """(train, eval) row indices: a seeded random ``eval_fraction`` held out, each part in file order."""
     k = max(1, round(n * config.eval_fraction))
     if k >= n:
-        raise DataError(f"data.eval_fraction={config.eval_fraction} of {n} records leaves none to train on.")
+        raise DataError(
+            f"data.{source.key}: data.eval_fraction={config.eval_fraction} of the {n} records of {source.path} leaves"
+            " none to train on. Lower data.eval_fraction, or give data.eval a file of its own."
+        )
     held = set(random.Random(config.split_seed).sample(range(n), k))
     return [i for i in range(n) if i not in held], sorted(held)
-
-
-def _fingerprint(parent: str, config: DataConfig, tokenizer: Any, split: str) -> str:
-    # Given explicitly: datasets would otherwise hash the closure (tokenizer included), slowly.
-    parts = (parent, repr(config), split, tokenizer.name_or_path, len(tokenizer), str(tokenizer.chat_template))
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]

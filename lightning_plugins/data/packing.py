@@ -16,6 +16,7 @@ training; and flash attention 2/3 read packed positions only in a batch of one r
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,24 +72,44 @@ def pack_examples(examples: Sequence[Mapping[str, Sequence[int]]], max_seq_len: 
     Raises:
         ValueError: if a sample is longer than ``max_seq_len``.
     """
-    rows = []
-    for members in first_fit([len(ex["input_ids"]) for ex in examples], max_seq_len):
-        row: Example = {"input_ids": [], "labels": [], "position_ids": []}
-        for i in members:
-            row["input_ids"] += examples[i]["input_ids"]
-            row["labels"] += [IGNORE_INDEX, *examples[i]["labels"][1:]]
-            row["position_ids"] += range(len(examples[i]["input_ids"]))
-        rows.append(row)
-    return rows
+    rows = first_fit([len(ex["input_ids"]) for ex in examples], max_seq_len)
+    return [_packed_row([examples[i] for i in members]) for members in rows]
 
 
-def packed_dataset(dataset: Any, max_seq_len: int) -> Any:
-    """``dataset`` (tokenized examples) packed into rows of ``max_seq_len`` tokens, as a ``datasets.Dataset``."""
-    import datasets
+def _packed_row(samples: Sequence[Mapping[str, Sequence[int]]]) -> Example:
+    row: Example = {"input_ids": [], "labels": [], "position_ids": []}
+    for sample in samples:
+        row["input_ids"] += sample["input_ids"]
+        row["labels"] += [IGNORE_INDEX, *sample["labels"][1:]]
+        row["position_ids"] += range(len(sample["input_ids"]))
+    return row
 
-    samples = [{"input_ids": ids, "labels": labels} for ids, labels in zip(dataset["input_ids"], dataset["labels"])]
-    rows = pack_examples(samples, max_seq_len)
-    return datasets.Dataset.from_dict({key: [row[key] for row in rows] for key in ("input_ids", "labels", "position_ids")})
+
+def write_packed(samples: Any, max_seq_len: int, path: Path, rows_per_batch: int = 1000) -> int:
+    """Packs ``samples`` (a ``datasets.Dataset`` of tokenized samples) as :func:`pack_examples` does, into the Arrow
+    file ``path``, a batch of rows at a time: memory holds the samples' lengths and one batch, not the data.
+
+    Returns:
+        The number of packed rows.
+    """
+    import pyarrow.compute as pc
+    from datasets import Features
+    from datasets.arrow_writer import ArrowWriter
+
+    table = samples.with_format("arrow")[:]  # the memory-mapped columns, not a copy
+    rows = first_fit(pc.list_value_length(table.column("input_ids")).to_pylist(), max_seq_len)
+    features = Features({**samples.features, "position_ids": samples.features["input_ids"]})
+    with ArrowWriter(features=features, path=str(path)) as writer:
+        for start in range(0, len(rows), rows_per_batch):
+            batch = rows[start : start + rows_per_batch]
+            taken = table.take([i for members in batch for i in members]).to_pylist()
+            packed, used = [], 0
+            for members in batch:
+                packed.append(_packed_row(taken[used : used + len(members)]))
+                used += len(members)
+            writer.write_batch({key: [row[key] for row in packed] for key in features})
+        writer.finalize()
+    return len(rows)
 
 
 def _tensor_rows(examples: Sequence[Mapping[str, Sequence[int]]], key: str, length: int, fill: int) -> Tensor:

@@ -151,7 +151,8 @@ def check_global_batch(recipe: Recipe, samples: int) -> None:
     else:
         fix = f"Use at most {samples} data-parallel ranks"
     raise DataError(
-        f"data.train holds {samples} training {rows} after tokenization, fewer than one global batch of"
+        f"data.train ({recipe.data.train}) holds {samples} training {rows} after tokenization, fewer than one"
+        " global batch of"
         f" {recipe.samples_per_step} (train.micro_batch_size {recipe.train.micro_batch_size} x accumulation"
         f" {recipe.accumulation} x data-parallel ranks {dp}): every optimizer step would train on"
         f" fewer samples than the recipe says. {fix}, or add training data."
