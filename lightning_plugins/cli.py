@@ -54,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     export.add_argument("--force", action="store_true", help="replace out_dir if it exists and is not empty")
     export.add_argument("--max-shard-size", default="5GB", help="bytes per safetensors file, e.g. 5GB, 500MB (default: 5GB)")
     verify = commands.add_parser(
-        "verify", help="check a training checkpoint's files against its checksums.json (exit 1 naming what differs)"
+        "verify",
+        help="check a training checkpoint's files against its checksums.json, and that its pickles hold only what a"
+        " checkpoint holds (exit 1 naming the file)",
     )
     verify.add_argument("checkpoint", help="a checkpoint directory, e.g. outputs/x/checkpoints/step=100.ckpt")
     args, extra = parser.parse_known_args(argv)
@@ -140,6 +142,7 @@ def _global_rank() -> int:
 
 def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from lightning_plugins.checkpoint.export import ExportError, export_checkpoint
+    from lightning_plugins.errors import CheckpointError
 
     size = args.max_shard_size.strip().upper()
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -152,7 +155,7 @@ def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         out = export_checkpoint(
             args.checkpoint, args.out_dir, merge=args.merge, model=args.model, force=args.force, max_shard_size=max_shard_size
         )
-    except (ExportError, FileNotFoundError) as err:
+    except (ExportError, CheckpointError, FileNotFoundError) as err:  # a file refused by the safe readers too
         sys.exit(f"error: {err}")
     print(f"wrote {out}")
 
@@ -171,7 +174,7 @@ def _verify(checkpoint: str) -> None:
         sys.exit(f"error: {err}")
     if not verified:
         sys.exit(f"error: {checkpoint} has no {MANIFEST} (written by an older version): nothing to verify it against.")
-    print(f"{checkpoint}: every file matches its checksum")
+    print(f"{checkpoint}: every file matches its checksum, and its pickles hold only what a checkpoint holds")
 
 
 def _tiny(args: argparse.Namespace, overrides: list[str]) -> None:

@@ -7,6 +7,9 @@
 * Every exception class of the package derives from :class:`lightning_plugins.errors.LightningPluginsError`
   (``Preempted`` aside: it is a ``SystemExit``).
 * No file is over 500 lines.
+* Nothing is unpickled outside ``checkpoint/safe_read.py`` (issue 43): no ``pickle.load(s)``, ``Unpickler``,
+  ``torch.load`` or ``weights_only=False``, no torch reader that unpickles (``FileSystemReader``,
+  ``DefaultLoadPlanner``, ``dcp.load``, ``_load_state_dict_from_keys``, ...), no ``allow_pickle=True``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_plugins"
 ENGINE = ("lightning_plugins.parallel", "lightning_plugins.adapters")
 ENGINE_MAY_IMPORT = ENGINE + ("lightning_plugins.errors",)
 MAX_LINES = 500
+#: The one module that unpickles (with allowlists): every other reader of a checkpoint goes through it.
+SAFE_READER = "lightning_plugins.checkpoint.safe_read"
+#: Calls that unpickle what they read (``dcp``: torch.distributed.checkpoint, as the package imports it).
+UNPICKLING_CALLS = {"pickle.load", "pickle.loads", "torch.load", "dcp.load", "dcp.load_state_dict",
+                    "torch.distributed.checkpoint.load", "torch.distributed.checkpoint.load_state_dict",
+                    "torch.serialization.load"}  # fmt: skip
+#: torch's and the standard library's readers that unpickle (or load with ``weights_only=False``) by any name.
+UNPICKLING_NAMES = {"Unpickler", "_Unpickler", "FileSystemReader", "DefaultLoadPlanner", "_EmptyStateDictLoadPlanner",
+                    "_load_state_dict_from_keys", "dcp_to_torch_save", "BroadcastingTorchSaveReader", "read_pickle",
+                    "load_sharded_optimizer_state_dict"}  # fmt: skip
 NOT_OURS_TO_WRAP = {"lightning_plugins.run.preemption.Preempted"}  # a SystemExit: ends the process quietly
 
 
@@ -151,3 +164,66 @@ def test_no_file_is_over_the_limit():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"Files over {MAX_LINES} lines (split them, one idea each): {long}"
+
+
+def unpickling_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, what) of every use of an unpickling reader in ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            callee = ast.unparse(node.func)
+            if callee in UNPICKLING_CALLS:
+                found.append((node.lineno, f"{callee}("))
+            for keyword in node.keywords:
+                value = keyword.value
+                if keyword.arg == "weights_only" and not (isinstance(value, ast.Constant) and value.value is True):
+                    found.append((node.lineno, f"weights_only={ast.unparse(value)}"))
+                if keyword.arg == "allow_pickle" and not (isinstance(value, ast.Constant) and value.value is False):
+                    found.append((node.lineno, f"allow_pickle={ast.unparse(value)}"))
+        names = {
+            ast.Name: lambda n: [n.id],
+            ast.Attribute: lambda n: [n.attr],
+            ast.alias: lambda n: [n.name.rpartition(".")[2]],
+        }.get(type(node), lambda n: [])(node)
+        found += [(getattr(node, "lineno", 0), name) for name in names if name in UNPICKLING_NAMES]
+        if isinstance(node, ast.ImportFrom) and node.module in ("torch.distributed.checkpoint", "pickle"):
+            found += [(node.lineno, f"from {node.module} import {a.name}") for a in node.names
+                      if a.name in ("load", "loads", "load_state_dict")]  # fmt: skip
+    return sorted(set(found))
+
+
+def test_the_rule_against_unpickling_finds_each_form():
+    """The rule below can fail: each form it forbids, written as code would write it, is found."""
+    bad = """
+import pickle, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, load
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+pickle.load(f); pickle.loads(b); pickle.Unpickler(f).load()
+torch.load(p); torch.load(p, weights_only=False)
+dcp.load(state, checkpoint_id=p)
+class R(FileSystemReader): pass
+np.load(p, allow_pickle=True)
+torch.distributed.checkpoint.state_dict_loader._load_state_dict_from_keys(keys, checkpoint_id=p)
+"""
+    found = {what for _, what in unpickling_uses(ast.parse(bad))}
+    expected = {"pickle.load(", "pickle.loads(", "Unpickler", "torch.load(", "weights_only=False", "dcp.load(",
+                "FileSystemReader", "DefaultLoadPlanner", "allow_pickle=True", "_load_state_dict_from_keys",
+                "from torch.distributed.checkpoint import load"}  # fmt: skip
+    assert expected <= found, expected - found
+    assert not unpickling_uses(ast.parse("load_torch_file(p)\nyaml.safe_load(t)\njson.loads(t)"))
+
+
+def test_nothing_is_unpickled_outside_the_safe_reader():
+    assert SAFE_READER in _modules(), f"{SAFE_READER} is gone: update this rule with the module that replaced it"
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {what}"
+        for module, (path, tree) in _modules().items()
+        if module != SAFE_READER
+        for line, what in unpickling_uses(tree)
+    ]
+    assert not wrong, (
+        "These unpickle a file (a checkpoint, a model, a dataset may come from anyone: unpickling runs its code)."
+        f" Read it through {SAFE_READER} (load_torch_file, load_dcp, SafeReader), which admits only what the file"
+        " holds, by name:\n" + "\n".join(wrong)
+    )

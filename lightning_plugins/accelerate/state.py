@@ -32,6 +32,7 @@ from lightning_plugins.checkpoint.checks import reads_checkpoint
 from lightning_plugins.checkpoint.export_info import save_export_info
 from lightning_plugins.checkpoint.integrity import save_checksummed, verify_on_first_rank
 from lightning_plugins.checkpoint.resume import load_rng
+from lightning_plugins.checkpoint.safe_read import load_torch_file
 from lightning_plugins.recipe.diff import record_recipe
 
 #: Non-tensor state written once (identical on every rank).
@@ -98,7 +99,7 @@ def load_training_state(accelerator: Any, path: str | Path) -> None:
             f"{path} is not a complete checkpoint written by ParallelAccelerator.save_state (no .metadata or"
             f" {STATE_FILE}); an interrupted save leaves only `{path.name}.partial`."
         )
-    saved = torch.load(path / STATE_FILE, weights_only=True)  # plain containers, numbers, strings and tensors
+    saved = load_torch_file(path / STATE_FILE)  # plain containers, numbers, strings and tensors: nothing else
     if len(saved["grads"]) != len(accelerator._models):
         raise ValueError(f"{path} holds {len(saved['grads'])} models but {len(accelerator._models)} are prepared now.")
     # This rank's part of the saved accumulated gradients (under pipeline parallelism: its stages' names).

@@ -33,6 +33,7 @@ from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.checkpoint.disk_space import check_room, writing_checkpoint
 from lightning_plugins.checkpoint.integrity import ChecksummedWriter
 from lightning_plugins.checkpoint.resume import publish, save_rng
+from lightning_plugins.checkpoint.safe_read import load_dcp
 from lightning_plugins.parallel.grad import reduce_partial_state
 
 __all__ = [
@@ -69,8 +70,9 @@ def load_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict[str
 
 
 def load_tensors(state: dict[str, Any], path: str | Path) -> None:
-    """Fill ``state`` (templates of this rank's tensors) from the DCP checkpoint ``path``, resharding as needed."""
-    dcp.load(state, checkpoint_id=Path(path))
+    """Fill ``state`` (templates of this rank's tensors) from the DCP checkpoint ``path``, resharding as needed (its
+    pickles read by :mod:`~lightning_plugins.checkpoint.safe_read`: nothing in it runs)."""
+    load_dcp(state, Path(path))
 
 
 def partial_of(path: str | Path) -> Path:

@@ -1,8 +1,9 @@
 """``lightning-plugins export CHECKPOINT OUT_DIR``: a training checkpoint (DCP) to an HF or peft directory, streaming.
 
 A checkpoint written by either door (``output_dir/checkpoints/step=N.ckpt``, under any layout) is read in
-one process, without a process group, tensor by tensor (``dcp.load(..., no_dist=True)`` of a few
-entries at a time, which reassembles each from the shards the ranks wrote), and written tensor by tensor
+one process, without a process group, tensor by tensor (a DCP load without a process group of a few entries at a
+time, which reassembles each from the shards the ranks wrote; every pickle read by
+:mod:`~lightning_plugins.checkpoint.safe_read`), and written tensor by tensor
 into safetensors files whose headers are known up front (:mod:`lightning_plugins.checkpoint.safetensors_io`). The
 peak host memory is therefore a small multiple of the largest tensor, whatever the model size.
 
@@ -35,10 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_plugins.adapters.lora import PEFT_PREFIX
 from lightning_plugins.errors import CheckpointError
@@ -54,6 +53,7 @@ from lightning_plugins.checkpoint.export_info import (
 )
 from lightning_plugins.checkpoint.hub_names import in_hub_layout
 from lightning_plugins.checkpoint.integrity import say_unverified, verify_checkpoint
+from lightning_plugins.checkpoint.safe_read import SafeReader, load_dcp
 from lightning_plugins.checkpoint.safetensors_io import SafetensorsDirectory, TensorSpec, nbytes, write_streaming
 
 __all__ = ["EXPORT_DIR", "ExportError", "export_checkpoint", "save_export_info"]
@@ -115,7 +115,7 @@ def export_checkpoint(
     info = read_export_info(ckpt)
     source = str(model) if model is not None else info.get("model_path") or None
     config = export_config(ckpt, model, source)
-    reader = _Reader(ckpt)
+    reader = SafeReader(ckpt)  # .metadata parsed once (restricted) for the many small loads
     tensors = {
         key: md
         for key, md in reader.read_metadata().state_dict_metadata.items()
@@ -155,28 +155,17 @@ def export_checkpoint(
     return out
 
 
-class _Reader(FileSystemReader):
-    """A ``FileSystemReader`` that parses the checkpoint's ``.metadata`` once for the many small loads."""
-
-    _cached: Metadata | None = None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._cached is None:
-            self._cached = super().read_metadata(*args, **kwargs)
-        return self._cached
-
-
-def _load(reader: _Reader, tensors: dict[str, TensorStorageMetadata], keys: list[str]) -> dict[str, Tensor]:
+def _load(reader: SafeReader, tensors: dict[str, TensorStorageMetadata], keys: list[str]) -> dict[str, Tensor]:
     """The full tensors ``keys`` of the checkpoint (reassembled from every rank's shards) in this process."""
     state = {key: torch.empty(tensors[key].size, dtype=tensors[key].properties.dtype) for key in keys}
     with warnings.catch_warnings():  # one process on purpose: no process group is needed to read a checkpoint
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        load_dcp(state, reader, no_dist=True)
     return state
 
 
 def _stream(
-    reader: _Reader, tensors: dict[str, TensorStorageMetadata], keys: dict[str, str]
+    reader: SafeReader, tensors: dict[str, TensorStorageMetadata], keys: dict[str, str]
 ) -> Iterator[tuple[str, Tensor]]:
     """``(name, tensor)`` for ``keys`` (name -> checkpoint key), loading a few at a time: never more than the
     largest tensor's bytes per load (small ones such as norms are read together)."""
@@ -208,7 +197,7 @@ def _spec(md: TensorStorageMetadata) -> tuple[int, TensorSpec]:
 # -------------------------------------------------------------------------------------------- full / merged
 
 
-def _full(reader: _Reader, tensors: dict, prefix: str, names: dict[str, TensorSpec], ckpt: Path) -> tuple[dict, Any]:
+def _full(reader: SafeReader, tensors: dict, prefix: str, names: dict[str, TensorSpec], ckpt: Path) -> tuple[dict, Any]:
     keys = {name: _key_of(tensors, prefix, name, ckpt) for name in names}
     specs = {}
     for name, key in keys.items():
@@ -223,7 +212,7 @@ def _full(reader: _Reader, tensors: dict, prefix: str, names: dict[str, TensorSp
 
 
 def _merged(
-    reader: _Reader,
+    reader: SafeReader,
     tensors: dict,
     prefix: str,
     names: dict[str, TensorSpec],
@@ -337,7 +326,7 @@ def _write_shards(specs: dict[str, TensorSpec], produce: Any, directory: Path, m
 
 
 def _write_adapters(
-    reader: _Reader, tensors: dict, prefix: str, adapted: list[str], info: dict, ckpt: Path, directory: Path
+    reader: SafeReader, tensors: dict, prefix: str, adapted: list[str], info: dict, ckpt: Path, directory: Path
 ) -> None:
     """peft's layout: ``default`` at the top, any other adapter in a sub-directory of its name."""
     configs = adapter_configs(ckpt, info)

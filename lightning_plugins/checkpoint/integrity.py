@@ -9,9 +9,11 @@
   (Lightning's ``meta.pt``, the HF config and tokenizer under ``export/``: small) are hashed there, by reading.
 * :func:`verify_checkpoint` checks a checkpoint against its manifest (resume in both doors, export,
   ``lightning-plugins verify``): a file missing, of another size or with other bytes is a :class:`CheckpointError`
-  naming the checkpoint, the file and what differs. A checkpoint without a manifest (written before checksums were
-  recorded) is loaded as before, after one line saying so: refusing it would strand every run started with an older
-  version, and its ``.metadata`` check (written last) still applies.
+  naming the checkpoint, the file and what differs; so is a file holding what a checkpoint never holds (every pickle
+  is then read by :mod:`~lightning_plugins.checkpoint.safe_read`: checksums cannot vouch for a planted file, its
+  planter writes them too). A checkpoint without a manifest (written before checksums were recorded) is loaded as
+  before, after one line saying so: refusing it would strand every run started with an older version, and its
+  ``.metadata`` check (written last) and the pickle check still apply.
 
 SHA-256: with the SHA extensions of current x86 and ARM CPUs it hashes at 1.6 GB/s on this machine's CPU, against
 0.9 GB/s for BLAKE2b (both from :mod:`hashlib`), and ``sha256sum`` checks a file by hand.
@@ -40,6 +42,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from lightning_plugins.checkpoint.safe_read import check_pickles
 from lightning_plugins.errors import CheckpointError
 
 #: The manifest inside a published checkpoint.
@@ -209,30 +212,33 @@ def _stat_key(directory: Path) -> tuple[Any, ...]:
 
 
 def verify_checkpoint(directory: str | Path) -> bool:
-    """Check the checkpoint ``directory`` against its ``checksums.json`` before anything is loaded from it.
+    """Check the checkpoint ``directory`` before anything is loaded from it: its files against its ``checksums.json``,
+    then every pickle in it with the safe readers (:func:`~lightning_plugins.checkpoint.safe_read.check_pickles`: a
+    planted file matches checksums written by whoever planted it).
 
     Returns:
-        ``True`` when it was verified, ``False`` when it has no manifest (written before checksums were recorded).
+        ``True`` when it was verified, ``False`` when it has no manifest (written before checksums were recorded;
+        its pickles are still checked).
 
     Raises:
-        CheckpointError: naming the checkpoint and each damaged file (missing, another size, other bytes).
+        CheckpointError: naming the checkpoint and each damaged file (missing, another size, other bytes), or the
+            file that holds what a checkpoint never holds.
     """
     directory = Path(directory)
-    manifest = directory / MANIFEST
-    if not manifest.is_file():
-        return False
+    has_manifest = (directory / MANIFEST).is_file()
     key = _stat_key(directory)
     if key in _VERIFIED:
-        return True
-    found = damage(directory)
+        return has_manifest
+    found = damage(directory) if has_manifest else []
     if found:
         raise CheckpointError(
             f"{directory} is damaged, so it is not loaded: " + "; ".join(found[:5])
             + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
             + ". Restore the file(s) from a copy, or resume from an earlier checkpoint (move this one aside)."
         )
+    check_pickles(directory)
     _VERIFIED.add(key)
-    return True
+    return has_manifest
 
 
 def say_unverified(directory: str | Path, say: Callable[[str], None]) -> None:

@@ -13,7 +13,6 @@ then exactly the one the next training batch would have seen.
 
 from __future__ import annotations
 
-import importlib
 import random
 import shutil
 from collections.abc import Callable, Iterator
@@ -25,14 +24,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_plugins.checkpoint.integrity import save_checksummed, write_manifest
+from lightning_plugins.checkpoint.safe_read import NUMPY_RANDOM_STATE, load_torch_file
 
-#: Each rank's random states, inside the checkpoint directory.
+#: Each rank's random states, inside the checkpoint directory (read with NumPy's random state allowed, nothing else:
+#: :data:`~lightning_plugins.checkpoint.safe_read.NUMPY_RANDOM_STATE`).
 RNG_FILE = "rng_state_{rank}.pt"
-# numpy 2 moved numpy.core to numpy._core; numpy 1.26 has a numpy._core stub without multiarray.
-_NUMPY_2 = np.lib.NumpyVersion(np.__version__) >= "2.0.0"
-_MULTIARRAY = importlib.import_module("numpy._core.multiarray" if _NUMPY_2 else "numpy.core.multiarray")
-#: What NumPy's random state needs beyond ``weights_only``'s tensors and containers.
-_NUMPY_RNG = [np.dtype, np.ndarray, type(np.dtype(np.uint32)), _MULTIARRAY._reconstruct]
 
 
 def capture_rng() -> dict[str, Any]:
@@ -67,8 +63,7 @@ def read_rng(directory: str | Path, rank: int) -> dict[str, Any] | None:
     for candidate in (rank, 0):
         path = Path(directory) / RNG_FILE.format(rank=candidate)
         if path.is_file():
-            with torch.serialization.safe_globals(_NUMPY_RNG):  # NumPy's state is an array: allow just that
-                return torch.load(path, weights_only=True)
+            return load_torch_file(path, NUMPY_RANDOM_STATE)  # NumPy's state is an array: allow just that
     return None
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.optim import Optimizer
@@ -17,6 +16,7 @@ from lightning_plugins.checkpoint.checks import reads_checkpoint
 from lightning_plugins.checkpoint.export_info import save_export_info
 from lightning_plugins.checkpoint.integrity import save_checksummed, verify_on_first_rank
 from lightning_plugins.checkpoint.resume import publish, read_rng, restore_rng
+from lightning_plugins.checkpoint.safe_read import load_torch_file, refusing
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.recipe.diff import record_recipe
 from lightning_plugins.run.nonfinite import check_finite_weights, training_state
@@ -55,7 +55,9 @@ class ShardedCheckpoints(_Base):
         """Load a sharded (DCP) checkpoint, each rank reading its slices (or its stages) whatever layout wrote it.
 
         Lightning's loader only recognises models with DTensor parameters (with pipeline parallelism
-        alone each rank holds plain tensors of its own stages) and reads optimizer groups unflattened.
+        alone each rank holds plain tensors of its own stages) and reads optimizer groups unflattened. Every file is
+        read weights-only whatever ``weights_only`` says (:mod:`~lightning_plugins.checkpoint.safe_read`): a
+        checkpoint never runs code.
         """
         from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _is_sharded_checkpoint
         from torch.distributed.checkpoint.state_dict import (
@@ -65,7 +67,8 @@ class ShardedCheckpoints(_Base):
         )
 
         if self.layout.pp_size == 1 and not _is_sharded_checkpoint(Path(self.broadcast(checkpoint_path))):
-            return super().load_checkpoint(checkpoint_path, weights_only)
+            with refusing(checkpoint_path):  # Lightning's own loader (a single file): weights-only, refusals named
+                return super().load_checkpoint(checkpoint_path, weights_only=True)
         assert self.model is not None
         assert self.lightning_module is not None
         path = Path(self.broadcast(checkpoint_path))
@@ -83,7 +86,7 @@ class ShardedCheckpoints(_Base):
             optimizer_state = {key: dcp.optimizer_state(self.model, optimizer)}
             dcp.load_tensors(optimizer_state, path)
             dcp.load_optimizer_state(self.model, optimizer, optimizer_state[key])
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        return load_torch_file(path / _METADATA_FILENAME)  # the loop and data positions: plain data
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
