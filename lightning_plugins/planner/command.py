@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, help="search: GPUs in all")
     parser.add_argument("--gpu", default=None, help="GPU model: H100 (default), H200, A100, A100-40GB, MI300X, ...")
     parser.add_argument("--gpu-memory", default=None, help="memory of one GPU, e.g. 80GiB (default: the GPU model's)")
+    parser.add_argument(
+        "--host-memory", default=None, help="host memory of a node, e.g. 1TiB (default: the recipe's, else the GPU's)"
+    )
     parser.add_argument("--gpus-per-node", type=int, default=8, help="search: GPUs per node (default: 8)")
     parser.add_argument("--seq-len", type=int, default=4096, help="search: tokens per row (default: 4096)")
     parser.add_argument("--method", choices=("full", "lora", "qlora"), default="full", help="search: what is trained")
@@ -68,7 +71,11 @@ def _cluster(args: argparse.Namespace, gpus: int, per_node: int, gpu: str | None
     from lightning_plugins.planner.hardware import cluster_from
 
     return cluster_from(
-        args.gpu or gpu or "H100", gpus=gpus, gpus_per_node=per_node, gpu_memory=args.gpu_memory or memory
+        args.gpu or gpu or "H100",
+        gpus=gpus,
+        gpus_per_node=per_node,
+        gpu_memory=args.gpu_memory or memory,
+        host_memory=args.host_memory,
     )
 
 
@@ -78,7 +85,11 @@ def _check_recipe(args: argparse.Namespace, overrides: list[str]) -> int:
     from lightning_plugins.recipe.schema import load_recipe
 
     result = plan_recipe(
-        load_recipe(args.recipe, overrides), margin=args.margin, gpu=args.gpu, gpu_memory=args.gpu_memory
+        load_recipe(args.recipe, overrides),
+        margin=args.margin,
+        gpu=args.gpu,
+        gpu_memory=args.gpu_memory,
+        host_memory=args.host_memory,
     )
     print(json.dumps(result.as_dict(), indent=1) if args.json else result.describe())
     if args.plot:
@@ -209,6 +220,11 @@ def recipe_yaml(workload: Any, model: str, cluster: Any) -> str:
             "devices": cluster.gpus_per_node,
             "nodes": cluster.nodes,
             "gpu": cluster.gpu.name,
+            **(
+                {"host_memory_gb": cluster.host_memory_per_node_bytes / 2**30}
+                if cluster.host_memory_per_node_bytes is not None
+                else {}
+            ),
         },
     }
     header = (

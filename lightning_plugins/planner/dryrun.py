@@ -16,7 +16,9 @@ pipeline stage with it) the dry run
 
 Host memory is measured where a lever changes the step: with ``memory.activation_offload`` the offload hooks
 run in the measured step and move what each layer saves to the meta device, which the tracker counts apart from
-the (fake, CPU) GPU: the GPU peak is what stays, :attr:`RankMemory.host` the most the host holds at once.
+the (fake, CPU) GPU: the GPU peak is what stays, :attr:`RankMemory.host` the most the host holds at once. The
+counted state also gives what loading holds on the host (the tensor whose local slice holds the most bytes in flight)
+and what the pinned allocator would round up (:mod:`lightning_plugins.planner.host_memory`).
 
 NF4 bases (QLoRA) are measured as they run: the frozen linears are NF4 tensors of the real sizes
 (:func:`~lightning_plugins.adapters.qlora.quantize_base_to_nf4` with ``shapes_only``), FSDP2 shards and gathers
@@ -37,6 +39,7 @@ are measured with them.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -58,6 +61,7 @@ from lightning_plugins.planner.fake_step import (
     unpacked_rows,
 )
 from lightning_plugins.planner.forked import forked
+from lightning_plugins.planner.host_memory import largest_read, pinned_rounding
 from lightning_plugins.planner.intervals import mark_intervals
 from lightning_plugins.planner.measure import StepMemTracker
 from lightning_plugins.planner.rank_memory import RankMemory, with_offload, with_optimizer_offload, worst_interval
@@ -85,8 +89,26 @@ def dry_runs(workloads: list[Workload]) -> list[list[RankMemory]]:
     for workload in workloads:
         kinds = rank_kinds(workload)
         plans.append((workload, kinds, [_calls_of(workload, rank) for _, rank in kinds]))
-    results = iter(forked([call for _, _, calls in plans for rank_calls in calls for call in rank_calls]))
-    return [_assembled(workload, kinds, calls, results) for workload, kinds, calls in plans]
+    calls = [call for _, _, rank_calls in plans for rank_call in rank_calls for call in rank_call]
+    # Longest first: a pool that starts the longest world last waits on it alone at the end (the 405B pipeline
+    # recipes: the last stage's 8-layer copy, a third of the dry run, started when the other core had nothing left).
+    order = sorted(range(len(calls)), key=lambda index: _expected_cost(calls[index]), reverse=True)
+    results: list[Any] = [None] * len(calls)
+    for index, result in zip(order, forked([calls[index] for index in order])):
+        results[index] = result
+    done = iter(results)
+    return [_assembled(workload, kinds, rank_calls, done) for workload, kinds, rank_calls in plans]
+
+
+def _expected_cost(call: tuple[Callable[..., Any], tuple]) -> tuple[int, int]:
+    """What orders the pool's calls, the longest first: a measured step costs about its layers on the rank times the
+    micro-batches it runs (later pipeline ranks first among equals: the last stage runs the head and the loss); a count
+    costs little."""
+    fn, (workload, rank) = call
+    if getattr(fn, "func", fn) is count_state:
+        return 0, rank
+    pipeline = workload.pipeline
+    return layers_of_rank(workload, rank) * (pipeline.microbatches if pipeline is not None else 1), rank
 
 
 def _assembled(
@@ -119,18 +141,30 @@ def resident_state(workload: Workload) -> list[tuple[str, int, dict[str, int]]]:
     kinds = rank_kinds(workload)
     states = forked([(count_state, (workload, rank)) for _, rank in kinds])
     for state in states:
-        state.pop("largest_gradient")
+        for key in _COUNTED_EXTRAS:
+            state.pop(key)
     return [(kind, rank, state) for (kind, rank), state in zip(kinds, states)]
 
 
 def _rank_memory(
     workload: Workload, kind: str, rank: int, state: dict, steps: list[dict]
 ) -> RankMemory:
-    largest = state.pop("largest_gradient")
+    largest, read, rounding = (state.pop(key) for key in _COUNTED_EXTRAS)
     layers = layers_of_rank(workload, rank)
     intervals, per_layer = _extrapolated(steps, layers)
     offloaded = max(interval.pop("host") for interval in intervals)  # activations on the host at most at once
-    report = RankMemory(kind, rank, layers, state, {}, host=offloaded, activations_per_layer=per_layer)
+    report = RankMemory(
+        kind,
+        rank,
+        layers,
+        state,
+        {},
+        host_terms={"activations": offloaded} if offloaded else {},
+        load_terms={"in flight": read.nbytes},
+        largest_read=read,
+        pinned_rounding=rounding,
+        activations_per_layer=per_layer,
+    )
     report.intervals = intervals
     if len(steps) > 1:
         report.notes.append(
@@ -190,8 +224,11 @@ def build_parallel_model(workload: Workload) -> nn.Module:
     from lightning_plugins.adapters.lora import apply_lora
 
     with torch.device("meta"):
+        # A copy: from_config writes the build dtype into the config it is given, which is the checkpoint's (its dtype
+        # is what loading reads, host_memory.checkpoint_dtype).
+        config = copy.deepcopy(workload.config)
         model = AutoModelForCausalLM.from_config(
-            workload.config, dtype=DTYPES[workload.dtype], attn_implementation=workload.attn_implementation
+            config, dtype=DTYPES[workload.dtype], attn_implementation=workload.attn_implementation
         )
     model.config.use_cache = False
     model.train()
@@ -213,29 +250,46 @@ def build_parallel_model(workload: Workload) -> nn.Module:
 def count_state(workload: Workload, rank: int) -> dict[str, int]:
     """Resident parameter, gradient and AdamW bytes of ``rank``, from the engine's sharded tensors (:func:`_state_of`)."""
     with fake_world(rank, workload.world_size):
-        return _state_of(build_parallel_model(workload), optimizer=workload.optimizer)
+        return _state_of(build_parallel_model(workload), workload)
 
 
-def _state_of(model: nn.Module, *, optimizer: str = "adamw") -> dict[str, int]:
-    """Parameter, gradient and optimizer bytes of a parallelized model's local shards.
+#: What :func:`_state_of` counts besides the resident state: the largest gradient, the load's largest read, and the
+#: pinned allocator's rounding of the parameters and gradients.
+_COUNTED_EXTRAS = ("largest_gradient", "largest_read", "pinned_rounding")
+
+
+def _state_of(model: nn.Module, workload: Workload) -> dict[str, Any]:
+    """Parameter, gradient and optimizer bytes of a parallelized model's local shards, and :data:`_COUNTED_EXTRAS`.
 
     An NF4 shard (QLoRA) counts the bytes it holds (:func:`lightning_plugins.adapters.qlora.nf4_nbytes`: 4-bit
     codes, block scalers, their factors). With ``optimizer="adamw8bit"`` the moments of a shard torchao quantizes
     are 1 byte per value plus an fp32 scale per block (:func:`lightning_plugins.parallel.optimizers.state_nbytes`).
+    The counted rank is the first of its FSDP2 group, whose shard has the padded size FSDP2 allocates (and pins).
     """
     from lightning_plugins.adapters.qlora import is_nf4, nf4_nbytes
     from lightning_plugins.parallel.optimizers import state_nbytes
 
     params = grads = moments = largest = 0
+    rounding = {"parameters": 0, "gradients": 0}
     for param in model.parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         nbytes = local.numel() * local.element_size()
-        params += nf4_nbytes(local) if is_nf4(local) else nbytes
+        held = nf4_nbytes(local) if is_nf4(local) else nbytes
+        params += held
+        rounding["parameters"] += pinned_rounding(held)
         if param.requires_grad:
             grads += nbytes
+            rounding["gradients"] += pinned_rounding(nbytes)
             largest = max(largest, nbytes)
-            moments += state_nbytes(optimizer, local)
-    return {"parameters": params, "gradients": grads, "optimizer": moments, "largest_gradient": largest}
+            moments += state_nbytes(workload.optimizer, local)
+    return {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer": moments,
+        "largest_gradient": largest,
+        "largest_read": largest_read(model, workload.config, DTYPES[workload.dtype]),
+        "pinned_rounding": rounding,
+    }
 
 
 def layers_of_rank(workload: Workload, rank: int) -> int:
@@ -280,7 +334,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
         model = build_parallel_model(workload)
         counted = {}
         if count:
-            counted["state"] = _state_of(model, optimizer=workload.optimizer)
+            counted["state"] = _state_of(model, workload)
         with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
             # torchao's NF4 all-gather checks its output's storage by data pointer, which fake tensors warn about.
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)

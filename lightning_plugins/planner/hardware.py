@@ -31,6 +31,8 @@ class GPU:
         nvlink_bytes_per_s: Per GPU, one direction: the bus bandwidth collectives achieve between GPUs of one
             node (NVLink / Infinity Fabric; PCIe for cards without NVLink).
         pcie_bytes_per_s: Host <-> GPU copies (pinned memory), one direction, achievable.
+        host_bytes_per_gpu: Host RAM per GPU of the usual node of such GPUs: a node's host memory when a recipe
+            does not name it is this times the GPUs of the node.
     """
 
     name: str
@@ -38,6 +40,7 @@ class GPU:
     peak_flops: float
     nvlink_bytes_per_s: float
     pcie_bytes_per_s: float
+    host_bytes_per_gpu: int
 
 
 # Sources: NVIDIA H100 / H200 / A100 / L40S / L40 / RTX A6000 datasheets and the Ada (RTX 4090) whitepaper
@@ -50,19 +53,24 @@ class GPU:
 # reduce-scatter bus bandwidth on 8-GPU HGX H100 nodes is 350-370 GB/s); NVLink 3 (A100) 300 -> 240 GB/s;
 # MI300X 448 -> 300 GB/s (RCCL); PCIe cards without NVLink: PCIe 4.0 x16, 32 -> 20 GB/s through the host.
 # Host copies: PCIe 5.0 x16 64 GB/s nominal -> 50 GB/s pinned (H100/H200/MI300X); PCIe 4.0 x16 32 -> 25 GB/s.
+# Host RAM per GPU, of the usual node: DGX H100, DGX H200 and DGX A100 640GB carry 2 TB for 8 GPUs (256 GiB each),
+# DGX A100 320GB 1 TB (128 GiB); cloud VMs of 8 such GPUs carry about as much or a little less. The others are
+# estimates: 8 x MI300X platforms as HGX nodes; PCIe cards as 8-GPU cloud servers of them (L40S/L40 192 GiB, A10G
+# 96 GiB per GPU) or as workstations (RTX A6000 128 GiB, RTX 4090 64 GiB). A recipe names its own
+# (hardware.host_memory_gb), and should wherever its nodes differ.
 GPUS: dict[str, GPU] = {
     gpu.name: gpu
     for gpu in (
-        GPU("H100", 81559 * MIB, 989.4e12, 360e9, 50e9),
-        GPU("H200", 143771 * MIB, 989.4e12, 360e9, 50e9),
-        GPU("A100", 81920 * MIB, 312e12, 240e9, 25e9),
-        GPU("A100-40GB", 40960 * MIB, 312e12, 240e9, 25e9),
-        GPU("MI300X", 192 * GIB, 1307.4e12, 300e9, 50e9),
-        GPU("L40S", 46068 * MIB, 362.05e12, 20e9, 25e9),
-        GPU("L40", 46068 * MIB, 181.05e12, 20e9, 25e9),
-        GPU("A6000", 49140 * MIB, 154.8e12, 20e9, 25e9),
-        GPU("RTX4090", 24564 * MIB, 165.2e12, 20e9, 25e9),
-        GPU("A10G", 23028 * MIB, 125e12, 20e9, 25e9),
+        GPU("H100", 81559 * MIB, 989.4e12, 360e9, 50e9, 256 * GIB),
+        GPU("H200", 143771 * MIB, 989.4e12, 360e9, 50e9, 256 * GIB),
+        GPU("A100", 81920 * MIB, 312e12, 240e9, 25e9, 256 * GIB),
+        GPU("A100-40GB", 40960 * MIB, 312e12, 240e9, 25e9, 128 * GIB),
+        GPU("MI300X", 192 * GIB, 1307.4e12, 300e9, 50e9, 256 * GIB),
+        GPU("L40S", 46068 * MIB, 362.05e12, 20e9, 25e9, 192 * GIB),
+        GPU("L40", 46068 * MIB, 181.05e12, 20e9, 25e9, 192 * GIB),
+        GPU("A6000", 49140 * MIB, 154.8e12, 20e9, 25e9, 128 * GIB),
+        GPU("RTX4090", 24564 * MIB, 165.2e12, 20e9, 25e9, 64 * GIB),
+        GPU("A10G", 23028 * MIB, 125e12, 20e9, 25e9, 96 * GIB),
     )
 }
 _ALIASES = {"H100-80GB": "H100", "H100-SXM": "H100", "H200-141GB": "H200", "A100-80GB": "A100", "RTX-4090": "RTX4090"}
@@ -78,8 +86,6 @@ def peak_flops(device_name: str) -> float | None:
     return next((gpu.peak_flops for name, gpu in GPUS.items() if name in device_name), None)
 
 
-#: Host memory of one node when not given: 2 TiB, what an 8-GPU HGX/DGX H100 or H200 node carries (DGX H100: 2 TB).
-DEFAULT_HOST_MEMORY = 2 * 2**40
 #: Per-GPU bandwidth between nodes when not given: one 400 Gb/s NDR InfiniBand (or RoCE) NIC per GPU, 50 GB/s
 #: nominal, 40 GB/s achieved by collectives (80%).
 DEFAULT_INTER_NODE = 40e9
@@ -94,7 +100,8 @@ class Cluster:
         gpus: GPUs in all (the world size of a layout).
         gpus_per_node: GPUs that share a node (NVLink domain).
         gpu_memory_bytes: Memory per GPU to plan against; ``None`` takes ``gpu.memory_bytes``.
-        host_memory_per_node_bytes: Host RAM per node, for CPU offload (default 2 TiB).
+        host_memory_per_node_bytes: Host RAM per node (:mod:`lightning_plugins.planner.host_memory`); ``None`` takes
+            ``gpu.host_bytes_per_gpu`` times ``gpus_per_node`` (2 TiB for 8 x H100).
         inter_node_bytes_per_s: Per GPU, one direction, achievable between nodes (default 40 GB/s: 400 Gb/s NDR).
         intra_node_bytes_per_s: Per GPU within a node; ``None`` takes ``gpu.nvlink_bytes_per_s``.
         mfu: Fraction of the dense bf16 peak the compute reaches; ``None`` takes the calibrated default of
@@ -105,7 +112,7 @@ class Cluster:
     gpus: int = 8
     gpus_per_node: int = 8
     gpu_memory_bytes: int | None = None
-    host_memory_per_node_bytes: int = DEFAULT_HOST_MEMORY
+    host_memory_per_node_bytes: int | None = None
     inter_node_bytes_per_s: float = DEFAULT_INTER_NODE
     intra_node_bytes_per_s: float | None = None
     mfu: float | None = None
@@ -142,6 +149,23 @@ class Cluster:
     def memory(self) -> int:
         """Bytes per GPU to plan against."""
         return self.gpu_memory_bytes if self.gpu_memory_bytes is not None else self.gpu.memory_bytes
+
+    @property
+    def host_memory(self) -> int:
+        """Host bytes per node to plan against."""
+        if self.host_memory_per_node_bytes is not None:
+            return self.host_memory_per_node_bytes
+        return self.gpu.host_bytes_per_gpu * self.gpus_per_node
+
+    @property
+    def host_memory_source(self) -> str:
+        """Where :attr:`host_memory` comes from, as the report says it."""
+        if self.host_memory_per_node_bytes is not None:
+            return "hardware.host_memory_gb / --host-memory"
+        return (
+            f"the default for {self.gpu.name} nodes, {self.gpu.host_bytes_per_gpu / GIB:.0f} GiB per GPU x"
+            f" {self.gpus_per_node}; set hardware.host_memory_gb"
+        )
 
     @property
     def intra_node(self) -> float:
@@ -212,6 +236,7 @@ def cluster_from(
     gpus: int = 8,
     gpus_per_node: int = 8,
     gpu_memory: str | float | None = None,
+    host_memory: str | float | None = None,
     **overrides: Any,
 ) -> Cluster:
     """A :class:`Cluster` of ``gpus`` GPUs named ``gpu`` (a key of :data:`GPUS`, case-insensitive).
@@ -222,6 +247,8 @@ def cluster_from(
         gpus: GPUs in all.
         gpus_per_node: GPUs per node.
         gpu_memory: Memory per GPU (see :func:`parse_bytes`); ``None`` takes the GPU's.
+        host_memory: Host memory per node (see :func:`parse_bytes`); ``None`` takes the GPU's default per GPU times
+            ``gpus_per_node``.
         overrides: Other :class:`Cluster` fields (``inter_node_bytes_per_s``, ``mfu``, ...).
 
     Raises:
@@ -233,9 +260,15 @@ def cluster_from(
             f"Unknown GPU {gpu!r}. Known GPUs: {', '.join(GPUS)}. Use one of those, or the closest one and override"
             " gpu_memory (e.g. --gpu A100 --gpu-memory 40GiB)."
         )
-    known = {f for f in Cluster.__dataclass_fields__} - {"gpu", "gpus", "gpus_per_node", "gpu_memory_bytes"}
+    known = {f for f in Cluster.__dataclass_fields__} - {
+        "gpu", "gpus", "gpus_per_node", "gpu_memory_bytes", "host_memory_per_node_bytes"
+    }  # fmt: skip
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise PlannerError(f"cluster_from got unknown setting(s) {unknown}; the settings are {sorted(known)}.")
     memory = None if gpu_memory is None else parse_bytes(gpu_memory)
-    return Cluster(GPUS[key], gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory_bytes=memory, **overrides)
+    host = None if host_memory is None else parse_bytes(host_memory)
+    return Cluster(
+        GPUS[key], gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory_bytes=memory, host_memory_per_node_bytes=host,
+        **overrides,
+    )  # fmt: skip

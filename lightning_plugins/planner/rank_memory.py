@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from lightning_plugins.planner.host_memory import LargestRead
 from lightning_plugins.planner.workload import Workload
 
 __all__ = ["PEAK_CATEGORIES", "RankMemory", "korthikanti_activations", "with_offload", "with_optimizer_offload", "worst_interval"]
@@ -29,8 +30,16 @@ class RankMemory:
         layers: Decoder layers this rank holds.
         state: Resident ``parameters``, ``gradients`` and ``optimizer`` bytes counted from the sharded tensors.
         peak: GPU bytes by category at the moment of the step's peak (:data:`PEAK_CATEGORIES`), and ``total``.
-        host: Bytes this rank keeps in host memory at most: offloaded state (CPU or optimizer offload) plus the
-            most activations offloaded at once (activation offload).
+        host_terms: Bytes this rank keeps in host memory while training, by term
+            (:data:`~lightning_plugins.planner.host_memory.HOST_TERMS`): offloaded state (CPU or optimizer offload),
+            the most activations offloaded at once (activation offload), the pinned allocator's rounding;
+            :attr:`host` is their sum.
+        load_terms: Bytes this rank keeps in host memory while the weights are loaded, by term: the tensor in flight
+            and, with CPU offload, its parameters (pinned); :attr:`load` is their sum.
+        largest_read: The tensor whose load holds the most host bytes at once (the load peak's "in flight").
+        pinned_rounding: What the pinned allocator would add to this rank's ``parameters`` and ``gradients``
+            allocations (:func:`~lightning_plugins.planner.host_memory.pinned_rounding` of each tensor), counted on
+            the host by the levers that pin them.
         activations_per_layer: Measured bytes one decoder layer adds to the peak (all micro-batches in flight).
         notes: What is modelled rather than measured.
         intervals: The peak of each interval of the step (the last one the optimizer step), by category, before
@@ -43,7 +52,10 @@ class RankMemory:
     layers: int
     state: dict[str, int]
     peak: dict[str, int]
-    host: int = 0
+    host_terms: dict[str, int] = field(default_factory=dict)
+    load_terms: dict[str, int] = field(default_factory=dict)
+    largest_read: LargestRead = field(default_factory=LargestRead)
+    pinned_rounding: dict[str, int] = field(default_factory=dict)
     activations_per_layer: int = 0
     notes: list[str] = field(default_factory=list)
     intervals: list[dict[str, int]] = field(default_factory=list, repr=False)
@@ -51,6 +63,22 @@ class RankMemory:
     @property
     def total(self) -> int:
         return self.peak["total"]
+
+    @property
+    def host(self) -> int:
+        """Host bytes of this rank while training."""
+        return sum(self.host_terms.values())
+
+    @property
+    def load(self) -> int:
+        """Host bytes of this rank while its weights are loaded."""
+        return sum(self.load_terms.values())
+
+    def on_host(self, phase: str, terms: dict[str, int]) -> None:
+        """Add bytes by term to the host memory of a phase (``"training"`` or ``"loading"``)."""
+        held = self.host_terms if phase == "training" else self.load_terms
+        for term, nbytes in terms.items():
+            held[term] = held.get(term, 0) + nbytes
 
     def as_dict(self) -> dict:
         return {
@@ -60,6 +88,9 @@ class RankMemory:
             "state": dict(self.state),
             "peak": dict(self.peak),
             "host": self.host,
+            "host_terms": dict(self.host_terms),
+            "load": self.load,
+            "load_terms": dict(self.load_terms),
             "activations_per_layer": self.activations_per_layer,
             "notes": list(self.notes),
         }
@@ -74,8 +105,18 @@ def with_optimizer_offload(report: RankMemory) -> None:
     """Optimizer offload: the optimizer state lives on the host, with a copy of the trainable parameters and a
     buffer for their gradients, and the optimizer step leaves nothing on the GPU. The step's peak is taken again
     over the intervals without them."""
-    state = report.state
-    report.host += state["optimizer"] + 2 * state["gradients"]  # state, parameter copies, gradient buffers
+    state, rounding = report.state, report.pinned_rounding
+    # AdamW's state (pageable), and pinned host copies of the trainable parameters and buffers for their gradients,
+    # created at the first step (HostOffloadOptimizer._ensure_host): nothing of it while loading.
+    report.on_host(
+        "training",
+        {
+            "parameters": state["gradients"],
+            "gradients": state["gradients"],
+            "optimizer": state["optimizer"],
+            "pinned rounding": 2 * rounding.get("gradients", 0),
+        },
+    )
     intervals = [dict(peak) for peak in report.intervals]
     for peak in intervals:
         peak["total"] -= peak["optimizer"]
@@ -92,8 +133,19 @@ def with_optimizer_offload(report: RankMemory) -> None:
 
 def with_offload(report: RankMemory) -> None:
     """FSDP2 CPU offload: sharded parameters, gradients and optimizer state live on the host."""
-    state = report.state
-    report.host += sum(state.values())
+    state, rounding = report.state, report.pinned_rounding
+    # FSDP2's CPUOffloadPolicy pins the sharded parameters from the start (the loaded weights are read into them) and
+    # the gradients it copies back; AdamW's state, created at the first step, is pageable.
+    report.on_host("loading", {"parameters": state["parameters"], "pinned rounding": rounding.get("parameters", 0)})
+    report.on_host(
+        "training",
+        {
+            "parameters": state["parameters"],
+            "gradients": state["gradients"],
+            "optimizer": state["optimizer"],
+            "pinned rounding": rounding.get("parameters", 0) + rounding.get("gradients", 0),
+        },
+    )
     intervals = [dict(peak) for peak in report.intervals]
     for peak in intervals:  # each interval without what lives on the host, then the largest
         moved = {

@@ -1,8 +1,9 @@
 """A plan: a workload's dry-run memory per kind of rank and its step time, against a cluster.
 
 :func:`plan` runs both models; :class:`Plan` says whether it fits (each GPU's peak under its memory less a
-safety margin; host memory per node for what is offloaded), which lever helps most when it does not, and
-prints itself as a table or JSON.
+safety margin; each node's host memory, the larger of loading and training, under what the node has:
+:mod:`lightning_plugins.planner.host_memory`), which lever helps most when it does not, and prints itself as a
+table or JSON.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from lightning_plugins.planner.dryrun import dry_runs
 from lightning_plugins.planner.rank_memory import PEAK_CATEGORIES, RankMemory, korthikanti_activations
 from lightning_plugins.planner.hardware import GIB, Cluster
+from lightning_plugins.planner.host_memory import HostMemory, host_advice, node_host_memory
 from lightning_plugins.planner.timing import StepTime, estimate_step_time
 from lightning_plugins.planner.workload import Workload
 
@@ -41,18 +43,43 @@ class Plan:
         return max(rank.total for rank in self.ranks)
 
     @property
+    def host(self) -> HostMemory:
+        """Each node's host memory by phase and term."""
+        return node_host_memory(self.workload, self.cluster, self.ranks)
+
+    @property
     def host_per_node(self) -> int:
-        """Host bytes per node for offloaded state (the busiest kind of rank on every GPU of a node)."""
-        return max(rank.host for rank in self.ranks) * self.cluster.gpus_per_node
+        """Host bytes per node: the larger of the loading and the training phase (they never coexist)."""
+        return self.host.per_node
+
+    @property
+    def gpu_fits(self) -> bool:
+        return self.peak <= self.budget
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.budget and self.host_per_node <= self.cluster.host_memory_per_node_bytes
+        return self.gpu_fits and self.host.fits
 
     def advice(self) -> list[str]:
         """What would make a plan that does not fit fit, the lever that saves most first (estimates)."""
-        if self.fits:
-            return []
+        lines = [] if self.gpu_fits else self._gpu_advice()
+        host = self.host
+        if not host.fits:
+            over = host.per_node - host.limit
+            lines += [
+                f"{setting} (saves ~{saved / GIB:.0f} GiB of host memory per node"
+                f"{'' if saved >= over else ', not enough alone'})"
+                for saved, setting in sorted(
+                    host_advice(host, self.workload, self.cluster, gpu_room=self.budget - self.peak), reverse=True
+                )
+            ]
+            lines.append(
+                f"hardware.host_memory_gb: the nodes' real host memory, if it is more than the {host.limit / GIB:.0f}"
+                " GiB planned against"
+            )
+        return lines
+
+    def _gpu_advice(self) -> list[str]:
         worst = max(self.ranks, key=lambda rank: rank.total)
         workload, layout, memory = self.workload, self.workload.layout, self.workload.memory
         levers: list[tuple[int, str]] = []
@@ -100,6 +127,7 @@ class Plan:
             "fits": self.fits,
             "ranks": [rank.as_dict() for rank in self.ranks],
             "host_per_node": self.host_per_node,
+            "host": self.host.as_dict(),
             "step": self.step.as_dict(),
             "advice": self.advice(),
         }
@@ -135,16 +163,14 @@ class Plan:
                 " The measured figure is reported."
             )
             lines += [f"  {rank.kind}: {note}" for note in rank.notes]
-        if self.host_per_node:
-            lines.append(
-                f"Host memory per node for offloaded state: {self.host_per_node / GIB:.0f} GiB"
-                f" of {self.cluster.host_memory_per_node_bytes / GIB:.0f} GiB"
-            )
+        lines += ["", *self.host.describe()]
         verdict = "FITS" if self.fits else "DOES NOT FIT"
+        host = self.host
+        over = "" if host.fits else f"; host {host.per_node / GIB:.1f} GiB per node against {host.limit / GIB:.0f} GiB"
         lines += [
             "",
             f"{verdict}: peak {self.peak / size:.1f} {unit} against {self.budget / GIB:.1f} GiB"
-            f" ({self.cluster.memory / GIB:.0f} GiB less a {self.margin:.0%} margin)",
+            f" ({self.cluster.memory / GIB:.0f} GiB less a {self.margin:.0%} margin){over}",
         ]
         lines += [f"  try: {line}" for line in self.advice()]
         s = self.step
@@ -185,26 +211,48 @@ def plans(jobs: list[tuple[Workload, Cluster]], *, margin: float = DEFAULT_MARGI
     return [Plan(workload, cluster, r, step, margin) for (workload, cluster), r, step in zip(jobs, ranks, steps)]
 
 
-def plan_recipe(recipe: Any, *, margin: float = DEFAULT_MARGIN, gpu: str | None = None, gpu_memory: Any = None) -> Plan:
+def plan_recipe(
+    recipe: Any,
+    *,
+    margin: float = DEFAULT_MARGIN,
+    gpu: str | None = None,
+    gpu_memory: Any = None,
+    host_memory: Any = None,
+) -> Plan:
     """Dry-run a loaded recipe (:func:`lightning_plugins.recipe.schema.load_recipe`) on the hardware it names.
 
-    ``gpu`` and ``gpu_memory`` (``"48GiB"``) replace the recipe's ``hardware.gpu`` / ``hardware.gpu_memory_gb``.
+    ``gpu``, ``gpu_memory`` (``"48GiB"``) and ``host_memory`` (``"1TiB"``) replace the recipe's ``hardware.gpu`` /
+    ``hardware.gpu_memory_gb`` / ``hardware.host_memory_gb``.
     """
-    return plan_recipes([recipe], margin=margin, gpu=gpu, gpu_memory=gpu_memory)[0]
+    return plan_recipes([recipe], margin=margin, gpu=gpu, gpu_memory=gpu_memory, host_memory=host_memory)[0]
 
 
 def plan_recipes(
-    recipes: list[Any], *, margin: float = DEFAULT_MARGIN, gpu: str | None = None, gpu_memory: Any = None
+    recipes: list[Any],
+    *,
+    margin: float = DEFAULT_MARGIN,
+    gpu: str | None = None,
+    gpu_memory: Any = None,
+    host_memory: Any = None,
 ) -> list[Plan]:
     """:func:`plan_recipe` of each recipe, their dry runs in one pool of processes."""
+    jobs = [
+        (Workload.from_recipe(recipe), recipe_cluster(recipe, gpu=gpu, gpu_memory=gpu_memory, host_memory=host_memory))
+        for recipe in recipes
+    ]
+    return plans(jobs, margin=margin)
+
+
+def recipe_cluster(recipe: Any, *, gpu: str | None = None, gpu_memory: Any = None, host_memory: Any = None) -> Cluster:
+    """The cluster a recipe's ``hardware`` section names, with ``gpu`` / ``gpu_memory`` / ``host_memory`` (the
+    command line's) in place of its own."""
     from lightning_plugins.planner.hardware import cluster_from
 
-    jobs = []
-    for recipe in recipes:
-        hardware = recipe.hardware
-        memory = gpu_memory or (f"{hardware.gpu_memory_gb}GiB" if hardware.gpu_memory_gb else None)
-        cluster = cluster_from(
-            gpu or hardware.gpu or "H100", gpus=hardware.world_size, gpus_per_node=hardware.devices, gpu_memory=memory
-        )
-        jobs.append((Workload.from_recipe(recipe), cluster))
-    return plans(jobs, margin=margin)
+    hardware = recipe.hardware
+    return cluster_from(
+        gpu or hardware.gpu or "H100",
+        gpus=hardware.world_size,
+        gpus_per_node=hardware.devices,
+        gpu_memory=gpu_memory or (f"{hardware.gpu_memory_gb}GiB" if hardware.gpu_memory_gb else None),
+        host_memory=host_memory or (f"{hardware.host_memory_gb}GiB" if hardware.host_memory_gb else None),
+    )

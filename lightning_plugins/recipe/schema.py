@@ -202,11 +202,10 @@ class HardwareSection(_Section):
 
     Attributes:
         accelerator: ``cpu``, ``gpu`` or ``auto``.
-        devices: Processes (GPUs) per node.
-        nodes: Nodes.
-        gpu: The GPU model (``H100``, ``H200``, ``A100``, ``MI300X``, ...) ``lightning-plugins plan`` checks the
-            recipe against (its memory, peak FLOP/s and links).
-        gpu_memory_gb: Memory of one GPU in GiB, when it differs from the GPU model's.
+        devices, nodes: Processes (GPUs) per node, and nodes.
+        gpu: The GPU model ``lightning-plugins plan`` checks against: memory, FLOP/s, links (``H100``, ``A100``, ...).
+        gpu_memory_gb, host_memory_gb: Memory of one GPU, and host RAM of one node (loading and training checked
+            against it), in GiB, when they differ from the GPU model's and its usual node's (8 x H100: 2 TiB).
     """
 
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
@@ -214,6 +213,7 @@ class HardwareSection(_Section):
     nodes: int = Field(1, ge=1)
     gpu: str | None = None
     gpu_memory_gb: float | None = Field(None, gt=0)
+    host_memory_gb: float | None = Field(None, gt=0)
 
     @property
     def world_size(self) -> int:
