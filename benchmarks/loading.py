@@ -7,7 +7,7 @@ memory above its own baseline (the process after its imports, before the model i
 checkpoint's bytes and of the checkpoint's bytes per rank, and the load's time next to the time to read the same bytes
 from disk once (``cat > /dev/null``, page cache dropped where the machine allows; the ranks read from the page cache).
 
-Run: ``python benchmarks/loading.py`` (defaults: a ~207M-parameter Llama saved in bf16, methods full, lora, qlora
+Run: ``python benchmarks/loading.py`` (defaults: a ~248M-parameter Llama saved in bf16, methods full, lora, qlora
 and lora from a hub id in a local cache, 2, 4 and 8 ranks). ``--json FILE`` writes the rows.
 """
 

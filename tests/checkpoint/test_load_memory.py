@@ -1,4 +1,4 @@
-"""Host memory per rank shrinks with the ranks: with a checkpoint of ~200M parameters on 4 ranks, a LoRA or QLoRA
+"""Host memory per rank shrinks with the ranks: with a checkpoint of ~250M parameters on 4 ranks, a LoRA or QLoRA
 rank's peak resident memory above its process baseline stays under half the checkpoint's bytes (a quarter, plus a
 tensor in flight, is what it needs), from a local directory and from a hub id in the cache alike, and a full
 fine-tune from a hub id costs no more than from a local directory. Measured by ``benchmarks/loading.py`` (each rank
