@@ -13,6 +13,7 @@ the same rows of the weight one process quantizes whole, no rank ever holds the 
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 
 import torch
@@ -42,7 +43,9 @@ def quantize_rows(weight: LazySlice, rows: slice, like: Tensor, device: torch.de
         device: Where the result lives (the mesh's device: the quantization runs there).
     """
     from torchao.quantization import NF4Tensor
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import SubclassTensorArgs, get_block_absmax
+
+    home = importlib.import_module(NF4Tensor.__module__)  # wherever this torchao keeps it (as adapters.qlora does)
+    SubclassTensorArgs, get_block_absmax = home.SubclassTensorArgs, home.get_block_absmax  # noqa: N806
 
     dtype, block, group = like.dtype, like.block_size, like.scaler_block_size
     total, *rest = weight.get_shape()
