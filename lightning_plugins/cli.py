@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from importlib.metadata import version
 import os
 import sys
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from lightning_plugins.recipe.launch import add_recipe_arguments, recipe_overrides
 
     parser = argparse.ArgumentParser(prog="lightning-plugins", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('lightning_plugins')}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo", help="fine-tune the shipped tiny Llama with TensorParallelStrategy on CPU processes"

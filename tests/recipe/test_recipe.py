@@ -110,3 +110,12 @@ def test_learning_rate_schedule() -> None:
     assert lr_lambda(100, 100, 10, "cosine", 0.1) == pytest.approx(0.1)
     assert lr_lambda(55, 100, 10, "linear", 0.0) == pytest.approx(0.5)
     assert lr_lambda(99, 100, 0, "constant", 0.0) == 1.0
+
+
+def test_version_is_the_installed_distributions(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"lightning-plugins {version('lightning_plugins')}"
