@@ -35,28 +35,28 @@ def real_adapters_on_meta_base(model: nn.Module) -> Iterator[None]:
     zeros: dict[torch.dtype, torch.Tensor] = {}
     real = {id(param) for param in model.parameters() if not param.is_meta}
 
-    def stand_in(tensor: torch.Tensor) -> torch.Tensor:
-        if not tensor.is_meta or tensor.dim() == 0:
-            return tensor
-        zero = zeros.setdefault(tensor.dtype, torch.zeros((), dtype=tensor.dtype))
-        return zero.expand(tensor.shape)
+    def stand_in(name: str, param: nn.Parameter) -> torch.Tensor | None:
+        if not param.is_meta or param.dim() == 0:
+            return None
+        zero = zeros.setdefault(param.dtype, torch.zeros((), dtype=param.dtype))
+        return zero.expand(param.shape)
 
-    _swap(model, lambda name, param: stand_in(param.data))
+    _swap(model, stand_in)
     try:
         yield
     finally:
 
-        def back(name: str, param: nn.Parameter) -> torch.Tensor:
-            if id(param) in real or ADAPTER_NAME.search(name):
-                return param.data
-            return torch.empty_like(param.data, device="meta")
+        def back(name: str, param: nn.Parameter) -> torch.Tensor | None:
+            if id(param) in real or ADAPTER_NAME.search(name) or param.is_meta:
+                return None
+            return torch.empty_like(param, device="meta")
 
         _swap(model, back)
 
 
-def _swap(model: nn.Module, new: Callable[[str, nn.Parameter], torch.Tensor]) -> None:
-    """Replace each parameter ``p`` named ``name`` of ``model`` by ``new(name, p)`` (same ``requires_grad``), keeping
-    shared ones shared."""
+def _swap(model: nn.Module, new: Callable[[str, nn.Parameter], torch.Tensor | None]) -> None:
+    """Replace each parameter ``p`` named ``name`` of ``model`` by ``new(name, p)`` (same ``requires_grad``; ``None``
+    keeps ``p``), keeping shared ones shared."""
     done: dict[int, nn.Parameter] = {}
     for module_name, module in model.named_modules():
         for name, param in list(module._parameters.items()):
@@ -64,5 +64,5 @@ def _swap(model: nn.Module, new: Callable[[str, nn.Parameter], torch.Tensor]) ->
                 continue
             if id(param) not in done:
                 tensor = new(f"{module_name}.{name}", param)
-                done[id(param)] = param if tensor is param.data else nn.Parameter(tensor, param.requires_grad)
+                done[id(param)] = param if tensor is None else nn.Parameter(tensor, param.requires_grad)
             module._parameters[name] = done[id(param)]

@@ -199,3 +199,26 @@ def test_adapters_left_on_the_meta_device_are_refused_naming_apply_lora(tmp_path
     with pytest.raises(LayoutError, match=r"q_proj\.lora_A.*apply_lora"):
         load_sharded_safetensors(model, tmp_path)
     assert model.model.embed_tokens.weight.is_meta, "nothing was given storage"
+
+
+def test_lora_on_a_meta_base_keeps_real_parameters_and_builds_the_adapters_one_process_builds(tmp_path: Path) -> None:
+    """apply_lora on a meta-device model: the adapters equal those of the loaded model under the same seed (peft draws
+    them on the CPU), the base stays on meta, a parameter that was real stays the same tensor, ties stay tied."""
+    tiny_model("llama_tied").save_pretrained(tmp_path)
+    loaded = _one_process_model(tmp_path, torch.float32)
+    torch.manual_seed(7)
+    theirs = dict(apply_lora(loaded, LORA).named_parameters())
+    model = _meta_model(tmp_path, torch.float32)
+    norm = torch.nn.Parameter(torch.randn(model.model.norm.weight.shape))
+    model.model.norm.weight = norm
+    torch.manual_seed(7)
+    ours = apply_lora(model, LORA)
+    for key, param in ours.named_parameters():
+        if ".lora_" in key:
+            assert not param.is_meta and torch.equal(param, theirs[key]), key
+        elif key.endswith("model.norm.weight"):
+            assert param is norm
+        else:
+            assert param.is_meta, key
+    base = ours.get_base_model()
+    assert base.lm_head.weight is base.model.embed_tokens.weight
