@@ -32,7 +32,8 @@ Order: load the real weights -> ``peft.get_peft_model`` -> :func:`quantize_base_
 ``lightning_plugins.parallelize``; or, what a recipe does, on the meta device: ``apply_lora`` (NF4 weights of the right
 sizes, no values) -> ``parallelize`` -> :func:`~lightning_plugins.checkpoint.load.load_sharded_safetensors` (each
 rank quantizes only the rows it keeps, bit for bit as one process quantizes the whole weight, with the mean of the
-whole weight's block absmaxes; :mod:`lightning_plugins.checkpoint.nf4_rows`: no rank holds the dense base). Do not ``copy.deepcopy`` a quantized model: torchao's ``clone``
+whole weight's block absmaxes; :mod:`lightning_plugins.checkpoint.nf4_rows`: no rank holds the dense base).
+Do not ``copy.deepcopy`` a quantized model: torchao's ``clone``
 re-quantizes with its default block sizes (lossy, and fails for small weights).
 """
 

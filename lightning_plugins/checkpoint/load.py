@@ -118,8 +118,8 @@ def load_sharded_safetensors(
         raise LayoutError(
             f"The model's LoRA adapters are on the meta device ({adapters[0]}, ...), and {checkpoint_dir} is an HF"
             " checkpoint of the base: it holds no adapter weights. Build the adapters with"
-            " `lightning_plugins.adapters.lora.apply_lora(model, LoraOptions(...))`, which creates them real on a meta-device"
-            " model, or build the base with its weights (`AutoModelForCausalLM.from_pretrained`) before"
+            " `lightning_plugins.adapters.lora.apply_lora(model, LoraOptions(...))`, which creates them real on a"
+            " meta-device model, or build the base with its weights (`AutoModelForCausalLM.from_pretrained`) before"
             " `get_peft_model`."
         )
     names = {name: checkpoint_name(name) for name in todo}
@@ -212,7 +212,9 @@ def _give_storage(model: nn.Module, device: torch.device | str) -> None:
                 store[name] = done[id(tensor)]
 
 
-def _load_nf4(model: nn.Module, name: str, tensor: torch.Tensor, weight: LazySlice, device: torch.device | str) -> None:
+def _load_nf4(
+    model: nn.Module, name: str, tensor: torch.Tensor, weight: LazySlice, device: torch.device | str
+) -> None:
     """Quantize this rank's rows of the checkpoint's ``weight`` as the meta NF4 ``tensor`` says (its dtype, block and
     scaler block sizes; FSDP2's dim-0 shard, :mod:`.nf4_rows`) and put the result in place of ``tensor``."""
     meta = tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -56,7 +56,8 @@ def quantize_rows(weight: LazySlice, rows: slice, like: Tensor, device: torch.de
     def read(start: int, stop: int) -> Tensor:
         return weight[(slice(start, stop),)].to(device=device, dtype=dtype)
 
-    absmax = torch.cat([get_block_absmax(read(a, min(a + step, total)).flatten(), block) for a in range(0, total, step)])
+    chunks = range(0, total, step)
+    absmax = torch.cat([get_block_absmax(read(a, min(a + step, total)).flatten(), block) for a in chunks])
     mean = absmax.mean()  # over every block of the weight, as one process takes it
     lo, hi, _ = rows.indices(total)
     local = read(lo, hi)

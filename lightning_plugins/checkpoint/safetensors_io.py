@@ -20,7 +20,9 @@ from typing import IO
 import torch
 from torch import Tensor
 
-__all__ = ["LazySlice", "SafetensorsDirectory", "TensorSpec", "read_header", "read_slice", "read_tensor", "write_streaming"]
+__all__ = [
+    "LazySlice", "SafetensorsDirectory", "TensorSpec", "read_header", "read_slice", "read_tensor", "write_streaming",
+]
 
 #: Bytes read at a time when a slice keeps part of each row: its other dimensions are cut as each chunk arrives.
 CHUNK_BYTES = 64 * 2**20
@@ -133,8 +135,8 @@ def read_slice(
 
     Args:
         index: One ``slice`` (step 1) per leading dimension; the dimensions it leaves out are kept whole.
-        out: Where the slice goes (of its shape; another dtype is cast): read into directly when it is contiguous
-            and of the file's dtype. A new tensor when ``None``.
+        out: Where the slice goes (of its shape; another dtype is cast, another device copied to): read into
+            directly when it is a contiguous CPU tensor of the file's dtype. A new tensor when ``None``.
     """
     dtype = _FROM_NAME.get(entry["dtype"])
     if dtype is None:
@@ -145,7 +147,7 @@ def read_slice(
     bounds = [part.indices(size)[:2] for part, size in zip((*index, *[slice(None)] * len(shape))[: len(shape)], shape)]
     (lo, hi), rest = bounds[0], bounds[1:]
     given = out
-    if out is None or out.dtype != dtype or not out.is_contiguous():
+    if out is None or out.dtype != dtype or not out.is_contiguous() or out.device.type != "cpu":
         out = torch.empty([max(0, b - a) for a, b in bounds], dtype=dtype)
     row_bytes = math.prod(shape[1:]) * out.element_size()
     whole_rows = all(b - a == size for (a, b), size in zip(rest, shape[1:]))

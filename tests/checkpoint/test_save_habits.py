@@ -9,8 +9,9 @@
 
 Each written directory holds, bit for bit, what ``export_hf`` writes for the same trained model and exactly the
 trained parameters; it loads in plain transformers / peft with every weight read from it, and gives the trained
-model's loss. Then the refusals: a state dict that is one stage's part, local shards, DTensors on one rank only, a
-process group that is gone; and what is gathered when the writer is not rank 0.
+model's loss. Then the refusals: a state dict that is one stage's part, local shards (refused by the rank that would
+write it, with no collective), DTensors on one rank only (a collective save the other rank never joins fails within
+seconds), a process group that is gone; and what is gathered when the writer is not rank 0.
 """
 
 from __future__ import annotations
@@ -99,12 +100,20 @@ def _refusals(rank: int, world_size: int, root: str) -> None:
     from lightning_plugins.checkpoint.live_export import export_hf
     from lightning_plugins.parallel.save_pretrained import full_state_dict
 
+    import lightning_plugins.parallel.save_pretrained as saving
+
     pipelined = parallelize(tiny_model("llama"), ParallelLayout(pp_size=2), ParallelOptions(pp_microbatches=2))
-    with pytest.raises(ValueError, match=r"on rank 0 lacks 11 of the model's 21 entries \(under pipeline parallelism"):
+    # A state dict of plain tensors is checked and written by the rank that writes it, with no collective.
+    lacks = rf"on rank {rank} lacks {11 if rank == 0 else 10} of the model's 21 entries \(under pipeline parallelism"
+    with pytest.raises(ValueError, match=lacks):
         pipelined.save_pretrained(f"{root}/stage", state_dict=pipelined.state_dict())
     full = full_state_dict(pipelined)  # on rank 0 only: rank 1 cannot write it
-    with pytest.raises(ValueError, match=r"on rank 1 lacks 21 of the model's 21 entries, e.g. \['model.embed_tokens"):
-        pipelined.save_pretrained(f"{root}/stage", is_main_process=rank == 1, state_dict=full)
+    if rank == 1:
+        with pytest.raises(ValueError, match=r"on rank 1 lacks 21 of the model's 21 entries, e.g. \['model.embed_tokens"):
+            pipelined.save_pretrained(f"{root}/stage", is_main_process=True, state_dict=full)
+    else:
+        pipelined.save_pretrained(f"{root}/stage", is_main_process=False, state_dict=full)  # writes nothing
+    dist.barrier()
     assert not Path(f"{root}/stage").exists()
     # Without a state dict, rank 1 writes what rank 0 gathered from both stages.
     pipelined.save_pretrained(f"{root}/pp by rank 1", is_main_process=rank == 1)
@@ -114,11 +123,17 @@ def _refusals(rank: int, world_size: int, root: str) -> None:
 
     sharded = parallelize(tiny_model("llama"), ParallelLayout(tp_size=2))
     local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in sharded.state_dict().items()}
-    shard = r"on rank 0 holds '[\w.]+' of shape \[\d+, \d+\] where the model's is \[\d+, \d+\] \(a shard\)"
+    shard = rf"on rank {rank} holds '[\w.]+' of shape \[\d+, \d+\] where the model's is \[\d+, \d+\] \(a shard\)"
     with pytest.raises(ValueError, match=shard):
         sharded.save_pretrained(f"{root}/local", state_dict=local)
-    with pytest.raises(ValueError, match=r"on rank 0 holds \d+ DTensor shards .* the other ranks do not pass alike"):
-        sharded.save_pretrained(f"{root}/local", state_dict=sharded.state_dict() if rank == 0 else {})
+    # DTensors on rank 0 only: a collective save that rank 1 never joins (its `{}` is the main process's to write).
+    saving.ARRIVAL_TIMEOUT_S = 2.0
+    if rank == 0:
+        with pytest.raises(RuntimeError, match=r"every rank must call it .* only 1 of 2 ranks did within 2 s"):
+            sharded.save_pretrained(f"{root}/local", state_dict=sharded.state_dict())
+    else:
+        sharded.save_pretrained(f"{root}/local", state_dict={})
+    dist.barrier()
     assert not Path(f"{root}/local").exists()
     # The model's own sharded state_dict() on every rank is gathered; rank 1 writes.
     sharded.save_pretrained(f"{root}/tp by rank 1", is_main_process=rank == 1, state_dict=sharded.state_dict())
