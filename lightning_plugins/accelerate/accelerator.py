@@ -6,11 +6,12 @@ Accelerate does the rest of what it always does, told about data-parallel ranks 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -311,6 +312,23 @@ class ParallelAccelerator(Accelerator):
         )  # fmt: skip
         self._schedulers[self._schedulers.index(prepared)] = wrapped
         return wrapped
+
+    @override
+    @contextlib.contextmanager
+    def maybe_context_parallel(
+        self,
+        buffers: list[Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[Tensor] | None = None,
+    ) -> Iterator[None]:
+        """Accelerate's context-parallel context, kept for loops written for it: here it changes nothing, because the
+        prepared data loaders already hand each context-parallel rank its sequence shard of every batch (Accelerate's
+        would shard the buffers a second time, and without context parallelism only warns)."""
+        if self.builtin:
+            with super().maybe_context_parallel(buffers, buffer_seq_dims, no_restore_buffers):
+                yield
+            return
+        yield
 
     # ---------------------------------------------------------------------------------------- pipeline and clipping
 

@@ -237,6 +237,17 @@ def layout_of(layout: ParallelLayout | None = None, **sizes: int | None) -> Para
     return ParallelLayout(**{name: value for name, value in given_sizes(layout, **sizes).items() if value is not None})
 
 
+def add_dimension_names(mesh: DeviceMesh, names: dict[str, tuple[str, ...]]) -> DeviceMesh:
+    """Give ``mesh`` (built by :meth:`ParallelLayout.build_mesh`) more names: each a flattened view of the dimensions
+    it spans (a name the mesh has already is left as it is), whose groups wait as long as the world's."""
+    for name, dims in names.items():
+        try:
+            mesh[name]
+        except KeyError:
+            mesh[dims]._flatten(name, backend_override=_world_group_options())
+    return mesh
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

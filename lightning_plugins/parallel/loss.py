@@ -159,9 +159,16 @@ class ParallelCausalLMLoss:
         shift_labels: Tensor | None = None,
         **kwargs: Any,
     ) -> Tensor:
-        if ignore_index != IGNORE_INDEX:
-            labels = labels.masked_fill(labels == ignore_index, IGNORE_INDEX)
-        targets = next_token_targets(labels) if shift_labels is None else shift_labels
+        # transformers' ``ForCausalLMLoss``: ``shift_labels`` are the targets as given, ``labels`` are shifted only
+        # when there are none; either ignores ``ignore_index``.
+        if shift_labels is None:
+            if ignore_index != IGNORE_INDEX:
+                labels = labels.masked_fill(labels == ignore_index, IGNORE_INDEX)
+            targets = next_token_targets(labels)
+        else:
+            targets = shift_labels
+            if ignore_index != IGNORE_INDEX:
+                targets = targets.masked_fill(targets == ignore_index, IGNORE_INDEX)
         targets = targets.to(logits.device)
         loss_sum = None if self.chunked is None else self.chunked.take()
         if loss_sum is None:

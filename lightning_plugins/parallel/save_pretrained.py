@@ -13,12 +13,18 @@ model card. So the directory is the one a single process writes, and its tensors
 :func:`full_state_dict` is the whole state dict under one-process names on rank 0, which
 ``ParallelAccelerator.get_state_dict`` returns.
 
-Who writes: the ranks that pass ``is_main_process=True``; when every rank passes it (the default), rank 0
-alone. A ``state_dict=`` that is already full (plain tensors of the model's shapes, every entry) is written as
-given; the model's own sharded ``state_dict()`` passed alike on every rank is gathered first; anything else (one
-pipeline stage's part, local shards) is refused on every rank, before anything is written. The files are
-written into ``save_directory`` as the libraries write them (next to what is there, e.g. a tokenizer), not
-swapped in atomically as ``export_hf`` does.
+Handed a ``state_dict`` of plain tensors (what ``full_state_dict`` / ``ParallelAccelerator.get_state_dict`` give:
+the full one on the main process, ``{}`` on the others), ``save_pretrained`` is what the libraries do with it and
+nothing more: no collective, so ``if accelerator.is_main_process: model.save_pretrained(out, state_dict=state)``
+works. The writing rank (rank 0 when ``is_main_process`` is left at its default, as in transformers; else each rank
+passing ``is_main_process=True``) checks it locally (every entry of the model, of its global shapes, before anything
+is written) and writes it with transformers' (or peft's) own ``save_pretrained``; the other ranks return.
+
+Without one (or with the model's own sharded ``state_dict()``, DTensors, on every rank) the call is collective: the
+ranks passing ``is_main_process=True`` write (rank 0 alone when every rank passes it), from what is gathered.
+A rank that calls it alone fails after :data:`ARRIVAL_TIMEOUT_S` seconds naming the fix, never waits out the
+collective timeout. The files are written into ``save_directory`` as the libraries write them (next to what is
+there, e.g. a tokenizer), not swapped in atomically as ``export_hf`` does.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import time
 import types
 import warnings
 from collections.abc import Iterator
@@ -44,6 +51,11 @@ from lightning_plugins.errors import summarize
 from lightning_plugins.parallel.gather import collect_stages, full_on_leader, stage_leader
 
 __all__ = ["full_state_dict", "install_save_pretrained", "save_adapters", "save_model", "save_pretrained"]
+
+#: How long a rank waits, in a collective ``save_pretrained``, for every other rank to call it too.
+ARRIVAL_TIMEOUT_S = 30.0
+_ARRIVALS = "lightning_plugins/save_pretrained/arrivals"
+_calls_here = 0  # this process's completed collective calls: the store key of the next one
 
 #: What to do instead, ending every refusal.
 _INSTEAD = (
@@ -85,27 +97,33 @@ class _View(NamedTuple):
 def save_pretrained(model: nn.Module, *args: Any, **kwargs: Any) -> None:
     """``model.save_pretrained(save_directory, ...)`` for a parallelized model; the library's own arguments.
 
-    Collective: every rank calls it. The ranks passing ``is_main_process=True`` write (rank 0 alone when every
-    rank passes it). A transformers model is written by transformers' own ``save_pretrained`` with the full
-    trained tensors; a ``PeftModel`` writes its adapter directory (``adapter_config.json``, the adapters' weights
-    as peft picks and names them on each pipeline stage, the model card), as ``PeftModel.save_pretrained`` does.
+    With a ``state_dict`` of plain tensors (the full one where it is written, as ``get_state_dict`` gives it): no
+    collective; rank 0 writes it (or, when ``is_main_process`` is passed, each rank passing ``True``).
+    Otherwise collective: every rank calls it, and the ranks passing ``is_main_process=True`` write (rank 0 alone
+    when every rank passes it). A transformers model is written by transformers' own ``save_pretrained`` with the
+    full trained tensors; a ``PeftModel`` writes its adapter directory (``adapter_config.json``, the adapters'
+    weights as peft picks and names them, the model card), as ``PeftModel.save_pretrained`` does.
 
     Raises:
-        ValueError: on every rank, before anything is written, for a ``state_dict`` that is not the full one
-            (one pipeline stage's part, local shards) and cannot be gathered.
-        RuntimeError: when the process group is gone or a rank did not call it, and on every rank when a
-            writing rank failed.
+        ValueError: before anything is written, for a ``state_dict`` that is not the full one (one pipeline
+            stage's part, local shards): on the writing rank, or on every rank when it holds DTensors.
+        RuntimeError: when the process group is gone, when a peer did not call a collective save within
+            :data:`ARRIVAL_TIMEOUT_S`, and on every rank when a writing rank failed.
     """
     call = inspect.signature(type(model).save_pretrained).bind(model, *args, **kwargs)
     options = _arguments(call)
     given = options.pop("state_dict", None)
     owner = type(model).__name__
+    if given is not None and not any(isinstance(value, DTensor) for value in given.values()):
+        _save_given(model, options, given)  # the libraries' own save of what it was handed: no collective
+        return
     if not dist.is_initialized():
         raise RuntimeError(
             f"save_pretrained of this parallelized {owner} gathers its weights from every rank, but torch.distributed"
             " is not initialized (the process group was destroyed). Call it before `destroy_process_group()` on every"
             " rank, or export a saved checkpoint with `lightning-plugins export`."
         )
+    _wait_for_every_rank(owner)
     own, files = _entries_to_save(model, options)
     # The ranks of a pipeline stage hold the same entries (shards of the same global shapes): its leader tells them.
     leader = dist.get_rank() == stage_leader(hf_model_of(model))
@@ -143,6 +161,80 @@ def save_pretrained(model: nn.Module, *args: Any, **kwargs: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- the call
+
+
+def _save_given(model: nn.Module, options: dict[str, Any], given: dict[str, Any]) -> None:
+    """Write ``given`` (plain tensors) as the library's own ``save_pretrained`` would, on this rank alone.
+
+    Raises:
+        ValueError: before anything is written, when this rank would write and ``given`` is not the full state
+            dict (entries missing, e.g. one pipeline stage's part; local shards).
+    """
+    if not options.get("is_main_process", True):
+        return
+    if "is_main_process" not in options and dist.is_initialized() and dist.get_rank() != 0:
+        return  # as transformers: left at its default, rank 0 writes (the others hold `{}` from `get_state_dict`)
+    owner = type(model).__name__
+    own, _ = _entries_to_save(model, options)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    problem = _not_full(_describe(given), _full_entries(model, own))
+    if problem:
+        raise ValueError(f"{owner}.save_pretrained(state_dict=...): the state dict on rank {rank} {problem}.{_INSTEAD}")
+    options = {**options, "is_main_process": True}
+    directory = options.pop("save_directory")
+    if hf_model_of(model) is model:
+        with _writes_on_this_rank(model):
+            save_model(model, given, directory, **options)
+    else:  # peft picks the adapters' entries from the full state dict by name
+        type(model).save_pretrained(model, directory, state_dict=given, **options)
+
+
+def _full_entries(model: nn.Module, own: dict[str, Any]) -> dict[str, tuple[tuple[int, ...] | None, bool, str | None]]:
+    """The entries the full state dict holds, described: this rank's own (global shapes), and under pipeline
+    parallelism every stage's, read from the model's class built from its config on the meta device."""
+    from lightning_plugins.parallel.pipeline.apply import pipeline_of
+
+    described = _describe(own) or {}
+    hf = hf_model_of(model)
+    if pipeline_of(hf) is None or hf is not model:  # a peft model's entries are the adapters peft picks by name
+        return described
+    hf_class = next(cls for cls in type(hf).__mro__ if cls.__module__.startswith("transformers."))
+    config = copy.deepcopy(hf.config)
+    config._attn_implementation = "eager"  # any: nothing runs
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        whole = hf_class(config)
+    return {**(_describe(whole.state_dict()) or {}), **described}
+
+
+def _wait_for_every_rank(owner: str) -> None:
+    """Return once every rank has entered this collective call; raise after :data:`ARRIVAL_TIMEOUT_S` otherwise.
+
+    Ranks count themselves in the process group's store (no collective, so a rank alone is not stuck in one).
+    """
+    global _calls_here
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = f"{_ARRIVALS}/{_calls_here}"
+    arrived = store.add(key, 1)
+    deadline = time.monotonic() + ARRIVAL_TIMEOUT_S
+    while arrived < world:
+        if time.monotonic() > deadline:
+            store.add(key, -1)  # a later call, by every rank, counts afresh
+            raise RuntimeError(
+                f"{owner}.save_pretrained on a parallelized model without a full state dict is collective: every rank"
+                f" must call it (it gathers each rank's shards), but only {arrived} of {world} ranks did within"
+                f" {ARRIVAL_TIMEOUT_S:g} s. Either call it on every rank and choose the writer with"
+                " is_main_process=... (not under `if accelerator.is_main_process:`), or gather first on every rank"
+                " (`state = accelerator.get_state_dict(model)`, or"
+                " `lightning_plugins.parallel.save_pretrained.full_state_dict(model)`) and save from the main process"
+                " alone: `model.save_pretrained(out_dir, state_dict=state)`."
+            )
+        time.sleep(0.02)
+        arrived = store.add(key, 0)
+    _calls_here += 1
 
 
 def _arguments(call: inspect.BoundArguments) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import replace
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +43,12 @@ from lightning_plugins.parallel.optim_in_backward import check_step_in_backward,
 from lightning_plugins.parallel.pipeline.runtime import GradHandOff
 from lightning_plugins.strategies.checkpoint_io import ShardedCheckpoints
 from lightning_plugins.strategies.balance import add_balance
+from lightning_plugins.strategies.lightning_names import (
+    add_lightning_names,
+    check_parallelized_by_user,
+    lightning_sizes,
+    parallelized_by_user,
+)
 from lightning_plugins.strategies.perf import PerfCallback, add_perf
 from lightning_plugins.strategies.preemption import add_preemption
 from lightning_plugins.checkpoint.resume_choice import check_same_decision
@@ -62,7 +69,10 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
     applies the layout to it after the module's ``configure_model`` (if any) has run: the model may be built in
     ``__init__`` or in ``configure_model``, also on the meta device (each rank then reads only its slices of the
     checkpoint, see ``load_from``). A ``configure_model`` that calls ``parallelize(self.model, self.device_mesh, ...)``
-    itself keeps the settings it chose.
+    itself keeps the settings it chose; one that parallelized the model by hand, as Lightning's TP guide does
+    (``parallelize_module(self.model, self.device_mesh["tensor_parallel"], plan)``), keeps it as it is
+    (:mod:`~lightning_plugins.strategies.lightning_names`). ``self.device_mesh`` carries Lightning's dimension names
+    (``data_parallel``, ``tensor_parallel``) next to the engine's.
 
     Args:
         layout: The parallel sizes as one :class:`~lightning_plugins.ParallelLayout`; the size keywords below
@@ -104,6 +114,9 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
             ``train.preempt_signals``; see :class:`~lightning_plugins.strategies.preemption.PreemptionCallback`).
         perf: A :class:`~lightning_plugins.strategies.perf.PerfCallback` (``train.profile``, ``train.perf_sample``,
             ``train.straggler_ratio``) to add to every ``fit``; ``None``: no profiling.
+        data_parallel_size: ``ModelParallelStrategy``'s name for ``dp_shard_size`` (``"auto"``: what the world
+            leaves).
+        tensor_parallel_size: ``ModelParallelStrategy``'s name for ``tp_size`` (``"auto"``: every process of a node).
         **settings: Any field of ``ParallelOptions`` or ``MemoryOptions`` by name (``sequence_parallel``,
             ``loss_parallel``, ``cp_backend``, ``activation_checkpointing``, ``every_n_layers``,
             ``param_dtype``, ``reduce_dtype``, ``cpu_offload``, ``reshard_after_forward``, ...), overriding
@@ -134,6 +147,8 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
         recipe_record: str | None = None,
         preempt_signals: Sequence[str] = ("SIGTERM", "SIGUSR1"),
         perf: PerfCallback | None = None,
+        data_parallel_size: int | str | None = None,
+        tensor_parallel_size: int | str | None = None,
         **settings: Any,
     ) -> None:
         super().__init__(
@@ -141,10 +156,17 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        sizes = lightning_sizes(
+            type(self).__name__, {"tp_size": tp_size, "dp_shard_size": dp_shard_size}, data_parallel_size,
+            tensor_parallel_size,
+        )  # fmt: skip
+        #: ``tensor_parallel_size="auto"``: every process of a node, resolved in ``setup_environment``.
+        self._auto_tensor_parallel = sizes["tp_size"] == "auto"
         self.layout = layout_of(
-            layout, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, dp_shard_size=dp_shard_size,
-            dp_replicate_size=dp_replicate_size, ep_size=ep_size,
-        )
+            layout, tp_size=None if self._auto_tensor_parallel else sizes["tp_size"], pp_size=pp_size,
+            cp_size=cp_size, dp_shard_size=sizes["dp_shard_size"], dp_replicate_size=dp_replicate_size,
+            ep_size=ep_size,
+        )  # fmt: skip
         if self.layout.pp_size > 1 and not save_distributed_checkpoint:
             raise LayoutError(
                 f"{type(self).__name__} writes sharded (DCP) checkpoints only under pipeline parallelism: each rank"
@@ -194,6 +216,8 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         assert self.lightning_module is not None
+        if self._auto_tensor_parallel:
+            self.layout = replace(self.layout, tp_size=self.num_processes)
         # Validate against the world size, and against the model where the LightningModule already holds it, before
         # any process group exists (a model that `configure_model` builds is checked in `setup`, before parallelizing).
         self.layout = self.layout.resolve(self.num_nodes * self.num_processes)
@@ -205,7 +229,8 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
         self._setup_distributed()
         set_collective_timeout(self._timeout)  # joined: from now on every collective is bounded by `timeout`
         check_same_decision(self._all_gather_object)  # a node that resumes what another does not would hang
-        self._device_mesh = existing or self.layout.build_mesh(self.root_device.type)
+        # Lightning's dimension names too (`data_parallel`, `tensor_parallel`), for modules written for ModelParallelStrategy.
+        self._device_mesh = add_lightning_names(existing or self.layout.build_mesh(self.root_device.type))
         self.lightning_module._device_mesh = self._device_mesh
 
     def _all_gather_object(self, obj: Any) -> list[Any]:
@@ -277,6 +302,9 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
         that is (by an earlier entry point, or by the module's own ``configure_model``) must have this strategy's
         layout, and, when this strategy parallelized it, its settings.
         """
+        if parallelized_by_user(model):  # by `parallelize_module` in the module's configure_model: kept as it is
+            check_parallelized_by_user(type(self).__name__, model, self.layout)
+            return
         if mesh_of(model) is not None:
             if model in _PARALLELIZED:
                 check_same_settings(model, self.layout, self.options, self.memory)
@@ -295,7 +323,8 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
         model = self._hf_model(built=True)
         assert model is not None
         self._check_model(model)
-        apply = mesh_of(model) is None  # else the module's `configure_model` parallelized it: only load
+        # Else the module's `configure_model` parallelized it (by `parallelize`, or by hand): only load.
+        apply = mesh_of(model) is None and not parallelized_by_user(model)
         parallelize_and_load(
             self.lightning_module, model, self.device_mesh, self.options, self.memory,
             load_from=self.load_from, owner=type(self).__name__, device=self.root_device, apply=apply,

@@ -22,6 +22,8 @@ class TensorParallelStrategy(ParallelismStrategy):
     strategy_name = "tensor_parallel"
 
     def __init__(self, *, tp_size: int | Literal["auto"] = "auto", **kwargs: Any) -> None:
+        if tp_size == "auto" and kwargs.get("tensor_parallel_size") is not None:  # Lightning's name for it
+            tp_size = kwargs.pop("tensor_parallel_size")
         super().__init__(tp_size=1 if tp_size == "auto" else tp_size, **kwargs)
         self._auto_tp = tp_size == "auto"
 
