@@ -180,9 +180,10 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> PeftModel:
 
     Call it before :func:`lightning_plugins.parallelize`, after seeding every rank identically (adapters start from
     the global RNG; replicated halves must agree across ranks), on a model with real weights or on the meta device.
-    On the meta device the adapters are built real (as on a loaded model, see :mod:`.meta_base`) and the base stays
+    On a meta-device model the adapters are built real (as on a loaded model, see :mod:`.meta_base`) and the base stays
     on meta (with ``quantize="nf4"`` as NF4 weights of the right sizes), for each rank to read its slices of the
-    checkpoint after ``parallelize`` (:func:`lightning_plugins.checkpoint.load.load_sharded_safetensors`).
+    checkpoint after ``parallelize`` (:func:`lightning_plugins.checkpoint.load.load_sharded_safetensors`). Called under
+    ``torch.device("meta")`` (the planner's dry run), the adapters stay on the meta device too.
 
     Args:
         model: A transformers causal LM (``AutoModelForCausalLM``), not parallelized and not yet wrapped.
@@ -221,7 +222,9 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> PeftModel:
         task_type="CAUSAL_LM",
     )
     on_meta = any(param.is_meta for param in model.parameters())
-    with warnings.catch_warnings(), real_adapters_on_meta_base(model) if on_meta else nullcontext():
+    # Under `torch.device("meta")` (the planner's dry run) the adapters are wanted on meta too.
+    real_adapters = on_meta and not torch.empty(()).is_meta
+    with warnings.catch_warnings(), real_adapters_on_meta_base(model) if real_adapters else nullcontext():
         # peft reads a transformers attribute deprecated in 5.x: not something the user can act on.
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=options.autocast_adapter_dtype)

@@ -38,7 +38,7 @@ def real_adapters_on_meta_base(model: nn.Module) -> Iterator[None]:
     def stand_in(name: str, param: nn.Parameter) -> torch.Tensor | None:
         if not param.is_meta or param.dim() == 0:
             return None
-        zero = zeros.setdefault(param.dtype, torch.zeros((), dtype=param.dtype))
+        zero = zeros.setdefault(param.dtype, torch.zeros((), dtype=param.dtype, device="cpu"))
         return zero.expand(param.shape)
 
     _swap(model, stand_in)
