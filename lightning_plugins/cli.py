@@ -10,8 +10,9 @@ import sys
 from collections.abc import Sequence
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    from lightning_plugins.recipe.launch import add_recipe_arguments, recipe_overrides
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line: the top-level parser and each command's, by name."""
+    from lightning_plugins.recipe.launch import add_recipe_arguments
 
     parser = argparse.ArgumentParser(prog="lightning-plugins", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('lightning_plugins')}")
@@ -61,6 +62,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         " checkpoint holds (exit 1 naming the file)",
     )
     verify.add_argument("checkpoint", help="a checkpoint directory, e.g. outputs/x/checkpoints/step=100.ckpt")
+    return parser, commands.choices
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from lightning_plugins.recipe.launch import recipe_overrides
+
+    parser, commands = _parser()
+    finetune, plan, tiny, export = (commands[name] for name in ("finetune", "plan", "tiny", "export"))
     args, extra = parser.parse_known_args(argv)
 
     if args.command == "demo":

@@ -255,6 +255,8 @@ print(json.dumps({{"before": before, "loaded": loaded, "read": memory(), "rows":
 """
 
 
+# The measurement is the kernel's own split of a process's memory (RssAnon / RssFile in /proc), which only Linux
+# has; CI and every machine this project targets run Linux, so there the test always runs.
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon from /proc (Linux)")
 @pytest.mark.parametrize("records", [50_000, pytest.param(1_000_000, marks=pytest.mark.slow)])
 def test_a_rank_maps_the_prepared_rows_instead_of_copying_them(tmp_path: Path, records: int) -> None:
