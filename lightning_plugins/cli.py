@@ -1,5 +1,6 @@
-"""The console script: ``lightning-plugins demo | finetune | plan | tiny | export | verify``
-(also ``python -m lightning_plugins ...``)."""
+"""The console script: ``lightning-plugins demo | recipes | finetune | plan | tiny | launch | export | verify``
+(also ``python -m lightning_plugins ...``). A recipe is a YAML file or a shipped recipe's id (``lightning-plugins
+recipes`` lists them)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ from importlib.metadata import version
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+
+#: The shipped folders ``lightning-plugins recipes --where`` names.
+WHERE = ("recipes", "accelerate_configs", "slurm")
+#: The recipes the help names, by command (tests/test_cli.py checks each is shipped).
+EXAMPLES = {"finetune": "tiny/lora_tp2", "tiny": "llama-3.1-70b/lora_fsdp8", "plan": "llama-3.1-8b/full_fsdp8"}
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -27,11 +35,14 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     demo.add_argument("--batch-size", type=int, default=16)
     demo.add_argument("--out", default="outputs/demo", help="where the fine-tuned HF checkpoint is written")
     demo.add_argument("--eval-limit", type=int, default=None, help="evaluate on the first N held-out examples")
+    recipes = commands.add_parser("recipes", help="list the shipped recipes: id, hardware, what each does")
+    recipes.add_argument("--where", nargs="?", const="all", choices=("all", *WHERE), default=None,
+                         help="print where the shipped files are (or one folder of them), then exit")
     finetune = commands.add_parser(
         "finetune",
-        help="fine-tune as a recipe YAML says (overrides: --section.key=value, e.g. --lora.r=32 --train.max_steps=200)",
+        help="fine-tune as a recipe says (overrides: --section.key=value, e.g. --lora.r=32 --train.max_steps=200)",
     )
-    add_recipe_arguments(finetune, "recipes/tiny/lora_tp2.yaml")
+    add_recipe_arguments(finetune, EXAMPLES["finetune"])
     plan = commands.add_parser(
         "plan",
         help="check a recipe's layout at real size (memory per GPU, step time), or search the layouts of a model",
@@ -43,9 +54,13 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "tiny",
         help="write a recipe's tiny twin (its model family shrunk, its layout kinds on <= 4 CPU processes) to run here",
     )
-    tiny.add_argument("recipe", help="a real-size recipe, e.g. recipes/llama-3.1-70b/lora_fsdp8.yaml")
+    tiny.add_argument("recipe", help=f"a real-size recipe (a file or a shipped id), e.g. {EXAMPLES['tiny']}")
     tiny.add_argument("--out", default=None, help="where to write it (default: outputs/tiny/<model>/<recipe name>)")
     tiny.add_argument("--steps", type=int, default=20, help="optimizer steps of the tiny run (default: 20)")
+    from lightning_plugins.recipe.launchers import add_arguments as add_launch_arguments
+
+    add_launch_arguments(commands.add_parser("launch", help="write the job that runs a recipe on its hardware: a"
+                                             " torchrun/per-node script or a Kubernetes manifest"))  # fmt: skip
     export = commands.add_parser(
         "export",
         help="turn a training checkpoint (checkpoints/step=N.ckpt) into an HF or peft directory, streaming, in one process",
@@ -102,6 +117,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         _verify(args.checkpoint)
     elif args.command == "finetune":
         _finetune(args, extra, finetune)
+    elif args.command == "recipes":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        _recipes(where=args.where)
+    elif args.command == "launch":
+        from lightning_plugins.recipe.launchers import main as launch_main
+
+        sys.exit(launch_main(args, recipe_overrides(extra, commands["launch"])))
 
 
 def _finetune(args: argparse.Namespace, extra: list[str], parser: argparse.ArgumentParser) -> None:
@@ -172,8 +195,6 @@ def _export(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 def _verify(checkpoint: str) -> None:
-    from pathlib import Path
-
     from lightning_plugins.errors import CheckpointError
     from lightning_plugins.checkpoint.integrity import MANIFEST, verify_checkpoint
 
@@ -189,14 +210,15 @@ def _verify(checkpoint: str) -> None:
 
 
 def _tiny(args: argparse.Namespace, overrides: list[str]) -> None:
-    from pathlib import Path
 
     from lightning_plugins.errors import RecipeError
     from lightning_plugins.recipe.tiny import shrink_recipe
 
-    source = Path(args.recipe)
-    out = Path(args.out or Path("outputs") / "tiny" / source.parent.name / source.stem)
+    from lightning_plugins.resources import accelerate_configs_dir, find_recipe
+
     try:
+        source = find_recipe(args.recipe)
+        out = Path(args.out or Path("outputs") / "tiny" / source.parent.name / source.stem)
         recipe = shrink_recipe(source, out, steps=args.steps, overrides=tuple(overrides))
     except RecipeError as err:
         sys.exit(f"error: {err}")
@@ -205,7 +227,53 @@ def _tiny(args: argparse.Namespace, overrides: list[str]) -> None:
     world = load_recipe(recipe).hardware.world_size
     print(f"wrote {recipe} and its model; run it through either door:")
     print(f"  lightning-plugins finetune {recipe}")
-    print(f"  accelerate launch --config_file accelerate_configs/cpu_{world}proc.yaml -m lightning_plugins.accelerate {recipe}")
+    config = _shown(accelerate_configs_dir() / f"cpu_{world}proc.yaml")
+    print(f"  accelerate launch --config_file {config} -m lightning_plugins.accelerate {recipe}")
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the current directory when it is under it (``accelerate_configs/x.yaml`` in a clone)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _recipes(where: str | None) -> None:
+    """``lightning-plugins recipes``: each shipped recipe's id, hardware and method, from its file (nothing built)."""
+    import yaml
+
+    from lightning_plugins.resources import accelerate_configs_dir, recipe_ids, recipes_dir, slurm_dir
+
+    folders = {"recipes": recipes_dir(), "accelerate_configs": accelerate_configs_dir(), "slurm": slurm_dir()}
+    if where == "all":
+        print("\n".join(f"{name}: {folder}" for name, folder in folders.items()))
+        return
+    if where is not None:
+        print(folders[where])
+        return
+    rows = []
+    for name in recipe_ids():
+        path = recipes_dir() / f"{name}.yaml"
+        text = path.read_text()
+        raw = yaml.safe_load(text) or {}
+        hardware = raw.get("hardware") or {}
+        devices, nodes = hardware.get("devices", 1), hardware.get("nodes", 1)
+        if hardware.get("accelerator", "gpu") == "cpu":
+            where_runs = f"{devices} CPU proc"
+        else:
+            where_runs = f"{nodes} x {devices} {hardware.get('gpu') or 'GPU'}"
+        lora = raw.get("lora") or {}
+        method = "full" if not lora else ("qlora" if lora.get("quantize", "none") != "none" else "lora")
+        first = text.splitlines()[0] if text.startswith("#") else ""
+        rows.append((name, where_runs, method, first.lstrip("# ").strip()))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+    print(
+        "\nRun one by id or path: lightning-plugins plan ID | tiny ID | finetune ID | launch ID --to k8s"
+        " (`lightning-plugins recipes --where` says where the files are)."
+    )
 
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ from lightning_plugins.data.config import DataConfig, Example, PathLike, Record
 from lightning_plugins.errors import DataError
 from lightning_plugins.data.encoding import require_eos_id, fit_to_length, messages_field, text_field, encode_prompt_completion
 from lightning_plugins.data.loading import read_jsonl
+from lightning_plugins.resources import tiny_dir
 
-TINY_DIR: Final[Path] = Path(__file__).resolve().parents[2] / "recipes" / "tiny"
-"""Root of the embedded default assets (``model/`` and ``data/``)."""
+TINY_DIR: Final[Path] = tiny_dir()
+"""Root of the embedded default assets (``model/`` and ``data/``), in a clone or an installed wheel."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def tiny_assets(root: PathLike = TINY_DIR) -> TinyAssets:
         raise FileNotFoundError(
             "Tiny default assets are missing: "
             + ", ".join(missing)
-            + ". Regenerate them with `python recipes/tiny/make_tiny.py`."
+            + ". Regenerate them with `python recipes/tiny/make_tiny.py` in a clone of the repository."
         )
     return assets
 

@@ -17,7 +17,8 @@ import yaml
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "recipe", nargs="?", help="a recipe to check at real size (e.g. recipes/llama-3.1-8b/full.yaml)"
+        "recipe", nargs="?",
+        help="a recipe to check at real size: a file or a shipped recipe's id (e.g. llama-3.1-8b/full_fsdp8)",
     )
     parser.add_argument("--model", help="search: a config.json, a directory holding one, or a shipped config name")
     parser.add_argument("--gpus", type=int, help="search: GPUs in all")

@@ -23,9 +23,9 @@ TRAINABLE = ("full", "lora", "qlora")
 
 
 def _configs_dir() -> Path:
-    import lightning_plugins
+    from lightning_plugins.resources import model_configs_dir
 
-    return Path(lightning_plugins.__file__).resolve().parents[1] / "recipes" / "configs"
+    return model_configs_dir()
 
 
 def shipped_configs() -> list[str]:

@@ -51,11 +51,11 @@ def add_recipe_arguments(parser: argparse.ArgumentParser, example: str) -> None:
 
     Args:
         parser: The door's parser (or sub-command parser).
-        example: A recipe file the help names.
+        example: A recipe the help names (a shipped id, or a path relative to the repository).
     """
     from lightning_plugins.recipe.diff import add_reset_argument
 
-    parser.add_argument("recipe", help=f"the recipe file, e.g. {example}")
+    parser.add_argument("recipe", help=f"the recipe: a YAML file or a shipped recipe's id, e.g. {example}")
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     parser.add_argument(
         "--resume", default=None, help="a checkpoint to resume from (default: the latest in the output directory)"

@@ -254,16 +254,16 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """Read, override, validate and resolve a recipe; check it against the model config and the world.
 
     Args:
-        path: The YAML file.
+        path: The YAML file, or a shipped recipe's id (``llama-3.1-8b/lora_1gpu``; ``lightning-plugins recipes``).
         overrides: Dotted ``key=value`` settings applied before validation (``lora.r=32``,
             ``train.max_steps=200``); values are parsed as YAML (``true``, ``1e-4``, ``[q_proj, v_proj]``).
 
     Raises:
         RecipeError: naming the file, the key path and a fix; nothing has started yet.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"{path}: no such recipe file.")
+    from lightning_plugins.resources import find_recipe
+
+    path = find_recipe(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
