@@ -19,17 +19,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.data_loader import DataLoaderShard, get_sampler, prepare_data_loader
 from accelerate.scheduler import AcceleratedScheduler
-from accelerate.utils import recursively_apply
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.data import DistributedSampler, RandomSampler
 from typing_extensions import override
 
-from lightning_plugins.accelerate.loaders import DataParallelScheduler, ParallelDataLoader
+from lightning_plugins.accelerate.context import position_whole_sequence
+from lightning_plugins.accelerate.fsdp_plugin import check_wrap_classes, memory_settings, merge_settings, wrap_classes
+from lightning_plugins.accelerate.gathering import all_tensors, gather_objects, gather_tensors
+from lightning_plugins.accelerate.loaders import DataParallelScheduler, shard_over_data_ranks
+from lightning_plugins.accelerate.parallelism import LayoutParallelismConfig, parallelism_config_of
 from lightning_plugins.accelerate.settings import (
     builtin_path,
+    uses_fsdp2_plugin,
     check_builtin,
     describe_launch,
     join_slowly,
@@ -49,7 +51,7 @@ from lightning_plugins.parallel import check_settings, clip_grad_norm_, mesh_of,
 from lightning_plugins.parallel.optim_in_backward import check_step_in_backward, stepping_in_backward
 from lightning_plugins.parallel.pipeline.runtime import GradHandOff
 from lightning_plugins.parallel.teardown import release_at_exit, release_process_groups
-from lightning_plugins.parallel.families import find_hf_model
+from lightning_plugins.parallel.families import decoder_layers, family_for, find_hf_model
 
 __all__ = ["ParallelAccelerator"]
 
@@ -100,7 +102,9 @@ class ParallelAccelerator(Accelerator):
             ``pp_schedule``, ``activation_checkpointing``, ...), and every ``accelerate.Accelerator`` argument.
             ``kwargs_handlers=[InitProcessGroupKwargs(timeout=...)]`` bounds every collective (a stuck rank then
             fails its peers after that long); joining the process group still waits at least 30 min.
-            Sizes left at ``None`` are read from the launch config's ``parallelism_config_*`` keys, if set.
+            Sizes left at ``None`` come from ``parallelism_config=ParallelismConfig(...)`` or the launch config's
+            ``parallelism_config_*`` keys; an FSDP2 ``fsdp_plugin`` sets the engine's FSDP2 settings
+            (:mod:`~lightning_plugins.accelerate.fsdp_plugin`); an FSDP1 plugin selects Accelerate's own FSDP.
 
     Raises:
         LayoutError: before any process group exists, when the layout does not fit the launched world,
@@ -126,13 +130,18 @@ class ParallelAccelerator(Accelerator):
     ) -> None:
         owner = type(self).__name__
         settings = {name: kwargs.pop(name) for name in list(kwargs) if name in _SETTINGS}
+        deepspeed = kwargs.get("deepspeed_plugin") or kwargs.get("deepspeed_plugins")
+        # Accelerate's FSDP2 plugin configures what the engine's dp_shard does: its settings join the others.
+        fsdp2_plugin = kwargs.pop("fsdp_plugin") if uses_fsdp2_plugin(kwargs, deepspeed) else None
+        settings = merge_settings(owner, memory_settings(owner, fsdp2_plugin), settings, memory)
+        #: Layer classes the FSDP2 plugin wraps, checked against the model's decoder layers at ``prepare``.
+        self.wrap_classes = wrap_classes(fsdp2_plugin)
         self.options, self.memory = with_settings(owner, options, memory, **settings)
         sizes = given_sizes(
             layout, tp_size=tp_size, pp_size=pp_size, cp_size=cp_size, dp_shard_size=dp_shard_size,
             dp_replicate_size=dp_replicate_size, ep_size=ep_size,
         )
-        deepspeed = kwargs.get("deepspeed_plugin") or kwargs.get("deepspeed_plugins")
-        self.builtin = builtin_path(deepspeed, kwargs.get("fsdp_plugin"))
+        self.builtin = None if fsdp2_plugin is not None else builtin_path(deepspeed, kwargs.get("fsdp_plugin"))
         parallelism_config = None if self.builtin else kwargs.pop("parallelism_config", None)
         layout = merge_sizes(owner, sizes, parallelism_config)
         local, nodes = launched_world()
@@ -150,6 +159,8 @@ class ParallelAccelerator(Accelerator):
         self.recipe_record = recipe_record
         self._saver = AsyncCheckpointer()
         self.device_mesh = None
+        self._parallelism_config: LayoutParallelismConfig | None = None  # once the mesh exists
+        self._accelerate_prepares = False  # while Accelerate's own `prepare` runs (see `parallelism_config`)
         self._grads = GradHandOff()  # under pipeline parallelism: the gradients the model call computed
         #: The routing balance of a prepared mixture-of-experts model (``None``: dense); see :meth:`moe_balance`.
         self.balance: ExpertBalance | None = None
@@ -166,7 +177,9 @@ class ParallelAccelerator(Accelerator):
                 )
             return
         timeout = join_slowly(kwargs)
-        with parallelism_config_off():  # it refuses MULTI_CPU and would build a second mesh
+        # Accelerate's parallelism config refuses MULTI_CPU and would build a second mesh; a launch config's FSDP would
+        # select Accelerate's FSDP over the plugin mapped above.
+        with parallelism_config_off(fsdp=fsdp2_plugin is not None):
             super().__init__(**kwargs)
         set_collective_timeout(timeout)  # joined: from now on every collective is bounded by it
         if not dist.is_initialized():  # one process: a world of one, so the engine's path is the same
@@ -179,6 +192,24 @@ class ParallelAccelerator(Accelerator):
                 " inside the model call; use mixed_precision='bf16' (or 'no') with pp_size > 1."
             )
         self.device_mesh = self.layout.build_mesh(self.device.type)
+        self._parallelism_config = parallelism_config_of(self.layout, self.device_mesh)
+
+    @property
+    @override
+    def parallelism_config(self) -> Any:
+        """Accelerate's ``ParallelismConfig`` answering for the layout (``dp_cp_dim_names``, ``non_data_parallel_size``,
+        ...; :class:`~lightning_plugins.accelerate.parallelism.LayoutParallelismConfig`). ``None`` to Accelerate's own
+        ``prepare``, whose tensor and context parallelism would redo the engine's."""
+        if self.builtin or self._accelerate_prepares:
+            return super().parallelism_config
+        return self._parallelism_config
+
+    @property
+    @override
+    def torch_device_mesh(self) -> Any:
+        """The engine's mesh: Accelerate's dimension names (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``) and flattened
+        views (``dp``, ``dp_shard_cp``, ``dp_cp``), plus ``pp``."""
+        return super().torch_device_mesh if self.builtin else self.device_mesh
 
     # ----------------------------------------------------------------------------------------------------- prepare
 
@@ -189,7 +220,11 @@ class ParallelAccelerator(Accelerator):
             for obj in args:
                 if isinstance(obj, nn.Module):
                     self._parallelize(obj, optimizers)
-        return super().prepare(*args, device_placement=device_placement)
+        self._accelerate_prepares = not self.builtin
+        try:
+            return super().prepare(*args, device_placement=device_placement)
+        finally:
+            self._accelerate_prepares = False
 
     @override
     def prepare_model(
@@ -214,6 +249,9 @@ class ParallelAccelerator(Accelerator):
             parallelize_and_load(model, hf_model, self.device_mesh, self.options, self.memory,
                                  load_from=self.load_from, owner=owner, device=self.device)  # fmt: skip
             return
+        if self.wrap_classes:
+            layers = decoder_layers(hf_model, family_for(hf_model, tensor_parallel=False))
+            check_wrap_classes(owner, self.wrap_classes, layers)
         if any(opt.state for opt in optimizers):
             raise LayoutError(
                 f"{owner}.prepare: the optimizer has already stepped; its state belongs to the unsharded parameters."
@@ -274,30 +312,7 @@ class ParallelAccelerator(Accelerator):
                 f"{type(self).__name__}: dispatch_batches=True sends slices to every process, but tensor, context and"
                 " pipeline ranks must see the same samples. Leave DataLoaderConfiguration(dispatch_batches=None)."
             )
-        dp = self.device_mesh["dp"]
-        sharded = isinstance(getattr(data_loader, "sampler", None), DistributedSampler)
-        sampler = get_sampler(data_loader)
-        if isinstance(sampler, RandomSampler) and sampler.generator is None and not self.use_seedable_sampler:
-            # Accelerate gives it a generator only for several processes; save_state needs the epoch's order in one.
-            sampler.generator = torch.Generator().manual_seed(int(torch.empty((), dtype=torch.int64).random_()))
-        shard = prepare_data_loader(
-            data_loader,
-            self.device,
-            num_processes=1 if sharded else dp.size(),
-            process_index=0 if sharded else dp.get_local_rank(),
-            split_batches=self.split_batches,
-            put_on_device=self.device_placement if device_placement is None else device_placement,
-            rng_types=self.rng_types.copy(),
-            dispatch_batches=False,
-            even_batches=self.even_batches,
-            use_seedable_sampler=self.use_seedable_sampler,
-            data_seed=self.dataloader_config.data_seed,
-            non_blocking=self.non_blocking,
-            use_stateful_dataloader=self.use_stateful_dataloader,
-        )
-        assert isinstance(shard, DataLoaderShard)
-        context = self.device_mesh if self.layout.cp_size > 1 else None
-        loader = ParallelDataLoader.adopt(shard, context, type(self).__name__, getattr(sampler, "generator", None))
+        loader = shard_over_data_ranks(self, data_loader, device_placement)
         self._dataloaders.append(loader)
         return loader
 
@@ -321,13 +336,16 @@ class ParallelAccelerator(Accelerator):
         buffer_seq_dims: list[int] | None = None,
         no_restore_buffers: set[Tensor] | None = None,
     ) -> Iterator[None]:
-        """Accelerate's context-parallel context, kept for loops written for it: here it changes nothing, because the
-        prepared data loaders already hand each context-parallel rank its sequence shard of every batch (Accelerate's
-        would shard the buffers a second time, and without context parallelism only warns)."""
+        """Accelerate's context-parallel context, kept for loops written for it: the prepared data loaders already hand
+        each context-parallel rank its sequence shard (Accelerate's would shard the buffers a second time, and without
+        context parallelism only warns); position ids built from a shard's length are made the whole sequence's
+        (:mod:`~lightning_plugins.accelerate.context`)."""
         if self.builtin:
             with super().maybe_context_parallel(buffers, buffer_seq_dims, no_restore_buffers):
                 yield
             return
+        if self.layout.cp_size > 1 and buffers:
+            position_whole_sequence(self._dataloaders, buffers, buffer_seq_dims or [1] * len(buffers))
         yield
 
     # ---------------------------------------------------------------------------------------- pipeline and clipping
@@ -391,32 +409,14 @@ class ParallelAccelerator(Accelerator):
         """Gather over data-parallel ranks (tensor, context and pipeline peers hold the same samples)."""
         if not self._dp_only():
             return super().gather(tensor)
-        group = self.device_mesh["dp"].get_group()
-
-        def gather_one(local: Tensor) -> Tensor:
-            local = local.reshape(1) if local.ndim == 0 else local.contiguous()
-            out = local.new_empty((dist.get_world_size(group) * local.shape[0], *local.shape[1:]))
-            _all_gather_single(out, local, group=group)
-            return out
-
-        return recursively_apply(gather_one, tensor, error_on_other_type=True)
+        return gather_tensors(tensor, self.device_mesh["dp"].get_group())
 
     @override
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather over data-parallel ranks; the last batch's duplicated samples are dropped, as in Accelerate."""
-        try:
-            recursively_apply(lambda x: x, input_data, error_on_other_type=True)
-            tensors = True
-        except TypeError:
-            tensors = False
-        if not self._dp_only() or (tensors and not use_gather_object):
+        if not self._dp_only() or (all_tensors(input_data) and not use_gather_object):
             return super().gather_for_metrics(input_data, use_gather_object)
-        dp = self.device_mesh["dp"]
-        parts: list[Any] = [None] * dp.size()
-        dist.all_gather_object(parts, input_data, group=dp.get_group())
-        data = [item for part in parts for item in part]
-        state = self.gradient_state
-        return data[: state.remainder] if state.end_of_dataloader and state.remainder > 0 else data
+        return gather_objects(input_data, self.device_mesh["dp"].get_group(), self.gradient_state)
 
     # -------------------------------------------------------------------------------------------- saving, loading
 
@@ -485,10 +485,6 @@ class ParallelAccelerator(Accelerator):
             input_dir = saved[-1]
         load_training_state(self, input_dir)
         return None
-
-
-# torch 2.13 renamed all_gather_into_tensor (the old name warns).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _on(device: torch.device, target: torch.device) -> bool:

@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from accelerate.data_loader import DataLoaderShard
+from accelerate.data_loader import DataLoaderShard, get_sampler, prepare_data_loader
 from accelerate.scheduler import AcceleratedScheduler
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from lightning_plugins.parallel import context_parallel_batch
 from lightning_plugins.checkpoint.resume import ResumableLoader
@@ -30,6 +31,7 @@ class ParallelDataLoader(ResumableLoader, DataLoaderShard):
 
     mesh: DeviceMesh | None
     owner: str
+    last_shards: dict[str, Any]
     sampler_generator: torch.Generator | None
 
     @classmethod
@@ -46,7 +48,7 @@ class ParallelDataLoader(ResumableLoader, DataLoaderShard):
         """
         loader = cls.__new__(cls)
         loader.__dict__.update(shard.__dict__)  # bypasses DataLoader.__setattr__, which guards set-once fields
-        loader.__dict__.update(mesh=mesh, owner=owner, sampler_generator=generator)
+        loader.__dict__.update(mesh=mesh, owner=owner, sampler_generator=generator, last_shards={})
         return loader
 
     def order_generator(self) -> torch.Generator | None:
@@ -58,9 +60,12 @@ class ParallelDataLoader(ResumableLoader, DataLoaderShard):
 
     def _shard(self, batch: Any) -> Any:
         try:
-            return context_parallel_batch(batch, self.mesh)
+            sharded = context_parallel_batch(batch, self.mesh)
         except ValueError as err:
             raise ValueError(f"{self.owner} (cp_size={self.mesh['cp'].size()}): {err}") from None
+        #: The last batch's sequence shards, by name: what ``maybe_context_parallel`` compares its buffers with.
+        self.last_shards = dict(sharded) if isinstance(sharded, dict) else {}
+        return sharded
 
     def position(self) -> dict[str, Any]:
         """Where the loader stands: its epoch (Accelerate's ``iteration``) and its place in it."""
@@ -97,3 +102,37 @@ class DataParallelScheduler(AcceleratedScheduler):
         for _ in range(self.replicas):
             if total is None or self.scheduler._step_count <= total:
                 self.scheduler.step(*args, **kwargs)
+
+
+def shard_over_data_ranks(
+    accelerator: Any, data_loader: DataLoader, device_placement: bool | None
+) -> ParallelDataLoader:
+    """``data_loader`` prepared by Accelerate's ``prepare_data_loader`` over the ``dp`` mesh dimension only (a loader
+    whose sampler is a ``DistributedSampler`` is already sharded and is only placed on the device), as a
+    :class:`ParallelDataLoader` that context-shards its batches under context parallelism."""
+    mesh = accelerator.device_mesh
+    dp = mesh["dp"]
+    sharded = isinstance(getattr(data_loader, "sampler", None), DistributedSampler)
+    sampler = get_sampler(data_loader)
+    if isinstance(sampler, RandomSampler) and sampler.generator is None and not accelerator.use_seedable_sampler:
+        # Accelerate gives it a generator only for several processes; save_state needs the epoch's order in one.
+        sampler.generator = torch.Generator().manual_seed(int(torch.empty((), dtype=torch.int64).random_()))
+    shard = prepare_data_loader(
+        data_loader,
+        accelerator.device,
+        num_processes=1 if sharded else dp.size(),
+        process_index=0 if sharded else dp.get_local_rank(),
+        split_batches=accelerator.split_batches,
+        put_on_device=accelerator.device_placement if device_placement is None else device_placement,
+        rng_types=accelerator.rng_types.copy(),
+        dispatch_batches=False,
+        even_batches=accelerator.even_batches,
+        use_seedable_sampler=accelerator.use_seedable_sampler,
+        data_seed=accelerator.dataloader_config.data_seed,
+        non_blocking=accelerator.non_blocking,
+        use_stateful_dataloader=accelerator.use_stateful_dataloader,
+    )
+    assert isinstance(shard, DataLoaderShard)
+    context = mesh if accelerator.layout.cp_size > 1 else None
+    owner = type(accelerator).__name__
+    return ParallelDataLoader.adopt(shard, context, owner, getattr(sampler, "generator", None))

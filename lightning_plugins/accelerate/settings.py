@@ -126,6 +126,13 @@ def builtin_path(deepspeed_plugin: Any | None = None, fsdp_plugin: Any | None = 
     return None
 
 
+def uses_fsdp2_plugin(kwargs: dict[str, Any], deepspeed_plugin: Any | None = None) -> bool:
+    """Whether the Accelerator arguments pass an FSDP2 ``fsdp_plugin`` for the engine to map (not under DeepSpeed;
+    an FSDP1 plugin selects Accelerate's own FSDP)."""
+    plugin = kwargs.get("fsdp_plugin")
+    return builtin_path(deepspeed_plugin) is None and plugin is not None and getattr(plugin, "fsdp_version", 1) == 2
+
+
 def check_builtin(owner: str, layout: ParallelLayout, path: str) -> None:
     """Under Accelerate's DeepSpeed or FSDP only data-parallel sizes make sense.
 
@@ -145,14 +152,15 @@ def check_builtin(owner: str, layout: ParallelLayout, path: str) -> None:
 
 
 @contextlib.contextmanager
-def parallelism_config_off() -> Iterator[None]:
-    """Hide the launch's ``ACCELERATE_USE_PARALLELISM_CONFIG`` from ``Accelerator.__init__`` (its sizes were read)."""
-    value = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+def parallelism_config_off(fsdp: bool = False) -> Iterator[None]:
+    """Hide the launch's ``ACCELERATE_USE_PARALLELISM_CONFIG`` from ``Accelerator.__init__`` (its sizes were read),
+    and with ``fsdp`` its ``ACCELERATE_USE_FSDP`` (an FSDP2 plugin passed to the door was mapped onto the engine)."""
+    names = ("ACCELERATE_USE_PARALLELISM_CONFIG", *(("ACCELERATE_USE_FSDP",) if fsdp else ()))
+    hidden = {name: os.environ.pop(name) for name in names if name in os.environ}
     try:
         yield
     finally:
-        if value is not None:
-            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = value
+        os.environ.update(hidden)
 
 
 def join_slowly(kwargs: dict[str, Any]) -> Any:
