@@ -37,7 +37,7 @@ from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_
 from lightning_plugins.parallel.chunked_loss import install_chunked_head, install_chunked_loss
 from lightning_plugins.parallel.pipeline import PipelineOptions, apply_pipeline_parallel, pipeline_of
 from lightning_plugins.parallel.pipeline.anatomy import decoder_anatomy
-from lightning_plugins.parallel.tensor import apply_tensor_parallel
+from lightning_plugins.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
 
 __all__ = [
     "parallelize",
@@ -187,6 +187,8 @@ def check_parallelizable(
     if pipeline_options is not None:
         decoder_anatomy(model, layout.pp_size)  # a forward a stage cannot reproduce is refused here
     check_quantized(model, layout, float8=options.float8)
+    if layout.tp_size > 1:  # a layer tensor parallelism would split only partly
+        check_tensor_parallel(model, family_for(model), layout.tp_size)
     check_router_loss(getattr(model, "config", None), splits_tokens=max(layout.tp_size, layout.cp_size, layout.pp_size) > 1)
     return pipeline_options
 

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_plugins.parallel.compile import simulated
-from lightning_plugins.parallel.loss import IGNORE_INDEX, local_token_losses, next_token_targets
+from lightning_plugins.parallel.loss import IGNORE_INDEX, causal_lm_targets, local_token_losses
 from lightning_plugins.parallel.pipeline.anatomy import DecoderAnatomy, head_transforms
 
 __all__ = ["ChunkedHead", "chunked_token_loss_sum", "install_chunked_head", "install_chunked_loss"]
@@ -129,6 +129,13 @@ def _add_product(out: Tensor, a: Tensor, b: Tensor) -> None:
         out.addmm_(a.to(out.dtype), b.to(out.dtype))
 
 
+def _chunk_starts(tokens: int, chunk: int) -> range:
+    """Where each chunk of ``chunk`` tokens starts. Every chunk's temporaries are freed before the next one's exist,
+    so the planner's dry run, which only measures memory, keeps the first alone
+    (:func:`lightning_plugins.planner.fake_step.one_loss_chunk_only`)."""
+    return range(0, tokens, chunk)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Sum of token losses of ``hidden @ weight.T`` over chunks; backward recomputes the logits tile by tile."""
 
@@ -144,7 +151,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     ) -> Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         lse = hidden.new_empty(targets.shape, dtype=torch.promote_types(weight.dtype, torch.float32))
-        for start in range(0, targets.numel(), chunk):
+        for start in _chunk_starts(targets.numel(), chunk):
             end = start + chunk
             losses, lse[start:end] = _chunk_losses(hidden[start:end], weight, targets[start:end], head, vocab)
             total += losses.sum()
@@ -174,7 +181,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_block = grad_weight[first : first + height]
                 direct = grad_block.dtype == accumulate
                 grad_block = grad_block.zero_() if direct else torch.zeros_like(block, dtype=accumulate)
-            for start in range(0, targets.numel(), ctx.chunk):
+            for start in _chunk_starts(targets.numel(), ctx.chunk):
                 end = start + ctx.chunk
                 x = hidden[start:end]
                 logits = F.linear(x, block)  # as forward, in the weight's dtype
@@ -268,13 +275,17 @@ class ChunkedHead:
         return DTensor.from_local(local.new_empty(*local.shape[:-1], 0), hidden.device_mesh, [Shard(-1)], run_check=False)
 
     def arm_from_call(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        """Forward pre-hook of the causal LM: arm a training forward that has labels and the default ignore index."""
-        labels, shift_labels = kwargs.get("labels"), kwargs.get("shift_labels")
-        armed = module.training and torch.is_grad_enabled() and "ignore_index" not in kwargs
-        if not armed or (labels is None and shift_labels is None) or kwargs.get("logits_to_keep", 0) != 0:
+        """Forward pre-hook of the causal LM: arm a training forward that has ``labels`` (and maybe ``shift_labels``,
+        ``ignore_index``)."""
+        # transformers' causal LMs compute a loss only when `labels` is given: with `shift_labels` alone the forward
+        # returns the logits and no loss, so the head must compute them.
+        labels = kwargs.get("labels")
+        armed = module.training and torch.is_grad_enabled() and labels is not None
+        if not armed or kwargs.get("logits_to_keep", 0) != 0:
             self.arm(None)
             return
-        self.arm(next_token_targets(labels) if shift_labels is None else shift_labels)
+        # The targets the model's loss_function computes from the same arguments (a custom ignore_index included).
+        self.arm(causal_lm_targets(labels, kwargs.get("shift_labels"), kwargs.get("ignore_index", IGNORE_INDEX)))
 
 
 def install_chunked_head(

@@ -108,6 +108,21 @@ def next_token_targets(labels: Tensor) -> Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
+def causal_lm_targets(labels: Tensor, shift_labels: Tensor | None = None, ignore_index: int = IGNORE_INDEX) -> Tensor:
+    """The targets transformers' ``ForCausalLMLoss`` trains on, with ``-100`` for every ignored one.
+
+    ``shift_labels`` are the targets as given; ``labels`` are shifted once only when there are none; either ignores
+    ``ignore_index``.
+    """
+    if shift_labels is None:
+        if ignore_index != IGNORE_INDEX:
+            labels = labels.masked_fill(labels == ignore_index, IGNORE_INDEX)
+        return next_token_targets(labels)
+    if ignore_index != IGNORE_INDEX:
+        return shift_labels.masked_fill(shift_labels == ignore_index, IGNORE_INDEX)
+    return shift_labels
+
+
 def normalize_over_tokens(
     loss_sum: Tensor, count: Tensor, data_mesh: DeviceMesh | None, global_count: Tensor | int | None = None
 ) -> Tensor:
@@ -159,17 +174,7 @@ class ParallelCausalLMLoss:
         shift_labels: Tensor | None = None,
         **kwargs: Any,
     ) -> Tensor:
-        # transformers' ``ForCausalLMLoss``: ``shift_labels`` are the targets as given, ``labels`` are shifted only
-        # when there are none; either ignores ``ignore_index``.
-        if shift_labels is None:
-            if ignore_index != IGNORE_INDEX:
-                labels = labels.masked_fill(labels == ignore_index, IGNORE_INDEX)
-            targets = next_token_targets(labels)
-        else:
-            targets = shift_labels
-            if ignore_index != IGNORE_INDEX:
-                targets = targets.masked_fill(targets == ignore_index, IGNORE_INDEX)
-        targets = targets.to(logits.device)
+        targets = causal_lm_targets(labels, shift_labels, ignore_index).to(logits.device)
         loss_sum = None if self.chunked is None else self.chunked.take()
         if loss_sum is None:
             loss_sum = token_losses(logits, targets).sum()

@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.experts import OnLocalParameters, TokenLocalBlock, moe_block_name
-from lightning_plugins.parallel.families import ModelFamily, decoder_layers
+from lightning_plugins.parallel.families import ModelFamily, _is_norm, decoder_layers
 from lightning_plugins.parallel.vocab_embedding import keep_embedding_grad_sharded
 from lightning_plugins.parallel.regather import RegatherInBackward
 
@@ -143,6 +143,61 @@ def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMes
     if block is not None:
         TokenLocalBlock(tp_mesh).install(layer.get_submodule(block))
     return dropout
+
+
+def check_tensor_parallel(model: nn.Module, family: ModelFamily, tp_size: int) -> None:
+    """Refuse a decoder layer whose split would be partial, before anything is split (no collective runs).
+
+    Tensor parallelism splits a region of a layer (attention, MLP, what the family's plan names) through its planned
+    projections; any other parameter the region holds would be replicated and meet the split projections' outputs
+    in the region's own forward (a convolution over the split channels, per-head decays of a linear attention such as
+    Qwen3.5's Gated DeltaNet ``linear_attn``): torch then fails inside the forward (``got mixed torch.Tensor and
+    DTensor``), or the math is wrong. Norms, the family's per-head parameters, the routed-experts block and peft
+    adapters (checked by their own rules) are known; anything else is refused here, naming the module.
+
+    Raises:
+        LayoutError: naming the first such module, its parameters and ``tp_size``.
+    """
+    planned = (*family.colwise, *family.rowwise, *family.extra_styles)
+    known = (*planned, *family.head_norms, *family.layer_norms)
+    regions = tuple(dict.fromkeys(name.partition(".")[0] for name in planned))
+    prefix = family.layers
+    for index, layer in enumerate(decoder_layers(model, family)):
+        block = moe_block_name(layer)
+        adapters = _adapter_names(layer)
+        for region in regions:
+            module = _submodule_or_none(layer, region)
+            if module is None or region == block:
+                continue
+            unsplit = []
+            for name, sub in module.named_modules(prefix=region):
+                own = [key for key, _ in sub.named_parameters(recurse=False)]
+                if not own or any(name == k or name.startswith(f"{k}.") for k in (*known, *adapters)):
+                    continue
+                if block is not None and (name == block or name.startswith(f"{block}.")):
+                    continue
+                if _is_norm(sub):
+                    continue
+                own = [f"{name}.{key}" for key in own if f"{name}.{key}" not in family.head_params]
+                unsplit += [key.removeprefix(f"{region}.") for key in own]
+            if unsplit:
+                raise LayoutError(
+                    f"tp_size={tp_size}: tensor parallelism cannot split {prefix}.{index}.{region}"
+                    f" ({type(module).__name__}) of this {family.name} model: it splits only the projections"
+                    f" {sorted(n.partition('.')[2] for n in planned if n.startswith(f'{region}.'))}, and the layer's"
+                    f" forward would mix them with {sorted(unsplit)}, which it has no rule for (e.g. a linear"
+                    " attention's convolution and decays). Use tp_size=1 for this model (FSDP2 with dp_shard_size"
+                    " shards it), or a family whose layers tensor parallelism splits."
+                )
+
+
+def _adapter_names(layer: nn.Module) -> list[str]:
+    """The peft adapter layers inside ``layer`` (checked by :func:`_check_adapters`)."""
+    if "peft" not in sys.modules:
+        return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [name for name, module in layer.named_modules() if isinstance(module, BaseTunerLayer)]
 
 
 def _split_by_heads(layer: nn.Module, name: str, tp_mesh: DeviceMesh) -> None:

@@ -5,7 +5,8 @@ A module written for ``ModelParallelStrategy`` reads ``self.device_mesh["data_pa
 ``configure_model`` (``parallelize_module(self.model, self.device_mesh["tensor_parallel"], plan)``, as Lightning's TP
 guide does); its strategy takes ``data_parallel_size`` / ``tensor_parallel_size``. Here the mesh carries those names
 next to the engine's (:func:`add_lightning_names`), the strategies take those sizes (:func:`lightning_sizes`), and a
-model that the module parallelized by hand is kept as it is (:func:`check_parallelized_by_user`).
+model that the module parallelized by hand is kept as it is, with FSDP2 over the data ranks and activation
+checkpointing added by the engine (:func:`check_parallelized_by_user`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.parallel.by_hand import check_split_by_hand, split_by_hand
 from lightning_plugins.parallel.layout import ParallelLayout, add_dimension_names
 
 #: Lightning's mesh dimension name -> the engine's dimensions it spans (``data_parallel``: ranks that see different
@@ -64,39 +65,18 @@ def lightning_sizes(
 def parallelized_by_user(model: nn.Module) -> bool:
     """Whether ``model`` holds DTensor parameters that the engine did not make (the module's own ``configure_model``
     called ``parallelize_module`` / ``fully_shard``)."""
-    from lightning_plugins.parallel import mesh_of
-
-    return mesh_of(model) is None and any(isinstance(p, DTensor) for p in model.parameters())
+    return split_by_hand(model)
 
 
-def check_parallelized_by_user(owner: str, model: nn.Module, layout: ParallelLayout) -> None:
+def check_parallelized_by_user(owner: str, model: nn.Module, layout: ParallelLayout, options: Any = None) -> None:
     """Refuse what the strategy cannot add to a model that the module parallelized itself.
 
-    The model is kept as it is: its tensor parallelism is the module's plan. A pipeline, context or expert size
-    cannot be added to it, nor FSDP2 over data ranks unless the module sharded it itself (``fully_shard``).
+    The model is kept as it is: its tensor parallelism is the module's plan. The strategy adds FSDP2 over the data
+    ranks (unless the module sharded them itself) and activation checkpointing
+    (:func:`~lightning_plugins.parallel.by_hand.complete_split_by_hand`); a pipeline, context or expert size cannot be
+    added to it.
 
     Raises:
         LayoutError: naming the dimension and the fix.
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    added = {name: getattr(layout, name) for name in ("pp_size", "cp_size", "ep_size") if getattr(layout, name) > 1}
-    data = layout.dp_replicate_size * layout.dp_shard_size
-    if data > 1 and not any(isinstance(m, FSDPModule) for m in model.modules()):
-        added["data-parallel ranks (dp_replicate_size x dp_shard_size)"] = data
-    if added:
-        shown = ", ".join(f"{name}={value}" for name, value in added.items())
-        raise LayoutError(
-            f"{owner}: the LightningModule's configure_model parallelized its {type(model).__name__} itself (its"
-            f" parameters are already DTensors), and {owner} cannot add {shown} to a model parallelized by hand."
-            " Either let the strategy parallelize it (drop parallelize_module/fully_shard from configure_model; the"
-            " layout's sizes then apply every dimension), or shard the data ranks yourself in configure_model"
-            " (fully_shard(..., mesh=self.device_mesh['data_parallel']), as Lightning's guide does) and keep pp_size,"
-            " cp_size and ep_size at 1."
-        )
-    meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in model.parameters() if isinstance(p, DTensor)}
-    if any(len(ranks) > layout.tp_size * data for ranks in meshes):
-        raise LayoutError(
-            f"{owner}: the model's DTensor parameters span more ranks than tensor x data parallelism"
-            f" (tp_size={layout.tp_size}); parallelize it over self.device_mesh['tensor_parallel']."
-        )
+    check_split_by_hand(owner, model, layout, options)

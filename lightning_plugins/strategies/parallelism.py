@@ -38,6 +38,7 @@ from lightning_plugins.parallel import (
     mesh_of,
     pipeline_of,
 )
+from lightning_plugins.parallel.by_hand import complete_split_by_hand
 from lightning_plugins.parallel.context import context_parallel_batch
 from lightning_plugins.parallel.optim_in_backward import check_step_in_backward, stepping_in_backward
 from lightning_plugins.parallel.pipeline.runtime import GradHandOff
@@ -70,9 +71,10 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
     ``__init__`` or in ``configure_model``, also on the meta device (each rank then reads only its slices of the
     checkpoint, see ``load_from``). A ``configure_model`` that calls ``parallelize(self.model, self.device_mesh, ...)``
     itself keeps the settings it chose; one that parallelized the model by hand, as Lightning's TP guide does
-    (``parallelize_module(self.model, self.device_mesh["tensor_parallel"], plan)``), keeps it as it is
-    (:mod:`~lightning_plugins.strategies.lightning_names`). ``self.device_mesh`` carries Lightning's dimension names
-    (``data_parallel``, ``tensor_parallel``) next to the engine's.
+    (``parallelize_module(self.model, self.device_mesh["tensor_parallel"], plan)``), keeps it as it is and adds FSDP2
+    over the data ranks and activation checkpointing (:mod:`~lightning_plugins.parallel.by_hand`).
+    ``self.device_mesh`` carries Lightning's dimension names (``data_parallel``, ``tensor_parallel``) next to the
+    engine's.
 
     Args:
         layout: The parallel sizes as one :class:`~lightning_plugins.ParallelLayout`; the size keywords below
@@ -303,7 +305,7 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
         layout, and, when this strategy parallelized it, its settings.
         """
         if parallelized_by_user(model):  # by `parallelize_module` in the module's configure_model: kept as it is
-            check_parallelized_by_user(type(self).__name__, model, self.layout)
+            check_parallelized_by_user(type(self).__name__, model, self.layout, self.options)
             return
         if mesh_of(model) is not None:
             if model in _PARALLELIZED:
@@ -323,8 +325,11 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
         model = self._hf_model(built=True)
         assert model is not None
         self._check_model(model)
-        # Else the module's `configure_model` parallelized it (by `parallelize`, or by hand): only load.
-        apply = mesh_of(model) is None and not parallelized_by_user(model)
+        if parallelized_by_user(model):  # by hand: kept as it is, with FSDP2 over the data ranks and AC added
+            complete_split_by_hand(model, self.device_mesh, self.options, self.memory)
+            _PARALLELIZED.add(model)
+        # Else the module's `configure_model` parallelized it (by `parallelize`): only load.
+        apply = mesh_of(model) is None
         parallelize_and_load(
             self.lightning_module, model, self.device_mesh, self.options, self.memory,
             load_from=self.load_from, owner=type(self).__name__, device=self.root_device, apply=apply,

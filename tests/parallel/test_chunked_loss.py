@@ -197,3 +197,47 @@ def test_head_adapters_and_bias_keep_full_logits() -> None:
 def test_bad_chunk_is_refused(bad: object) -> None:
     with pytest.raises(OptionsError, match="loss_chunk_tokens"):
         MemoryOptions(loss_chunk_tokens=bad)
+
+
+def test_custom_ignore_index_chunked_as_transformers() -> None:
+    """``ignore_index=`` (transformers' ``ForCausalLMLoss`` reads it) is honoured by the chunked loss, which still
+    chunks: the same losses and weights as the plain model given the same batches, with ``labels`` and with
+    ``shift_labels`` (the targets as given) alike."""
+    reference = tiny_model("llama")
+    chunked = _chunked(copy.deepcopy(reference), 7)
+    batches = []
+    for step in range(STEPS):
+        batch = make_batch(BATCH, SEQ, reference.config.vocab_size, seed=step)
+        labels = batch["labels"].masked_fill(batch["labels"] == -100, -1)  # the user's own ignored value
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-1)[:, 1:].roll(1, dims=0)  # other targets
+        batches.append({**batch, "labels": labels, "ignore_index": -1})
+        batches.append({**batch, "labels": labels, "shift_labels": shifted, "ignore_index": -1})
+    results = []
+    for model in (reference, chunked):
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        losses = []
+        for batch in batches:
+            out = model(**batch)
+            out.loss.backward()
+            losses.append(out.loss.item())
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append((losses, [p.detach() for p in model.parameters()], out.logits.shape))
+    (want_losses, want, full), (got_losses, got, chunk_logits) = results
+    assert chunk_logits == (BATCH, SEQ, 0) and full[-1] == reference.config.vocab_size, "the loss was chunked"
+    assert all(x == x for x in want_losses) and len(set(want_losses)) == len(want_losses)
+    torch.testing.assert_close(torch.tensor(got_losses), torch.tensor(want_losses), atol=1e-6, rtol=0)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-6, rtol=0)
+
+
+def test_shift_labels_alone_give_logits_and_no_loss() -> None:
+    """transformers computes a loss only when ``labels`` is given: with ``shift_labels`` alone the chunked model, too,
+    returns the full logits and no loss (it would otherwise hand back empty logits)."""
+    reference = tiny_model("llama")
+    chunked = _chunked(copy.deepcopy(reference), 7)
+    batch = make_batch(2, SEQ, reference.config.vocab_size, seed=0)
+    shift = torch.nn.functional.pad(batch.pop("labels"), (0, 1), value=-100)[:, 1:]
+    want, got = reference(**batch, shift_labels=shift), chunked(**batch, shift_labels=shift)
+    assert want.loss is None and got.loss is None
+    torch.testing.assert_close(got.logits, want.logits, atol=0, rtol=0)

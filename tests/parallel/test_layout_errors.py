@@ -187,3 +187,33 @@ def test_trainer_needs_an_hf_model_inside() -> None:
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=ParallelismStrategy(), logger=False)
     with pytest.raises(LayoutError, match="found no transformers PreTrainedModel inside FineTune.*configure_model"):
         trainer.fit(FineTune(torch.nn.Linear(2, 2), lr=1e-3), train_dataloaders=[])
+
+
+def _qwen3_5(moe: bool) -> torch.nn.Module:
+    """A tiny Qwen3.5 text decoder (dense or MoE) on the meta device: a Gated DeltaNet ``linear_attn`` layer, then a
+    full-attention one."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+    sizes = {
+        "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 8, "layer_types": ["linear_attention", "full_attention"],
+    }  # fmt: skip
+    if moe:
+        config = Qwen3_5MoeTextConfig(**sizes, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                      shared_expert_intermediate_size=16)  # fmt: skip
+    else:
+        config = Qwen3_5TextConfig(**sizes, intermediate_size=64)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5_text", "qwen3_5_moe_text"])
+def test_tensor_parallel_refuses_linear_attention_by_name(fake_world: int, moe: bool) -> None:
+    """Qwen3.5's Gated DeltaNet layers have no tensor-parallel rule yet: refused by this project's error, naming the
+    module and the dimension, before any collective (not torch's "got mixed torch.Tensor and DTensor")."""
+    model = _qwen3_5(moe)
+    with pytest.raises(LayoutError, match=r"tp_size=2: tensor parallelism cannot split model\.layers\.0\.linear_attn "):
+        parallelize(model, ParallelLayout(tp_size=2))
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())

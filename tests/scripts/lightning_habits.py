@@ -6,6 +6,8 @@ one changed name.
   strategy keeps the model as the module parallelized it.
 * ``ParallelismStrategy(data_parallel_size=1, tensor_parallel_size=2)``: ``ModelParallelStrategy``'s arguments.
 
+* The TP guide's module on 2 data ranks: the strategy adds FSDP2 over them and activation checkpointing.
+
 Each trains like one process (step losses, final weights); the mesh carries Lightning's names next to the engine's.
 A layout the strategy cannot add to a model parallelized by hand (pp_size=2) is refused by name. Rank 0 writes JSON.
 """
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader
 
@@ -89,6 +92,24 @@ def main() -> None:
             "configure_model_saw": getattr(module, "mesh_sizes", None),
             "tp_size": trainer.strategy.layout.tp_size,
         }
+    # The TP guide's module on 2 data ranks (its tensor_parallel mesh of 1 rank): the strategy adds FSDP2 over them and
+    # activation checkpointing (4 ranks, dp 2 x tp 2: tests/scripts/lightning_tp_fsdp.py).
+    reference.config.use_cache = False  # training: no KV cache (transformers drops it under checkpointing, warning)
+    data2 = dataset(2 * LOCAL_BATCH, reference.config.vocab_size)
+    one = copy.deepcopy(reference)
+    ref_losses2 = reference_fit(one, data2, 2, STEPS, LOCAL_BATCH)
+    module = TensorParallelGuide(copy.deepcopy(reference))
+    strategy = ParallelismStrategy(data_parallel_size=2, tensor_parallel_size=1, activation_checkpointing="full")
+    trainer = fit(module, strategy, data2)
+    layers = module.model.model.layers
+    results["fsdp2 added"] = {
+        "loss_diff": max_diff(step_losses(module.micro_losses), ref_losses2),
+        "weight_diff": max_weight_diff(module.model, full_weights(one)),
+        "steps": trainer.global_step,
+        "sharded": all(isinstance(m, FSDPModule) for m in (*layers, module.model)),
+        "q_proj_mesh": list(layers[0].self_attn.q_proj.weight.device_mesh.mesh_dim_names),
+        "checkpointed": all(layer.gradient_checkpointing for layer in layers),
+    }
     try:
         fit(TensorParallelGuide(copy.deepcopy(reference)), ParallelismStrategy(tp_size=1, pp_size=2), data)
         results["pp refused"] = ""

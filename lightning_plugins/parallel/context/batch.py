@@ -62,8 +62,8 @@ def shard_batch_for_context_parallel(
         ignore_index: The label value the loss ignores.
 
     Returns:
-        A new dict with this rank's ``input_ids``, ``position_ids`` and, when labels were given,
-        ``labels`` and ``shift_labels``.
+        A new dict with this rank's ``input_ids``, ``position_ids``, ``shift_labels`` when ``labels`` or
+        ``shift_labels`` were given, and ``labels`` when they were.
 
     Raises:
         ValueError: for masks with holes, labels on padded positions, ``position_ids`` whose documents do
@@ -118,7 +118,8 @@ def shard_batch_for_context_parallel(
     )
     if shift_labels is not None:
         out["shift_labels"] = shard(shift_labels, ignore_index)
-        out["labels"] = shard(labels if labels is not None else shift_labels, ignore_index)
+    if labels is not None:  # `shift_labels` alone stay alone: transformers computes no loss from them (one process)
+        out["labels"] = shard(labels, ignore_index)
     return out
 
 

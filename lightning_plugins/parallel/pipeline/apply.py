@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
+from lightning_plugins.parallel.loss import IGNORE_INDEX
 from lightning_plugins.parallel.pipeline.options import PipelineOptions
 from lightning_plugins.parallel.pipeline.runtime import Pipeline, TiedEmbedding
 from lightning_plugins.parallel.pipeline.split import split_into_stages, tied_pair_group
@@ -130,9 +131,23 @@ class _PipelinedCausalLM:
                 f"{type(self).__name__} runs a pipeline: pass `input_ids` (and `labels`); {unsupported or 'use_cache'}"
                 " is not supported under pipeline parallelism."
             )
+        shift_labels = kwargs.get("shift_labels")  # next-token targets of a context-parallel shard
+        if labels is None:
+            # transformers' causal LMs compute a loss only when `labels` is given (`shift_labels` alone: none, only
+            # logits), and the pipeline returns nothing else: one process's result cannot be given here.
+            given = "only `shift_labels`" if shift_labels is not None else "no `labels`"
+            raise ValueError(
+                f"{type(self).__name__} runs a pipeline and returns the loss only (the logits stay on the last stage,"
+                f" one micro-batch at a time), but the batch has {given}, for which transformers computes no loss."
+                " Pass `labels` (with `shift_labels` too, those are the targets, as in transformers' loss)."
+            )
+        ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
+        if ignore_index != IGNORE_INDEX:  # as transformers' loss reads it: every ignored target becomes -100
+            labels = labels.masked_fill(labels == ignore_index, IGNORE_INDEX)
+            if shift_labels is not None:
+                shift_labels = shift_labels.masked_fill(shift_labels == ignore_index, IGNORE_INDEX)
         pipeline = pipeline_of(self)  # type: ignore[arg-type]
         assert pipeline is not None
-        shift_labels = kwargs.get("shift_labels")  # next-token targets of a context-parallel shard
         if self.training and torch.is_grad_enabled():  # type: ignore[attr-defined]
             loss = pipeline.step(input_ids, attention_mask, position_ids, labels, shift_labels=shift_labels)
         else:
