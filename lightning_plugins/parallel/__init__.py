@@ -37,7 +37,8 @@ from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_
 from lightning_plugins.parallel.chunked_loss import install_chunked_head, install_chunked_loss
 from lightning_plugins.parallel.pipeline import PipelineOptions, apply_pipeline_parallel, pipeline_of
 from lightning_plugins.parallel.pipeline.anatomy import decoder_anatomy
-from lightning_plugins.parallel.tensor import apply_tensor_parallel, check_tensor_parallel
+from lightning_plugins.parallel.tensor import apply_tensor_parallel
+from lightning_plugins.parallel.tensor_checks import check_tensor_parallel
 
 __all__ = [
     "parallelize",
@@ -54,7 +55,9 @@ __all__ = [
     "context_parallel_batch",
 ]
 
-_SETTINGS_ATTR = "_lightning_plugins_settings"
+#: The attribute of a parallelized model holding the ``(options, memory)`` it was parallelized with: a later entry
+#: point (a second ``fit``, :func:`lightning_plugins.parallel.by_hand`) must ask for the same.
+SETTINGS_ATTR = "_lightning_plugins_settings"
 
 
 def parallelize(
@@ -114,7 +117,7 @@ def parallelize(
         _refuse_generate(model, "pipeline parallelism (each rank holds only some decoder layers)")
         install_save_pretrained(model)
         attach_mesh(model, mesh)
-        setattr(model, _SETTINGS_ATTR, (options, memory))
+        setattr(model, SETTINGS_ATTR, (options, memory))
         return model
 
     layers = decoder_layers(model, family)
@@ -163,7 +166,7 @@ def parallelize(
         install_global_balance_loss(model, data_mesh(mesh))
     install_save_pretrained(model)
     attach_mesh(model, mesh)
-    setattr(model, _SETTINGS_ATTR, (options, memory))
+    setattr(model, SETTINGS_ATTR, (options, memory))
     return model
 
 
@@ -291,7 +294,7 @@ def check_same_settings(
         LayoutError: naming both layouts and settings when they differ.
     """
     applied = ParallelLayout.from_mesh(mesh_of(model))
-    applied_options, applied_memory = getattr(model, _SETTINGS_ATTR)
+    applied_options, applied_memory = getattr(model, SETTINGS_ATTR)
     options, memory = options or applied_options, memory or applied_memory
     if (applied, applied_options, applied_memory) != (layout, options, memory):
         raise LayoutError(

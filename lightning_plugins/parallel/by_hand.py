@@ -88,7 +88,7 @@ def complete_split_by_hand(
     Returns:
         The same model.
     """
-    from lightning_plugins.parallel import _SETTINGS_ATTR  # the package imports this module's neighbours first
+    from lightning_plugins.parallel import SETTINGS_ATTR  # the package imports this module's neighbours first
 
     options, memory = options or ParallelOptions(), memory or MemoryOptions()
     check_split_by_hand("parallelize", model, ParallelLayout.from_mesh(mesh), options)
@@ -118,5 +118,5 @@ def complete_split_by_hand(
     model.loss_function = ParallelCausalLMLoss(data_mesh(mesh), install_chunked_loss(model, chunk, True))
     install_save_pretrained(model)
     attach_mesh(model, mesh)
-    setattr(model, _SETTINGS_ATTR, (options, memory))  # a later entry point must ask for the same settings
+    setattr(model, SETTINGS_ATTR, (options, memory))  # a later entry point must ask for the same settings
     return model

@@ -161,7 +161,7 @@ def _with_sequence_parallel(family: ModelFamily, model: nn.Module) -> ModelFamil
         for name, child in layer.named_children():
             if name in regions or not any(True for _ in child.parameters()):
                 continue
-            if not _is_norm(child):
+            if not is_norm(child):
                 return family  # e.g. a learned gate on the residual stream: left replicated
             norms[name] = None
     base = model.get_submodule(family.layers.rpartition(".")[0])
@@ -169,7 +169,7 @@ def _with_sequence_parallel(family: ModelFamily, model: nn.Module) -> ModelFamil
     for name, child in base.named_children():
         if child is layers or child is model.get_input_embeddings() or not any(True for _ in child.parameters()):
             continue
-        if not _is_norm(child):
+        if not is_norm(child):
             return family
         final.append(name)
     if len(final) != 1 or not all(all(name in dict(layer.named_children()) for name in regions) for layer in layers):
@@ -183,7 +183,7 @@ def _with_sequence_parallel(family: ModelFamily, model: nn.Module) -> ModelFamil
     )
 
 
-def _is_norm(module: nn.Module) -> bool:
+def is_norm(module: nn.Module) -> bool:
     """Whether ``module`` is a per-token normalisation (LayerNorm, or a family's RMSNorm) with its own 1-D weight."""
     params = list(module.parameters())
     is_norm_class = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
@@ -228,7 +228,7 @@ def final_norm(model: nn.Module, family: ModelFamily) -> nn.Module | None:
             norm = getattr(getattr(model, "base_model", model), "norm", None)
     except AttributeError:
         return None
-    return norm if isinstance(norm, nn.Module) and _is_norm(norm) else None
+    return norm if isinstance(norm, nn.Module) and is_norm(norm) else None
 
 
 def check_supported(model: Any) -> None:
