@@ -69,6 +69,8 @@ class OptimSection(_Section):
         warmup_steps: Linear warmup from 0 to ``lr``.
         min_lr_ratio: The final learning rate as a fraction of ``lr``.
         max_grad_norm: Clip the global gradient norm to this; ``null`` for no clipping.
+        name: ``adamw`` (torch's AdamW) or ``adamw8bit`` (torchao's 8-bit AdamW: 2 bytes of state per parameter
+            instead of 8).
     """
 
     lr: float = Field(2e-5, gt=0)

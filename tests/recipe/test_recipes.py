@@ -1,5 +1,5 @@
 """The shipped real-size recipes (``recipes/<model>/*.yaml``): each validates offline against its model's shipped
-config, fits the hardware it names at real size (the planner's dry run, 10% margin), is listed in the README with
+config, fits the hardware it names at real size (the planner's dry run, 10% margin), is listed in the docs with
 the memory the planner predicts, and trains tiny (``lightning-plugins tiny``) through both doors with a falling loss.
 """
 
@@ -57,10 +57,10 @@ def test_recipe_validates_against_its_shipped_config(path: Path) -> None:
 
 
 def _readme_peaks() -> dict[str, float]:
-    """``recipe -> predicted peak GiB`` from the README's recipe table; where the README has a paragraph of other
-    figures for the running torch release ("On torch 2.15 ... `recipe` **29.3** ..."), those."""
-    text = (ROOT / "README.md").read_text()
-    rows = re.findall(r"^\| \[`([\w.\-/]+)`\]\([^)]*\) \|[^|]*\|[^|]*\|[^|]*\| \*\*([\d.]+)\*\*", text, re.M)  # fmt: skip
+    """``recipe -> predicted peak GiB`` from the recipe table of the docs (``docs/recipes.md``); where the page has a
+    paragraph of other figures for the running torch release ("On torch 2.15 ... `recipe` **29.3** ..."), those."""
+    text = (ROOT / "docs" / "recipes.md").read_text()
+    rows = re.findall(r"^\| \[?`([\w.\-/]+)`(?:\]\([^)]*\))? \|[^|]*\|[^|]*\|[^|]*\| \*\*([\d.]+)\*\*", text, re.M)  # fmt: skip
     peaks = {name: float(peak) for name, peak in rows}
     release = ".".join(torch.__version__.split(".")[:2])
     paragraph = re.search(rf"^On torch {re.escape(release)}\b.*?\n\n", text, re.M | re.S)
@@ -83,7 +83,7 @@ SAMPLE = [
 @pytest.mark.parametrize("names", [SAMPLE, pytest.param(NAMES, marks=pytest.mark.slow)], ids=["sample", "all"])
 def test_recipes_fit_their_hardware_at_real_size_as_the_readme_says(names: list[str]) -> None:
     """The planner's dry run of each recipe on the hardware it names: every rank kind within the GPU less 10%, host
-    memory within the node's; the README's table shows the same peak (0.1 GiB). One test: the dry runs share one
+    memory within the node's; the docs' recipe table (docs/recipes.md) shows the same peak (0.1 GiB). One test: the dry runs share one
     pool of processes, and a failure lists every recipe that does not fit."""
     readme = _readme_peaks()
     problems = []
@@ -94,7 +94,7 @@ def test_recipes_fit_their_hardware_at_real_size_as_the_readme_says(names: list[
                 f"{name}: does not fit ({peak:.1f} GiB > {plan.budget / GIB:.1f}, host {plan.host_per_node / GIB:.0f} GiB/node)"
             )
         if name not in readme or abs(readme[name] - peak) > 0.051:
-            problems.append(f"{name}: README says {readme.get(name)} GiB, the dry run {peak:.1f}: update the table (python benchmarks/recipes.py)")  # fmt: skip
+            problems.append(f"{name}: docs/recipes.md says {readme.get(name)} GiB, the dry run {peak:.1f}: update the table (python benchmarks/recipes.py)")  # fmt: skip
     assert not problems, "\n".join(problems)
 
 
