@@ -33,6 +33,7 @@ from lightning_plugins.errors import LayoutError, OptionsError, RecipeError
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.recipe.levers import check_levers
+from lightning_plugins.resources import find_recipe
 from lightning_plugins.run.perf import ProfileOptions
 
 
@@ -69,8 +70,7 @@ class OptimSection(_Section):
         warmup_steps: Linear warmup from 0 to ``lr``.
         min_lr_ratio: The final learning rate as a fraction of ``lr``.
         max_grad_norm: Clip the global gradient norm to this; ``null`` for no clipping.
-        name: ``adamw`` (torch's AdamW) or ``adamw8bit`` (torchao's 8-bit AdamW: 2 bytes of state per parameter
-            instead of 8).
+        name: ``adamw`` (torch's) or ``adamw8bit`` (torchao's 8-bit AdamW: 2 bytes of state per parameter, not 8).
     """
 
     lr: float = Field(2e-5, gt=0)
@@ -263,9 +263,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     Raises:
         RecipeError: naming the file, the key path and a fix; nothing has started yet.
     """
-    from lightning_plugins.resources import find_recipe
-
-    path = find_recipe(path)
+    path = find_recipe(path)  # a file, or a shipped recipe's id
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
