@@ -14,7 +14,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from lightning_plugins.parallel.chunked_loss import install_chunked_loss
+from lightning_plugins.parallel.memory.chunked_loss import install_chunked_loss
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss
 
 TOKENS, VOCAB, HIDDEN = 4096, 128256, 64

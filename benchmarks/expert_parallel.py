@@ -74,7 +74,7 @@ class AllToAllCounter:
         self.routed: torch.Tensor | None = None  # [destination rank] pairs of this rank's tokens, all layers
 
     def install(self, model: torch.nn.Module, ranks: int) -> None:
-        import lightning_plugins.parallel.experts as experts
+        import lightning_plugins.parallel.moe.experts as experts
 
         self._experts, self._original = experts, experts.all_to_all_single_autograd
         self._original_counts = experts.dist.all_to_all_single

@@ -55,7 +55,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _bytes(t: torch.Tensor) -> int:
-    from lightning_plugins.adapters.qlora import is_nf4, nf4_nbytes
+    from lightning_plugins.adapters.qlora import nf4_nbytes
+    from lightning_plugins.parallel.quantized import is_nf4
 
     local = _local(t)
     return nf4_nbytes(local) if is_nf4(local) else local.numel() * local.element_size()

@@ -43,7 +43,7 @@ def _status_kib(key: str) -> int:
 def _rank(rank: int, directory: str, method: str, world: int, hub_cache: str | None, out: str) -> None:
     import torch.distributed as dist
 
-    from lightning_plugins.adapters.lora import hf_model_of
+    from lightning_plugins.parallel.hf_model import hf_model_of
     from lightning_plugins.checkpoint.load import parallelize_and_load
     from lightning_plugins.recipe.build import build_model
     from lightning_plugins.recipe.schema import load_recipe

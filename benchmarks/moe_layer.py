@@ -6,7 +6,7 @@ ways in one process:
 
 * ``eager``: transformers' per-expert loop (``config._experts_implementation = "eager"``);
 * ``hf_grouped_mm``: transformers' grouped implementation (``"grouped_mm"``);
-* ``ours``: :func:`lightning_plugins.parallel.experts.experts_forward` (what ``parallelize`` installs).
+* ``ours``: :func:`lightning_plugins.parallel.moe.experts.experts_forward` (what ``parallelize`` installs).
 
 Each is timed as ``out = f(x); out.backward(grad)`` (median of ``--repeats``, the three interleaved, after the
 checking run and ``--warmup`` more untimed runs; each repeat runs the three in a rotated order, so that none is
@@ -80,7 +80,7 @@ def make_inputs(tokens: int, hidden: int, experts: int, top_k: int, seed: int = 
 
 def implementation(name: str, module: nn.Module) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """The forward of implementation ``name`` on ``module``."""
-    from lightning_plugins.parallel.experts import experts_forward
+    from lightning_plugins.parallel.moe.experts import experts_forward
 
     if name == "ours":
         return lambda x, index, weights: experts_forward(module, x, index, weights)

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_plugins.parallel.offload import offload_optimizer
-from lightning_plugins.parallel.activation import apply_activation_checkpointing
+from lightning_plugins.parallel.optim.offload import offload_optimizer
+from lightning_plugins.parallel.memory.activation import apply_activation_checkpointing
 
 SETTINGS = {
     "plain": {},

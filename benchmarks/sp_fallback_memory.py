@@ -130,7 +130,7 @@ def worker(rank: int, opts: Options, checkpoints: dict[str, str], outdir: str) -
 
     from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions
     from lightning_plugins.parallel import parallelize
-    from lightning_plugins.parallel.norms import use_efficient_norms
+    from lightning_plugins.parallel.memory.norms import use_efficient_norms
 
     warnings.simplefilter("ignore")  # transformers' notes on loading, once per variant and rank
     gen = torch.Generator().manual_seed(0)

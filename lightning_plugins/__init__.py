@@ -39,7 +39,7 @@ warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mes
 from lightning_plugins.errors import LayoutError, LightningPluginsError, OptionsError  # noqa: E402
 from lightning_plugins.parallel import parallelize  # noqa: E402
 from lightning_plugins.parallel.layout import ParallelLayout  # noqa: E402
-from lightning_plugins.parallel.offload import offload_optimizer  # noqa: E402
+from lightning_plugins.parallel.optim.offload import offload_optimizer  # noqa: E402
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions  # noqa: E402
 from lightning_plugins.checkpoint.load import from_pretrained  # noqa: E402
 from lightning_plugins.checkpoint.live_export import export_hf  # noqa: E402

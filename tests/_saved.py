@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_plugins.adapters.lora import hf_model_of
+from lightning_plugins.parallel.hf_model import hf_model_of
 from lightning_plugins.parallel import context_parallel_batch, mesh_of
 
 

@@ -1,6 +1,7 @@
 """The package's structure, checked statically (every module parsed with ``ast``, nothing imported).
 
-* The engine (``parallel/`` and ``adapters/``) imports nothing from the rest of the package but ``errors``.
+* The engine (``parallel/`` and ``adapters/``) imports nothing from the rest of the package but ``errors``; the
+  adapters import ``parallel/``, never the reverse (lazy and type-only imports counted).
 * The import graph between modules is acyclic, counting imports inside functions (``TYPE_CHECKING`` blocks,
   which never run, aside).
 * No module imports another module's private (``_name``) names.
@@ -227,3 +228,20 @@ def test_nothing_is_unpickled_outside_the_safe_reader():
         f" Read it through {SAFE_READER} (load_torch_file, load_dcp, SafeReader), which admits only what the file"
         " holds, by name:\n" + "\n".join(wrong)
     )
+
+
+def test_the_adapters_import_the_engine_never_the_reverse():
+    """``adapters -> parallel``, never back: what the adapters need from the engine lives in the engine. Every import
+    counts here, those inside functions and ``TYPE_CHECKING`` blocks included, so no lazy import hides a cycle."""
+    wrong = [
+        f"{module}:{node.lineno} imports {ast.unparse(node)}"
+        for module, (_, tree) in _modules().items()
+        if module.startswith("lightning_plugins.parallel")
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and any(
+            name.startswith("lightning_plugins.adapters")
+            for name in ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names])
+        )
+    ]
+    assert not wrong, "The engine (parallel/) must not import the adapters:\n" + "\n".join(wrong)

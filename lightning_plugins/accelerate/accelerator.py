@@ -43,12 +43,12 @@ from lightning_plugins.accelerate.state import load_training_state, next_state_d
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.run.faults import set_collective_timeout
 from lightning_plugins.errors import LayoutError
-from lightning_plugins.parallel.experts_balance import ExpertBalance
+from lightning_plugins.parallel.moe.experts_balance import ExpertBalance
 from lightning_plugins.parallel.layout import ParallelLayout, given_sizes
 from lightning_plugins.checkpoint.load import is_on_meta, parallelize_and_load
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions, with_settings
 from lightning_plugins.parallel import check_settings, clip_grad_norm_, mesh_of, pipeline_of
-from lightning_plugins.parallel.optim_in_backward import check_step_in_backward, stepping_in_backward
+from lightning_plugins.parallel.optim.optim_in_backward import check_step_in_backward, stepping_in_backward
 from lightning_plugins.parallel.pipeline.runtime import GradHandOff
 from lightning_plugins.parallel.teardown import release_at_exit, release_process_groups
 from lightning_plugins.parallel.families import decoder_layers, family_for, find_hf_model
@@ -281,7 +281,7 @@ class ParallelAccelerator(Accelerator):
 
     def moe_balance(self) -> dict[str, float]:
         """The ``moe/*`` routing figures of the steps since the last call, over every rank (a collective: every rank
-        calls it at the same step); ``{}`` for a dense model (:mod:`~lightning_plugins.parallel.experts_balance`)."""
+        calls it at the same step); ``{}`` for a dense model (:mod:`~lightning_plugins.parallel.moe.experts_balance`)."""
         return {} if self.balance is None else self.balance.read()
 
     @override

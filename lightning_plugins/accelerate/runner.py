@@ -29,7 +29,7 @@ from lightning_plugins.accelerate.state import broadcast_from_first
 from lightning_plugins.checkpoint import resume_choice
 from lightning_plugins.checkpoint.checks import CHECKPOINT_NAME
 from lightning_plugins.checkpoint.resume_choice import LATEST, agreed_resume
-from lightning_plugins.parallel.optim_in_backward import StepInBackward, step_in_backward
+from lightning_plugins.parallel.optim.optim_in_backward import StepInBackward, step_in_backward
 from lightning_plugins.recipe.build import build_loaders, build_model, make_optimizer
 from lightning_plugins.recipe.diff import reset_optimizer
 from lightning_plugins.recipe.finish import check_exportable, export_dir, export_trained, write_results

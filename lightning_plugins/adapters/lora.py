@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_plugins.adapters.meta_base import real_adapters_on_meta_base
+from lightning_plugins.parallel.families import family_for, projection_names
 from lightning_plugins.errors import LayoutError, OptionsError
 
 if TYPE_CHECKING:
@@ -40,9 +41,7 @@ __all__ = [
     "LoraOptions",
     "apply_lora",
     "check_lora_targets",
-    "hf_model_of",
     "lora_layers",
-    "peft_model_around",
     "trainable_parameters",
 ]
 
@@ -70,7 +69,7 @@ class LoraOptions:
         target_parameters: Parameter names (peft's ``target_parameters``: the full name or its last components)
             adapted with LoRA directly: a mixture of experts' fused 3-D weights, e.g.
             ``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`` (one low-rank pair per expert, run by the
-            engine's grouped experts forward under every layout, :mod:`lightning_plugins.adapters.experts`).
+            engine's grouped experts forward under every layout, :mod:`lightning_plugins.parallel.moe.expert_adapters`).
         modules_to_save: Module names (peft's ``modules_to_save``: names the module's full name ends with) trained in
             full next to the adapters and saved with them, e.g. a mixture of experts' router: ``["gate"]`` (Mixtral,
             Qwen-MoE) or ``["router"]`` (gpt-oss). Under tensor parallelism only modules inside a mixture-of-experts
@@ -131,28 +130,6 @@ class LoraOptions:
                 f"lora autocast_adapter_dtype={self.autocast_adapter_dtype!r} must be true or false (false keeps the"
                 " adapters in the base model's dtype, e.g. bf16; true, peft's default, upcasts them to fp32)."
             )
-
-
-def hf_model_of(model: nn.Module) -> nn.Module:
-    """The transformers model a layout applies to: the one inside a ``PeftModel``, else ``model`` itself.
-
-    For LoRA that is ``peft_model.base_model.model``, the model holding the LoRA layers; it is also the
-    outermost ``transformers.PreTrainedModel``, which the Lightning strategies find.
-    """
-    peft = sys.modules.get("peft")  # a model cannot be a PeftModel unless peft was imported
-    if peft is not None and isinstance(model, peft.PeftModel):
-        return model.get_base_model()
-    return model
-
-
-def peft_model_around(module: nn.Module, model: nn.Module) -> nn.Module:
-    """The peft ``PeftModel`` inside ``module`` (or ``module`` itself) that wraps the transformers ``model``, else
-    ``model``: what a door hands to ``parallelize``, so that the ``PeftModel``'s ``save_pretrained`` is collective
-    too."""
-    peft = sys.modules.get("peft")
-    if peft is None:
-        return model
-    return next((m for m in module.modules() if isinstance(m, peft.PeftModel) and hf_model_of(m) is model), model)
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -253,8 +230,6 @@ def check_lora_targets(config: Any, options: LoraOptions) -> None:
 def _default_targets(model: nn.Module) -> tuple[str, ...]:
     """The last name component of the family's column- and row-parallel projections (attention and MLP) that the
     model has."""
-    from lightning_plugins.parallel.families import family_for, projection_names
-
     try:  # a registered family, or one read from the config's TP plan (its projections are the defaults)
         family = family_for(model)
     except LayoutError:  # neither: no default projections (named below)

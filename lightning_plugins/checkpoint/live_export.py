@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from lightning_plugins.adapters.lora import PEFT_PREFIX, hf_model_of, lora_layers
+from lightning_plugins.adapters.lora import PEFT_PREFIX, lora_layers
+from lightning_plugins.parallel.hf_model import hf_model_of
 from lightning_plugins.parallel.gather import collect_stages, full_on_leader, stage_leader
 from lightning_plugins.parallel.save_pretrained import save_adapters, save_model
 
@@ -112,7 +113,7 @@ def _check_mergeable(model: nn.Module, adapted: bool) -> None:
     from peft.tuners.lora import Linear as LoraLinear
     from peft.utils.other import AuxiliaryTrainingWrapper
 
-    from lightning_plugins.adapters.qlora import is_nf4
+    from lightning_plugins.parallel.quantized import is_nf4
 
     if not adapted:
         raise ValueError(

@@ -192,7 +192,7 @@ def _is_meta(tensor: torch.Tensor) -> bool:
 def _is_nf4(tensor: torch.Tensor) -> bool:
     if "torchao" not in sys.modules:
         return False
-    from lightning_plugins.adapters.qlora import is_nf4
+    from lightning_plugins.parallel.quantized import is_nf4
 
     return is_nf4(tensor)
 
@@ -356,7 +356,7 @@ def parallelize_and_load(
 
     Args:
         module: What holds ``model`` (the LightningModule, the prepared module): a peft ``PeftModel`` in it around
-            ``model`` is what gets parallelized (see :func:`~lightning_plugins.adapters.lora.peft_model_around`).
+            ``model`` is what gets parallelized (see :func:`~lightning_plugins.parallel.hf_model.peft_model_around`).
         model: The transformers model.
         mesh: The door's device mesh.
         options: How each dimension is applied.
@@ -370,7 +370,7 @@ def parallelize_and_load(
         LayoutError: before anything is parallelized, when the model is on the meta device and no checkpoint
             directory is known.
     """
-    from lightning_plugins.adapters.lora import peft_model_around
+    from lightning_plugins.parallel.hf_model import peft_model_around
 
     checkpoint = checkpoint_dir_of(model, load_from, owner) if is_on_meta(model) else None
     if apply:

@@ -19,8 +19,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_plugins.errors import LayoutError
-from lightning_plugins.parallel.activation import apply_activation_checkpointing
-from lightning_plugins.parallel.chunked_loss import install_chunked_loss
+from lightning_plugins.parallel.api import SETTINGS_ATTR
+from lightning_plugins.parallel.memory.activation import apply_activation_checkpointing
+from lightning_plugins.parallel.memory.chunked_loss import install_chunked_loss
 from lightning_plugins.parallel.compile import apply_compile, simulated
 from lightning_plugins.parallel.families import decoder_layers, family_for, final_norm
 from lightning_plugins.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
@@ -88,8 +89,6 @@ def complete_split_by_hand(
     Returns:
         The same model.
     """
-    from lightning_plugins.parallel import SETTINGS_ATTR  # the package imports this module's neighbours first
-
     options, memory = options or ParallelOptions(), memory or MemoryOptions()
     check_split_by_hand("parallelize", model, ParallelLayout.from_mesh(mesh), options)
     family = family_for(model, tensor_parallel=False)

@@ -15,7 +15,7 @@ from lightning_plugins.parallel.context.checks import check_context_parallel
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, check_pipeline_layout, check_pp_reshard
-from lightning_plugins.parallel.tiled_mlp import check_tiled_mlp
+from lightning_plugins.parallel.memory.tiled_mlp import check_tiled_mlp
 
 __all__ = ["check_settings"]
 

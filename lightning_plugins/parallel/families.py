@@ -59,7 +59,7 @@ QWEN3 = ModelFamily("qwen3", head_norms=("self_attn.q_norm", "self_attn.k_norm")
 
 #: ``config.model_type`` -> family. Llama 2/3/3.1/3.2, Mistral and Qwen2/2.5 share one layout
 #: (Qwen2's q/k/v bias is split with its weight by ``ColwiseParallel``). In a mixture-of-experts layer the block that
-#: routes tokens is found by structure (:func:`lightning_plugins.parallel.experts.moe_block_name`) and runs on each
+#: routes tokens is found by structure (:func:`lightning_plugins.parallel.moe.experts.moe_block_name`) and runs on each
 #: rank's tokens; the names below that fall inside it are skipped there (they serve the family's dense layers).
 FAMILIES: dict[str, ModelFamily] = {
     "llama": LLAMA,
@@ -121,7 +121,7 @@ def family_for(model: nn.Module, *, tensor_parallel: bool = True) -> ModelFamily
 
 def _family_from_hf_plan(model_type: str, plan: dict[str, str], prefix: str) -> ModelFamily:
     """The family a config's ``base_model_tp_plan`` describes: its projections, without sequence parallelism."""
-    # Routed experts are the engine's own (parallel/experts.py), whatever the plan says of them.
+    # Routed experts are the engine's own (parallel/moe/experts.py), whatever the plan says of them.
     plan = {key: style for key, style in plan.items() if ".experts" not in key}
     unknown = {style for style in plan.values() if style not in _HF_STYLES}
     if unknown:

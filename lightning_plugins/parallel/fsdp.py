@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from lightning_plugins.errors import LayoutError
-from lightning_plugins.parallel.experts import ExpertMeshes, expert_modules
+from lightning_plugins.parallel.moe.experts import ExpertMeshes, expert_modules
 from lightning_plugins.parallel.dtypes import MIXED_PRECISION_DTYPES
 
 

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_plugins.parallel.experts import num_experts
+from lightning_plugins.parallel.moe.experts import num_experts
+from lightning_plugins.parallel.mesh import MeshRegistry
 from lightning_plugins.parallel.teardown import track_mesh
 from lightning_plugins.errors import LayoutError
 
@@ -187,15 +188,18 @@ class ParallelLayout:
         mesh["dp_replicate", "dp_shard"]._flatten("dp", backend_override=options)
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp", backend_override=options)
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp", backend_override=options)
-        mesh.ep_size = self.ep_size  # read back by from_mesh; the expert meshes are built from it where needed
+        MESH_LAYOUTS.record(mesh, self)  # read back by from_mesh: ep_size is no dimension of the mesh
         return track_mesh(mesh)  # its cached groups are dropped when the process groups are released
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> ParallelLayout:
-        """Read the sizes back from a mesh built by :meth:`build_mesh` (missing names count as size 1)."""
+        """The layout a mesh was built from by :meth:`build_mesh`; for another mesh, its sizes (missing names count as
+        size 1, ``ep_size`` 1)."""
+        if (layout := MESH_LAYOUTS.get(mesh)) is not None:
+            return layout
         names = mesh.mesh_dim_names or ()
         sizes = {name: mesh.size(names.index(name)) if name in names else 1 for name in MESH_DIM_NAMES}
-        return cls(**{f"{name}_size": sizes[name] for name in MESH_DIM_NAMES}, ep_size=getattr(mesh, "ep_size", 1))
+        return cls(**{f"{name}_size": sizes[name] for name in MESH_DIM_NAMES})
 
     def _require_resolved(self) -> None:
         if self.dp_shard_size == -1:
@@ -212,6 +216,9 @@ class ParallelLayout:
         tp = max(t for t in _divisors(world_size) if t <= self.tp_size and t & (t - 1) == 0)
         return f"ParallelLayout(tp_size={tp}, dp_shard_size=-1)"
 
+
+#: The layout each mesh built by :meth:`ParallelLayout.build_mesh` was built from.
+MESH_LAYOUTS: MeshRegistry[ParallelLayout] = MeshRegistry()
 
 #: The size fields of :class:`ParallelLayout`: the mesh's, in order, then ``ep_size`` (drawn from dp_shard x cp).
 SIZE_NAMES = (*(f"{name}_size" for name in MESH_DIM_NAMES), "ep_size")

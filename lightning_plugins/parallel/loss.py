@@ -155,12 +155,12 @@ class ParallelCausalLMLoss:
 
     Args:
         data_mesh: Ranks holding different tokens (see :func:`normalize_over_tokens`), or ``None``.
-        chunked: The model's ``ChunkedHead`` (:mod:`lightning_plugins.parallel.chunked_loss`), or ``None``.
+        chunked: The model's ``ChunkedHead`` (:mod:`lightning_plugins.parallel.memory.chunked_loss`), or ``None``.
     """
 
     def __init__(self, data_mesh: DeviceMesh | None = None, chunked: Any = None) -> None:
         self.data_mesh = data_mesh
-        #: The model's :class:`~lightning_plugins.parallel.chunked_loss.ChunkedHead`, if any: when it computed the
+        #: The model's :class:`~lightning_plugins.parallel.memory.chunked_loss.ChunkedHead`, if any: when it computed the
         #: token-loss sum in place of the logits (a training forward with labels), that sum is used.
         self.chunked = chunked
 

@@ -135,10 +135,10 @@ class MemoryOptions:
             host (pinned on GPUs; unpinned on CPU, where the path still runs).
         reshard_after_forward: FSDP2 ZeRO-3 (``True``) or keep parameters gathered until backward.
         optimizer_offload: The optimizer's state and step on the host, parameters and gradients on the GPU
-            (DeepSpeed ZeRO-Offload style; :class:`lightning_plugins.parallel.offload.HostOffloadOptimizer`): saves AdamW's
+            (DeepSpeed ZeRO-Offload style; :class:`lightning_plugins.parallel.optim.offload.HostOffloadOptimizer`): saves AdamW's
             8 bytes per trainable fp32 parameter of GPU memory for a host copy of parameters, gradients and
             state, and costs a gradient and a parameter transfer over PCIe plus a host AdamW per step. Applied
-            where the optimizer is built (``make_optimizer``; your own: ``lightning_plugins.parallel.offload.offload_optimizer``).
+            where the optimizer is built (``make_optimizer``; your own: ``lightning_plugins.parallel.optim.offload.offload_optimizer``).
             Not with ``cpu_offload``, which already keeps the optimizer on the host.
         activation_offload: Saved activations of each decoder layer moved to host memory during forward and
             back in backward (pinned on GPUs; on CPU the copies still run). With ``activation_checkpointing``
@@ -152,27 +152,27 @@ class MemoryOptions:
             parameters gathered until then).
         loss_chunk_tokens: Chunked cross entropy: a training forward with labels computes the loss from the final
             hidden states this many tokens at a time and never builds the ``[tokens, vocab]`` logits (backward
-            recomputes each chunk's; :mod:`lightning_plugins.parallel.chunked_loss`); ``outputs.logits`` is then
+            recomputes each chunk's; :mod:`lightning_plugins.parallel.memory.chunked_loss`); ``outputs.logits`` is then
             empty. ``None`` or ``0``: off (full logits, as transformers computes them).
         mlp_chunk_tokens: Tiled MLP: each dense MLP of the decoder computed this many tokens at a time, saving only its
             input and recomputing each tile in backward, so its intermediate-width tensors exist for one tile at a
-            time; one more MLP forward per step (:mod:`lightning_plugins.parallel.tiled_mlp`). Not with
+            time; one more MLP forward per step (:mod:`lightning_plugins.parallel.memory.tiled_mlp`). Not with
             ``tp_size > 1`` or ``compile``. ``None`` or ``0``: off.
         efficient_norms: RMSNorms of a known form (Llama's, OLMo 2's, Gemma's) computed bit-identically but saving
             only their input and the fp32 ``rstd`` per row for backward, not fp32 copies of the activation
-            (:mod:`lightning_plugins.parallel.norms`).
+            (:mod:`lightning_plugins.parallel.memory.norms`).
         efficient_mlp: Gated MLPs of a known form (SwiGLU/GeGLU: Llama's ``down_proj(act_fn(gate_proj(x)) *
             up_proj(x))``, Phi-3's fused ``gate_up_proj``) computed bit-identically but saving ``gate`` and ``up`` only,
             recomputing the activation in backward: one intermediate-width tensor less per layer
-            (:mod:`lightning_plugins.parallel.gated_mlp`).
+            (:mod:`lightning_plugins.parallel.memory.gated_mlp`).
         sp_regather: With sequence parallelism: each region (attention, MLP) keeps its input's sequence shard for
             backward and all-gathers it again there, instead of keeping the gathered input (one more all-gather per
-            region and step; :mod:`lightning_plugins.parallel.regather`). Not with activation checkpointing or
+            region and step; :mod:`lightning_plugins.parallel.memory.regather`). Not with activation checkpointing or
             activation offload, which already decide what a layer keeps.
         optimizer_in_backward: Each parameter's optimizer step runs in backward as soon as its gradient is ready, and
-            the gradient is freed (:mod:`lightning_plugins.parallel.optim_in_backward`): a step never holds all the
+            the gradient is freed (:mod:`lightning_plugins.parallel.optim.optim_in_backward`): a step never holds all the
             gradients. Applied where the optimizer is built (``make_optimizer``; your own:
-            ``lightning_plugins.parallel.optim_in_backward.step_in_backward``). Not with gradient clipping, gradient
+            ``lightning_plugins.parallel.optim.optim_in_backward.step_in_backward``). Not with gradient clipping, gradient
             accumulation, or pp/tp/cp/ep > 1.
     """
 

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from lightning_plugins.adapters.lora import hf_model_of
+from lightning_plugins.parallel.hf_model import hf_model_of
 from lightning_plugins.errors import summarize
 from lightning_plugins.parallel.gather import collect_stages, full_on_leader, stage_leader
 

@@ -35,9 +35,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lightning_plugins.parallel.experts import OnLocalParameters, TokenLocalBlock, moe_block_name
+from lightning_plugins.parallel.moe.experts import OnLocalParameters, TokenLocalBlock, moe_block_name
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
-from lightning_plugins.parallel.regather import RegatherInBackward
+from lightning_plugins.parallel.memory.regather import RegatherInBackward
 from lightning_plugins.parallel.tensor_checks import check_adapters
 from lightning_plugins.parallel.vocab_embedding import keep_embedding_grad_sharded
 
@@ -64,7 +64,7 @@ def apply_tensor_parallel(
         loss_parallel: Keep the logits vocab-sharded (``Shard(-1)``); the loss is then computed on the
             shards by :mod:`lightning_plugins.parallel.loss` and the full logits are never gathered.
         regather: Under sequence parallelism, keep each region's sequence shard for backward and all-gather it
-            again there, instead of the gathered input (:class:`lightning_plugins.parallel.regather.RegatherInBackward`).
+            again there, instead of the gathered input (:class:`lightning_plugins.parallel.memory.regather.RegatherInBackward`).
     """
     sp = sequence_parallel and family.sequence_parallel
     check_adapters(model, family)

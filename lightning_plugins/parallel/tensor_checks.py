@@ -8,7 +8,7 @@ import sys
 from torch import nn
 
 from lightning_plugins.errors import LayoutError
-from lightning_plugins.parallel.experts import moe_block_name
+from lightning_plugins.parallel.moe.experts import moe_block_name
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers, is_norm
 
 

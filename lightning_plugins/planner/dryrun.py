@@ -264,11 +264,12 @@ def _state_of(model: nn.Module, workload: Workload) -> dict[str, Any]:
 
     An NF4 shard (QLoRA) counts the bytes it holds (:func:`lightning_plugins.adapters.qlora.nf4_nbytes`: 4-bit
     codes, block scalers, their factors). With ``optimizer="adamw8bit"`` the moments of a shard torchao quantizes
-    are 1 byte per value plus an fp32 scale per block (:func:`lightning_plugins.parallel.optimizers.state_nbytes`).
+    are 1 byte per value plus an fp32 scale per block (:func:`lightning_plugins.parallel.optim.optimizers.state_nbytes`).
     The counted rank is the first of its FSDP2 group, whose shard has the padded size FSDP2 allocates (and pins).
     """
-    from lightning_plugins.adapters.qlora import is_nf4, nf4_nbytes
-    from lightning_plugins.parallel.optimizers import state_nbytes
+    from lightning_plugins.adapters.qlora import nf4_nbytes
+    from lightning_plugins.parallel.quantized import is_nf4
+    from lightning_plugins.parallel.optim.optimizers import state_nbytes
 
     params = grads = moments = largest = 0
     rounding = {"parameters": 0, "gradients": 0}
@@ -320,7 +321,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lightning_plugins.parallel.offload import host_device
+    from lightning_plugins.parallel.optim.offload import host_device
     from lightning_plugins.parallel import mesh_of, pipeline_of
 
     with (

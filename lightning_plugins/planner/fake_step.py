@@ -97,10 +97,10 @@ def one_row_tile_only() -> Iterator[None]:
 
 @contextlib.contextmanager
 def one_loss_chunk_only() -> Iterator[None]:
-    """The chunked loss (:mod:`lightning_plugins.parallel.chunked_loss`) computes a chunk of tokens at a time, each
+    """The chunked loss (:mod:`lightning_plugins.parallel.memory.chunked_loss`) computes a chunk of tokens at a time, each
     chunk's logits freed before the next: under fake tensors the first (a full chunk: the widest) alone has the same
     peak. At a 128K vocabulary it ran 128 head tiles per micro-batch, a third of a 405B pipeline dry run's time."""
-    from lightning_plugins.parallel import chunked_loss
+    from lightning_plugins.parallel.memory import chunked_loss
 
     original = chunked_loss._chunk_starts
     chunked_loss._chunk_starts = lambda tokens, chunk: range(0, min(tokens, 1), chunk)
@@ -139,14 +139,14 @@ def static_pipeline_shapes() -> Iterator[None]:
 def balanced_routing() -> Iterator[None]:
     """Route every expert the same number of (token, choice) pairs: the experts' forward without reading values.
 
-    The engine's grouped forward (:func:`lightning_plugins.parallel.experts.experts_forward`) counts the pairs per
+    The engine's grouped forward (:func:`lightning_plugins.parallel.moe.experts.experts_forward`) counts the pairs per
     expert (``bincount``) and sizes the all-to-all and the grouped GEMM from those counts, which fake tensors do not
     have. A dry run plans a balanced router instead (the state the load-balancing loss drives to): each of the
     ``E`` experts gets ``ceil(tokens x k / E)`` pairs. What a step holds is kept: the gathered pairs
     (``tokens x k x hidden``), under expert parallelism the dispatch and combine buffers of the all-to-all
     (forward and backward, through the same autograd collective), and the experts' intermediate activations.
     """
-    from lightning_plugins.parallel import experts
+    from lightning_plugins.parallel.moe import experts
 
     original = experts.experts_forward
     experts.experts_forward = _balanced_experts_forward
@@ -159,7 +159,7 @@ def balanced_routing() -> Iterator[None]:
 def _balanced_experts_forward(
     module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """:func:`~lightning_plugins.parallel.experts.experts_forward` with every expert receiving the same pairs."""
+    """:func:`~lightning_plugins.parallel.moe.experts.experts_forward` with every expert receiving the same pairs."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd
 
     tokens, k = top_k_index.shape

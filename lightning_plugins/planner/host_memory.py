@@ -12,7 +12,7 @@ A run passes through two phases, and a node holds the larger of the two, not the
   rounds up (:func:`pinned_rounding`).
 
 Why the larger and not the sum: gradients appear at the first backward and AdamW's state at the first optimizer step
-(FSDP2's CPU offload and :class:`~lightning_plugins.parallel.offload.HostOffloadOptimizer` create them lazily), the
+(FSDP2's CPU offload and :class:`~lightning_plugins.parallel.optim.offload.HostOffloadOptimizer` create them lazily), the
 activation copies during a step, all after the last tensor read was released. What lives through both (CPU
 offload's parameters) is counted in each.
 
@@ -152,7 +152,8 @@ def largest_read(model: nn.Module, config: Any, model_dtype: torch.dtype) -> Lar
     Only what the checkpoint holds is read: LoRA adapters are created, not loaded. A 3-D parameter is a fused
     experts weight, read from the hub's per-expert tensors, or dequantized from MXFP4 when the config says so.
     """
-    from lightning_plugins.adapters.qlora import is_nf4, nf4_nbytes
+    from lightning_plugins.adapters.qlora import nf4_nbytes
+    from lightning_plugins.parallel.quantized import is_nf4
     from lightning_plugins.checkpoint.mxfp4 import is_mxfp4
 
     checkpoint, _ = checkpoint_dtype(config)

@@ -55,7 +55,7 @@ def mark_intervals(
         ``(intervals, mark, handles)``: the :class:`Intervals` each ``mark`` appends ``peak()`` to (then the tracker's
         peak starts again), the mark, and the hooks' handles (``remove()`` them when done).
     """
-    from lightning_plugins.adapters.lora import hf_model_of
+    from lightning_plugins.parallel.hf_model import hf_model_of
     from lightning_plugins.parallel import pipeline_of
     from lightning_plugins.parallel.families import decoder_layers, family_for
 

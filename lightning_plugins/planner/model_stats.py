@@ -323,7 +323,7 @@ def _from_meta_layer(config: Any) -> ModelStats:
     from torch import nn
     from transformers import AutoModelForCausalLM
 
-    from lightning_plugins.parallel.experts import expert_modules, num_experts
+    from lightning_plugins.parallel.moe.experts import expert_modules, num_experts
     from lightning_plugins.errors import LayoutError
     from lightning_plugins.parallel.families import decoder_layers, family_for, projection_names
 

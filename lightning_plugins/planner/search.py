@@ -25,7 +25,7 @@ from lightning_plugins.errors import LayoutError
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import SCHEDULES, MemoryOptions, ParallelOptions
 from lightning_plugins.planner.dryrun import dry_run
-from lightning_plugins.parallel.optimizers import STATE_BYTES_PER_PARAM
+from lightning_plugins.parallel.optim.optimizers import STATE_BYTES_PER_PARAM
 from lightning_plugins.planner.rank_memory import RankMemory, korthikanti_activations, with_offload, with_optimizer_offload
 from lightning_plugins.planner.hardware import Cluster
 from lightning_plugins.planner.model_stats import model_stats
@@ -152,7 +152,7 @@ def candidate_workloads(
     gpus, per_node = cluster.gpus, cluster.gpus_per_node
     full = lora is None
     weights = "fp32" if full and dtype == "bf16" else dtype  # fp32 master weights, bf16 compute
-    # NF4 bases do not compose with tensor parallelism (lightning_plugins.adapters.qlora.check_quantized).
+    # NF4 bases do not compose with tensor parallelism (lightning_plugins.parallel.quantized.check_quantized).
     most_tp = 1 if lora is not None and lora.quantize == "nf4" else min(per_node, gpus)
     for tp in _powers_of_two(most_tp):
         for cp in _powers_of_two(gpus // tp) if seq_len >= CP_FROM_SEQ_LEN else [1]:
@@ -285,7 +285,7 @@ def _powers_of_two(limit: int) -> list[int]:
 def _expert_sizes(config: Any, shard_cp: int) -> list[int]:
     """Expert-parallel sizes to try: 1, and for a mixture-of-experts model every power of two dividing both the
     ``dp_shard x cp`` ranks it is drawn from and the number of routed experts."""
-    from lightning_plugins.parallel.experts import num_experts
+    from lightning_plugins.parallel.moe.experts import num_experts
 
     experts = num_experts(config) or 1
     return [e for e in _powers_of_two(shard_cp) if experts % e == 0]

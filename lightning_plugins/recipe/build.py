@@ -13,9 +13,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_plugins.parallel.dtypes import DTYPES
-from lightning_plugins.parallel.offload import offload_optimizer
-from lightning_plugins.parallel.optim_in_backward import step_in_backward
-from lightning_plugins.parallel.optimizers import optimizer_class
+from lightning_plugins.parallel.optim.offload import offload_optimizer
+from lightning_plugins.parallel.optim.optim_in_backward import step_in_backward
+from lightning_plugins.parallel.optim.optimizers import optimizer_class
 from lightning_plugins.planner.hardware import peak_flops
 from lightning_plugins.recipe.schema import Recipe
 from lightning_plugins.checkpoint.resume import ResumableDataLoader, loader_generator
@@ -38,7 +38,7 @@ def make_optimizer(model: torch.nn.Module, recipe: Recipe, total_steps: int) -> 
     adapters) and its per-step schedule.
 
     With ``memory.optimizer_offload`` the AdamW state and step live in host memory
-    (:class:`lightning_plugins.parallel.offload.HostOffloadOptimizer`); the schedule drives it the same way.
+    (:class:`lightning_plugins.parallel.optim.offload.HostOffloadOptimizer`); the schedule drives it the same way.
     """
     optim = recipe.optim
     trainable = [p for p in model.parameters() if p.requires_grad]

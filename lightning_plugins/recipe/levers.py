@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_plugins.errors import OptionsError, RecipeError
-from lightning_plugins.parallel.optim_in_backward import check_step_in_backward
+from lightning_plugins.parallel.optim.optim_in_backward import check_step_in_backward
 
 __all__ = ["check_levers"]
 
@@ -21,7 +21,7 @@ def check_levers(recipe: Any, path: Path) -> None:
             linear).
     """
     if recipe.parallel.float8 and recipe.lora is not None and recipe.lora.quantize == "nf4":
-        from lightning_plugins.adapters.qlora import FLOAT8_WITH_NF4
+        from lightning_plugins.parallel.quantized import FLOAT8_WITH_NF4
 
         raise RecipeError(f"{path}: parallel.float8 with lora.quantize: nf4: {FLOAT8_WITH_NF4}")
     if recipe.memory.optimizer_in_backward:

@@ -104,7 +104,7 @@ class NonFiniteGuard:
             step: The optimizer step about to be taken (1-based: the checkpoint after it is ``step=<step>``).
             grad_norm: The global gradient norm (identical on every rank; under ``memory.optimizer_in_backward``
                 the one its hooks accumulated, ``StepInBackward.grad_norm()`` of
-                :mod:`lightning_plugins.parallel.optim_in_backward`); ``None`` where the door cannot have it
+                :mod:`lightning_plugins.parallel.optim.optim_in_backward`); ``None`` where the door cannot have it
                 (Accelerate's DeepSpeed clips inside its engine): the loss alone is checked.
             optimizer: Its gradients are set to ``None`` when the step is skipped.
 

@@ -1,4 +1,4 @@
-"""``ExpertBalanceCallback``: the Lightning door's side of :mod:`lightning_plugins.parallel.experts_balance`."""
+"""``ExpertBalanceCallback``: the Lightning door's side of :mod:`lightning_plugins.parallel.moe.experts_balance`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 from torch import nn
 from typing_extensions import override
 
-from lightning_plugins.parallel.experts_balance import ExpertBalance
+from lightning_plugins.parallel.moe.experts_balance import ExpertBalance
 from lightning_plugins.strategies.step_end import StepEndCallback
 
 

@@ -40,7 +40,7 @@ from lightning_plugins.parallel import (
 )
 from lightning_plugins.parallel.by_hand import complete_split_by_hand
 from lightning_plugins.parallel.context import context_parallel_batch
-from lightning_plugins.parallel.optim_in_backward import check_step_in_backward, stepping_in_backward
+from lightning_plugins.parallel.optim.optim_in_backward import check_step_in_backward, stepping_in_backward
 from lightning_plugins.parallel.pipeline.runtime import GradHandOff
 from lightning_plugins.strategies.checkpoint_io import ShardedCheckpoints
 from lightning_plugins.strategies.balance import add_balance

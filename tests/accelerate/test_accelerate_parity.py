@@ -17,7 +17,7 @@ from _world import run_world
 from _accelerate_loop import ACCUM, BATCH, LR, MAX_NORM, ROWS, build, prepared, run_loop
 from tiny_models import tiny_model
 
-from lightning_plugins.parallel.experts_balance import ExpertBalance
+from lightning_plugins.parallel.moe.experts_balance import ExpertBalance
 from torch.distributed.tensor import DTensor
 
 TOL = 1e-5

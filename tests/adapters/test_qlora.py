@@ -31,14 +31,12 @@ from lightning_plugins import LayoutError, ParallelLayout, ParallelOptions, para
 from lightning_plugins.data import collate_causal_lm, load_prompt_completion, tiny_assets
 from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of, pipeline_of
 from lightning_plugins.adapters.qlora import (
-    check_quantized,
     default_scaler_block_size,
-    is_nf4,
     nf4_nbytes,
     nf4_nbytes_for,
-    nf4_weights,
     quantize_base_to_nf4,
 )
+from lightning_plugins.parallel.quantized import check_quantized, is_nf4, nf4_weights
 
 # peft's get_peft_model reads a transformers attribute deprecated in 5.x: third-party noise.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")

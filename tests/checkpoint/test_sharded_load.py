@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
 
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora
-from lightning_plugins.adapters.qlora import is_nf4
+from lightning_plugins.parallel.quantized import is_nf4
 from lightning_plugins.checkpoint import safetensors_io
 from lightning_plugins.checkpoint.load import load_sharded_safetensors
 from lightning_plugins.checkpoint.mxfp4 import dequantized

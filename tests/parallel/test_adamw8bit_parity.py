@@ -25,8 +25,8 @@ from torchao.optim.subclass_8bit import OptimState8bit
 
 from lightning_plugins import MemoryOptions, ParallelLayout, parallelize
 from lightning_plugins.parallel import clip_grad_norm_
-from lightning_plugins.parallel.offload import HostOffloadOptimizer, offload_optimizer
-from lightning_plugins.parallel.optimizers import optimizer_class
+from lightning_plugins.parallel.optim.offload import HostOffloadOptimizer, offload_optimizer
+from lightning_plugins.parallel.optim.optimizers import optimizer_class
 from lightning_plugins.recipe.build import lr_lambda
 
 STEPS, MORE, BATCH, SEQ, MAX_NORM = 4, 2, 4, 16, 0.5

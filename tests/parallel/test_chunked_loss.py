@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from lightning_plugins.errors import OptionsError
-from lightning_plugins.parallel.chunked_loss import chunked_token_loss_sum, install_chunked_loss
+from lightning_plugins.parallel.memory.chunked_loss import chunked_token_loss_sum, install_chunked_loss
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss
 from lightning_plugins.parallel.options import MemoryOptions
 from lightning_plugins.parallel.pipeline.anatomy import DecoderAnatomy

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from lightning_plugins import LayoutError, OptionsError, ParallelLayout, parallelize
 from lightning_plugins.parallel import check_parallelizable
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
-from lightning_plugins.parallel.experts import experts_forward, expert_modules, num_experts
+from lightning_plugins.parallel.moe.experts import experts_forward, expert_modules, num_experts
 
 MOE = ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")
 
@@ -36,7 +36,7 @@ def _loss_and_grads(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, 
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped_mm", "loop"])
 def test_grouped_forward_equals_the_expert_loop(family: str, grouped: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Loss and every gradient equal transformers' eager per-expert loop, through the grouped GEMM and its fallback."""
-    import lightning_plugins.parallel.experts as experts
+    import lightning_plugins.parallel.moe.experts as experts
 
     if not grouped:
         monkeypatch.setattr(experts, "_grouped_mm_runs", lambda x, w: False)

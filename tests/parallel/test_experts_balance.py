@@ -7,7 +7,7 @@ import math
 import torch
 from tiny_models import make_batch, tiny_model
 
-from lightning_plugins.parallel.experts_balance import ExpertBalance
+from lightning_plugins.parallel.moe.experts_balance import ExpertBalance
 
 
 def test_counts_training_forwards_once_each() -> None:

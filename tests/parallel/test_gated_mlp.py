@@ -16,8 +16,8 @@ from torch import nn
 
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora
 from lightning_plugins.errors import OptionsError
-from lightning_plugins.parallel.experts import apply_expert_parallel
-from lightning_plugins.parallel.gated_mlp import _EfficientForward, mlp_form, use_efficient_mlps
+from lightning_plugins.parallel.moe.experts import apply_expert_parallel
+from lightning_plugins.parallel.memory.gated_mlp import _EfficientForward, mlp_form, use_efficient_mlps
 from lightning_plugins.parallel.options import MemoryOptions
 
 # (tiny family, its MLPs' forms, how many): llama/qwen3 SwiGLU, gemma GeGLU (tanh GELU), phi3's fused gate_up_proj,

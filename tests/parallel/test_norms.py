@@ -16,8 +16,8 @@ from tiny_models import make_batch, tiny_model
 from torch import nn
 
 from lightning_plugins.errors import OptionsError
-from lightning_plugins.parallel import norms
-from lightning_plugins.parallel.norms import _EfficientForward, norm_form, use_efficient_norms
+from lightning_plugins.parallel.memory import norms
+from lightning_plugins.parallel.memory.norms import _EfficientForward, norm_form, use_efficient_norms
 from lightning_plugins.parallel.options import MemoryOptions
 
 # (tiny family, the form its norms take, how many norms it has: 2 per layer + the final one, + q/k norms)

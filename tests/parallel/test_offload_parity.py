@@ -35,9 +35,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lightning_plugins import MemoryOptions, OptionsError, ParallelLayout, parallelize
-from lightning_plugins.parallel import offload
-from lightning_plugins.adapters.lora import LoraOptions, apply_lora, hf_model_of
-from lightning_plugins.parallel.offload import HostOffloadOptimizer, offload_optimizer
+from lightning_plugins.parallel.optim import offload
+from lightning_plugins.adapters.lora import LoraOptions, apply_lora
+from lightning_plugins.parallel.hf_model import hf_model_of
+from lightning_plugins.parallel.optim.offload import HostOffloadOptimizer, offload_optimizer
 from lightning_plugins.parallel.options import with_settings
 from lightning_plugins.parallel import clip_grad_norm_, mesh_of, pipeline_of
 from lightning_plugins.recipe.build import lr_lambda
@@ -300,8 +301,8 @@ def test_offloaded_optimizer_follows_parameters_replaced_before_its_first_step()
 def test_activation_offload_moves_each_saved_tensor_once() -> None:
     """A tensor saved by several ops, or as reshaped views of it (each linear saves its input as its own 2-D view: q,
     k and v of the norm's output), goes to the host once and comes back once; gradients stay bit-identical."""
-    from lightning_plugins.parallel import offload
-    from lightning_plugins.parallel.activation import offload_saved_tensors
+    from lightning_plugins.parallel.optim import offload
+    from lightning_plugins.parallel.memory.activation import offload_saved_tensors
 
     reference = tiny_model("llama")
     model = copy.deepcopy(reference)

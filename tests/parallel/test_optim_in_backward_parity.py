@@ -31,8 +31,8 @@ from lightning_plugins import MemoryOptions, OptionsError, ParallelLayout, paral
 from lightning_plugins.errors import NonFiniteError
 from lightning_plugins.parallel import clip_grad_norm_
 from lightning_plugins.parallel.checks import check_settings
-from lightning_plugins.parallel.offload import offload_optimizer
-from lightning_plugins.parallel.optim_in_backward import step_in_backward, stepping_in_backward
+from lightning_plugins.parallel.optim.offload import offload_optimizer
+from lightning_plugins.parallel.optim.optim_in_backward import step_in_backward, stepping_in_backward
 from lightning_plugins.run.nonfinite import NonFiniteGuard
 from lightning_plugins.parallel.options import ParallelOptions
 from lightning_plugins.recipe.build import lr_lambda
@@ -182,7 +182,7 @@ def test_optimizer_in_backward_refuses_layouts_that_reduce_gradients_later() -> 
 
 
 def test_optimizer_in_backward_refuses_what_it_cannot_do() -> None:
-    from lightning_plugins.parallel.optim_in_backward import check_step_in_backward
+    from lightning_plugins.parallel.optim.optim_in_backward import check_step_in_backward
 
     check_step_in_backward(None, 1, "stop")
     for args, fix in (((1.0, 1, "stop"), "optim.max_grad_norm: null"), ((None, 2, "stop"), "train.micro_batch_size"),

@@ -131,7 +131,7 @@ def test_gemma3_27b_keeps_its_attention_pattern() -> None:
 def test_moe_config_has_published_active_size(name: str) -> None:
     """The planner's active parameters (what a token uses: top-k routed experts, router, attention, shared parts)
     match the published figures, and equal a count made on the meta-built model's own experts."""
-    from lightning_plugins.parallel.experts import expert_modules
+    from lightning_plugins.parallel.moe.experts import expert_modules
     from lightning_plugins.planner.model_stats import model_stats
 
     experts, top_k, published, with_embedding = MOE[name]

@@ -16,12 +16,12 @@ from tiny_models import make_batch, tiny_model
 
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora
 from lightning_plugins.errors import OptionsError
-from lightning_plugins.parallel.activation import apply_activation_checkpointing
+from lightning_plugins.parallel.memory.activation import apply_activation_checkpointing
 from lightning_plugins.parallel.checks import check_settings
-from lightning_plugins.parallel.gated_mlp import use_efficient_mlps
+from lightning_plugins.parallel.memory.gated_mlp import use_efficient_mlps
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
-from lightning_plugins.parallel.tiled_mlp import _tiles, _TiledForward, use_tiled_mlps
+from lightning_plugins.parallel.memory.tiled_mlp import _tiles, _TiledForward, use_tiled_mlps
 
 TOKENS = 4  # 2 x 9 tokens: five tiles, the last one short
 # (tiny family, dense MLPs tiled): Llama's SwiGLU, Gemma's GeGLU, Phi-3's fused gate_up_proj, Qwen2-MoE's shared experts

@@ -34,7 +34,7 @@ from _common import (  # noqa: E402
 )
 from tiny_models import tiny_model  # noqa: E402
 
-from lightning_plugins.parallel.experts_balance import ExpertBalance  # noqa: E402
+from lightning_plugins.parallel.moe.experts_balance import ExpertBalance  # noqa: E402
 from lightning_plugins.strategies import ParallelismStrategy, TensorParallelStrategy  # noqa: E402
 from lightning_plugins.strategies.balance import ExpertBalanceCallback  # noqa: E402
 

@@ -45,7 +45,7 @@ _BASE_PIECES = {"embed_tokens", "layers", "norm", "rotary_emb"}
 #: Scalars on the base model that a stage applies or that do not act in the forward.
 _BASE_SCALARS = {"embedding_multiplier", "embedding_dropout", "padding_idx", "vocab_size", "gradient_checkpointing"}
 #: Scalars on the causal LM that a stage applies (from the config), that do not act in the forward, or that weigh
-#: a mixture-of-experts router's load-balancing loss (the engine's own: see parallel/router_loss.py).
+#: a mixture-of-experts router's load-balancing loss (the engine's own: see parallel/moe/router_loss.py).
 _HEAD_SCALARS = {
     "vocab_size",
     "logit_scale",

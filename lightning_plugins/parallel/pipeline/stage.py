@@ -72,7 +72,7 @@ class StageModule(nn.Module):
         self.loss_sums: list[Tensor] = []
         #: The dtype the next stage's receive buffer has (set with the schedule's static shapes).
         self.boundary_dtype: torch.dtype | None = None
-        #: The last stage's chunked head (:mod:`lightning_plugins.parallel.chunked_loss`), or ``None``: full logits.
+        #: The last stage's chunked head (:mod:`lightning_plugins.parallel.memory.chunked_loss`), or ``None``: full logits.
         self.chunked: Any = None
 
     @property

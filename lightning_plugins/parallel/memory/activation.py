@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_plugins.parallel import offload
+from lightning_plugins.parallel.optim import offload
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.options import CHECKPOINTING_MODES
 
@@ -127,7 +127,7 @@ def _unpack(packed: Any) -> torch.Tensor:
 
 
 class offload_saved_tensors(saved_tensors_hooks):  # a context manager, named like torch's save_on_cpu
-    """Tensors saved for backward go to host memory (:func:`lightning_plugins.parallel.offload.to_host`) and come back to
+    """Tensors saved for backward go to host memory (:func:`lightning_plugins.parallel.optim.offload.to_host`) and come back to
     their device when backward unpacks them; parameters stay. A tensor saved by several ops, or as views that cover it
     whole (a linear saves its input reshaped to 2-D: q, k and v each their own view of the norm's output), is moved
     once each way."""

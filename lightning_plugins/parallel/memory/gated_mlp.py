@@ -33,7 +33,7 @@ from torch import nn
 from transformers.activations import GELUActivation, GELUTanh, SiLUActivation
 from transformers.integrations.moe import _default_apply_gate
 
-from lightning_plugins.parallel.norms import method_source
+from lightning_plugins.parallel.memory.norms import method_source
 
 _LLAMA = '''
 def forward(self, x):

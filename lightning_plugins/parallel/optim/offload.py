@@ -6,7 +6,7 @@
   copies the updated parameters back. :func:`offload_optimizer` builds one for a user's own optimizer class.
 * :func:`to_host` / :func:`from_host`: one saved tensor to host memory and back, the pack and unpack of
   activation offload (``memory.activation_offload``, applied per decoder layer by
-  :mod:`lightning_plugins.parallel.activation`).
+  :mod:`lightning_plugins.parallel.memory.activation`).
 
 Why not torchao's ``CPUOffloadOptimizer``: it asserts a CUDA or XPU device at construction (so nothing of it runs
 on CPU, where the suite proves parity), it copies each gradient to the host in a post-accumulate-grad hook,

@@ -133,7 +133,7 @@ def step_in_backward(optimizer: Optimizer, params: Iterable[Tensor] | None = Non
 
     Args:
         optimizer: Any optimizer that skips parameters without a gradient (``torch.optim.AdamW``, torchao's
-            ``AdamW8bit``, :class:`~lightning_plugins.parallel.offload.HostOffloadOptimizer`).
+            ``AdamW8bit``, :class:`~lightning_plugins.parallel.optim.offload.HostOffloadOptimizer`).
         params: The parameters to hook; ``None``: every parameter of ``optimizer``'s groups.
 
     Returns:

@@ -18,7 +18,7 @@ plus the same experts' slice of each active adapter's delta. The adapters stay w
   data ranks, which is the experts' own gradient scale. (``lora_B`` is stored ``[out, rank x experts]`` with the
   expert innermost, so it has no contiguous per-expert split to ``Shard`` over ``ep``; the slice is taken per call.)
 * Tensor parallelism: the mixture-of-experts block runs on each rank's tokens, its adapters replicated like its
-  weights (:class:`lightning_plugins.parallel.experts.TokenLocalBlock`).
+  weights (:class:`lightning_plugins.parallel.moe.experts.TokenLocalBlock`).
 """
 
 from __future__ import annotations

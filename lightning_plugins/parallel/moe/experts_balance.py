@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_plugins.errors import LayoutError
-from lightning_plugins.parallel.experts import expert_modules, num_experts
+from lightning_plugins.parallel.moe.experts import expert_modules, num_experts
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 

@@ -2,7 +2,7 @@
 
 An MLP acts on each token alone, so it can run on slices of the tokens and give the same rows. With
 ``MemoryOptions.mlp_chunk_tokens`` each dense MLP of the decoder (a gated MLP of a known form:
-:func:`~lightning_plugins.parallel.gated_mlp.mlp_form`, e.g. Llama's, Gemma's, Phi-3's, a mixture of experts' shared
+:func:`~lightning_plugins.parallel.memory.gated_mlp.mlp_form`, e.g. Llama's, Gemma's, Phi-3's, a mixture of experts' shared
 expert) runs through :class:`_TiledMLP`: forward computes the MLP on each tile of that many tokens with autograd off
 and writes its rows of the output, saving only the MLP's input; backward computes each tile again with autograd on and
 takes its gradients (the input's rows, and the trainable parameters' summed over the tiles) before the next tile.
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from lightning_plugins.errors import OptionsError
-from lightning_plugins.parallel.gated_mlp import mlp_form
+from lightning_plugins.parallel.memory.gated_mlp import mlp_form
 
 
 def check_tiled_mlp(mlp_chunk_tokens: int | None, tp_size: int, compile: bool) -> None:

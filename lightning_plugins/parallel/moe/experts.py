@@ -37,7 +37,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from lightning_plugins.adapters.experts import adapted_weight, bind_expert_adapters
+from lightning_plugins.parallel.moe.expert_adapters import adapted_weight, bind_expert_adapters
 
 __all__ = [
     "ExpertMeshes",
@@ -269,7 +269,7 @@ def apply_expert_parallel(layers: nn.ModuleList, meshes: ExpertMeshes | None) ->
 
     Under expert parallelism each 3-D weight (and per-expert bias) becomes a DTensor on ``meshes.params``,
     ``Shard(0)`` over ``ep`` (and ``Replicate`` over ``tp``); the forward runs on the local experts. peft LoRA
-    adapters on expert weights are applied by that forward (:mod:`lightning_plugins.adapters.experts`).
+    adapters on expert weights are applied by that forward (:mod:`lightning_plugins.parallel.moe.expert_adapters`).
     """
     for layer in layers:
         for _, module in expert_modules(layer):
