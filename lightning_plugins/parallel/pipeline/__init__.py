@@ -3,7 +3,7 @@
 The parts: :mod:`.options` (schedules, :class:`PipelineOptions`, which stages and layers a rank holds, the
 layout check), :mod:`.stage` (:class:`StageModule`), :mod:`.split` (pruning a model to its stages),
 :mod:`.runtime` (:class:`Pipeline`, the step over a whole batch) and :mod:`.apply`
-(:func:`apply_pipeline_parallel`, the model whose ``forward`` drives the pipeline).
+(:func:`attach_pipeline`, the model whose ``forward`` drives the pipeline).
 
 How a causal LM becomes a pipeline:
 
@@ -26,7 +26,7 @@ rank's batch is already the load-balanced cp shard of its rows (``context_parall
 the local sequence length with global ``position_ids``, and the loss counts valid tokens over ``dp_cp``.
 """
 
-from lightning_plugins.parallel.pipeline.apply import apply_pipeline_parallel, pipeline_of
+from lightning_plugins.parallel.pipeline.apply import attach_pipeline, pipeline_of
 from lightning_plugins.parallel.pipeline.options import (
     SCHEDULES,
     PipelineOptions,
@@ -35,11 +35,12 @@ from lightning_plugins.parallel.pipeline.options import (
     stages_of_rank,
 )
 from lightning_plugins.parallel.pipeline.runtime import Pipeline
-from lightning_plugins.parallel.pipeline.split import split_into_stages, tied_pair_group
+from lightning_plugins.parallel.pipeline.split import StageCut, build_stages, keep_stage_layers, tied_pair_group
 from lightning_plugins.parallel.pipeline.stage import StageModule
 
 __all__ = [
-    "apply_pipeline_parallel",
+    "attach_pipeline",
+    "build_stages",
     "check_pipeline_layout",
     "SCHEDULES",
     "Pipeline",
@@ -47,7 +48,8 @@ __all__ = [
     "StageModule",
     "layer_ranges",
     "pipeline_of",
-    "split_into_stages",
+    "keep_stage_layers",
+    "StageCut",
     "stages_of_rank",
     "tied_pair_group",
 ]

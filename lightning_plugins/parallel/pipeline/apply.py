@@ -1,25 +1,24 @@
-"""A causal LM made into a pipeline: :func:`apply_pipeline_parallel`, and its ``forward`` driving the pipeline.
+"""A causal LM made into a pipeline: :func:`attach_pipeline`, and its ``forward`` driving the pipeline.
 
-Composition: tensor parallelism is applied to the rank's part of the model, FSDP2 to each stage module
-(the stage is the FSDP root, which is what ``PipelineStage`` expects), activation checkpointing to the
-kept layers, context parallelism to the kept layers' attention (every micro-batch is then the cp shard of its
-rows: see :class:`~lightning_plugins.parallel.pipeline.runtime.Pipeline`).
+Composition (:func:`lightning_plugins.parallel.api.parallelize`): the per-part steps (experts, tensor, context
+parallelism, activation checkpointing) run on the rank's part of the model, FSDP2 on each stage module (the stage is
+the FSDP root, which is what ``PipelineStage`` expects); every micro-batch is the cp shard of its rows (see
+:class:`~lightning_plugins.parallel.pipeline.runtime.Pipeline`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_plugins.parallel.families import ModelFamily, decoder_layers
 from lightning_plugins.parallel.loss import IGNORE_INDEX
 from lightning_plugins.parallel.pipeline.options import PipelineOptions
 from lightning_plugins.parallel.pipeline.runtime import Pipeline, TiedEmbedding
-from lightning_plugins.parallel.pipeline.split import split_into_stages, tied_pair_group
+from lightning_plugins.parallel.pipeline.split import tied_pair_group
+from lightning_plugins.parallel.pipeline.stage import StageModule
 
 _PIPELINE_ATTR = "_lightning_plugins_pipeline"
 
@@ -29,63 +28,30 @@ def pipeline_of(model: nn.Module) -> Pipeline | None:
     return getattr(model, _PIPELINE_ATTR, None)
 
 
-def apply_pipeline_parallel(
+def attach_pipeline(
     model: nn.Module,
-    family: ModelFamily,
-    mesh: DeviceMesh,
+    stages: dict[int, StageModule],
     options: PipelineOptions,
+    mesh: DeviceMesh,
     *,
-    split_weights: Callable[[nn.Module], None] | None = None,
-    sequence_mesh: DeviceMesh | None = None,
-    context_parallel: Callable[[nn.Module, nn.ModuleList], None] | None = None,
-    activation_checkpointing: Callable[[nn.ModuleList], None] | None = None,
-    fully_shard_stage: Callable[..., None] | None = None,
-    reshard_after_forward: bool = True,
+    tied: bool = False,
     param_dtype: torch.dtype | None = None,
     reshard_per_microbatch: bool = False,
 ) -> Pipeline:
-    """Split ``model`` into this rank's stages, compose the other dimensions per stage, attach the pipeline.
+    """Attach to ``model`` the :class:`Pipeline` driving this rank's ``stages`` (parallelized already, FSDP2 per
+    stage), so that ``model(**batch)`` runs the whole batch through it.
 
-    Order: split (with expert, tensor then context parallelism applied in between, see :func:`split_into_stages`) ->
-    activation checkpointing of the kept layers -> FSDP2 per stage module (each stage is its own root),
-    called as ``fully_shard_stage(stage, layers, reshard_after_forward=..., embedding=..., head=...)`` (the
-    embedding, final norm and head the stage holds, their own units unless tied).
-    Afterwards ``model(**batch)`` runs the whole batch through the pipeline (see :class:`Pipeline`).
-
-    Zero-bubble schedules (``interleaved_zero_bubble``, ``zbv_zero_bubble``, ``dualpipev``) compute weight
-    gradients in a pass after the input gradients, from the parameters the forward used: FSDP2 must keep
-    them gathered until then, so ``reshard_after_forward`` is off for them (with it on, the weight pass
-    would see resharded parameters and the gradients would be wrong).
-    ``reshard_per_microbatch`` reshards and reduce-scatters each stage after every micro-batch's backward
-    (:class:`~lightning_plugins.parallel.pipeline.stage.ReshardingStage`).
+    Args:
+        model: The model the stages were built from (:func:`~lightning_plugins.parallel.pipeline.split.build_stages`).
+        stages: This rank's stages by index.
+        options: Resolved pipeline options.
+        mesh: The full mesh.
+        tied: Whether the head's weight is the embedding's: when the first and the last stage sit on two ranks,
+            each keeps a copy, kept in step over the pair (:class:`TiedEmbedding`).
+        param_dtype: FSDP2's parameter dtype, the dtype of what travels between stages.
+        reshard_per_microbatch: Reshard and reduce-scatter each stage after every micro-batch's backward
+            (:class:`~lightning_plugins.parallel.pipeline.stage.ReshardingStage`).
     """
-    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
-    tied = lm_head is not None and lm_head.weight is embed.weight
-    stages = split_into_stages(
-        model,
-        family,
-        mesh,
-        options,
-        split_weights=split_weights,
-        sequence_mesh=sequence_mesh,
-        context_parallel=context_parallel,
-    )
-    if activation_checkpointing is not None:
-        activation_checkpointing(decoder_layers(model, family))
-    if fully_shard_stage is not None:
-        for stage in stages.values():
-            # A tied weight stays in the stage root unit, as before: its embedding and head may sit in two stages.
-            fully_shard_stage(
-                stage,
-                list(stage.layers.values()),
-                reshard_after_forward=reshard_after_forward and not options.spec.split_backward,
-                embedding=None if tied else stage.embed,
-                head=() if tied else (stage.norm, stage.lm_head),
-            )
-        if tied and model.get_input_embeddings() is not None and model.get_output_embeddings() is not None:
-            # FSDP2 gave the head a new (sharded) parameter; the kept embedding module names the same one.
-            model.get_input_embeddings().weight = model.get_output_embeddings().weight
-
     tie = None
     group = tied_pair_group(mesh, options) if tied else None
     if group is not None:
@@ -100,6 +66,12 @@ def apply_pipeline_parallel(
     setattr(model, _PIPELINE_ATTR, pipeline)
     model.__class__ = _pipelined_class(type(model))
     return pipeline
+
+
+def retie_embedding(model: nn.Module) -> None:
+    """After FSDP2 gave a tied head a new (sharded) parameter, name the same one in the kept embedding module."""
+    if model.get_input_embeddings() is not None and model.get_output_embeddings() is not None:
+        model.get_input_embeddings().weight = model.get_output_embeddings().weight
 
 
 def _param_name(model: nn.Module, param: Tensor) -> str:

@@ -3,12 +3,14 @@
 * **Split.** The layers are cut into ``pp_size x stages_per_rank`` contiguous stages. Each rank keeps
   only its stages' layers (under their original names, so ``model.layers.5`` stays ``model.layers.5``
   and checkpoints map across layouts), the embedding if it holds the first stage, the final norm and
-  ``lm_head`` if it holds the last.
+  ``lm_head`` if it holds the last. In two steps, around the per-part steps (tensor parallelism first) that expect
+  the whole model's embedding and head: :func:`keep_stage_layers`, then :func:`build_stages`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -28,38 +30,40 @@ def _parent_and_name(root: nn.Module, target: nn.Module) -> tuple[nn.Module, str
     raise LookupError(f"{type(target).__name__} is not a submodule of {type(root).__name__}")
 
 
-def split_into_stages(
-    model: nn.Module,
-    family: ModelFamily,
-    mesh: DeviceMesh,
-    options: PipelineOptions,
-    *,
-    split_weights: Callable[[nn.Module], None] | None = None,
-    sequence_mesh: DeviceMesh | None = None,
-    context_parallel: Callable[[nn.Module, nn.ModuleList], None] | None = None,
-) -> dict[int, StageModule]:
-    """Prune ``model`` in place to this rank's stages and return their :class:`StageModule` s by index.
+@dataclass(frozen=True)
+class StageCut:
+    """What :func:`keep_stage_layers` cut: this rank's stages and every layer by index (read before pruning).
+
+    Attributes:
+        local: This rank's stage indices.
+        num_stages: Stages over all ranks.
+        ranges: The layer indices of each stage.
+        layers: Every decoder layer by index, as the model held them before the other stages' were dropped.
+        anatomy: What a stage needs to reproduce the decoder's forward (:func:`decoder_anatomy`).
+        tied: Whether the head's weight is the embedding's.
+    """
+
+    local: tuple[int, ...]
+    num_stages: int
+    ranges: list[range]
+    layers: dict[str, nn.Module]
+    anatomy: Any
+    tied: bool
+
+
+def keep_stage_layers(model: nn.Module, family: ModelFamily, pp: DeviceMesh, options: PipelineOptions) -> StageCut:
+    """Prune ``model``'s decoder layers in place to this rank's stages' (the embedding, final norm and head stay:
+    the per-part steps, tensor parallelism first, expect them; :func:`build_stages` drops them after).
 
     Args:
         model: A transformers causal LM (materialised or on the meta device).
         family: Its module names.
-        mesh: The full mesh (``pp`` and ``tp`` are read from it).
+        pp: The pipeline dimension of the mesh.
         options: Resolved pipeline options.
-        split_weights: Called as ``split_weights(model)`` after the layers are pruned and before the
-            embedding, final norm and head are dropped: expert then tensor parallelism (which expects to find all
-            three).
-        sequence_mesh: The tensor-parallel mesh when sequence parallelism is on: stage boundaries then
-            carry each rank's sequence shard.
-        context_parallel: Called as ``context_parallel(model, kept_layers)`` after tensor parallelism: routes
-            the kept layers' attention through context-parallel attention (stages then run on the cp shard
-            of every micro-batch, with global ``position_ids``).
-
-    Returns:
-        This rank's stages, keyed by stage index.
     """
-    pp_size, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
+    pp_size, pp_rank = pp.size(), pp.get_local_rank()
     anatomy = decoder_anatomy(model, pp_size)  # before pruning: it reads the whole model
-    local = stages_of_rank(pp_rank, pp_size, options)
+    local = tuple(stages_of_rank(pp_rank, pp_size, options))
     num_stages = pp_size * (options.stages_per_rank or 1)
     layers = decoder_layers(model, family)
     ranges = layer_ranges(len(layers), num_stages)
@@ -70,19 +74,29 @@ def split_into_stages(
     for key in list(layers._modules):
         if int(key) not in kept:
             del layers._modules[key]
-    if split_weights is not None:
-        split_weights(model)
-    if context_parallel is not None:
-        context_parallel(model, layers)
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = lm_head is not None and lm_head.weight is embed.weight
+    return StageCut(local, num_stages, ranges, all_layers, anatomy, tied)
 
+
+def build_stages(model: nn.Module, cut: StageCut, sequence_mesh: DeviceMesh | None = None) -> dict[int, StageModule]:
+    """Drop the embedding, final norm and head this rank's stages do not hold, and return its :class:`StageModule` s
+    by index.
+
+    Args:
+        model: The model :func:`keep_stage_layers` pruned (its per-part steps applied).
+        cut: What it cut.
+        sequence_mesh: The tensor-parallel mesh when sequence parallelism is on: stage boundaries then
+            carry each rank's sequence shard.
+    """
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
     # The base model's own pieces (decoder_anatomy checked they are there), whatever the family names.
     norm, rotary = model.base_model.norm, model.base_model.rotary_emb
-    first, last = 0 in local, num_stages - 1 in local
-    tied = lm_head is not None and lm_head.weight is embed.weight
+    last_stage = cut.num_stages - 1
+    first, last = 0 in cut.local, last_stage in cut.local
     # A tied head keeps the embedding module as its weight's first name: checkpoints (HF's and ours) know
     # the weight as the embedding's, and the embedding's forward is never run on this rank.
-    if not first and not (tied and last):
+    if not first and not (cut.tied and last):
         parent, name = _parent_and_name(model, embed)
         setattr(parent, name, None)
     if not last:
@@ -90,20 +104,19 @@ def split_into_stages(
         setattr(parent, name, None)
         parent, name = _parent_and_name(model, lm_head)
         setattr(parent, name, None)
-
-    stages = {}
-    for stage in local:
-        stages[stage] = StageModule(
+    return {
+        stage: StageModule(
             model.config,
-            {index: all_layers[str(index)] for index in ranges[stage]},
+            {index: cut.layers[str(index)] for index in cut.ranges[stage]},
             rotary,
-            anatomy=anatomy,
+            anatomy=cut.anatomy,
             embed=embed if stage == 0 else None,
-            norm=norm if stage == num_stages - 1 else None,
-            lm_head=lm_head if stage == num_stages - 1 else None,
+            norm=norm if stage == last_stage else None,
+            lm_head=lm_head if stage == last_stage else None,
             sequence_mesh=sequence_mesh,
         )
-    return stages
+        for stage in cut.local
+    }
 
 
 def tied_pair_group(mesh: DeviceMesh, options: PipelineOptions) -> dist.ProcessGroup | None:
