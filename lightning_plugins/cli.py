@@ -103,8 +103,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     elif args.command == "plan":
         from lightning_plugins.planner.command import main as plan_main
+        from lightning_plugins.recipe.schema import load_recipe
 
-        sys.exit(plan_main(args, recipe_overrides(extra, plan)))
+        sys.exit(plan_main(args, recipe_overrides(extra, plan), load_recipe))
     elif args.command == "tiny":
         _tiny(args, recipe_overrides(extra, tiny))
     elif args.command == "export":

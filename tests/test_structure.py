@@ -4,6 +4,11 @@
   adapters import ``parallel/``, never the reverse (lazy and type-only imports counted).
 * The import graph between modules is acyclic, counting imports inside functions (``TYPE_CHECKING`` blocks,
   which never run, aside).
+* The import graph between the package's parts (its sub-packages and top-level modules) is acyclic, counting every
+  import: at module level, inside functions and in ``TYPE_CHECKING`` blocks.
+* Only the doors (``strategies/``, ``accelerate/``, and ``demo.py``, the Lightning run the CLI's ``demo`` starts)
+  import Lightning or Accelerate.
+* No function is over 80 lines (one idea each).
 * No module imports another module's private (``_name``) names.
 * Every exception class of the package derives from :class:`lightning_plugins.errors.LightningPluginsError`
   (``Preempted`` aside: it is a ``SystemExit``).
@@ -35,6 +40,22 @@ UNPICKLING_NAMES = {"Unpickler", "_Unpickler", "FileSystemReader", "DefaultLoadP
                     "_load_state_dict_from_keys", "dcp_to_torch_save", "BroadcastingTorchSaveReader", "read_pickle",
                     "load_sharded_optimizer_state_dict"}  # fmt: skip
 NOT_OURS_TO_WRAP = {"lightning_plugins.run.preemption.Preempted"}  # a SystemExit: ends the process quietly
+#: Package cycles known and being removed (an edge of each, as ``(from, to)``): none may be added.
+KNOWN_PACKAGE_CYCLES: set[tuple[str, str]] = set()
+#: The parts that may import Lightning or Accelerate: the doors, and the demo (a Lightning run the CLI starts).
+DOORS = ("lightning_plugins.strategies", "lightning_plugins.accelerate", "lightning_plugins.demo")
+#: The frameworks only the doors import.
+FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "accelerate")
+MAX_FUNCTION_LINES = 80
+#: Folders whose long functions are being split (issue 45, the engine's part): none may be added elsewhere.
+LONG_FUNCTIONS_ALLOWED_UNDER = ("lightning_plugins.parallel", "lightning_plugins.adapters")
+#: Long functions being split (issue 45), ``module.function``: none may be added.
+LONG_FUNCTIONS_BEING_SPLIT = {
+    "lightning_plugins.accelerate.accelerator.__init__", "lightning_plugins.accelerate.runner.run_recipe",
+    "lightning_plugins.checkpoint.export.export_checkpoint", "lightning_plugins.planner.assumptions.step_assumptions",
+    "lightning_plugins.planner.search.estimate_peak", "lightning_plugins.planner.timing.estimate_step_time",
+    "lightning_plugins.planner.timing._rank_time", "lightning_plugins.recipe.schema._check",
+}  # fmt: skip
 
 
 def _name_of(path: Path) -> str:
@@ -245,3 +266,113 @@ def test_the_adapters_import_the_engine_never_the_reverse():
         )
     ]
     assert not wrong, "The engine (parallel/) must not import the adapters:\n" + "\n".join(wrong)
+
+
+def _every_import(module: str, path: Path, tree: ast.AST) -> list[tuple[str, int]]:
+    """(absolute module name, line) of every import in ``tree``: inside functions and ``TYPE_CHECKING`` too."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                found.append((".".join(base + ([node.module] if node.module else [])), node.lineno))
+            else:
+                found.append((node.module or "", node.lineno))
+    return found
+
+
+def _part(module: str) -> str:
+    """The part of the package ``module`` belongs to: ``lightning_plugins.recipe`` for
+    ``lightning_plugins.recipe.schema``, ``lightning_plugins.cli`` for itself, the package for its ``__init__``."""
+    return ".".join(module.split(".")[:2])
+
+
+@cache
+def _package_graph() -> dict[str, dict[str, list[str]]]:
+    """Part -> imported part -> where (``path:line``), every import counted (lazy and type-only ones too)."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for module, (path, tree) in _modules().items():
+        edges = graph.setdefault(_part(module), {})
+        for target, line in _every_import(module, path, tree):
+            if target.split(".")[0] == PACKAGE.name and _part(target) != _part(module):
+                edges.setdefault(_part(target), []).append(f"{path.relative_to(PACKAGE.parent)}:{line}")
+    return graph
+
+
+def _cycles(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(graph.get(node, {})):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+def test_the_package_graph_is_acyclic():
+    """``recipe -> run`` and never back, and so on: between the package's parts every import counts (those inside
+    functions and ``TYPE_CHECKING`` blocks too), so no lazy or type-only import hides a cycle."""
+    graph = {
+        part: {target: where for target, where in edges.items() if (part, target) not in KNOWN_PACKAGE_CYCLES}
+        for part, edges in _package_graph().items()
+    }
+    cycles = _cycles(graph)
+    assert not cycles, "Package cycles (move what one part needs from the other to the part that owns the idea):\n" + (
+        "\n".join(
+            " -> ".join(cycle) + "\n" + "\n".join(f"  {a} -> {b}: {', '.join(graph[a][b])}" for a, b in zip(cycle, cycle[1:]))
+            for cycle in cycles
+        )
+    )
+    still = {(a, b) for a, b in KNOWN_PACKAGE_CYCLES if b in _package_graph().get(a, {})}
+    assert still == KNOWN_PACKAGE_CYCLES, f"Gone from the code, so drop from KNOWN_PACKAGE_CYCLES: {KNOWN_PACKAGE_CYCLES - still}"
+
+
+def test_the_package_cycle_rule_finds_a_lazy_and_a_type_only_cycle():
+    """The rule above can fail: a cycle closed only by a lazy import, or only by a ``TYPE_CHECKING`` one, is found."""
+    lazy = "def f():\n    from lightning_plugins.b.y import g\n"
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a.x import f\n"
+    graph: dict[str, dict[str, list[str]]] = {}
+    for module, path, text in (("lightning_plugins.a.x", Path("a/x.py"), lazy), ("lightning_plugins.b.y", Path("b/y.py"), typed)):
+        for target, _ in _every_import(module, path, ast.parse(text)):
+            if target.startswith("lightning_plugins."):
+                graph.setdefault(_part(module), {}).setdefault(_part(target), []).append("")
+    assert _cycles(graph) == [["lightning_plugins.a", "lightning_plugins.b", "lightning_plugins.a"]]
+
+
+def test_only_the_doors_import_lightning_or_accelerate():
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}"
+        for module, (path, tree) in _modules().items()
+        if not module.startswith(DOORS)
+        for target, line in _every_import(module, path, tree)
+        if target.split(".")[0] in FRAMEWORKS
+    ]
+    assert not wrong, (
+        "Only the doors (strategies/, accelerate/, demo.py) import Lightning or Accelerate; the engine serves both"
+        " doors:\n" + "\n".join(wrong)
+    )
+
+
+def test_no_function_is_over_the_limit():
+    long = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for module, (path, tree) in _modules().items()
+        if not module.startswith(LONG_FUNCTIONS_ALLOWED_UNDER)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+        and f"{module}.{node.name}" not in LONG_FUNCTIONS_BEING_SPLIT
+    ]
+    assert not long, f"Functions over {MAX_FUNCTION_LINES} lines (split them, one idea each):\n" + "\n".join(long)

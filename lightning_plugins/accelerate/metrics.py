@@ -4,7 +4,7 @@ CSV: ``output_dir/logs/version_<N>/metrics.csv`` (one version per attempt) as Li
 columns sorted by name, one row per log call with ``epoch`` and ``step``: what
 :func:`lightning_plugins.recipe.plots.merge_metrics` reads, so both doors' runs plot alike. TensorBoard, wandb and MLflow
 are Accelerate's ``TensorBoardTracker``, ``WandBTracker`` and ``MLflowTracker``, writing where the Lightning door's
-loggers write (:mod:`lightning_plugins.run.record`); each attempt is a run named ``version_<N>``.
+loggers write (:mod:`lightning_plugins.recipe.record`); each attempt is a run named ``version_<N>``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from accelerate.tracking import GeneralTracker, MLflowTracker, TensorBoardTracke
 from typing_extensions import override
 
 from lightning_plugins.recipe.schema import Recipe
-from lightning_plugins.run.record import mlflow_tracking_uri, project_name, wandb_offline
+from lightning_plugins.recipe.record import mlflow_tracking_uri, project_name, wandb_offline
 
 
 def next_version(log_root: str | Path) -> int:

@@ -35,11 +35,11 @@ from lightning_plugins.recipe.diff import reset_optimizer
 from lightning_plugins.recipe.finish import check_exportable, export_dir, export_trained, write_results
 from lightning_plugins.recipe.meter import ThroughputMeter
 from lightning_plugins.recipe.schema import Recipe
-from lightning_plugins.run.manifest import write_manifest
+from lightning_plugins.recipe.manifest import write_manifest
 from lightning_plugins.run.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.run.perf import PerfMonitor
 from lightning_plugins.run.preemption import Preemption
-from lightning_plugins.run.record import hyperparameters, project_name
+from lightning_plugins.recipe.record import hyperparameters, project_name
 
 
 @dataclass

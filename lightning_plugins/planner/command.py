@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -47,8 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def main(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Run the command; returns the exit status."""
+def main(args: argparse.Namespace, overrides: list[str], load_recipe: Callable[[str, list[str]], Any]) -> int:
+    """Run the command; returns the exit status.
+
+    ``load_recipe(path, overrides)`` reads the recipe to check (the caller's: the planner sits below the recipe
+    package, which uses it, so it does not import it).
+    """
     from lightning_plugins.errors import PlannerError
     from lightning_plugins.errors import RecipeError
 
@@ -59,7 +64,7 @@ def main(args: argparse.Namespace, overrides: list[str]) -> int:
             print_calibration()
             return 0
         if args.recipe:
-            return _check_recipe(args, overrides)
+            return _check_recipe(args, load_recipe(args.recipe, overrides))
         if overrides:
             raise PlannerError(f"recipe overrides {overrides} need a recipe file")
         return _search(args)
@@ -80,13 +85,12 @@ def _cluster(args: argparse.Namespace, gpus: int, per_node: int, gpu: str | None
     )
 
 
-def _check_recipe(args: argparse.Namespace, overrides: list[str]) -> int:
+def _check_recipe(args: argparse.Namespace, recipe: Any) -> int:
     from lightning_plugins.planner.plot import plot_plans
     from lightning_plugins.planner.report import plan_recipe
-    from lightning_plugins.recipe.schema import load_recipe
 
     result = plan_recipe(
-        load_recipe(args.recipe, overrides),
+        recipe,
         margin=args.margin,
         gpu=args.gpu,
         gpu_memory=args.gpu_memory,

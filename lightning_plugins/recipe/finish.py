@@ -48,7 +48,7 @@ def write_results(
         The paths written (``written``, ``metrics``, ``loss_curve``), ``resumed_from`` and the ``last`` metrics.
     """
     from lightning_plugins.recipe.plots import merge_metrics, plot_losses
-    from lightning_plugins.run.manifest import attach_manifest
+    from lightning_plugins.recipe.manifest import attach_manifest
 
     out = Path(recipe.train.output_dir)
     attach_manifest(out, written.values())

@@ -21,7 +21,7 @@ import torch
 
 from lightning_plugins.recipe.schema import Recipe, near_directories
 from lightning_plugins.errors import RecipeError
-from lightning_plugins.run.record import LOGGER_PACKAGES
+from lightning_plugins.recipe.record import LOGGER_PACKAGES
 
 _TRUE = {"1", "on", "yes", "true"}
 

@@ -184,7 +184,7 @@ class TrainSection(_Section):
     @field_validator("loggers")
     @classmethod
     def _known_loggers(cls, names: list[str]) -> list[str]:
-        from lightning_plugins.run.record import LOGGERS
+        from lightning_plugins.recipe.record import LOGGERS
 
         return _known_names(names, LOGGERS, "logger", str.lower)
 

@@ -1,6 +1,6 @@
 """The Lightning door's ``train.loggers``: Lightning's own loggers, and the run's record at the start of fit.
 
-Each writes where the Accelerate door's tracker of the same name writes (:mod:`lightning_plugins.run.record`):
+Each writes where the Accelerate door's tracker of the same name writes (:mod:`lightning_plugins.recipe.record`):
 CSV in ``output_dir/logs/version_<N>`` (always), TensorBoard in ``output_dir/tensorboard/version_<N>``, wandb in
 ``output_dir/wandb``, MLflow in ``output_dir/mlruns`` (or ``MLFLOW_TRACKING_URI``); each attempt is a run named
 ``version_<N>``.
@@ -15,9 +15,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from typing_extensions import override
 
-from lightning_plugins.run.manifest import write_manifest
+from lightning_plugins.recipe.manifest import write_manifest
 from lightning_plugins.recipe.schema import Recipe
-from lightning_plugins.run.record import hyperparameters, mlflow_tracking_uri, project_name, wandb_offline
+from lightning_plugins.recipe.record import hyperparameters, mlflow_tracking_uri, project_name, wandb_offline
 
 
 def recipe_loggers(recipe: Recipe) -> list[Logger]:

@@ -3,7 +3,7 @@
 The recipe's sections become the objects the engine takes (layout, parallel and memory options, LoRA,
 data); this file only builds the model, the data loaders, a plain LightningModule and the ``Trainer``:
 Lightning's rich progress bar and the recipe's loggers (``train.loggers``, CSV always), ``output_dir/run.json``
-(:mod:`lightning_plugins.run.manifest`), DCP checkpoints every N steps (resumed automatically
+(:mod:`lightning_plugins.recipe.manifest`), DCP checkpoints every N steps (resumed automatically
 from the output directory, or from ``--resume``), evaluation on the held-out split, and at the end an
 HF directory (full fine-tune) or a peft adapter directory (LoRA, plus merged weights when asked), a CSV
 of the metrics and a loss-curve PNG. A non-finite loss or gradient norm stops the run or skips the step

@@ -23,11 +23,11 @@ import pytest
 import yaml
 from _world import free_port, run_command
 
-from lightning_plugins.run.manifest import PACKAGES, attach_manifest, write_manifest
+from lightning_plugins.recipe.manifest import PACKAGES, attach_manifest, write_manifest
 from lightning_plugins.recipe.preflight import check_here
 from lightning_plugins.recipe.schema import Recipe, load_recipe
 from lightning_plugins.errors import RecipeError
-from lightning_plugins.run.record import hyperparameters, mlflow_tracking_uri, wandb_offline
+from lightning_plugins.recipe.record import hyperparameters, mlflow_tracking_uri, wandb_offline
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"

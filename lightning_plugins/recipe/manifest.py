@@ -54,7 +54,7 @@ def write_manifest(recipe: Recipe) -> Path | None:
             "world_size": len(hosts),
             "hosts": hosts,
             "versions": versions(),
-            "git": _git(Path(__file__).resolve().parents[2]),  # the checkout: lightning_plugins/run/manifest.py
+            "git": _git(Path(__file__).resolve().parents[2]),  # the checkout: lightning_plugins/recipe/manifest.py
             "data": {key: data_record(getattr(recipe.data, key)) for key in ("train", "eval")
                      if getattr(recipe.data, key) is not None},  # fmt: skip
             "recipe": json.loads(recipe.model_dump_json()),
