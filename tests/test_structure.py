@@ -54,7 +54,7 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     "lightning_plugins.accelerate.accelerator.__init__", "lightning_plugins.accelerate.runner.run_recipe",
     "lightning_plugins.checkpoint.export.export_checkpoint", "lightning_plugins.planner.assumptions.step_assumptions",
     "lightning_plugins.planner.search.estimate_peak", "lightning_plugins.planner.timing.estimate_step_time",
-    "lightning_plugins.planner.timing._rank_time", "lightning_plugins.recipe.schema._check",
+    "lightning_plugins.planner.timing._rank_time",
 }  # fmt: skip
 
 

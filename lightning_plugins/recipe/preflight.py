@@ -19,7 +19,8 @@ from urllib.parse import urlparse
 
 import torch
 
-from lightning_plugins.recipe.schema import Recipe, near_directories
+from lightning_plugins.recipe.checks import near_directories
+from lightning_plugins.recipe.schema import Recipe
 from lightning_plugins.errors import RecipeError
 from lightning_plugins.recipe.record import LOGGER_PACKAGES
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_plugins.recipe.schema import Recipe, TrainSection
+    from lightning_plugins.recipe.schema import Recipe
+    from lightning_plugins.recipe.train import TrainSection
 
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 """The names ``train.loggers`` takes (CSV is written in any case: ``metrics.csv`` and the loss curve come from it)."""

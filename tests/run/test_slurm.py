@@ -99,7 +99,7 @@ def test_accelerate_batch_file_names_the_config_it_lacks(tmp_path: Path) -> None
 def test_batch_files_ask_for_the_preemption_signal_and_the_requeue(batch: str) -> None:
     """SLURM sends SIGUSR1 (a preemption signal of the default ``train.preempt_signals``) ahead of the time limit, and
     the job may be requeued (rank 0 runs ``scontrol requeue`` after the checkpoint: tests/checkpoint/test_kill_resume.py)."""
-    from lightning_plugins.recipe.schema import TrainSection
+    from lightning_plugins.recipe.train import TrainSection
 
     lines = (SLURM / f"{batch}.sbatch").read_text().splitlines()
     signal = [line for line in lines if line.startswith("#SBATCH --signal=")]

@@ -1,0 +1,198 @@
+"""The checks of a recipe that need more than one section: its paths resolved, the layout against the world and
+the model's config, the batch arithmetic, what the export can do. Each raises one :class:`RecipeError` naming the
+file, the key and a fix (:func:`lightning_plugins.recipe.schema.load_recipe` runs them all)."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_plugins.errors import LayoutError, OptionsError, RecipeError
+from lightning_plugins.recipe.levers import check_levers
+
+if TYPE_CHECKING:
+    from lightning_plugins.parallel.layout import ParallelLayout
+    from lightning_plugins.recipe.schema import Recipe
+
+#: What a model.path that names a file ends with (a hub id like ``meta-llama/Llama-3.1-8B`` may hold dots).
+_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".yaml", ".yml", ".gguf")
+
+
+def near_directories(name: str, base: Path) -> str:
+    """`` Did you mean ...?`` naming the directories next to the recipe or in the current directory whose names are
+    close to ``name`` (``modle`` -> ``model``), or ``""``."""
+    found = {p.name: p for folder in (base, Path.cwd()) if folder.is_dir() for p in folder.iterdir() if p.is_dir()}
+    near = difflib.get_close_matches(name, list(found), n=3, cutoff=0.6)
+    return f" Did you mean {' or '.join(str(found[n]) for n in near)}?" if near else ""
+
+
+def resolve_paths(recipe: Recipe, path: Path) -> Recipe:
+    """``recipe`` with its data files and a local ``model.path`` made absolute (relative to the recipe file, else to
+    the current directory)."""
+    base = path.resolve().parent
+    try:
+        data = recipe.data.resolve(base)
+    except ValueError as err:
+        raise RecipeError(f"{path}: {err}") from None
+    model_path = recipe.model.path
+    # Relative to the recipe (what the file says), else to the current directory (what an override says).
+    local = next((c for c in (base / model_path, Path(model_path).expanduser()) if c.is_dir()), base / model_path)
+    if local.is_dir():
+        model_path = str(local.resolve())
+    elif model_path.startswith((".", "/", "~")) or local.suffix in _FILE_SUFFIXES or model_path.count("/") > 1:
+        raise RecipeError(
+            f"{path}: model.path={recipe.model.path!r} is not a directory (looked for {local}).{near_directories(local.name, base)}"
+            " Give a local HF checkpoint directory (config.json + *.safetensors + tokenizer), relative to the recipe,"
+            " or a hub id."
+        )
+    return recipe.model_copy(update={"data": data, "model": recipe.model.model_copy(update={"path": model_path})})
+
+
+def check_recipe(recipe: Recipe, path: Path) -> Recipe:
+    """``recipe`` with its layout resolved for the world, once every check that spans sections has passed."""
+    world = recipe.hardware.world_size
+    try:
+        layout = recipe.layout.resolve(world)
+    except LayoutError as err:
+        raise RecipeError(
+            f"{path}: layout does not fit hardware.devices x hardware.nodes = {world} processes: {err}"
+        ) from None
+    config = _config_of(recipe, path)
+    if config is not None:
+        _check_against_the_model(recipe, layout, config, path)
+    recipe = recipe.model_copy(update={"layout": layout})
+    _check_batch(recipe, layout, path)
+    check_levers(recipe, path)
+    if layout.pp_size > 1:
+        _check_pipeline_batch(recipe, layout, path)
+    if recipe.data.packing and layout.cp_size == 1:  # context-parallel attention keeps the documents apart itself
+        from lightning_plugins.data import check_packing_attention
+
+        try:
+            check_packing_attention(recipe.model.attn_implementation)
+        except ValueError as err:
+            raise RecipeError(f"{path}: model.attn_implementation with data.packing: {err}") from None
+    _check_merged_export(recipe, path)
+    return recipe
+
+
+def _config_of(recipe: Recipe, path: Path) -> Any:
+    """The model's transformers config (``None`` for a hub id whose config is not at hand)."""
+    try:
+        return model_config(recipe.model.path, recipe.model.trust_remote_code)
+    except (ValueError, OSError) as err:
+        if "trust_remote_code" in str(err):
+            raise RecipeError(
+                f"{path}: model.path={recipe.model.path!r} ships its own Python code (config.json's auto_map), which"
+                " runs only with model.trust_remote_code: true. Set it if you have read that code and trust it."
+            ) from None
+        raise RecipeError(
+            f"{path}: model.path={recipe.model.path!r} is a directory but not a transformers model ({err}). Point"
+            " model.path at an HF checkpoint directory (config.json, tokenizer and weights) or a hub id."
+        ) from None
+
+
+def _check_against_the_model(recipe: Recipe, layout: ParallelLayout, config: Any, path: Path) -> None:
+    """The layout and options, the LoRA targets and the weights' format against the model's config."""
+    from lightning_plugins.parallel.checks import check_settings
+
+    try:
+        check_settings(layout, recipe.parallel, recipe.memory, config)
+        if layout.tp_size > 1:
+            _check_tensor_plan(config)
+    except (LayoutError, OptionsError) as err:
+        raise RecipeError(f"{path}: layout/parallel do not fit model {recipe.model.path}: {err}") from None
+    if recipe.lora is not None:
+        from lightning_plugins.adapters.lora import check_lora_targets
+
+        try:
+            check_lora_targets(config, recipe.lora)
+        except OptionsError as err:
+            raise RecipeError(f"{path}: lora: {err}") from None
+    from lightning_plugins.checkpoint.mxfp4 import check_mxfp4
+    from lightning_plugins.errors import CheckpointError
+    from lightning_plugins.parallel.dtypes import DTYPES
+
+    try:
+        check_mxfp4(config, DTYPES[recipe.model.dtype], recipe.lora.quantize if recipe.lora else "none")
+    except CheckpointError as err:
+        raise RecipeError(f"{path}: model {recipe.model.path}: {err}") from None
+
+
+def _check_batch(recipe: Recipe, layout: ParallelLayout, path: Path) -> None:
+    """The global batch divides into micro-batches over the data ranks."""
+    per_step = recipe.train.micro_batch_size * layout.dp_size
+    if recipe.samples_per_step % per_step:
+        good = max(per_step, recipe.samples_per_step // per_step * per_step)
+        raise RecipeError(
+            f"{path}: train.global_batch_size={recipe.samples_per_step} is not a multiple of train.micro_batch_size"
+            f" ({recipe.train.micro_batch_size}) x data-parallel ranks ({layout.dp_size}) = {per_step}. Use"
+            f" train.global_batch_size={good}, or change train.micro_batch_size."
+        )
+
+
+def _check_pipeline_batch(recipe: Recipe, layout: ParallelLayout, path: Path) -> None:
+    """A micro-batch divides into the pipeline's micro-batches."""
+    from lightning_plugins.parallel.pipeline import PipelineOptions
+
+    micro = PipelineOptions.of(recipe.parallel).resolve(layout.pp_size).microbatches
+    if recipe.train.micro_batch_size % micro:
+        raise RecipeError(
+            f"{path}: train.micro_batch_size={recipe.train.micro_batch_size} must divide into"
+            f" parallel.pp_microbatches={micro} pipeline micro-batches. Use train.micro_batch_size="
+            f"{micro * max(1, recipe.train.micro_batch_size // micro)}."
+        )
+
+
+def _check_merged_export(recipe: Recipe, path: Path) -> None:
+    """``train.merge_lora`` needs LoRA adapters on dense linear layers only."""
+    if recipe.lora is None and recipe.train.merge_lora:
+        raise RecipeError(
+            f"{path}: train.merge_lora is set but the recipe has no lora section. Remove it or add lora:."
+        )
+    if recipe.lora is not None and recipe.lora.quantize == "nf4" and recipe.train.merge_lora:
+        raise RecipeError(
+            f"{path}: train.merge_lora with lora.quantize: nf4: merging needs dense base weights. Export the adapter"
+            " (the default), then merge it into the dense base in one process: PeftModel.from_pretrained(base,"
+            " adapter_dir).merge_and_unload()."
+        )
+    unmerged = [key for key in ("target_parameters", "modules_to_save") if recipe.lora and getattr(recipe.lora, key)]
+    if unmerged and recipe.train.merge_lora:
+        raise RecipeError(
+            f"{path}: train.merge_lora with lora.{unmerged[0]}: the merged export merges LoRA on linear layers only."
+            " Export the adapter (the default; it holds the expert adapters and trained modules), then merge it in one"
+            " process: PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()."
+        )
+
+
+def _check_tensor_plan(config: Any) -> None:
+    """The model's family (or its config's ``base_model_tp_plan``) says how to split it; the fallback's notice is
+    given when the model is parallelized, not here as well."""
+    import types
+    import warnings
+
+    from lightning_plugins.parallel.families import family_for
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        family_for(types.SimpleNamespace(config=config), tensor_parallel=True)
+
+
+def model_config(model_path: str, trust_remote_code: bool = False) -> Any:
+    """The transformers config of a local checkpoint, or of a hub id whose config is shipped under
+    ``recipes/configs`` (``meta-llama/Llama-3.1-70B``) or cached locally; ``None`` for another hub id (checked
+    when it is loaded); a multimodal checkpoint's is its text decoder's (the model a recipe trains)."""
+    if Path(model_path).is_dir():
+        from transformers import AutoConfig
+
+        from lightning_plugins.checkpoint.text_tower import text_config
+
+        return text_config(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
+    from lightning_plugins.planner.model_stats import load_model_config
+    from lightning_plugins.errors import PlannerError
+
+    try:
+        return load_model_config(model_path)
+    except PlannerError:
+        return None
