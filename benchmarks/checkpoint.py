@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _harness import spawn_world  # the benchmarks' folder is on sys.path (run as a script)
+from lightning_plugins.testing.world import spawn_world
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.checkpoint.resume import publish, save_rng
 

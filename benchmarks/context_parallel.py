@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from _harness import tiny_llama, world_rows  # the benchmarks' folder is on sys.path (run as a script)
+from lightning_plugins.testing.models import tiny_llama
+from lightning_plugins.testing.world import world_rows
 
 MIB = 2**20
 

@@ -54,7 +54,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import spawn_world  # noqa: E402
+from lightning_plugins.testing.world import spawn_world  # noqa: E402
 from tensor_parallel import (  # noqa: E402
     CommCounter,
     Options,

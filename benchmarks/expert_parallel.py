@@ -43,8 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import spawn_world  # noqa: E402
+from lightning_plugins.testing.world import spawn_world  # noqa: E402
 
 BYTES = 4  # fp32
 

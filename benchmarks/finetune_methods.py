@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import spawn_world  # noqa: E402
+from lightning_plugins.testing.world import spawn_world  # noqa: E402
 from tensor_parallel import Options, build_config, make_batches, peak_step_allocation  # noqa: E402
 
 WORLD = 2

@@ -18,15 +18,14 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _harness import tiny_llama, world_rows  # noqa: E402
+from lightning_plugins.testing.models import tiny_llama
+from lightning_plugins.testing.world import world_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny" / "lora_fsdp2_chat.yaml"

@@ -54,8 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import world_rows  # noqa: E402
+from lightning_plugins.testing.world import world_rows  # noqa: E402
 
 #: name -> (mean tokens, lognormal sigma, where the numbers come from); mu follows from the mean and sigma.
 MIXES: dict[str, tuple[float, float, str]] = {

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from _harness import spawn_world  # the benchmarks' folder is on sys.path (run as a script)
+from lightning_plugins.testing.world import spawn_world
 
 LAYERS = 8  # the same model for every layout: p=2 -> 4 layers per stage (2 interleaved), p=4 -> 2 (1)
 ACT_BYTES = 1 << 20  # activation saved per layer and micro-batch

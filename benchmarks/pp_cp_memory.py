@@ -161,7 +161,7 @@ def tiny_check(backend: str) -> dict[str, Any]:
     """PP2 x CP2 on the small model of ``tests/_memory.py``: the dry run's peak per rank kind next to a real gloo run."""
     sys.path.insert(0, str(ROOT / "tests"))
     from _memory import CONFIG, SEQ_LEN, MemoryLayout
-    from _world import run_world
+    from lightning_plugins.testing.world import run_world
     from transformers import LlamaConfig
 
     from lightning_plugins.planner.dryrun import dry_run

@@ -42,7 +42,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _harness import spawn_world  # noqa: E402  (the benchmarks' folder is on sys.path: run as a script)
+from lightning_plugins.testing.world import spawn_world  # noqa: E402
 
 WORLD = 2
 VARIANTS = ("one process", "TP=2", "TP=2 + SP")

@@ -80,7 +80,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # weight-loading bar
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from _harness import spawn_world, tiny_llama  # noqa: E402  (the benchmarks' folder is on sys.path: run as a script)
+from lightning_plugins.testing.models import tiny_llama  # noqa: E402
+from lightning_plugins.testing.world import spawn_world  # noqa: E402
 
 WORLD = 2
 

@@ -33,8 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import world_rows  # noqa: E402
+from lightning_plugins.testing.world import world_rows  # noqa: E402
 
 
 def computed_entries(seq: int, cp: int, window: int | None, batch_heads: int) -> int:

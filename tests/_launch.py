@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _world import free_port, run_command
+from lightning_plugins.testing.world import free_port, run_command
 
 ROOT = Path(__file__).parents[1]
 TINY = ROOT / "recipes" / "tiny"
@@ -17,7 +17,7 @@ def accelerate_launch(
     recipe: Path, out: Path, *extra: str, config: Path = CONFIG, launch: tuple[str, ...] = (), expected: int | None = 0
 ) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file CONFIG [options] -m lightning_plugins.accelerate RECIPE [overrides]``, ended with
-    status ``expected`` (``None``: any) and no rank crashed (:func:`_world.run_command`)."""
+    status ``expected`` (``None``: any) and no rank crashed (:func:`lightning_plugins.testing.world.run_command`)."""
     launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config), *launch]
     command = [*launcher, "--main_process_port", str(free_port()), "-m", "lightning_plugins.accelerate", str(recipe),
                f"--train.output_dir={out}", *extra]  # fmt: skip

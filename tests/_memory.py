@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 
 from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions, parallelize
 from lightning_plugins.adapters.lora import LoraOptions

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from _world import check_exit, free_port, script_env
+from lightning_plugins.testing.world import check_exit, free_port, script_env
 
 ROOT = Path(__file__).parents[1]
 #: The environment variable that marks every process of one simulated job.
@@ -75,7 +75,7 @@ class Nodes:
         return {f"node {n}": p.returncode for n, p in enumerate(self.launchers)}
 
     def check(self, timeout: float, expected: int | None = 0) -> dict[str, int]:
-        """:meth:`wait`, then :func:`_world.check_exit` on every launcher (status ``expected``, no native crash)."""
+        """:meth:`wait`, then :func:`lightning_plugins.testing.world.check_exit` on every launcher (status ``expected``, no native crash)."""
         codes = self.wait(timeout)
         check_exit(codes, self.output(), expected)
         return codes

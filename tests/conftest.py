@@ -8,8 +8,13 @@ from pathlib import Path
 
 import pytest
 
-# Tests live in folders that mirror the packages; the shared helpers (_world, tiny_models, ...) sit in tests/.
+# Tests live in folders that mirror the packages; the shared helpers (tiny_models, ...) sit in tests/. The world
+# harness is lightning_plugins.testing; its fork server imports the tiny models once for every world.
 sys.path.insert(0, str(Path(__file__).parent))
+
+from lightning_plugins.testing.world import PRELOAD  # noqa: E402
+
+PRELOAD.append("tiny_models")
 
 
 @pytest.fixture(autouse=True)

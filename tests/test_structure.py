@@ -31,6 +31,9 @@ ENGINE_MAY_IMPORT = ENGINE + ("lightning_plugins.errors",)
 MAX_LINES = 500
 #: The one module that unpickles (with allowlists): every other reader of a checkpoint goes through it.
 SAFE_READER = "lightning_plugins.checkpoint.safe_read"
+#: The test harness hands a world's arguments to its ranks through a file it wrote itself, in a temporary directory
+#: only this user reads (through a pipe each tensor would take a file descriptor): it reads nothing else.
+READS_ONLY_ITS_OWN_PICKLES = {"lightning_plugins.testing.world"}
 #: Calls that unpickle what they read (``dcp``: torch.distributed.checkpoint, as the package imports it).
 UNPICKLING_CALLS = {"pickle.load", "pickle.loads", "torch.load", "dcp.load", "dcp.load_state_dict",
                     "torch.distributed.checkpoint.load", "torch.distributed.checkpoint.load_state_dict",
@@ -241,7 +244,7 @@ def test_nothing_is_unpickled_outside_the_safe_reader():
     wrong = [
         f"{path.relative_to(PACKAGE.parent)}:{line}: {what}"
         for module, (path, tree) in _modules().items()
-        if module != SAFE_READER
+        if module != SAFE_READER and module not in READS_ONLY_ITS_OWN_PICKLES
         for line, what in unpickling_uses(tree)
     ]
     assert not wrong, (

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from _launch import ROOT, TINY, accelerate_launch, clean_stdout
-from _world import run_command
+from lightning_plugins.testing.world import run_command
 
 STEPS = 6
 SHORT = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_every=3", "--train.checkpoint_every=2",

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from _accelerate_loop import ACCUM, BATCH, LR, MAX_NORM, ROWS, build, prepared, run_loop
 from tiny_models import tiny_model
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from tiny_models import tiny_model
 from torch.distributed.tensor import DTensor
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from _accelerate_loop import ACCUM, build, prepared, run_loop
 from torch.distributed.tensor import DTensor
 

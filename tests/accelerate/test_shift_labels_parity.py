@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from tiny_models import tiny_model
 from torch.distributed.tensor import DTensor
 

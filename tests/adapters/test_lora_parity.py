@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from peft import LoraConfig, PeftModel, get_peft_model
 from tiny_models import make_batch, tiny_model
 from torch import nn

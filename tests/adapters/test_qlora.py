@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from peft import LoraConfig, get_peft_model
 from tiny_models import tiny_model
 from torch import nn

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _world import run_command
+from lightning_plugins.testing.world import run_command
 from peft import PeftModel
 from safetensors import safe_open
 from tiny_models import CONFIGS, make_batch, tiny_model

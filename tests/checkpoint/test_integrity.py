@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _world import free_port, run_command
+from lightning_plugins.testing.world import free_port, run_command
 
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.cli import main

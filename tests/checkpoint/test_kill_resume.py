@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _world import free_port, run_command, run_world
+from lightning_plugins.testing.world import free_port, run_command, run_world
 from kill_run import ENV  # tests/scripts is on the path (_world)
 
 ROOT = Path(__file__).parents[2]

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _mxfp4 import write_mxfp4_checkpoint
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from tiny_models import make_batch, tiny_model
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor

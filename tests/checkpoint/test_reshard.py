@@ -20,7 +20,7 @@ from itertools import groupby
 from pathlib import Path
 
 import torch
-from _world import run_command
+from lightning_plugins.testing.world import run_command
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoConfig, AutoModelForCausalLM
 

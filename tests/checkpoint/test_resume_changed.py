@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _world import run_command
+from lightning_plugins.testing.world import run_command
 
 from lightning_plugins.recipe.diff import RECIPE_FILE, RESET_FLAG
 from lightning_plugins.recipe.build import lr_lambda

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _saved import check_saved, differing
-from _world import run_script, run_world
+from lightning_plugins.testing.world import run_script, run_world
 from _accelerate_loop import ACCUM, build, prepared, run_loop
 from tiny_models import make_batch, tiny_model
 from torch.distributed.tensor import DTensor

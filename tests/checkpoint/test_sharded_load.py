@@ -14,7 +14,7 @@ import huggingface_hub
 import pytest
 import torch
 from _mxfp4 import write_mxfp4_checkpoint
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from tiny_models import CONFIGS, tiny_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _world import run_command
+from lightning_plugins.testing.world import run_command
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from lightning_plugins.accelerate.state import STATE_FILE, load_training_state

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from tiny_models import tiny_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer

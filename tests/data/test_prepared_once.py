@@ -26,7 +26,7 @@ from typing import Any
 import pyarrow.compute as pc
 import pytest
 from _char_tokenizer import CharTokenizer
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from transformers import AutoTokenizer
 
 from lightning_plugins.data import DataConfig, DataError, build_dataset, encode_chat, pack_examples, tiny_assets

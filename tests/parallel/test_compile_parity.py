@@ -12,7 +12,7 @@ import copy
 from pathlib import Path
 
 import torch
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from test_parallel_parity import STEPS, TOL, _check_cases, _train
 from tiny_models import tiny_model
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 
 from lightning_plugins.parallel.context import (
     check_ulysses_heads,

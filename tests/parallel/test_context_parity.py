@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from tiny_models import make_batch, tiny_model
 from torch.distributed.tensor import DTensor
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from tiny_models import CONFIGS, make_batch, tiny_model
 from transformers import AutoModelForCausalLM
 

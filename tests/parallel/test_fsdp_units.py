@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from peft import LoraConfig, get_peft_model
 from tiny_models import make_batch, tiny_model
 from torch.distributed.fsdp import FSDPModule, fully_shard

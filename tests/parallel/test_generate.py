@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from tiny_models import tiny_model
 
 from lightning_plugins import ParallelLayout, ParallelOptions, parallelize

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from tiny_models import make_batch, tiny_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM

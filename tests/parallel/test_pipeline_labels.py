@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from tiny_models import make_batch, tiny_model
 from torch.distributed.tensor import DTensor
 

@@ -2,18 +2,16 @@
 
 A gloo group's worker thread still running when the interpreter finalizes can take the GIL then and abort a run that
 had finished (``terminate called without an active exception``, exit code 134; issue 22). Every launched world of the
-suite checks that no process-group thread is left by then (tests/_world.py: ``run_world`` after the release,
+suite checks that no process-group thread is left by then (lightning_plugins/testing/world.py: ``run_world`` after the release,
 ``run_command`` from the end of each process's exit handlers); this checks the release where a script still holds its
 parallelized models, as module-level variables would at exit.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch.distributed as dist
-from _world import run_world
+from lightning_plugins.testing.world import run_world
 from tiny_models import make_batch, tiny_model
 
 from lightning_plugins import ParallelLayout, parallelize
@@ -21,8 +19,7 @@ from lightning_plugins.parallel.options import with_settings
 from lightning_plugins.parallel import context_parallel_batch, mesh_of
 from lightning_plugins.parallel.teardown import release_process_groups
 
-sys.path.append(str(Path(__file__).parents[1] / "scripts"))
-from _exit_report import backend_threads  # noqa: E402
+from lightning_plugins.testing.exit_report import backend_threads
 
 _KEPT: list = []
 

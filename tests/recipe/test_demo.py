@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from _world import run_command
+from lightning_plugins.testing.world import run_command
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _world import run_command
+from lightning_plugins.testing.world import run_command
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 

@@ -167,7 +167,7 @@ def test_both_doors_stop_on_bad_data_with_one_line_before_any_collective(tmp_pat
     Lightning door's rank 0 reads the data before it starts rank 1, so no world starts at all."""
     import sys
 
-    from _world import run_command
+    from lightning_plugins.testing.world import run_command
     from _launch import ROOT, accelerate_launch
 
     path = _lines(tmp_path / "bad.jsonl", json.dumps(GOOD), b'{"prompt": "\xe9=", "completion": "x"}')

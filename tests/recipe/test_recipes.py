@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _world import free_port, run_command
+from lightning_plugins.testing.world import free_port, run_command
 from _launch import ROOT, clean_stdout
 
 from lightning_plugins.planner.report import plan_recipes

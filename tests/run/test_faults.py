@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _world import free_port, run_command, run_world
+from lightning_plugins.testing.world import free_port, run_command, run_world
 
 from lightning_plugins.run.faults import describe_exit, is_collective_timeout
 from lightning_plugins.recipe.schema import load_recipe

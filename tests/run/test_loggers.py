@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
-from _world import free_port, run_command
+from lightning_plugins.testing.world import free_port, run_command
 
 from lightning_plugins.recipe.manifest import PACKAGES, attach_manifest, write_manifest
 from lightning_plugins.recipe.preflight import check_here

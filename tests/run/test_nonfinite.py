@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _world import free_port, run_command, run_world
+from lightning_plugins.testing.world import free_port, run_command, run_world
 
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.run.nonfinite import NonFiniteGuard, check_finite_weights, training_state

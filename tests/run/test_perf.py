@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from _world import free_port, run_command
+from lightning_plugins.testing.world import free_port, run_command
 
 from lightning_plugins.run.perf import PerfMonitor, ProfileOptions
 from lightning_plugins.run.profile_summary import WINDOW, Event, classify, collective_name, summarize

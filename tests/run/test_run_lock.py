@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _world import free_port, run_command
+from lightning_plugins.testing.world import free_port, run_command
 
 from lightning_plugins.checkpoint.resume_choice import RESUME_ENV, check_same_decision
 from lightning_plugins.run.lock import LOCK_NAME, take_run_lock

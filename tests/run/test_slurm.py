@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _world import run_command
+from lightning_plugins.testing.world import run_command
 
 ROOT = Path(__file__).parents[2]
 SLURM = ROOT / "recipes" / "slurm"

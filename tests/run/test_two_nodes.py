@@ -20,7 +20,7 @@ from signal import SIGTERM, SIGUSR1
 import pytest
 import torch
 from _nodes import Nodes, start_nodes
-from _world import run_command
+from lightning_plugins.testing.world import run_command
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"

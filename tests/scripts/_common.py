@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, default_collate
 
-import _exit_report  # noqa: E402, F401  (before any door: reports the process-group threads alive at exit)
+import lightning_plugins.testing.exit_report  # noqa: E402, F401  (before any door: reports the process-group threads alive at exit)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import make_batch  # noqa: E402

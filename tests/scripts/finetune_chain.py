@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-import _exit_report  # noqa: F401  (before any door: reports the process-group threads alive at exit)
+import lightning_plugins.testing.exit_report  # noqa: F401  (before any door: reports the process-group threads alive at exit)
 from _door import run_door
 
 if __name__ == "__main__":

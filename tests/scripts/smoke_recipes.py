@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import _exit_report  # noqa: F401  (before any door: reports the process-group threads alive at exit)
+import lightning_plugins.testing.exit_report  # noqa: F401  (before any door: reports the process-group threads alive at exit)
 
 from lightning_plugins.recipe.schema import load_recipe
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _world import run_script
+from lightning_plugins.testing.world import run_script
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "configure_model.py"
 TOL = 1e-5  # the baseline against one process

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from _world import run_script
+from lightning_plugins.testing.world import run_script
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "entry_points.py"
 TOL = 1e-5

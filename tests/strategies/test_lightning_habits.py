@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _world import run_script
+from lightning_plugins.testing.world import run_script
 
 from lightning_plugins import LayoutError
 from lightning_plugins.strategies import ParallelismStrategy, TensorParallelStrategy

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _world import run_script
+from lightning_plugins.testing.world import run_script
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "lora_trainer.py"
 TOL = 1e-5

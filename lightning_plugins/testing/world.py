@@ -1,11 +1,12 @@
-"""Launch worlds of CPU processes for the tests, and check how every one of them ended.
+"""Launch worlds of CPU processes for the tests and the benchmarks, and check how every one of them ended.
 
 Every place the tests start processes goes through here: :func:`run_world` (a gloo world running one function),
 :func:`run_script` and :func:`run_command` (a script, ``lightning-plugins ...`` or ``accelerate launch ...`` that
 starts its own ranks). Each checks the exit status of every rank and that no rank crashed in native code
 (:func:`check_exit`): a rank that aborts while exiting, after the results are written, fails the test, because a
 scheduler would see that job fail. The Lightning door's launching rank and torchrun wait for the ranks they start
-and fail when one does, so a script's status covers its ranks.
+and fail when one does, so a script's status covers its ranks. The benchmarks time their worlds with
+:func:`spawn_world` and :func:`world_rows` (spawned processes, a chosen number of torch threads each).
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.append(str(Path(__file__).parent / "scripts"))
-from _exit_report import EXIT_REPORTS, backend_threads, read_exit_reports  # noqa: E402
+from lightning_plugins.testing.exit_report import EXIT_REPORTS, backend_threads, read_exit_reports
 
 #: What a process prints when it dies in native code: the C++ runtime's abort (``terminate called ...``), a
 #: fatal signal (the shell, or ``faulthandler``: every test process runs with it).
@@ -36,6 +36,7 @@ CRASH_MARKERS = ("terminate called", "Segmentation fault", "Fatal Python error")
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a world's rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -106,8 +107,9 @@ def script_env(**extra: str) -> dict[str, str]:
 
 #: Imported once by the fork server that every world's ranks are forked from: a spawned rank spent seconds
 #: importing them again. The server is single-threaded (forking the test runner itself, which has run gloo
-#: worlds and torch's thread pools, could leave a child waiting on a lock another thread held).
-_PRELOAD = ["torch.distributed", "transformers", "peft", "lightning_plugins.parallel", "tiny_models"]
+#: worlds and torch's thread pools, could leave a child waiting on a lock another thread held). The tests add
+#: their own helpers (``tests/conftest.py``).
+PRELOAD = ["torch.distributed", "transformers", "peft", "lightning_plugins.parallel"]
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
@@ -116,7 +118,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
     Each rank's process groups are released when ``fn`` returns, and no process-group thread may outlive them.
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(PRELOAD)
     errors = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as logs:
         # The arguments go through a file: passed to the processes, each tensor in them (e.g. a reference's weights)
@@ -146,7 +148,7 @@ def run_command(
     """Run ``command`` (a script that starts its own world, ``lightning-plugins ...``, ``accelerate launch ...``) with
     :func:`script_env` (plus ``env``) and check how it ended (:func:`check_exit`).
 
-    The test scripts that import ``_exit_report`` also report, from the end of each process's exit handlers, the
+    The test scripts that import :mod:`lightning_plugins.testing.exit_report` also report, from the end of each process's exit handlers, the
     process-group threads still alive: there must be none (see :mod:`lightning_plugins.parallel.teardown`).
     """
     with tempfile.TemporaryDirectory() as reports:
@@ -166,3 +168,60 @@ def run_script(script: Path, tmp_path: Path, *args: str, timeout: int = 900) -> 
     out = tmp_path / "results.json"
     run_command([sys.executable, str(script), *args, "--out", str(out)], cwd=tmp_path, timeout=timeout)
     return json.loads(out.read_text())
+
+
+def spawn_world(
+    entry: Callable[..., None],
+    world: int,
+    *args: Any,
+    threads: int | None = 1,
+    errors: str | Path | None = None,
+) -> None:
+    """Run ``entry(rank, *args)`` in ``world`` spawned processes that form one gloo group (torch's launcher
+    variables set as ``torchrun`` sets them); returns once every process ended. The benchmarks' launcher: a fresh
+    interpreter per rank, with ``threads`` torch threads, so a timing depends on nothing the caller ran before.
+
+    Args:
+        entry: A module-level function (it is pickled by name).
+        world: Processes.
+        threads: Torch threads per process (``None``: torch's default).
+        errors: A folder where a failing rank writes its traceback (``rank<N>.error``); they are printed here
+            before the failure is raised.
+    """
+    try:
+        mp.start_processes(
+            _join, args=(entry, world, free_port(), threads, errors, args), nprocs=world, start_method="spawn"
+        )
+    except Exception:
+        for path in sorted(Path(errors).glob("*.error")) if errors is not None else ():
+            print(path.read_text(), file=sys.stderr)
+        raise
+
+
+def world_rows(entry: Callable[..., None], world: int, *args: Any, threads: int | None = 1) -> list[dict[str, Any]]:
+    """:func:`spawn_world` for a benchmark whose ranks report table rows: ``entry(rank, *args, out)`` writes its rows
+    as JSON to the file ``out`` (rank 0 does, typically); they are returned."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp, "rows.json"))
+        spawn_world(entry, world, *args, out, threads=threads)
+        return json.loads(Path(out).read_text())
+
+
+def _join(
+    rank: int, entry: Callable[..., None], world: int, port: int, threads: int | None, errors: str | None, args: tuple
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )  # fmt: skip
+    if threads is not None:
+        torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        entry(rank, *args)
+    except BaseException:
+        if errors is not None:
+            Path(errors, f"rank{rank}.error").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
