@@ -47,7 +47,8 @@ from lightning_plugins.parallel.moe.experts_balance import ExpertBalance
 from lightning_plugins.parallel.layout import ParallelLayout, given_sizes
 from lightning_plugins.checkpoint.load import is_on_meta, parallelize_and_load
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions, with_settings
-from lightning_plugins.parallel import check_settings, clip_grad_norm_, mesh_of, pipeline_of
+from lightning_plugins.parallel import clip_grad_norm_, mesh_of, pipeline_of
+from lightning_plugins.parallel.plan import ParallelPlan, resolve
 from lightning_plugins.parallel.optim.optim_in_backward import check_step_in_backward, stepping_in_backward
 from lightning_plugins.parallel.pipeline.runtime import GradHandOff
 from lightning_plugins.parallel.teardown import release_at_exit, release_process_groups
@@ -150,10 +151,13 @@ class ParallelAccelerator(Accelerator):
         except LayoutError as err:
             where = describe_launch()
             raise LayoutError(f"{owner}: the layout does not fit the world started by {where}. {err}") from None
+        #: The run's plan, resolved once before any process group exists (``prepare`` checks the model's config against
+        #: it, once); ``None`` under Accelerate's own DeepSpeed/FSDP (checked by ``check_builtin``).
+        self.plan: ParallelPlan | None = None
         if self.builtin:
             check_builtin(owner, self.layout, self.builtin)
         else:
-            check_settings(self.layout, self.options, self.memory)
+            self.plan = resolve(self.layout, self.options, self.memory, world_size=local * nodes)
         self.load_from = load_from
         self.async_checkpoint = async_checkpoint
         self.recipe_record = recipe_record
@@ -191,8 +195,9 @@ class ParallelAccelerator(Accelerator):
                 f"{owner}: mixed_precision='fp16' scales the loss before backward, which the pipeline schedule runs"
                 " inside the model call; use mixed_precision='bf16' (or 'no') with pp_size > 1."
             )
-        self.device_mesh = self.layout.build_mesh(self.device.type)
-        self._parallelism_config = parallelism_config_of(self.layout, self.device_mesh)
+        assert self.plan is not None  # not Accelerate's own DeepSpeed/FSDP (returned above)
+        self.device_mesh = self.plan.build(self.device.type)
+        self._parallelism_config = parallelism_config_of(self.plan.layout, self.device_mesh)
 
     @property
     @override
@@ -246,7 +251,7 @@ class ParallelAccelerator(Accelerator):
         owner = type(self).__name__
         hf_model = find_hf_model(model, owner)
         if mesh_of(hf_model) is not None:  # prepared before (or by the user): parallelize checks the settings
-            parallelize_and_load(model, hf_model, self.device_mesh, self.options, self.memory,
+            parallelize_and_load(model, hf_model, self.plan, None, None,
                                  load_from=self.load_from, owner=owner, device=self.device)  # fmt: skip
             return
         if self.wrap_classes:
@@ -263,9 +268,8 @@ class ParallelAccelerator(Accelerator):
         if not is_on_meta(hf_model) and not all(_on(p.device, self.device) for p in model.parameters()):
             model.to(self.device)  # only when needed: `.to` on torchao NF4 weights leaves views FSDP2 cannot shard
         parallelize_and_load(
-            model, hf_model, self.device_mesh, self.options, self.memory,
-            load_from=self.load_from, owner=owner, device=self.device,
-        )  # fmt: skip
+            model, hf_model, self.plan, None, None, load_from=self.load_from, owner=owner, device=self.device
+        )  # the plan's checks against the model's config run here, once
         self.balance = ExpertBalance.of(hf_model)
         params = {_canonical(name): p for name, p in model.named_parameters(remove_duplicate=False)}
         now = {key: next((params[n] for n in aliases if n in params), None) for key, (_, aliases) in names.items()}

@@ -38,6 +38,7 @@ from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.parallel import mesh_of, parallelize
+from lightning_plugins.parallel.plan import ParallelPlan
 
 
 def is_on_meta(model: nn.Module) -> bool:
@@ -342,7 +343,7 @@ def checkpoint_dir_of(model: nn.Module, load_from: str | Path | None, owner: str
 def parallelize_and_load(
     module: nn.Module,
     model: nn.Module,
-    mesh: DeviceMesh,
+    mesh: ParallelPlan | DeviceMesh,
     options: ParallelOptions | None,
     memory: MemoryOptions | None,
     *,
@@ -358,9 +359,9 @@ def parallelize_and_load(
         module: What holds ``model`` (the LightningModule, the prepared module): a peft ``PeftModel`` in it around
             ``model`` is what gets parallelized (see :func:`~lightning_plugins.parallel.hf_model.peft_model_around`).
         model: The transformers model.
-        mesh: The door's device mesh.
-        options: How each dimension is applied.
-        memory: The memory levers.
+        mesh: The door's plan (:func:`~lightning_plugins.parallel.plan.resolve`), or its device mesh.
+        options: How each dimension is applied (``None`` with a plan: the plan's).
+        memory: The memory levers (``None`` with a plan: the plan's).
         load_from: The checkpoint directory of a meta-device model (default: the config's ``name_or_path``).
         owner: Named in errors.
         device: Where the loaded shards live (default: the mesh's device type).

@@ -14,12 +14,13 @@ sequence (experts, TP, CP, activation checkpointing, compile), FSDP2 per root (t
 The walk of one setting, ``ep_size``: the recipe's ``layout: {ep_size: 2}`` is read into the typed section
 ``Recipe.layout``, a :class:`~lightning_plugins.parallel.layout.ParallelLayout` (whose ``__post_init__`` refuses a
 non-positive size); a door takes that layout whole (or its sizes by name: ``ParallelAccelerator(ep_size=2)``,
-``ParallelismStrategy(ep_size=2)``, merged by :func:`~lightning_plugins.parallel.layout.layout_of`), resolves it
-against the world (:meth:`ParallelLayout.resolve`: ``ep_size`` must divide ``dp_shard x cp``) and builds the mesh
-(:meth:`ParallelLayout.build_mesh`, which records the layout beside the mesh: ``ep_size`` adds no mesh dimension).
-``parallelize(model, mesh)`` finds the layout from the mesh and resolves the plan (:func:`resolve`, where
-:meth:`ParallelLayout.validate` checks ``ep_size`` against the config's experts, and ``check_settings`` refuses it
-with compile or the step in backward); ``plan.experts`` unflattens ``dp_shard_cp`` into ``(dp_shard_mod_ep, ep)``
+``ParallelismStrategy(ep_size=2)``, merged by :func:`~lightning_plugins.parallel.layout.layout_of`) and resolves its
+plan once (:func:`~lightning_plugins.parallel.plan.resolve`: :meth:`ParallelLayout.resolve` against the world, where
+``ep_size`` must divide ``dp_shard x cp``; ``check_settings``, where :meth:`ParallelLayout.validate` checks it
+against the config's experts, and compile or the step in backward refuse it, against the model's config once it is
+known: :meth:`~lightning_plugins.parallel.plan.ParallelPlan.check_config`). The plan builds the mesh (``ep_size``
+adds no mesh dimension) and the door hands the plan to ``parallelize(model, plan)`` (a user's
+``parallelize(model, door.device_mesh)`` finds it from the mesh); ``plan.experts`` unflattens ``dp_shard_cp`` into ``(dp_shard_mod_ep, ep)``
 (:func:`~lightning_plugins.parallel.moe.experts.expert_meshes`), :func:`~lightning_plugins.parallel.moe.experts.apply_expert_parallel`
 shards each experts module's weights ``Shard(0)`` over ``ep``, FSDP2 shards them over the rest, and in the forward
 the tokens travel to their experts by all-to-all and meet them in one grouped GEMM (``torch._grouped_mm``).

@@ -16,7 +16,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.errors import LayoutError
-from lightning_plugins.parallel.checks import check_settings
 from lightning_plugins.parallel.compile import apply_compile, apply_float8, check_device, enable_async_tp, simulated
 from lightning_plugins.parallel.context import apply_context_parallel
 from lightning_plugins.parallel.families import ModelFamily, check_supported, decoder_layers, family_for, final_norm
@@ -37,7 +36,7 @@ from lightning_plugins.parallel.pipeline import PipelineOptions, pipeline_of
 from lightning_plugins.parallel.pipeline.anatomy import decoder_anatomy
 from lightning_plugins.parallel.pipeline.apply import attach_pipeline, retie_embedding
 from lightning_plugins.parallel.pipeline.split import StageCut, build_stages, keep_stage_layers
-from lightning_plugins.parallel.plan import ParallelPlan, resolve
+from lightning_plugins.parallel.plan import ParallelPlan, layout_of_mesh, resolve
 from lightning_plugins.parallel.quantized import check_quantized
 from lightning_plugins.parallel.save_pretrained import install_save_pretrained
 from lightning_plugins.parallel.tensor import apply_tensor_parallel
@@ -87,14 +86,12 @@ def parallelize(
         install_save_pretrained(model)
         return model
     if mesh_of(model) is not None:  # a later entry point (fit, then test; a second Trainer) reuses it
-        plan = _plan(layout, options, memory)
-        check_same_settings(model, plan.layout, plan.options, plan.memory)
+        check_same_settings(model, _plan(layout, options, memory))
         return model
     check_supported(model)
     plan = _plan(layout, options, memory, getattr(model, "config", None))
-    if not plan.checked_config:  # a plan resolved without the model's config
-        check_settings(plan.layout, plan.options, plan.memory, getattr(model, "config", None))
-    _check_model(model, plan.layout, plan.options, plan.pipeline)
+    plan.check_config(getattr(model, "config", None))  # a plan resolved before the model existed: checked once here
+    _check_model(model, plan)
     family = family_for(model, tensor_parallel=plan.tp_size > 1)
     if not simulated():  # the planner's dry run simulates a GPU world on CPU (see lightning_plugins.parallel.compile)
         check_device(plan.options, plan.device_type, plan.tp_size)
@@ -120,7 +117,7 @@ def _plan(
     config: Any | None = None,
 ) -> ParallelPlan:
     """The plan to apply: the one given (whose settings are the only ones), else one resolved here (its checks run
-    here, against ``config``, once)."""
+    here, against ``config``, once), or the plan of the mesh given (checked against ``config`` when it was not)."""
     if not isinstance(layout, ParallelPlan):
         return resolve(layout, options, memory, config)
     if (options or layout.options, memory or layout.memory) != (layout.options, layout.memory):
@@ -252,36 +249,45 @@ def _finish_pipeline(model: nn.Module, family: ModelFamily, plan: ParallelPlan, 
 
 
 def check_parallelizable(
-    model: nn.Module, layout: ParallelLayout, options: ParallelOptions, memory: MemoryOptions
+    model: nn.Module,
+    plan: ParallelPlan | ParallelLayout,
+    options: ParallelOptions | None = None,
+    memory: MemoryOptions | None = None,
 ) -> PipelineOptions | None:
-    """Check a resolved layout and its settings against ``model`` before anything is applied (no collective runs).
+    """Check a plan (or a resolved layout and its settings) against ``model`` before anything is applied (no
+    collective runs).
 
     :func:`parallelize` runs these checks first; a door that knows the model before it joins the process group runs
-    them then, so a layout the model cannot run fails before any process group exists.
+    them then, so a layout the model cannot run fails before any process group exists. The plan's settings are checked
+    against the model's config once (:meth:`~lightning_plugins.parallel.plan.ParallelPlan.check_config`): a later
+    ``parallelize`` with the same plan does not check them again.
 
     Returns:
-        The resolved pipeline options when ``layout.pp_size > 1``, else ``None``.
+        The resolved pipeline options when ``pp_size > 1``, else ``None``.
 
     Raises:
         LayoutError: for sizes that do not fit the model; OptionsError: for settings that do not
             (:func:`~lightning_plugins.parallel.checks.check_settings`); both name a setting that works.
     """
     check_supported(model)
-    pipeline = check_settings(layout, options, memory, getattr(model, "config", None))
-    _check_model(model, layout, options, pipeline)
-    return pipeline
+    config = getattr(model, "config", None)
+    if isinstance(plan, ParallelPlan):
+        plan.check_config(config)
+    else:
+        plan = resolve(plan, options, memory, config, world_size=plan.world_size)
+    _check_model(model, plan)
+    return plan.pipeline
 
 
-def _check_model(
-    model: nn.Module, layout: ParallelLayout, options: ParallelOptions, pipeline: PipelineOptions | None
-) -> None:
+def _check_model(model: nn.Module, plan: ParallelPlan) -> None:
     """The checks that need the model itself, not only its config."""
-    if pipeline is not None:
-        decoder_anatomy(model, layout.pp_size)  # a forward a stage cannot reproduce is refused here
-    check_quantized(model, layout, float8=options.float8)
-    if layout.tp_size > 1:  # a layer tensor parallelism would split only partly
-        check_tensor_parallel(model, family_for(model), layout.tp_size)
-    check_router_loss(getattr(model, "config", None), splits_tokens=max(layout.tp_size, layout.cp_size, layout.pp_size) > 1)
+    if plan.pipeline is not None:
+        decoder_anatomy(model, plan.pp_size)  # a forward a stage cannot reproduce is refused here
+    check_quantized(model, plan.layout, float8=plan.options.float8)
+    if plan.tp_size > 1:  # a layer tensor parallelism would split only partly
+        check_tensor_parallel(model, family_for(model), plan.tp_size)
+    splits_tokens = max(plan.tp_size, plan.cp_size, plan.pp_size) > 1
+    check_router_loss(getattr(model, "config", None), splits_tokens=splits_tokens)
 
 
 def _refuse_generate(model: nn.Module, reason: str) -> None:
@@ -299,7 +305,7 @@ def _refuse_generate(model: nn.Module, reason: str) -> None:
 
 def check_same_settings(
     model: nn.Module,
-    layout: ParallelLayout,
+    layout: ParallelPlan | ParallelLayout,
     options: ParallelOptions | None = None,
     memory: MemoryOptions | None = None,
 ) -> None:
@@ -307,14 +313,17 @@ def check_same_settings(
 
     Args:
         model: A model :func:`parallelize` applied a layout to.
-        layout: The layout asked for now.
+        layout: The plan asked for now (its layout and settings), or the layout (then only what ``options`` and
+            ``memory`` give is compared besides).
         options: The options asked for now; ``None`` accepts those applied (only the layout is compared).
         memory: The memory options asked for now; ``None`` accepts those applied.
 
     Raises:
         LayoutError: naming both layouts and settings when they differ.
     """
-    applied = ParallelLayout.from_mesh(mesh_of(model))
+    if isinstance(layout, ParallelPlan):
+        layout, options, memory = layout.layout, layout.options, layout.memory
+    applied = layout_of_mesh(mesh_of(model))
     applied_options, applied_memory = getattr(model, SETTINGS_ATTR)
     options, memory = options or applied_options, memory or applied_memory
     if (applied, applied_options, applied_memory) != (layout, options, memory):

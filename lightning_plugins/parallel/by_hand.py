@@ -29,6 +29,7 @@ from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss
 from lightning_plugins.parallel.mesh import attach_mesh, data_mesh, fsdp_mesh, mesh_of
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
+from lightning_plugins.parallel.plan import ParallelPlan, layout_of_mesh, plan_of
 from lightning_plugins.parallel.save_pretrained import install_save_pretrained
 
 __all__ = ["check_split_by_hand", "complete_split_by_hand", "split_by_hand"]
@@ -70,7 +71,10 @@ def check_split_by_hand(
 
 
 def complete_split_by_hand(
-    model: nn.Module, mesh: DeviceMesh, options: ParallelOptions | None = None, memory: MemoryOptions | None = None
+    model: nn.Module,
+    mesh: ParallelPlan | DeviceMesh,
+    options: ParallelOptions | None = None,
+    memory: MemoryOptions | None = None,
 ) -> nn.Module:
     """Add to ``model`` (split by hand over ``mesh``'s tensor-parallel ranks) what the layout and levers ask for.
 
@@ -82,15 +86,22 @@ def complete_split_by_hand(
 
     Args:
         model: A transformers causal LM whose parameters the user's code made DTensors on ``mesh``'s views.
-        mesh: The door's mesh (:meth:`~lightning_plugins.ParallelLayout.build_mesh`).
-        options: How each dimension is applied (only ``compile`` acts here; ``float8`` is refused).
-        memory: The memory levers.
+        mesh: The door's plan (:func:`~lightning_plugins.parallel.plan.resolve`), or its mesh (the plan that built it,
+            or :meth:`~lightning_plugins.ParallelLayout.build_mesh`'s layout, is found from it).
+        options: How each dimension is applied (only ``compile`` acts here; ``float8`` is refused); ``None``: the
+            plan's, else the defaults.
+        memory: The memory levers; ``None``: the plan's, else the defaults.
 
     Returns:
         The same model.
     """
-    options, memory = options or ParallelOptions(), memory or MemoryOptions()
-    check_split_by_hand("parallelize", model, ParallelLayout.from_mesh(mesh), options)
+    plan = mesh if isinstance(mesh, ParallelPlan) else plan_of(mesh)
+    if isinstance(mesh, ParallelPlan):
+        mesh = mesh.mesh()
+    layout = plan.layout if plan is not None else layout_of_mesh(mesh)
+    options = options or (plan.options if plan is not None else ParallelOptions())
+    memory = memory or (plan.memory if plan is not None else MemoryOptions())
+    check_split_by_hand("parallelize", model, layout, options)
     family = family_for(model, tensor_parallel=False)
     layers = decoder_layers(model, family)
     apply_activation_checkpointing(

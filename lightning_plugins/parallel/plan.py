@@ -7,6 +7,11 @@ and returns the plan. The plan then answers by name (as torchtitan's ``ParallelD
 ``plan.dp_size``, ``plan.mesh("tp")``, ``plan.experts``, ``plan.fsdp``. Its meshes are built on first use
 (building a mesh creates process groups: a collective), once.
 
+A door resolves its plan once, as soon as it knows the world, and before the model exists if it must (a Lightning
+strategy's mesh exists before the module's ``configure_model`` builds the model): the model's config is then checked
+once it is known (:meth:`ParallelPlan.check_config`, which ``parallelize`` calls), not a second time for a config
+already checked.
+
 A mesh a plan built remembers its plan (:func:`plan_of`), beside torch's object and not on it: a user's
 ``configure_model`` that calls ``parallelize(model, self.device_mesh)`` gets the door's plan back.
 """
@@ -27,7 +32,7 @@ from lightning_plugins.parallel.moe.experts import ExpertMeshes, expert_meshes
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.parallel.pipeline.options import PipelineOptions
 
-__all__ = ["ParallelPlan", "plan_of", "resolve"]
+__all__ = ["ParallelPlan", "layout_of_mesh", "plan_of", "resolve"]
 
 
 @dataclass(eq=False)
@@ -41,7 +46,7 @@ class ParallelPlan:
         pipeline: The resolved pipeline options when ``pp_size > 1``, else ``None``.
         device_type: The device type the mesh is built on (``"cuda"``, ``"cpu"``).
         checked_config: Whether the layout and settings were checked against the model's config (else only what needs
-            no model was: ``parallelize`` checks the rest).
+            no model was: :meth:`check_config`, which ``parallelize`` calls, checks the rest).
     """
 
     layout: ParallelLayout
@@ -52,6 +57,20 @@ class ParallelPlan:
     checked_config: bool = False
     _mesh: DeviceMesh | None = field(default=None, repr=False)
     _experts: ExpertMeshes | None = field(default=None, repr=False)
+    _config: Any = field(default=None, repr=False)  # the config checked against (``None``: none yet)
+
+    def check_config(self, config: Any | None) -> None:
+        """Check the layout and settings against the model's ``config`` (no collective runs), once per config: a plan
+        resolved before the model existed gets its config here; one checked against this config already is not checked
+        again. ``None`` checks nothing.
+
+        Raises:
+            LayoutError, OptionsError: as :func:`resolve` does.
+        """
+        if config is None or config is self._config:
+            return
+        self.pipeline = check_settings(self.layout, self.options, self.memory, config)
+        self.checked_config, self._config = True, config
 
     @property
     def pp_size(self) -> int:
@@ -91,6 +110,17 @@ class ParallelPlan:
         assert self._mesh is not None
         return self._mesh if name is None else self._mesh[name]
 
+    def build(self, device_type: str) -> DeviceMesh:
+        """Build the mesh now on ``device_type`` (a collective: every rank calls it), for a door that resolved the plan
+        before it knew its device (before it joined the process group); the mesh a plan holds already is returned."""
+        if self._mesh is None:
+            self.device_type = device_type
+        elif self._mesh.device_type != device_type:
+            raise LayoutError(
+                f"This ParallelPlan's mesh is on {self._mesh.device_type!r}, not {device_type!r}: resolve a new plan."
+            )
+        return self.mesh()
+
     def adopt(self, mesh: DeviceMesh) -> None:
         """Use ``mesh`` (built for this layout, e.g. by a door) as this plan's mesh, and remember the plan for it."""
         if self._mesh is not None and self._mesh is not mesh:
@@ -129,6 +159,13 @@ def plan_of(mesh: DeviceMesh) -> ParallelPlan | None:
     return PLANS.get(mesh)
 
 
+def layout_of_mesh(mesh: DeviceMesh) -> ParallelLayout:
+    """The layout of ``mesh``: its plan's, else the one :meth:`ParallelLayout.build_mesh` recorded, else its sizes (a
+    mesh built without either, e.g. by Lightning's ``ModelParallelStrategy``: see :meth:`ParallelLayout.from_mesh`)."""
+    plan = plan_of(mesh)
+    return plan.layout if plan is not None else ParallelLayout.from_mesh(mesh)
+
+
 def resolve(
     layout: ParallelLayout | DeviceMesh,
     options: ParallelOptions | None = None,
@@ -154,11 +191,9 @@ def resolve(
     mesh = layout if isinstance(layout, DeviceMesh) else None
     if mesh is not None:
         known = plan_of(mesh)
-        same = (options or (known and known.options), memory or (known and known.memory)) == (
-            known and known.options, known and known.memory
-        )
-        if known is not None and same and (config is None or known.checked_config):
-            return known  # checked when it was resolved
+        if known is not None and (options or known.options, memory or known.memory) == (known.options, known.memory):
+            known.check_config(config)  # checked when it was resolved; against this config once
+            return known
         layout = _layout_of_mesh(mesh)
         options = options or (known.options if known else None)
         memory = memory or (known.memory if known else None)
@@ -167,6 +202,7 @@ def resolve(
         layout = layout.resolve(_world_size(world_size))
     pipeline = check_settings(layout, options, memory, config)
     plan = ParallelPlan(layout, options, memory, pipeline, device_type or _device_type(mesh), config is not None)
+    plan._config = config
     if mesh is not None:
         plan._mesh = mesh  # the registry keeps the first plan of a door's mesh; this one reuses the mesh
     return plan
@@ -178,7 +214,7 @@ def _layout_of_mesh(mesh: DeviceMesh) -> ParallelLayout:
             f"parallelize needs a mesh with dimensions {MESH_DIM_NAMES} (got {mesh.mesh_dim_names});"
             " build it with `ParallelLayout(...).build_mesh(device_type)`."
         )
-    return ParallelLayout.from_mesh(mesh)
+    return layout_of_mesh(mesh)
 
 
 def _world_size(world_size: int | None) -> int:

@@ -38,6 +38,7 @@ from lightning_plugins.parallel import (
     mesh_of,
     pipeline_of,
 )
+from lightning_plugins.parallel.plan import ParallelPlan, resolve
 from lightning_plugins.parallel.by_hand import complete_split_by_hand
 from lightning_plugins.parallel.context import context_parallel_batch
 from lightning_plugins.parallel.optim.optim_in_backward import check_step_in_backward, stepping_in_backward
@@ -176,8 +177,13 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
                 " and export to HF format from the sharded checkpoint."
             )
         self.options, self.memory = with_settings(type(self).__name__, options, memory, **settings)
-        # What needs no world size and no model fails now, before Trainer(...) launches any process.
+        # What needs no world size and no model fails now, before Trainer(...) launches any process; the rest when
+        # the plan is resolved (`setup_environment`), once.
         check_settings(self.layout, self.options, self.memory)
+        #: This run's :class:`~lightning_plugins.parallel.plan.ParallelPlan`: resolved once in ``setup_environment``
+        #: (against the world, and the model's config when the module holds the model then; else its config is checked
+        #: when the model is parallelized), owning ``device_mesh``.
+        self.plan: ParallelPlan | None = None
         self.load_from = load_from
         self.async_checkpoint = async_checkpoint
         self.recipe_record = recipe_record
@@ -220,19 +226,27 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
         assert self.lightning_module is not None
         if self._auto_tensor_parallel:
             self.layout = replace(self.layout, tp_size=self.num_processes)
-        # Validate against the world size, and against the model where the LightningModule already holds it, before
-        # any process group exists (a model that `configure_model` builds is checked in `setup`, before parallelizing).
-        self.layout = self.layout.resolve(self.num_nodes * self.num_processes)
+        # Resolve the plan against the world size, and against the model where the LightningModule already holds it,
+        # before any process group exists (a model that `configure_model` builds is checked in `setup`, before
+        # parallelizing).
         model = self._hf_model(built=False)
-        if model is not None:
-            self._check_model(model)
         # A model parallelized by an earlier entry point (fit, then test; a second Trainer) keeps its mesh.
         existing = None if model is None else mesh_of(model)
+        if self.plan is None or (existing is not None and self.plan.built and self.plan.mesh() is not existing):
+            config = None if model is None else getattr(model, "config", None)
+            world = self.num_nodes * self.num_processes
+            self.plan = resolve(self.layout, self.options, self.memory, config, world, self.root_device.type)
+        self.layout = self.plan.layout
+        if model is not None:
+            self._check_model(model)
+        if existing is not None and not self.plan.built:
+            self.plan.adopt(existing)  # its layout and settings are this plan's (checked above)
         self._setup_distributed()
         set_collective_timeout(self._timeout)  # joined: from now on every collective is bounded by `timeout`
         check_same_decision(self._all_gather_object)  # a node that resumes what another does not would hang
-        # Lightning's dimension names too (`data_parallel`, `tensor_parallel`), for modules written for ModelParallelStrategy.
-        self._device_mesh = add_lightning_names(existing or self.layout.build_mesh(self.root_device.type))
+        # The plan's mesh (a user's `parallelize(model, self.device_mesh)` finds the plan from it), with Lightning's
+        # dimension names too (`data_parallel`, `tensor_parallel`), for modules written for ModelParallelStrategy.
+        self._device_mesh = add_lightning_names(self.plan.mesh())
         self.lightning_module._device_mesh = self._device_mesh
 
     def _all_gather_object(self, obj: Any) -> list[Any]:
@@ -304,16 +318,17 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
         that is (by an earlier entry point, or by the module's own ``configure_model``) must have this strategy's
         layout, and, when this strategy parallelized it, its settings.
         """
+        assert self.plan is not None
         if parallelized_by_user(model):  # by `parallelize_module` in the module's configure_model: kept as it is
-            check_parallelized_by_user(type(self).__name__, model, self.layout, self.options)
+            check_parallelized_by_user(type(self).__name__, model, self.plan.layout, self.plan.options)
             return
         if mesh_of(model) is not None:
             if model in _PARALLELIZED:
-                check_same_settings(model, self.layout, self.options, self.memory)
+                check_same_settings(model, self.plan)
             else:  # the module's `configure_model` called `parallelize` itself, with settings of its own
-                check_same_settings(model, self.layout)
+                check_same_settings(model, self.plan.layout)
             return
-        check_parallelizable(model, self.layout, self.options, self.memory)
+        check_parallelizable(model, self.plan)  # the plan's checks against the model's config run here, once
 
     def _parallelize_model(self) -> None:
         """Apply the layout to the HF model once the LightningModule's ``configure_model`` has run.
@@ -323,15 +338,16 @@ class ParallelismStrategy(ShardedCheckpoints, ModelParallelStrategy):
         same path.
         """
         model = self._hf_model(built=True)
-        assert model is not None
-        self._check_model(model)
+        assert model is not None and self.plan is not None
+        apply = mesh_of(model) is None and not parallelized_by_user(model)
+        if not apply:  # parallelized already: its layout (and settings) must be this plan's; else `parallelize` checks
+            self._check_model(model)
         if parallelized_by_user(model):  # by hand: kept as it is, with FSDP2 over the data ranks and AC added
-            complete_split_by_hand(model, self.device_mesh, self.options, self.memory)
+            complete_split_by_hand(model, self.plan)
             _PARALLELIZED.add(model)
         # Else the module's `configure_model` parallelized it (by `parallelize`): only load.
-        apply = mesh_of(model) is None
         parallelize_and_load(
-            self.lightning_module, model, self.device_mesh, self.options, self.memory,
+            self.lightning_module, model, self.plan, None, None,
             load_from=self.load_from, owner=type(self).__name__, device=self.root_device, apply=apply,
         )  # fmt: skip
         if apply:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from lightning_plugins.testing.world import run_world
 from _accelerate_loop import ACCUM, BATCH, LR, MAX_NORM, ROWS, build, prepared, run_loop
+from _counted import counted_settings_checks
 from tiny_models import tiny_model
 
 from lightning_plugins.parallel.moe.experts_balance import ExpertBalance
@@ -116,7 +117,9 @@ def _run_cases(
         settings = {**sizes, **case.get("settings", {}), "dataloader_config": _loading(case)}
         accelerator = ParallelAccelerator(**settings, cpu=True, gradient_accumulation_steps=ACCUM)
         export = f"{root}/{name}" if case.get("export") else None
-        got = loop(accelerator, build(case), export_to=export)
+        with counted_settings_checks() as checks:  # the plan resolved by the constructor: prepare checks the config
+            got = loop(accelerator, build(case), export_to=export)
+        assert len(checks) == 1 and checks[0] is not None, (name, checks)  # once, against the model's config
         if "moe" in expected[name]:  # the routing balance over every rank: one process's counts, exactly
             figures, counts = expected[name]["moe"]
             assert accelerator.moe_balance() == pytest.approx(figures, rel=TOL, abs=0), name

@@ -32,6 +32,7 @@ from _common import (  # noqa: E402
     step_losses,
     write_results,
 )
+from _counted import counted_settings_checks  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
 from lightning_plugins.parallel.moe.experts_balance import ExpertBalance  # noqa: E402
@@ -125,8 +126,10 @@ def main() -> None:
         ref_losses, ref_weights = reference(ref_model, data, dp)
         module = FineTune(copy.deepcopy(reference_model))
         trainer = make_trainer(strategy, args.devices, STEPS, enable_checkpointing=False, log_every_n_steps=STEPS)
-        trainer.fit(module, DataLoader(data, batch_size=LOCAL_BATCH, shuffle=False))
+        with counted_settings_checks() as checks:
+            trainer.fit(module, DataLoader(data, batch_size=LOCAL_BATCH, shuffle=False))
         results[name] = fit_results(trainer, module, ref_losses, ref_weights)
+        results[name]["settings_checks"] = len(checks)  # the run's plan, resolved once with the model's config
         if balance is not None:
             results[name].update(balance_results(trainer, balance))
         if name == CASES[args.devices][0][0]:

@@ -27,6 +27,7 @@ def test_trainer_matches_one_process_and_resumes(devices: int, tmp_path: Path) -
         assert case["loss_diff"] <= TOL, (name, case)
         assert case["weight_diff"] <= TOL, (name, case)
         assert case["logged_diff"] == 0.0, (name, case)  # the logged loss is the global one on every rank
+        assert case["settings_checks"] == 1, (name, case)  # one plan per run: its settings checked once
         if "moe_logged" in case:  # the routing balance over every rank equals one process's, token for token
             assert case["moe_logged"] == ["moe/load_max_over_mean", "moe/router_entropy"], (name, case)
             assert case["moe_counts_equal"] and case["moe_load_diff"] == 0.0, (name, case)
