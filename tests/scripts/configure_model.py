@@ -43,6 +43,7 @@ from _common import (  # noqa: E402
     step_losses,
     write_results,
 )
+from _counted import counted_settings_checks  # noqa: E402
 from lora_trainer import LoraFineTune, lora_model  # noqa: E402
 from tiny_models import CONFIGS, tiny_model  # noqa: E402
 
@@ -190,8 +191,11 @@ def run_strategy(case: str, checkpoint: Path) -> dict[str, Any]:
         "built in __init__": (Configured(copy.deepcopy(reference)), {}),
     }
     for name, (module, extra) in cases.items():
-        trainer = fit(module, make_strategy(**extra), data)
+        strategy = make_strategy(**extra)
+        with counted_settings_checks() as checks:
+            trainer = fit(module, strategy, data)
         results[name] = {**against(module, baseline, trainer.global_step), "configured": module.configured}
+        results[name]["settings_checks"] = [config is not None for config in checks]  # against the model's config?
 
     itself = ParallelizesItself(copy.deepcopy(reference))
     trainer = fit(itself, make_strategy(), data)
