@@ -26,7 +26,8 @@ LIGHTNING_DIMS = {"data_parallel": ("dp_replicate", "dp_shard"), "tensor_paralle
 
 
 def add_lightning_names(mesh: DeviceMesh) -> DeviceMesh:
-    """Give ``mesh`` (built by ``ParallelLayout.build_mesh``) Lightning's dimension names as flattened views."""
+    """Give ``mesh`` (the strategy's plan's, or one built by ``ParallelLayout.build_mesh``) Lightning's dimension names
+    as flattened views (the same mesh object: its plan is still found from it)."""
     return add_dimension_names(mesh, LIGHTNING_DIMS)
 
 
