@@ -55,9 +55,6 @@ LONG_FUNCTIONS_ALLOWED_UNDER = ("lightning_plugins.parallel", "lightning_plugins
 #: Long functions being split (issue 45), ``module.function``: none may be added.
 LONG_FUNCTIONS_BEING_SPLIT = {
     "lightning_plugins.accelerate.accelerator.__init__", "lightning_plugins.accelerate.runner.run_recipe",
-    "lightning_plugins.checkpoint.export.export_checkpoint", "lightning_plugins.planner.assumptions.step_assumptions",
-    "lightning_plugins.planner.search.estimate_peak", "lightning_plugins.planner.timing.estimate_step_time",
-    "lightning_plugins.planner.timing._rank_time",
 }  # fmt: skip
 
 

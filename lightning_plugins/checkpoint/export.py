@@ -96,19 +96,7 @@ def export_checkpoint(
             setting that cannot be merged.
     """
     ckpt = Path(checkpoint)
-    if not (ckpt / ".metadata").is_file():
-        hint = (
-            " (an interrupted save leaves only `*.partial`)" if ckpt.is_dir() or ckpt.name.endswith(".partial") else ""
-        )
-        raise ExportError(
-            f"{ckpt} is not a complete distributed checkpoint: it has no .metadata{hint}. Pass a"
-            " `checkpoints/step=N.ckpt` directory written by a finished save."
-        )
-    try:  # its files against its checksums, before anything is read
-        if not verify_checkpoint(ckpt):
-            say_unverified(ckpt, lambda line: print(line, file=sys.stderr))
-    except CheckpointError as error:
-        raise ExportError(str(error)) from None
+    _check_complete(ckpt)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(f"{out} exists and is not empty: choose another directory, or pass --force to replace it.")
@@ -144,6 +132,29 @@ def export_checkpoint(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    _publish(partial, out)
+    return out
+
+
+def _check_complete(ckpt: Path) -> None:
+    """``ckpt`` is a finished save whose files match their checksums (a checkpoint without checksums is said so)."""
+    if not (ckpt / ".metadata").is_file():
+        hint = (
+            " (an interrupted save leaves only `*.partial`)" if ckpt.is_dir() or ckpt.name.endswith(".partial") else ""
+        )
+        raise ExportError(
+            f"{ckpt} is not a complete distributed checkpoint: it has no .metadata{hint}. Pass a"
+            " `checkpoints/step=N.ckpt` directory written by a finished save."
+        )
+    try:  # its files against its checksums, before anything is read
+        if not verify_checkpoint(ckpt):
+            say_unverified(ckpt, lambda line: print(line, file=sys.stderr))
+    except CheckpointError as error:
+        raise ExportError(str(error)) from None
+
+
+def _publish(partial: Path, out: Path) -> None:
+    """Move the complete ``partial`` directory to ``out``, replacing what was there only once it is in place."""
     if out.exists():
         old = out.with_name(out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -152,7 +163,6 @@ def export_checkpoint(
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(partial, out)
-    return out
 
 
 def _load(reader: SafeReader, tensors: dict[str, TensorStorageMetadata], keys: list[str]) -> dict[str, Tensor]:

@@ -47,7 +47,26 @@ def step_assumptions(
     recompute_fraction: float | None,
 ) -> tuple[str, ...]:
     """What :func:`lightning_plugins.planner.timing.estimate_step_time` assumed for this step, one line each."""
-    layout, gpu = shape.layout, cluster.gpu
+    lines = _compute_lines(memory, cluster, kern, efficiency, method, recompute_fraction)
+    lines += _data_parallel_lines(shape, memory, cluster)
+    lines += _model_parallel_lines(shape, cluster, async_tp)
+    lines += _offload_lines(memory, cluster)
+    step_on_gpu = "" if memory.cpu_offload or memory.optimizer_offload else "optimizer step on the GPU, "
+    lines.append(f"{step_on_gpu}data loading and logging: not counted")
+    return tuple(lines)
+
+
+def _link(cluster: Cluster, extent: int) -> str:
+    name, bw = cluster.link(extent)
+    return f"{name} {bw / 1e9:.0f} GB/s per GPU"
+
+
+def _compute_lines(
+    memory: MemoryOptions, cluster: Cluster, kern: Kernels, efficiency: float, method: str,
+    recompute_fraction: float | None,
+) -> list[str]:  # fmt: skip
+    """The compute's efficiency, the FLOPs counted, the recomputation, QLoRA's slowdown."""
+    gpu = cluster.gpu
     source = "set by Cluster.mfu" if cluster.mfu is not None else f"calibrated on {kern.description}"
     peak = f"{gpu.peak_flops / 1e12:.0f} TFLOP/s"
     lines = [
@@ -68,11 +87,12 @@ def step_assumptions(
         )
     if method == "qlora":
         lines.append(f"QLoRA: NF4 dequantisation makes compute {QLORA_SLOWDOWN:.2f}x LoRA's")
+    return lines
 
-    def link(extent: int) -> str:
-        name, bw = cluster.link(extent)
-        return f"{name} {bw / 1e9:.0f} GB/s per GPU"
 
+def _data_parallel_lines(shape: StepShape, memory: MemoryOptions, cluster: Cluster) -> list[str]:
+    """FSDP's gathers and reductions, HSDP's all-reduce."""
+    layout, lines = shape.layout, []
     t, c = layout.tp_size, layout.cp_size
     fsdp = layout.dp_shard_size * c
     if fsdp > 1:
@@ -85,19 +105,26 @@ def step_assumptions(
         else:
             gathers = "per forward and again per backward" if regather else "per forward"
         lines.append(
-            f"FSDP over {fsdp} ranks on {link(t * fsdp)}: parameters all-gathered {gathers}, gradients reduce-scattered"
+            f"FSDP over {fsdp} ranks on {_link(cluster, t * fsdp)}: parameters all-gathered {gathers}, gradients reduce-scattered"
             f" {reductions}; overlapped with compute except the first gather / last reduce-scatter and any excess"
             " over compute"
         )
     if layout.dp_replicate_size > 1:
         replicas = layout.dp_replicate_size
         lines.append(
-            f"HSDP: gradient all-reduce over {replicas} replicas on {link(t * fsdp * replicas)}, overlapped like FSDP"
+            f"HSDP: gradient all-reduce over {replicas} replicas on {_link(cluster, t * fsdp * replicas)}, overlapped like FSDP"
         )
+    return lines
+
+
+def _model_parallel_lines(shape: StepShape, cluster: Cluster, async_tp: bool) -> list[str]:
+    """Tensor, context and pipeline parallelism's communication, and the bubble."""
+    layout, lines = shape.layout, []
+    t, c = layout.tp_size, layout.cp_size
     if t > 1:
         hidden = f", {ASYNC_TP_HIDDEN:.0%} hidden by async TP" if async_tp else ", exposed (not overlapped)"
         lines.append(
-            f"TP {t} on {link(t)}: {'all-gather + reduce-scatter' if shape.sequence_parallel else 'all-reduce'} of the"
+            f"TP {t} on {_link(cluster, t)}: {'all-gather + reduce-scatter' if shape.sequence_parallel else 'all-reduce'} of the"
             f" activations twice per layer, forward and backward{hidden}"
         )
     if c > 1:
@@ -106,15 +133,21 @@ def step_assumptions(
             if shape.cp_backend == "ring"
             else "Ulysses: 4 all-to-alls per layer forward and backward, exposed"
         )
-        lines.append(f"CP {c} on {link(c * t)}: {how}")
+        lines.append(f"CP {c} on {_link(cluster, c * t)}: {how}")
     if layout.pp_size > 1:
         bubble = shape.bubble_fraction()
         zero = " (zero-bubble schedule: assumed 0, needs pp_microbatches >= 2 x pp_size)" if bubble == 0 else ""
         lines.append(
             f"PP {layout.pp_size} ({shape.schedule}, {shape.microbatches} micro-batches, {shape.stages_per_rank}"
             f" stage(s) per rank): bubble {bubble:.1%} of the pipeline's time{zero}; activations point-to-point on"
-            f" {link(layout.world_size)}, exposed on fill and drain only"
+            f" {_link(cluster, layout.world_size)}, exposed on fill and drain only"
         )
+    return lines
+
+
+def _offload_lines(memory: MemoryOptions, cluster: Cluster) -> list[str]:
+    """CPU offload's and optimizer offload's transfers and host optimizer step."""
+    gpu, lines = cluster.gpu, []
     if memory.cpu_offload:
         lines.append(
             f"CPU offload: parameters and gradients over PCIe at {gpu.pcie_bytes_per_s / 1e9:.0f} GB/s, optimizer on"
@@ -125,6 +158,4 @@ def step_assumptions(
             f"optimizer offload: gradients to the host and parameters back over PCIe at {gpu.pcie_bytes_per_s / 1e9:.0f}"
             f" GB/s once per step, AdamW on the host at {HOST_ADAM_PARAMS_PER_S:.0e} parameters/s per GPU (exposed)"
         )
-    step_on_gpu = "" if memory.cpu_offload or memory.optimizer_offload else "optimizer step on the GPU, "
-    lines.append(f"{step_on_gpu}data loading and logging: not counted")
-    return tuple(lines)
+    return lines

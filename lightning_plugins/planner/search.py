@@ -207,10 +207,28 @@ def estimate_peak(workload: Workload) -> int:
     pipeline = workload.pipeline
     v = 1 if pipeline is None else pipeline.stages_per_rank
     layers = math.ceil(stats.num_layers / (layout.pp_size * v)) * v
-    shards = layout.tp_size * layout.fsdp_size
     ends = max(stats.embedding_params, stats.head_params + stats.norm_params)
     if layout.pp_size == 1:
         ends = stats.embedding_params + stats.head_params + stats.norm_params
+    state, trainable = _state_bytes(workload, stats, layers, ends, weight)
+    # Activations of one micro-batch, times the micro-batches in flight on the first stage.
+    rows = workload.micro_batch_size // (pipeline.microbatches if pipeline else 1)
+    in_flight = 1
+    if pipeline is not None:
+        p = layout.pp_size
+        in_flight = pipeline.microbatches if pipeline.schedule in ("gpipe", "looped_bfs") else p + (v - 1) * p // v
+    tokens = rows * workload.seq_len / layout.cp_size
+    activations = _activation_bytes(workload, stats, layers, in_flight, tokens, compute)
+    temporaries = _temporary_bytes(workload, stats, tokens, ends, trainable, weight, compute)
+    if memory.cpu_offload:
+        state = 0
+    return int(state + activations + temporaries)
+
+
+def _state_bytes(workload: Workload, stats: Any, layers: int, ends: int, weight: float) -> tuple[float, float]:
+    """The rank's parameters, gradients and optimizer moments in bytes; and its trainable parameters."""
+    layout, memory = workload.layout, workload.memory
+    shards = layout.tp_size * layout.fsdp_size
     # Routed experts are replicated over TP and split over ep x their FSDP2 group, i.e. over fsdp_size in all.
     routed = layers * stats.expert_params
     dense = (layers * stats.layer_params - routed + ends) / shards + routed / layout.fsdp_size
@@ -232,13 +250,14 @@ def estimate_peak(workload: Workload) -> int:
     grads = trainable * trained
     if memory.optimizer_in_backward:
         grads = min(grads, stats.embedding_params / shards * weight)
-    state = params + grads + trainable * moments  # gradients and the optimizer's moments
-    # Activations of one micro-batch, times the micro-batches in flight on the first stage.
-    rows = workload.micro_batch_size // (pipeline.microbatches if pipeline else 1)
-    in_flight = 1
-    if pipeline is not None:
-        p = layout.pp_size
-        in_flight = pipeline.microbatches if pipeline.schedule in ("gpipe", "looped_bfs") else p + (v - 1) * p // v
+    return params + grads + trainable * moments, trainable  # gradients and the optimizer's moments
+
+
+def _activation_bytes(
+    workload: Workload, stats: Any, layers: int, in_flight: int, tokens: float, compute: float
+) -> float:
+    """Activations kept for backward: Korthikanti's per layer, scaled by the levers, times the layers in flight."""
+    layout, memory = workload.layout, workload.memory
     # korthikanti_activations takes one pipeline micro-batch of the workload's rows itself.
     one = replace(workload, memory=replace(memory, activation_checkpointing="none"))
     sp = layout.tp_size > 1 and workload.options.sequence_parallel
@@ -255,11 +274,18 @@ def estimate_peak(workload: Workload) -> int:
     activations = per_layer * layers * in_flight
     if memory.activation_checkpointing != "none":  # one layer is recomputed whole in backward
         activations += whole_layer
-    tokens = rows * workload.seq_len / layout.cp_size
     if stats.is_moe:  # the routed rows, gathered, dispatched and combined (bf16), kept for backward per MoE layer
         routed_rows = 3 * tokens / layout.tp_size * stats.experts_per_token * stats.hidden_size * compute
         kept = layers * in_flight if memory.activation_checkpointing == "none" else 1
         activations += routed_rows * kept
+    return activations
+
+
+def _temporary_bytes(
+    workload: Workload, stats: Any, tokens: float, ends: int, trainable: float, weight: float, compute: float
+) -> float:
+    """The fp32 logits and their gradient, FSDP2's gathered units, a pipeline stage's unsharded gradients."""
+    layout, memory = workload.layout, workload.memory
     vocab = stats.vocab_size / (layout.tp_size if workload.options.loss_parallel else 1)
     # Chunked cross entropy (memory.loss_chunk_tokens) holds one chunk's fp32 logits and their gradient at a time.
     chunk = memory.loss_chunk_tokens
@@ -273,9 +299,7 @@ def estimate_peak(workload: Workload) -> int:
         temporaries += (gathered_ends + 2 * gathered) / layout.tp_size * compute
         if layout.pp_size > 1 and not memory.pp_reshard_per_microbatch:
             temporaries += trainable * layout.fsdp_size * weight
-    if memory.cpu_offload:
-        state = 0
-    return int(state + activations + temporaries)
+    return temporaries
 
 
 def _powers_of_two(limit: int) -> list[int]:

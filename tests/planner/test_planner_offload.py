@@ -20,7 +20,8 @@ from lightning_plugins.planner.rank_memory import with_optimizer_offload
 from lightning_plugins.planner.hardware import cluster_from
 from lightning_plugins.planner.model_stats import load_model_config
 from lightning_plugins.planner.search import _memory_levers, estimate_peak
-from lightning_plugins.planner.timing import HOST_ADAM_PARAMS_PER_S, estimate_step_time
+from lightning_plugins.planner.assumptions import HOST_ADAM_PARAMS_PER_S
+from lightning_plugins.planner.timing import estimate_step_time
 from lightning_plugins.planner.workload import Workload
 
 SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
