@@ -21,9 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_plugins.testing.models import tiny_llama
+from lightning_plugins.testing.bench import Timed, add_world_arguments, machine, print_report, write_rows
 from lightning_plugins.testing.world import world_rows
 
 MIB = 2**20
@@ -197,22 +195,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--steps", type=int, default=2, help="timed steps (best is reported) after one warm-up")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    add_world_arguments(parser)
     args = parser.parse_args()
 
     rows: list[dict[str, Any]] = []
-    start = time.perf_counter()
-    for cp in args.cps:
-        rows += world_rows(_rank, cp, cp, args, threads=args.threads)
-    elapsed = time.perf_counter() - start
-    cpu = platform.processor() or platform.machine()
-    machine = f"{cpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo"
-    print(f"\n{' '.join(sys.argv)}  ({elapsed:.0f} s; {machine})\n")
-    print(table(rows))
-    if args.out is not None:
-        record = {"args": vars(args) | {"out": str(args.out)}, "machine": machine, "rows": rows}
-        args.out.write_text(json.dumps(record, indent=1))
+    with Timed() as run:
+        for cp in args.cps:
+            rows += world_rows(_rank, cp, cp, args, threads=args.threads)
+    on = machine()
+    print_report(table(rows), run.elapsed, on)
+    write_rows(args.out, args, on, rows)
 
 
 if __name__ == "__main__":

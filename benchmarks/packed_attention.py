@@ -42,10 +42,7 @@ import argparse
 import contextlib
 import json
 import math
-import os
-import platform
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_plugins.testing.bench import Timed, add_world_arguments, machine, print_report, write_rows  # noqa: E402
 from lightning_plugins.testing.world import world_rows  # noqa: E402
 
 #: name -> (mean tokens, lognormal sigma, where the numbers come from); mu follows from the mean and sigma.
@@ -274,26 +272,17 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (median ratio) after one warm-up")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--seed", type=int, default=0, help="seed of the document lengths")
-    parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
+    add_world_arguments(parser)
     args = parser.parse_args()
 
     rows: list[dict[str, Any]] = []
-    start, load = time.perf_counter(), os.getloadavg()
-    for cp in args.cps:
-        rows += world_rows(_rank, cp, cp, args, threads=args.threads)
-    elapsed, load_end = time.perf_counter() - start, os.getloadavg()
-    cpu = platform.processor() or platform.machine()
-    machine = (
-        f"{cpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo; load average {load[0]:.1f} at the"
-        f" start, {load_end[0]:.1f} at the end"
-    )
-    print(f"\n{' '.join(sys.argv)}  ({elapsed:.0f} s; {machine})\n")
-    print(table(rows))
-    if args.out is not None:
-        record = {"args": vars(args) | {"out": str(args.out)}, "machine": machine, "rows": rows}
-        args.out.write_text(json.dumps(record, indent=1))
+    with Timed() as run:
+        for cp in args.cps:
+            rows += world_rows(_rank, cp, cp, args, threads=args.threads)
+    on = machine(run.load)
+    print_report(table(rows), run.elapsed, on)
+    write_rows(args.out, args, on, rows)
 
 
 if __name__ == "__main__":

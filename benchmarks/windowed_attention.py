@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_plugins.testing.bench import Timed, add_world_arguments, machine, print_report, write_rows  # noqa: E402
 from lightning_plugins.testing.world import world_rows  # noqa: E402
 
 
@@ -129,20 +127,16 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (median ratio) after one warm-up")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    add_world_arguments(parser)
     args = parser.parse_args()
 
     rows: list[dict[str, Any]] = []
-    start, load = time.perf_counter(), os.getloadavg()
-    for cp in args.cps:
-        rows += world_rows(_rank, cp, args, threads=args.threads)
-    elapsed, load_end = time.perf_counter() - start, os.getloadavg()
-    machine = (
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo;"
-        f" load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end"
-    )
-    print(f"\n{' '.join(sys.argv)}  ({elapsed:.0f} s; {machine})\n")
-    print(table(rows))
+    with Timed() as run:
+        for cp in args.cps:
+            rows += world_rows(_rank, cp, args, threads=args.threads)
+    on = machine(run.load)
+    print_report(table(rows), run.elapsed, on)
+    write_rows(args.out, args, on, rows)
 
 
 if __name__ == "__main__":
