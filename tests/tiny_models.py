@@ -20,6 +20,8 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
 )
 
 _COMMON = dict(
@@ -31,6 +33,12 @@ _COMMON = dict(
     vocab_size=64,
     max_position_embeddings=64,
     attn_implementation="sdpa",
+)
+
+_QWEN3_5 = dict(
+    {**_COMMON, "hidden_size": 64, "num_hidden_layers": 3},
+    head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    layer_types=["linear_attention", "linear_attention", "full_attention"],
 )
 
 CONFIGS = {
@@ -103,6 +111,12 @@ CONFIGS = {
     "gpt_oss_4l": lambda: GptOssConfig(
         **{**_COMMON, "num_hidden_layers": 4, "attn_implementation": "eager"}, head_dim=8, num_local_experts=4,
         num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
+    # Qwen3.5: Gated DeltaNet linear attention (fused q/k/v, grouped value heads: 2 key heads serve 4 value heads, a
+    # depthwise causal conv, per-head decays, a gated norm) in two of three layers, gated softmax attention in the last.
+    "qwen3_5": lambda: Qwen3_5TextConfig(**_QWEN3_5),
+    "qwen3_5_moe": lambda: Qwen3_5MoeTextConfig(
+        **_QWEN3_5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
     ),
     "mixtral_4l": lambda: MixtralConfig(**{**_COMMON, "num_hidden_layers": 4}, num_local_experts=4, num_experts_per_tok=2),
 }

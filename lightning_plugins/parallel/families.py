@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.parallel.linear_attention import LINEAR_PROJECTIONS
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class ModelFamily:
             residual stream (false for the generic fallback).
         head_params: Parameters (relative to a decoder layer) with one entry per attention head, split with the
             heads over tp (gpt-oss's attention sinks).
+        linear_attention: Gated DeltaNet linear-attention modules (relative to a decoder layer; Qwen3.5's
+            ``linear_attn``), split by heads over tp (:mod:`lightning_plugins.parallel.linear_attention`); each is a
+            region too. A layer holds either these or the softmax attention: names a layer lacks are skipped.
     """
 
     name: str
@@ -52,10 +56,16 @@ class ModelFamily:
     sequence_parallel: bool = True
     extra_styles: dict[str, str] = field(default_factory=dict)
     head_params: tuple[str, ...] = ()
+    linear_attention: tuple[str, ...] = ()
 
 
 LLAMA = ModelFamily("llama")
 QWEN3 = ModelFamily("qwen3", head_norms=("self_attn.q_norm", "self_attn.k_norm"))
+#: Qwen3.5: three of every four layers hold a Gated DeltaNet ``linear_attn`` instead of ``self_attn`` (whose q_proj
+#: holds each head's query and output gate side by side, so a column split keeps them together).
+QWEN3_5 = replace(
+    QWEN3, name="qwen3_5_text", tp_regions=("self_attn", "linear_attn", "mlp"), linear_attention=("linear_attn",)
+)
 
 #: ``config.model_type`` -> family. Llama 2/3/3.1/3.2, Mistral and Qwen2/2.5 share one layout
 #: (Qwen2's q/k/v bias is split with its weight by ``ColwiseParallel``). In a mixture-of-experts layer the block that
@@ -71,6 +81,8 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen3_moe": ModelFamily("qwen3_moe", head_norms=QWEN3.head_norms),
     # Attention sinks: one learned logit per head, split with the heads (q/k/v/o carry biases, split with them).
     "gpt_oss": ModelFamily("gpt_oss", head_params=("self_attn.sinks",)),
+    "qwen3_5_text": QWEN3_5,
+    "qwen3_5_moe_text": replace(QWEN3_5, name="qwen3_5_moe_text"),
 }
 
 #: HF ``base_model_tp_plan`` styles this engine can translate for the generic fallback.
@@ -193,7 +205,8 @@ def is_norm(module: nn.Module) -> bool:
 def projection_names(family: ModelFamily) -> tuple[str, ...]:
     """The last name component of each projection a family splits under TP (``q_proj``, ..., Phi-3's fused
     ``qkv_proj`` and ``gate_up_proj``): LoRA's default targets."""
-    paths = (*family.colwise, *family.rowwise, *family.extra_styles)
+    linear = (f"{module}.{name}" for module in family.linear_attention for name in LINEAR_PROJECTIONS)
+    paths = (*family.colwise, *family.rowwise, *family.extra_styles, *linear)
     return tuple(dict.fromkeys(path.rpartition(".")[2] for path in paths))
 
 

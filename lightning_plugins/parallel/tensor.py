@@ -37,8 +37,9 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_plugins.parallel.moe.experts import OnLocalParameters, TokenLocalBlock, moe_block_name
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
+from lightning_plugins.parallel.linear_attention import HeadSplitLinearAttention
 from lightning_plugins.parallel.memory.regather import RegatherInBackward
-from lightning_plugins.parallel.tensor_checks import check_adapters
+from lightning_plugins.parallel.tensor_checks import check_adapters, submodule_or_none
 from lightning_plugins.parallel.vocab_embedding import keep_embedding_grad_sharded
 
 # The dimension of attention heads in the [batch, seq, heads, head_dim] tensors that q/k norms see.
@@ -111,7 +112,11 @@ def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMes
     A mixture-of-experts block is not split: it runs on this rank's tokens (:class:`TokenLocalBlock`).
     """
     block = moe_block_name(layer)
-    inside = (lambda name: name == block or name.startswith(f"{block}.")) if block is not None else (lambda name: False)
+    in_block = (lambda name: name == block or name.startswith(f"{block}.")) if block is not None else (lambda _: False)
+
+    def inside(name: str) -> bool:  # not split here: in the token-local block, or absent (a layer of another type)
+        return in_block(name) or submodule_or_none(layer, name) is None
+
     plan: dict[str, ParallelStyle] = {name: ColwiseParallel() for name in family.colwise if not inside(name)}
     for name in family.rowwise:
         if not inside(name):
@@ -127,9 +132,13 @@ def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMes
             else:
                 plan[name] = RowwiseParallel(input_layouts=Replicate())
     for name in family.head_norms:
-        # q/k norms normalise each head's vector; their input is split by heads on this rank.
-        plan[name] = SequenceParallel(sequence_dim=_HEAD_DIM, use_local_output=True)
+        if not inside(name):
+            # q/k norms normalise each head's vector; their input is split by heads on this rank.
+            plan[name] = SequenceParallel(sequence_dim=_HEAD_DIM, use_local_output=True)
     plan, dropout = _split_adapters(layer, plan, tp_mesh)
+    for name in family.linear_attention:
+        if not inside(name):
+            dropout |= _split_linear_attention(layer.get_submodule(name), tp_mesh, sp)
     parallelize_module(layer, tp_mesh, plan)
     for name in family.layer_norms:
         _parallelize_norm(layer.get_submodule(name), tp_mesh, sp)
@@ -142,6 +151,26 @@ def _parallelize_layer(layer: nn.Module, family: ModelFamily, tp_mesh: DeviceMes
             region.register_forward_pre_hook(_RegionInput(tp_mesh, keep_shard), with_kwargs=True)
     if block is not None:
         TokenLocalBlock(tp_mesh).install(layer.get_submodule(block))
+    return dropout
+
+
+def _split_linear_attention(module: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> bool:
+    """Split a Gated DeltaNet by heads (:mod:`lightning_plugins.parallel.linear_attention`); return whether it has
+    LoRA dropout, replaced by one process's masks (``out_proj``'s input is split by value heads)."""
+    HeadSplitLinearAttention(module, tp_mesh, sequence_parallel=sp).install()
+    dropout = False
+    if "peft" not in sys.modules:
+        return dropout
+    from peft.tuners.lora import LoraLayer
+
+    for name, sub in module.named_modules():
+        if not isinstance(sub, LoraLayer):
+            continue
+        for adapter, drop in list(sub.lora_dropout.items()):
+            if isinstance(drop, nn.Dropout) and drop.p > 0:
+                features = sub.in_features if name == "out_proj" else None
+                sub.lora_dropout[adapter] = TensorParallelDropout(drop.p, tp_mesh, features)
+                dropout = True
     return dropout
 
 

@@ -10,6 +10,7 @@ from torch import nn
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.moe.experts import moe_block_name
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers, is_norm
+from lightning_plugins.parallel.linear_attention import LINEAR_PROJECTIONS, linear_attention_problem
 
 
 def check_tensor_parallel(model: nn.Module, family: ModelFamily, tp_size: int) -> None:
@@ -18,9 +19,12 @@ def check_tensor_parallel(model: nn.Module, family: ModelFamily, tp_size: int) -
     Tensor parallelism splits a region of a layer (attention, MLP, what the family's plan names) through its planned
     projections; any other parameter the region holds would be replicated and meet the split projections' outputs
     in the region's own forward (a convolution over the split channels, per-head decays of a linear attention such as
-    Qwen3.5's Gated DeltaNet ``linear_attn``): torch then fails inside the forward (``got mixed torch.Tensor and
-    DTensor``), or the math is wrong. Norms, the family's per-head parameters, the routed-experts block and peft
-    adapters (checked by their own rules) are known; anything else is refused here, naming the module.
+    Qwen3-Next's Gated DeltaNet ``linear_attn``, whose fused projections its config's plan only names): torch then
+    fails inside the forward (``got mixed torch.Tensor and DTensor``), or the math is wrong. Norms, the family's
+    per-head parameters, the routed-experts block and peft adapters (checked by their own rules) are known; anything
+    else is refused here, naming the module. A family's linear-attention modules (Qwen3.5's) are split by heads
+    (:mod:`lightning_plugins.parallel.linear_attention`): one whose heads tp does not divide, or whose parameters
+    that split has no rule for, is refused.
 
     Raises:
         LayoutError: naming the first such module, its parameters and ``tp_size``.
@@ -28,8 +32,17 @@ def check_tensor_parallel(model: nn.Module, family: ModelFamily, tp_size: int) -
     planned = (*family.colwise, *family.rowwise, *family.extra_styles)
     known = (*planned, *family.head_norms, *family.layer_norms)
     regions = tuple(dict.fromkeys(name.partition(".")[0] for name in planned))
+    regions = tuple(region for region in regions if region not in family.linear_attention)
     prefix = family.layers
     for index, layer in enumerate(decoder_layers(model, family)):
+        for name in family.linear_attention:
+            module = submodule_or_none(layer, name)
+            if module is not None and (problem := linear_attention_problem(module, tp_size)) is not None:
+                raise LayoutError(
+                    f"tp_size={tp_size}: tensor parallelism cannot split {prefix}.{index}.{name}"
+                    f" ({type(module).__name__}) of this {family.name} model by heads: {problem}. Use a tp_size that"
+                    " divides its key and value heads, or tp_size=1 (FSDP2 with dp_shard_size shards it)."
+                )
         block = moe_block_name(layer)
         adapters = adapter_names(layer)
         for region in regions:
@@ -81,6 +94,7 @@ def check_adapters(model: nn.Module, family: ModelFamily) -> None:
     from peft.utils.other import AuxiliaryTrainingWrapper
 
     split = {*family.colwise, *family.rowwise, *family.extra_styles}
+    split |= {f"{module}.{name}" for module in family.linear_attention for name in LINEAR_PROJECTIONS}
     planned = {
         id(module)
         for layer in decoder_layers(model, family)
