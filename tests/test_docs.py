@@ -48,6 +48,7 @@ def test_the_site_builds_strict(tmp_path: Path) -> None:
     assert "train.max_steps" in reference and "{{ recipe_keys }}" not in reference
     gallery = (tmp_path / "gallery" / "index.html").read_text()
     assert "llama-3.1-70b/lora_fsdp8" in gallery and "{{ recipe_gallery }}" not in gallery
+    assert (tmp_path / "gallery-memory.png").read_bytes().startswith(b"\x89PNG")  # drawn from the recipe table
     api = (tmp_path / "api" / "index.html").read_text()
     assert 'id="lightning_plugins.' in api
     for name in ("parallelize", "ParallelLayout", "TensorParallelStrategy", "ParallelAccelerator", "load_recipe"):

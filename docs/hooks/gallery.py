@@ -4,6 +4,7 @@
   read as YAML, nothing run), grouped by model, with its method, hardware, layout and sequence length, and the
   planner's peak memory per GPU and tokens/s per GPU where the recipe table of ``docs/recipes.md`` records them (the
   figures ``tests/recipe/test_recipes.py`` checks against the dry run; the planner is not run at build time).
+* ``gallery-memory.png``: the same figures drawn, each recipe's planned memory per GPU by part.
 * ``benchmarks.md``: ``benchmarks/RESULTS.md`` as a page, with every picture under ``benchmarks/`` beside it
   (``benchmarks/<name>.png`` is ``<name>.png`` next to the page), read from the repository when the site is built.
 """
@@ -20,14 +21,47 @@ ROOT = Path(__file__).resolve().parents[2]
 PLACEHOLDER = "{{ recipe_gallery }}"
 PICTURES = (".png", ".svg", ".jpg", ".jpeg", ".gif", ".webp")
 #: A row of the recipe table in docs/recipes.md: recipe, hardware, layout, method, **peak**, breakdown, host, tok/s.
-ROW = re.compile(r"^\| \[?`([\w.\-/]+)`(?:\]\([^)]*\))? \|[^|]*\|[^|]*\|[^|]*\| \*\*([\d.]+)\*\* \|[^|]*\|[^|]*\| ([\d,]+) \|",
-                 re.M)  # fmt: skip
+ROW = re.compile(r"^\| \[?`([\w.\-/]+)`(?:\]\([^)]*\))? \|[^|]*\|[^|]*\|[^|]*\| \*\*([\d.]+)\*\* \|([^|]*)\|[^|]*\| ([\d,]+) \|",
+                 re.MULTILINE)  # fmt: skip
+#: The breakdown column of that table, in order.
+PARTS = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+PLOT = "gallery-memory.png"
 
 
 def planned() -> dict[str, tuple[str, str]]:
     """``recipe id -> (peak GiB per GPU, tokens/s per GPU)`` from the recipe table of ``docs/recipes.md``."""
     text = (ROOT / "docs" / "recipes.md").read_text()
-    return {name: (peak, rate) for name, peak, rate in ROW.findall(text)}
+    return {name: (peak, rate) for name, peak, _, rate in ROW.findall(text)}
+
+
+def memory_plot() -> bytes:
+    """The recipe table's planned memory per GPU, by part, one bar per recipe (a PNG, drawn with matplotlib)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(name, [float(x) for x in parts.split("/")]) for name, _, parts, _ in
+            ROW.findall((ROOT / "docs" / "recipes.md").read_text())]  # fmt: skip
+    rows.sort(key=lambda row: row[0])
+    figure, axes = plt.subplots(figsize=(9, 0.22 * len(rows) + 1.2))
+    left = [0.0] * len(rows)
+    for index, part in enumerate(PARTS):
+        values = [parts[index] for _, parts in rows]
+        axes.barh([name for name, _ in rows], values, left=left, label=part)
+        left = [a + b for a, b in zip(left, values)]
+    axes.axvline(80, color="black", linewidth=0.8, linestyle="--", label="H100 80 GB")
+    axes.invert_yaxis()
+    axes.set_xlabel("planned GiB per GPU at the step's peak (the planner's dry run)")
+    axes.tick_params(axis="y", labelsize=7)
+    axes.legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    plt.close(figure)
+    return buffer.getvalue()
 
 
 def _method(raw: dict[str, Any]) -> str:
@@ -99,6 +133,7 @@ def on_files(files: Any, config: Any) -> Any:
     text += ("\n\n---\n\n*This page is `benchmarks/RESULTS.md`, read when the site is built; the scripts that measured"
              " each figure are in `benchmarks/`.*\n")  # fmt: skip
     files.append(File.generated(config, "benchmarks.md", content=text))
+    files.append(File.generated(config, PLOT, content=memory_plot()))
     for picture in sorted((ROOT / "benchmarks").rglob("*")):
         if picture.suffix.lower() in PICTURES:
             name = picture.relative_to(ROOT / "benchmarks").as_posix()
