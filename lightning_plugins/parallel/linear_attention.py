@@ -13,8 +13,8 @@ installed: the split does not depend on which) on its key heads and their value 
 The fused ``[q | k | v]`` rows a rank needs are not one contiguous block, so ``in_proj_qkv`` and ``conv1d`` (and
 LoRA's ``lora_B`` on ``in_proj_qkv``) are held as ``Shard(0)`` of the checkpoint's own order, like any
 column-parallel weight (sharded loading, export and checkpoints see the transformers tensor), and each forward
-gathers the weight over tp and keeps the rank's rows; the backward reduce-scatters their gradient. That moves
-weight-sized tensors, never activations. The module's head counts and channel sizes are set to the local ones, as
+regroups the rows by one all-to-all over tp (each rank receives about ``(tp - 1) / tp`` of its own part); the
+backward sends the rows' gradients back the same way. That moves the rank's part of a weight, never activations. The module's head counts and channel sizes are set to the local ones, as
 its forward reshapes by them.
 """
 
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 __all__ = ["LINEAR_PROJECTIONS", "HeadSplitLinearAttention", "is_gated_delta_net", "linear_attention_problem"]
@@ -98,11 +99,7 @@ class HeadSplitLinearAttention:
     def __init__(self, module: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
         self.module, self.mesh, self.sp = module, tp_mesh, sequence_parallel
         self.forward = module.forward
-        size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
-        key, value = module.key_dim, module.value_dim
-        k_rows, v_rows = torch.arange(key).chunk(size)[rank], torch.arange(value).chunk(size)[rank]
-        # The rank's rows of the fused [q | k | v] channels, in that order.
-        self.rows = torch.cat([k_rows, key + k_rows, 2 * key + v_rows])
+        self._plan_regrouping(module.key_dim, module.value_dim)
         self.regrouped: set[tuple[nn.Module, str]] = set()
         for path, param in list(module.named_parameters()):
             role = _role(path)
@@ -116,12 +113,39 @@ class HeadSplitLinearAttention:
             if role[0] in ("in_proj_qkv", "conv1d") and role[1] in ("weight", "bias", "lora_B"):
                 self.regrouped.add((owner, leaf))
         for heads in ("num_k_heads", "num_v_heads"):
-            setattr(module, heads, getattr(module, heads) // size)
+            setattr(module, heads, getattr(module, heads) // tp_mesh.size())
         module.key_dim, module.value_dim = (
             module.num_k_heads * module.head_k_dim,
             module.num_v_heads * module.head_v_dim,
         )
         module.conv_dim = 2 * module.key_dim + module.value_dim
+
+    def _plan_regrouping(self, key: int, value: int) -> None:
+        """Which rows of its ``Shard(0)`` part of the fused [q | k | v] channels a rank sends to each rank.
+
+        Rank ``r`` runs its key heads' q and k and its value heads' v: as many rows as its shard holds, in increasing
+        order, so the rows it receives from ranks 0, 1, ... (each holding a contiguous range) arrive in its order.
+        """
+        size, rank = self.mesh.size(), self.mesh.get_local_rank()
+        shard = (2 * key + value) // size
+
+        def rows_of(r: int) -> torch.Tensor:
+            k_rows, v_rows = torch.arange(key).chunk(size)[r], torch.arange(value).chunk(size)[r]
+            return torch.cat([k_rows, key + k_rows, 2 * key + v_rows])
+
+        mine = rows_of(rank)
+        sends = [rows_of(r)[(rows_of(r) // shard) == rank] - rank * shard for r in range(size)]
+        self.send_index = torch.cat(sends)
+        self.send_splits = [len(rows) for rows in sends]
+        self.receive_splits = [int(((mine // shard) == r).sum()) for r in range(size)]
+
+    def _regrouped(self, param: DTensor) -> torch.Tensor:
+        """The rank's head-group rows of a fused-channel parameter, by one all-to-all over tp (its backward sends
+        each row's gradient back to the rank whose shard holds it)."""
+        local = param.to_local()
+        send = local.index_select(0, self.send_index.to(local.device)).contiguous()
+        out = send.new_empty((sum(self.receive_splits), *local.shape[1:]))
+        return all_to_all_single(out, send, self.receive_splits, self.send_splits, group=self.mesh.get_group())
 
     def install(self) -> None:
         self.module.forward = self  # type: ignore[method-assign]
@@ -156,9 +180,7 @@ class HeadSplitLinearAttention:
                     continue
                 saved.append((owner, leaf, param))
                 if (owner, leaf) in self.regrouped:
-                    gathered = param.redistribute(placements=[Replicate()] * len(param.placements))
-                    whole = gathered.to_local(grad_placements=[Partial()] * len(param.placements))
-                    owner._parameters[leaf] = whole.index_select(0, self.rows.to(whole.device))
+                    owner._parameters[leaf] = self._regrouped(param)
                 else:
                     grad = [Partial() if p.is_replicate() else p for p in param.placements]
                     owner._parameters[leaf] = param.to_local(grad_placements=grad)
