@@ -35,6 +35,7 @@ from lightning_plugins.recipe.diff import reset_optimizer
 from lightning_plugins.recipe.finish import check_exportable, export_dir, export_trained, write_results
 from lightning_plugins.recipe.meter import ThroughputMeter
 from lightning_plugins.recipe.schema import Recipe
+from lightning_plugins.recipe.train import TrainSection
 from lightning_plugins.recipe.manifest import write_manifest
 from lightning_plugins.run.nonfinite import NonFiniteGuard, check_finite_weights, training_state
 from lightning_plugins.run.perf import PerfMonitor
@@ -101,36 +102,21 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     accelerator = make_accelerator(recipe)
     write_manifest(recipe)
     accelerator.init_trackers(project_name(train), config=hyperparameters(recipe))
-    # Workers started by torchrun (`accelerate launch`) must not outlive it.
-    preemption = Preemption(train.preempt_signals, watch_parent="TORCHELASTIC_RUN_ID" in os.environ)
-    preemption.install()
-    stepped_early = accelerator.builtin == "DeepSpeed" or recipe.memory.optimizer_in_backward
-    guard = NonFiniteGuard(
-        train.on_nonfinite, train.max_skipped_steps, lambda: resume_choice.latest_checkpoint(out), stepped_early
-    )
+    preemption, guard = _guards(accelerator, recipe, out)
     set_seed(train.seed)
     model, tokenizer = build_model(recipe, on_meta=accelerator.builtin is None)
     num_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
-    train_loader, eval_loader = build_loaders(recipe, tokenizer)
-    train_loader = _sharded(train_loader, accelerator, True, train.seed)
-    eval_loader = None if eval_loader is None else _sharded(eval_loader, accelerator, False, train.seed)
+    train_loader, eval_loader = _loaders(recipe, tokenizer, accelerator)
     per_epoch = math.ceil(len(train_loader) / recipe.accumulation)
     total = train.max_steps or train.epochs * per_epoch
     optimizer, schedule = make_optimizer(model, recipe, total)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     model, optimizer, train_loader, schedule = accelerator.prepare(model, optimizer, train_loader, schedule)
-    fused: StepInBackward | None = None
-    if recipe.memory.optimizer_in_backward:  # the prepared (sharded) parameters: make_optimizer hooked the originals
-        fused = step_in_backward(optimizer.optimizer)
-    if eval_loader is not None:
-        eval_loader = accelerator.prepare(eval_loader)
-    ckpt = agreed_resume(out, resume, accelerator.print, broadcast_from_first)  # rank 0's decision, for every rank
-    if ckpt is not None:
-        accelerator.load_state(ckpt)
-        # Optim settings changed on resume: a new AdamW state and schedule (rank 0's reading of its checkpoint).
-        if broadcast_from_first(train.resume_reset_optimizer):
-            reset_optimizer(optimizer, schedule, model, recipe, total, progress.step)
+    # Stepped in backward: hooks on the prepared (sharded) parameters; make_optimizer hooked the originals.
+    fused = step_in_backward(optimizer.optimizer) if recipe.memory.optimizer_in_backward else None
+    eval_loader = None if eval_loader is None else accelerator.prepare(eval_loader)
+    ckpt = _resume(accelerator, recipe, resume, model, optimizer, schedule, total, progress)
 
     main = accelerator.is_main_process
     bar = tqdm(total=total, initial=progress.step, disable=not main, desc="train", dynamic_ncols=True)
@@ -145,20 +131,8 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
             epoch = train_loader.iteration
             for batch in train_loader:
                 meter.count(batch)
-                with accelerator.accumulate(model):
-                    loss = model(**batch).loss
-                    guard.observe_loss(loss)
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        # With clipping off, the same global norm with no limit (gradients scaled by exactly 1);
-                        # stepped in backward, the norm the hooks accumulated before applying each gradient.
-                        clip_to = recipe.optim.max_grad_norm or math.inf
-                        norm = fused.grad_norm() if fused else accelerator.clip_grad_norm_(model.parameters(), clip_to)
-                        guard.check(progress.step + 1, norm, optimizer)  # a skipped step leaves no gradients
-                    optimizer.step()
-                    if accelerator.sync_gradients:
-                        schedule.step()
-                    optimizer.zero_grad()
+                loss, norm = _train_step(accelerator, model, batch, optimizer, schedule, recipe, guard, fused, progress,
+                                         norm)  # fmt: skip
                 if not accelerator.sync_gradients:
                     continue
                 progress.step += 1
@@ -167,26 +141,14 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
                 bar.update(1)
                 bar.set_postfix({k.split("/")[0] + " loss": f"{v:.3f}" for k, v in last.items() if k.endswith("loss")})
                 if progress.step % train.log_every == 0:
-                    lr, world = optimizer.param_groups[0]["lr"], dist.get_world_size()
-                    row = {"train/loss": last["train/loss"], **meter.row(lr, norm, world, accelerator.device)}
-                    row.update(sampled)
-                    row.update(accelerator.moe_balance())  # every rank: one all-reduce
-                    accelerator.log({**row, "epoch": epoch}, step=progress.step - 1)  # on the main process
+                    _log_step(accelerator, optimizer, meter, norm, last["train/loss"], sampled, epoch, progress.step)
                 end_of_epoch = accelerator.gradient_state.end_of_dataloader
                 if eval_loader is not None and (
                     progress.step % train.eval_every == 0 if train.eval_every else end_of_epoch
                 ):
                     last["val/loss"] = _evaluate(accelerator, model, eval_loader)
                     accelerator.log({"val/loss": last["val/loss"], "epoch": epoch}, step=progress.step - 1)
-                saved = None
-                if train.checkpoint_every and progress.step % train.checkpoint_every == 0:
-                    saved = _save(accelerator, model, optimizer, out, progress.step)
-                if preemption.agree(accelerator.device):  # every rank, once per optimizer step
-                    if train.checkpoint_every and saved is None:
-                        saved = _save(accelerator, model, optimizer, out, progress.step)
-                    accelerator.wait_for_checkpoint()
-                    bar.close()  # the message gets a line of its own
-                    preemption.finish(progress.step, saved)
+                _save_or_stop(accelerator, model, optimizer, out, progress.step, train, preemption, bar)
                 if progress.step >= total:
                     break
                 perf.next_step(progress.step)
@@ -201,6 +163,94 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     bar.close()
     check_exportable(model.parameters(), recipe, progress.step)
     return _finish(accelerator, model, tokenizer, recipe, ckpt, last)
+
+
+def _loaders(recipe: Recipe, tokenizer: Any, accelerator: ParallelAccelerator) -> tuple[DataLoader, DataLoader | None]:
+    """The training and held-out loaders, each sharded over the data-parallel ranks (the held-out one unshuffled)."""
+    train_loader, eval_loader = build_loaders(recipe, tokenizer)
+    train_loader = _sharded(train_loader, accelerator, True, recipe.train.seed)
+    eval_loader = None if eval_loader is None else _sharded(eval_loader, accelerator, False, recipe.train.seed)
+    return train_loader, eval_loader
+
+
+def _guards(accelerator: ParallelAccelerator, recipe: Recipe, out: Path) -> tuple[Preemption, NonFiniteGuard]:
+    """The preemption handler (installed) and the non-finite guard of the run."""
+    train = recipe.train
+    # Workers started by torchrun (`accelerate launch`) must not outlive it.
+    preemption = Preemption(train.preempt_signals, watch_parent="TORCHELASTIC_RUN_ID" in os.environ)
+    preemption.install()
+    stepped_early = accelerator.builtin == "DeepSpeed" or recipe.memory.optimizer_in_backward
+    guard = NonFiniteGuard(
+        train.on_nonfinite, train.max_skipped_steps, lambda: resume_choice.latest_checkpoint(out), stepped_early
+    )
+    return preemption, guard
+
+
+def _resume(
+    accelerator: ParallelAccelerator, recipe: Recipe, resume: str | Path | None, model: torch.nn.Module,
+    optimizer: Any, schedule: Any, total: int, progress: Progress,
+) -> Path | None:  # fmt: skip
+    """The checkpoint resumed from (rank 0's decision, for every rank), loaded; ``None`` for a fresh start."""
+    ckpt = agreed_resume(Path(recipe.train.output_dir), resume, accelerator.print, broadcast_from_first)
+    if ckpt is not None:
+        accelerator.load_state(ckpt)
+        # Optim settings changed on resume: a new AdamW state and schedule (rank 0's reading of its checkpoint).
+        if broadcast_from_first(recipe.train.resume_reset_optimizer):
+            reset_optimizer(optimizer, schedule, model, recipe, total, progress.step)
+    return ckpt
+
+
+def _train_step(
+    accelerator: ParallelAccelerator, model: torch.nn.Module, batch: Any, optimizer: Any, schedule: Any,
+    recipe: Recipe, guard: NonFiniteGuard, fused: StepInBackward | None, progress: Progress, norm: Any,
+) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    """One micro-batch's forward and backward, and at the end of an accumulation the clipped optimizer step: the
+    loss, and the gradient norm (``norm`` as it was between optimizer steps)."""
+    with accelerator.accumulate(model):
+        loss = model(**batch).loss
+        guard.observe_loss(loss)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            # With clipping off, the same global norm with no limit (gradients scaled by exactly 1);
+            # stepped in backward, the norm the hooks accumulated before applying each gradient.
+            clip_to = recipe.optim.max_grad_norm or math.inf
+            norm = fused.grad_norm() if fused else accelerator.clip_grad_norm_(model.parameters(), clip_to)
+            guard.check(progress.step + 1, norm, optimizer)  # a skipped step leaves no gradients
+        optimizer.step()
+        if accelerator.sync_gradients:
+            schedule.step()
+        optimizer.zero_grad()
+    return loss, norm
+
+
+def _log_step(
+    accelerator: ParallelAccelerator, optimizer: Any, meter: ThroughputMeter, norm: Any, loss: float,
+    sampled: dict[str, Any], epoch: int, step: int,
+) -> None:  # fmt: skip
+    """Log the step's loss and ``sampled`` perf figures with the learning rate, gradient norm, throughput and the
+    experts' balance."""
+    lr, world = optimizer.param_groups[0]["lr"], dist.get_world_size()
+    row = {"train/loss": loss, **meter.row(lr, norm, world, accelerator.device)}
+    row.update(sampled)
+    row.update(accelerator.moe_balance())  # every rank: one all-reduce
+    accelerator.log({**row, "epoch": epoch}, step=step - 1)  # on the main process
+
+
+def _save_or_stop(
+    accelerator: ParallelAccelerator, model: torch.nn.Module, optimizer: Any, out: Path, step: int,
+    train: TrainSection, preemption: Preemption, bar: Any,
+) -> None:  # fmt: skip
+    """The periodic checkpoint; on a preemption every rank agreed on, a checkpoint (if none was just written) and the
+    end of the run."""
+    every, saved = train.checkpoint_every, None
+    if every and step % every == 0:
+        saved = _save(accelerator, model, optimizer, out, step)
+    if preemption.agree(accelerator.device):  # every rank, once per optimizer step
+        if every and saved is None:
+            saved = _save(accelerator, model, optimizer, out, step)
+        accelerator.wait_for_checkpoint()
+        bar.close()  # the message gets a line of its own
+        preemption.finish(step, saved)
 
 
 def _save(
