@@ -59,8 +59,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     tiny.add_argument("--steps", type=int, default=20, help="optimizer steps of the tiny run (default: 20)")
     from lightning_plugins.recipe.launchers import add_arguments as add_launch_arguments
 
-    add_launch_arguments(commands.add_parser("launch", help="write the job that runs a recipe on its hardware: a"
-                                             " torchrun/per-node script or a Kubernetes manifest"))  # fmt: skip
+    add_launch_arguments(commands.add_parser("launch", help="write (or --submit) the job that runs a recipe on its"
+                                             " hardware: sbatch, torchrun, Kubernetes or SkyPilot"))  # fmt: skip
     export = commands.add_parser(
         "export",
         help="turn a training checkpoint (checkpoints/step=N.ckpt) into an HF or peft directory, streaming, in one process",
@@ -272,7 +272,7 @@ def _recipes(where: str | None) -> None:
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
     print(
-        "\nRun one by id or path: lightning-plugins plan ID | tiny ID | finetune ID | launch ID --to k8s"
+        "\nRun one by id or path: lightning-plugins plan ID | tiny ID | finetune ID | launch ID --to slurm"
         " (`lightning-plugins recipes --where` says where the files are)."
     )
 
