@@ -20,6 +20,7 @@ from transformers import (
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
 )
@@ -116,6 +117,10 @@ CONFIGS = {
     # depthwise causal conv, per-head decays, a gated norm) in two of three layers, gated softmax attention in the last.
     "qwen3_5": lambda: Qwen3_5TextConfig(**_QWEN3_5),
     "qwen3_5_moe": lambda: Qwen3_5MoeTextConfig(
+        **_QWEN3_5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+    ),
+    # Qwen3-Next: the same layers, its Gated DeltaNet's q/k/v/z and b/a fused per key head; experts in every layer.
+    "qwen3_next": lambda: Qwen3NextConfig(
         **_QWEN3_5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
     ),
     "mixtral_4l": lambda: MixtralConfig(**{**_COMMON, "num_hidden_layers": 4}, num_local_experts=4, num_experts_per_tok=2),

@@ -83,6 +83,8 @@ FAMILIES: dict[str, ModelFamily] = {
     "gpt_oss": ModelFamily("gpt_oss", head_params=("self_attn.sinks",)),
     "qwen3_5_text": QWEN3_5,
     "qwen3_5_moe_text": replace(QWEN3_5, name="qwen3_5_moe_text"),
+    # Qwen3-Next: the same layers; its Gated DeltaNet fuses q/k/v/z and b/a per key head.
+    "qwen3_next": replace(QWEN3_5, name="qwen3_next"),
 }
 
 #: HF ``base_model_tp_plan`` styles this engine can translate for the generic fallback.

@@ -1,4 +1,5 @@
-"""Tensor parallelism for Gated DeltaNet linear attention (Qwen3.5's ``linear_attn``): its heads split over tp.
+"""Tensor parallelism for Gated DeltaNet linear attention (Qwen3.5's and Qwen3-Next's ``linear_attn``): its heads
+split over tp.
 
 A rank runs the module's own forward (transformers' chunked kernel, the torch fallback on CPU or a fused one where
 installed: the split does not depend on which) on its key heads and their value heads::
@@ -7,6 +8,7 @@ installed: the split does not depend on which) on its key heads and their value 
     in_proj_qkv: output channels [q | k | v]; the rank's channels are its key heads' q and k and its value heads' v
     conv1d:      depthwise over those channels, the same rows
     in_proj_z/a/b, dt_bias, A_log: by value head (contiguous, ``Shard(0)``)
+    in_proj_qkvz/ba (Qwen3-Next): fused per key head, so by key-head group (contiguous, ``Shard(0)``)
     norm:        per head over head_v_dim: head-local, its weight replicated
     out_proj:    row-parallel; the partial sums reduced once (reduce-scattered along the sequence under sp)
 
@@ -14,8 +16,8 @@ The fused ``[q | k | v]`` rows a rank needs are not one contiguous block, so ``i
 LoRA's ``lora_B`` on ``in_proj_qkv``) are held as ``Shard(0)`` of the checkpoint's own order, like any
 column-parallel weight (sharded loading, export and checkpoints see the transformers tensor), and each forward
 regroups the rows by one all-to-all over tp (each rank receives about ``(tp - 1) / tp`` of its own part); the
-backward sends the rows' gradients back the same way. That moves the rank's part of a weight, never activations. The module's head counts and channel sizes are set to the local ones, as
-its forward reshapes by them.
+backward sends the rows' gradients back the same way. That moves the rank's part of a weight, never activations.
+The module's head counts and channel sizes are set to the local ones, as its forward reshapes by them.
 """
 
 from __future__ import annotations
@@ -31,15 +33,21 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 __all__ = ["LINEAR_PROJECTIONS", "HeadSplitLinearAttention", "is_gated_delta_net", "linear_attention_problem"]
 
+#: The input projections of Qwen3.5's Gated DeltaNet (q/k/v fused as [q | k | v], z, a, b each by value head) and of
+#: Qwen3-Next's (q/k/v/z and b/a fused per key head: a contiguous split gives a rank its key heads' groups).
+_SEPARATE = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
+_GROUPED = ("in_proj_qkvz", "in_proj_ba")
 #: The projections of a Gated DeltaNet, split with its heads (LoRA's targets there).
-LINEAR_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
+LINEAR_PROJECTIONS = (*_SEPARATE, *_GROUPED, "out_proj")
 _ATTRIBUTES = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "key_dim", "value_dim", "conv_dim")
-_REQUIRED = (*LINEAR_PROJECTIONS, "conv1d", "norm", "dt_bias", "A_log")
+_REQUIRED = ("out_proj", "conv1d", "norm", "dt_bias", "A_log", *_ATTRIBUTES)
 
 
 def is_gated_delta_net(module: nn.Module) -> bool:
-    """Whether ``module`` is shaped like transformers' Gated DeltaNet (Qwen3.5's ``Qwen3_5GatedDeltaNet``)."""
-    return all(hasattr(module, name) for name in (*_REQUIRED, *_ATTRIBUTES))
+    """Whether ``module`` is shaped like transformers' Gated DeltaNet (Qwen3.5's ``Qwen3_5GatedDeltaNet``, Qwen3-Next's
+    ``Qwen3NextGatedDeltaNet``)."""
+    has = lambda names: all(hasattr(module, name) for name in names)
+    return has(_REQUIRED) and (has(_SEPARATE) or has(_GROUPED))
 
 
 def _role(path: str) -> tuple[str, str] | None:
@@ -61,7 +69,8 @@ def _role(path: str) -> tuple[str, str] | None:
 
 
 def _placement(role: tuple[str, str]) -> Placement:
-    """How a parameter is held over tp (the checkpoint's order; ``in_proj_qkv``/``conv1d`` rows are regrouped per call)."""
+    """How a parameter is held over tp (the checkpoint's order; ``in_proj_qkv``/``conv1d`` rows are regrouped per call;
+    Qwen3-Next's ``in_proj_qkvz``/``in_proj_ba`` are grouped per key head, so their contiguous rows are the rank's)."""
     owner, part = role
     if owner == "norm":
         return Replicate()
@@ -73,7 +82,9 @@ def _placement(role: tuple[str, str]) -> Placement:
 def linear_attention_problem(module: nn.Module, tp_size: int) -> str | None:
     """Why ``module`` cannot be split over ``tp_size`` ranks by heads, or ``None`` when it can."""
     if not is_gated_delta_net(module):
-        return "it is not a Gated DeltaNet (in_proj_qkv/z/a/b, conv1d, dt_bias, A_log, norm, out_proj)"
+        return (
+            "it is not a Gated DeltaNet (in_proj_qkv/z/a/b or in_proj_qkvz/ba, conv1d, dt_bias, A_log, norm, out_proj)"
+        )
     for heads in ("num_k_heads", "num_v_heads"):
         if getattr(module, heads) % tp_size:
             return f"its {heads}={getattr(module, heads)} is not divisible by tp_size={tp_size}"

@@ -189,32 +189,37 @@ def test_trainer_needs_an_hf_model_inside() -> None:
         trainer.fit(FineTune(torch.nn.Linear(2, 2), lr=1e-3), train_dataloaders=[])
 
 
-def _linear_attention_model(model_type: str, **overrides: object) -> torch.nn.Module:
-    """A tiny hybrid decoder on the meta device: a Gated DeltaNet ``linear_attn`` layer, then a full-attention one."""
+def _linear_attention_model(**overrides: object) -> torch.nn.Module:
+    """A tiny Qwen3.5 text decoder on the meta device: a Gated DeltaNet ``linear_attn`` layer, then a full-attention
+    one."""
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
 
     sizes = {
         "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
         "linear_key_head_dim": 8, "linear_value_head_dim": 8, "layer_types": ["linear_attention", "full_attention"],
-        **overrides,
+        "intermediate_size": 64, **overrides,
     }  # fmt: skip
-    if model_type == "qwen3_next":
-        config = Qwen3NextConfig(**sizes, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                 shared_expert_intermediate_size=16)  # fmt: skip
-    else:
-        config = Qwen3_5TextConfig(**sizes, intermediate_size=64)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(Qwen3_5TextConfig(**sizes))
 
 
 def test_tensor_parallel_refuses_a_module_it_cannot_split_by_name(fake_world: int) -> None:
-    """Qwen3-Next's Gated DeltaNet (its q/k/v/z fused per key head in ``in_proj_qkvz``) has no tensor-parallel rule
-    yet: refused by this project's error, naming the module and the dimension, before any collective (not torch's "got
-    mixed torch.Tensor and DTensor")."""
-    model = _linear_attention_model("qwen3_next")
-    with pytest.raises(LayoutError, match=r"tp_size=2: tensor parallelism cannot split model\.layers\.0\.linear_attn "):
+    """MiniMax's lightning attention (its linear-attention layers' ``self_attn``: a fused ``qkv_proj``, an output gate,
+    a norm over all heads) has no tensor-parallel rule: refused by this project's error, naming the module and the
+    dimension, before any collective (not torch's "got mixed torch.Tensor and DTensor")."""
+    from transformers.models.minimax.configuration_minimax import MiniMaxConfig
+
+    config = MiniMaxConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"],
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(
+        LayoutError, match=r"tp_size=2: tensor parallelism cannot split model\.layers\.0\.self_attn \(MiniMaxLightning"
+    ):
         parallelize(model, ParallelLayout(tp_size=2))
     assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
 
@@ -222,7 +227,7 @@ def test_tensor_parallel_refuses_a_module_it_cannot_split_by_name(fake_world: in
 def test_tensor_parallel_refuses_linear_attention_heads_it_cannot_divide(fake_world: int) -> None:
     """Qwen3.5's Gated DeltaNet is split by heads (test_linear_attention_parity.py): a tp_size that does not divide
     its key heads is refused, naming the module, before anything is split."""
-    model = _linear_attention_model("qwen3_5_text", num_key_value_heads=4)
+    model = _linear_attention_model(num_key_value_heads=4)
     with pytest.raises(LayoutError, match=r"tp_size=4: .*model\.layers\.0\.linear_attn .*num_k_heads=2 is not divisible"):
         parallelize(model, ParallelLayout(tp_size=4))
     assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
@@ -231,7 +236,7 @@ def test_tensor_parallel_refuses_linear_attention_heads_it_cannot_divide(fake_wo
 def test_tensor_parallel_splits_linear_attention_by_heads_on_a_fake_world(fake_world: int) -> None:
     """The dry run's path: Qwen3.5's Gated DeltaNet on the meta device, split by heads over tp=2 (its local head
     counts), every parameter a DTensor."""
-    model = _linear_attention_model("qwen3_5_text")
+    model = _linear_attention_model()
     parallelize(model, ParallelLayout(tp_size=2))
     linear = model.model.layers[0].linear_attn
     assert (linear.num_k_heads, linear.num_v_heads, linear.conv_dim) == (1, 2, 32)

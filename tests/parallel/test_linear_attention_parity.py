@@ -32,7 +32,7 @@ CASES = [
     ("qwen3_5", TP2, {"sequence_parallel": False, "loss_parallel": False}),
 ]
 LORA_CASES = [TP2 | {"options": {}}]
-# The wider matrix (-m slow): Qwen3.5 MoE (the routed and shared experts on each rank's tokens, the linear attention by
+# The wider matrix (-m slow): Qwen3-Next, Qwen3.5 MoE (the routed and shared experts on each rank's tokens, the linear attention by
 # heads), recomputation under activation checkpointing, the sequence shard gathered again in backward (sp_regather),
 # LoRA without sequence parallelism, and TP x FSDP2 (the regrouped weights gathered over tp from FSDP2's unsharded
 # DTensors).
@@ -40,6 +40,7 @@ SLOW_CASES = [
     ("qwen3_5_moe", TP2, {}),
     ("qwen3_5", TP2, {"sequence_parallel": False, "activation_checkpointing": "full"}),
     ("qwen3_5", TP2, {"sp_regather": True}),
+    ("qwen3_next", TP2, {}),  # q/k/v/z and b/a fused per key head
 ]
 SLOW_LORA_CASES = [TP2 | {"options": {"sequence_parallel": False, "loss_parallel": False}}]
 FOUR_RANKS = [("qwen3_5", {"tp_size": 2, "dp_shard_size": 2}, {"activation_checkpointing": "selective"})]
