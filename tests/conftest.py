@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 # Tests live in folders that mirror the packages; the shared helpers (tiny_models, ...) sit in tests/. The world
-# harness is lightning_plugins.testing; its fork server imports the tiny models once for every world.
+# harness is lightning_plugins.testing; its fork server imports the tiny models once for every world. The scripts the
+# tests launch (tests/scripts) are importable too, for the names a test shares with its script (kill_run.ENV).
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parent / "scripts"))
 
 from lightning_plugins.testing.world import PRELOAD  # noqa: E402
 
