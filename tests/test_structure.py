@@ -50,12 +50,6 @@ DOORS = ("lightning_plugins.strategies", "lightning_plugins.accelerate", "lightn
 #: The frameworks only the doors import.
 FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "accelerate")
 MAX_FUNCTION_LINES = 80
-#: Folders whose long functions are being split (issue 45, the engine's part): none may be added elsewhere.
-LONG_FUNCTIONS_ALLOWED_UNDER = ("lightning_plugins.parallel", "lightning_plugins.adapters")
-#: Long functions being split (issue 45), ``module.function``: none may be added.
-LONG_FUNCTIONS_BEING_SPLIT = {
-    "lightning_plugins.accelerate.accelerator.__init__",
-}  # fmt: skip
 
 
 def _name_of(path: Path) -> str:
@@ -369,10 +363,8 @@ def test_no_function_is_over_the_limit():
     long = [
         f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
         for module, (path, tree) in _modules().items()
-        if not module.startswith(LONG_FUNCTIONS_ALLOWED_UNDER)
         for node in ast.walk(tree)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
-        and f"{module}.{node.name}" not in LONG_FUNCTIONS_BEING_SPLIT
     ]
     assert not long, f"Functions over {MAX_FUNCTION_LINES} lines (split them, one idea each):\n" + "\n".join(long)

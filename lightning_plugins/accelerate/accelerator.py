@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import fields
@@ -29,15 +28,15 @@ from lightning_plugins.accelerate.fsdp_plugin import check_wrap_classes, memory_
 from lightning_plugins.accelerate.gathering import all_tensors, gather_objects, gather_tensors
 from lightning_plugins.accelerate.loaders import DataParallelScheduler, shard_over_data_ranks
 from lightning_plugins.accelerate.parallelism import LayoutParallelismConfig, parallelism_config_of
+from lightning_plugins.accelerate.repoint import parameter_names, repoint_optimizers
 from lightning_plugins.accelerate.settings import (
     builtin_path,
     uses_fsdp2_plugin,
     check_builtin,
     describe_launch,
     join_slowly,
-    launched_world,
-    merge_sizes,
     parallelism_config_off,
+    resolved_layout,
 )
 from lightning_plugins.accelerate.state import load_training_state, next_state_dir, numbered_states, save_training_state
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
@@ -57,8 +56,6 @@ from lightning_plugins.parallel.families import decoder_layers, family_for, find
 __all__ = ["ParallelAccelerator"]
 
 _SETTINGS = {f.name for f in fields(ParallelOptions)} | {f.name for f in fields(MemoryOptions)}
-# Wrappers that insert a level into parameter names; the optimizer's parameters are matched by name.
-_WRAPPER_NAMES = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 
 
 class ParallelAccelerator(Accelerator):
@@ -144,20 +141,14 @@ class ParallelAccelerator(Accelerator):
         )
         self.builtin = None if fsdp2_plugin is not None else builtin_path(deepspeed, kwargs.get("fsdp_plugin"))
         parallelism_config = None if self.builtin else kwargs.pop("parallelism_config", None)
-        layout = merge_sizes(owner, sizes, parallelism_config)
-        local, nodes = launched_world()
-        try:
-            self.layout = layout.resolve(local * nodes)
-        except LayoutError as err:
-            where = describe_launch()
-            raise LayoutError(f"{owner}: the layout does not fit the world started by {where}. {err}") from None
+        self.layout, world_size = resolved_layout(owner, sizes, parallelism_config)
         #: The run's plan, resolved once before any process group exists (``prepare`` checks the model's config against
         #: it, once); ``None`` under Accelerate's own DeepSpeed/FSDP (checked by ``check_builtin``).
         self.plan: ParallelPlan | None = None
         if self.builtin:
             check_builtin(owner, self.layout, self.builtin)
         else:
-            self.plan = resolve(self.layout, self.options, self.memory, world_size=local * nodes)
+            self.plan = resolve(self.layout, self.options, self.memory, world_size=world_size)
         self.load_from = load_from
         self.async_checkpoint = async_checkpoint
         self.recipe_record = recipe_record
@@ -171,19 +162,28 @@ class ParallelAccelerator(Accelerator):
         # Parameters that parallelizing replaced (id -> parameter): an optimizer still holding one would train nothing.
         self._replaced: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         if self.builtin:
-            super().__init__(**kwargs)
-            if self.distributed_type.value != self.builtin.upper():
-                raise LayoutError(
-                    f"{owner}: {describe_launch()} selects Accelerate's {self.builtin}, but Accelerate runs these"
-                    f" processes as {self.distributed_type.value} (its {self.builtin} needs GPUs; on CPU processes it"
-                    " falls back silently). On CPU, launch with accelerate_configs/cpu_2proc.yaml and shard with the"
-                    " engine's FSDP2 (dp_shard_size, memory.cpu_offload)."
-                )
-            return
+            self._start_builtin(owner, kwargs)
+        else:
+            self._start_engine(owner, kwargs, fsdp2=fsdp2_plugin is not None)
+
+    def _start_builtin(self, owner: str, kwargs: dict[str, Any]) -> None:
+        """Accelerate's own DeepSpeed/FSDP: its ``__init__`` as it is, refused where it would fall back silently."""
+        super().__init__(**kwargs)
+        if self.distributed_type.value != self.builtin.upper():
+            raise LayoutError(
+                f"{owner}: {describe_launch()} selects Accelerate's {self.builtin}, but Accelerate runs these"
+                f" processes as {self.distributed_type.value} (its {self.builtin} needs GPUs; on CPU processes it"
+                " falls back silently). On CPU, launch with accelerate_configs/cpu_2proc.yaml and shard with the"
+                " engine's FSDP2 (dp_shard_size, memory.cpu_offload)."
+            )
+
+    def _start_engine(self, owner: str, kwargs: dict[str, Any], *, fsdp2: bool) -> None:
+        """Join the process group (slowly; from then on every collective is bounded), as a world of one without a
+        launcher, and build the plan's mesh."""
         timeout = join_slowly(kwargs)
         # Accelerate's parallelism config refuses MULTI_CPU and would build a second mesh; a launch config's FSDP would
         # select Accelerate's FSDP over the plugin mapped above.
-        with parallelism_config_off(fsdp=fsdp2_plugin is not None):
+        with parallelism_config_off(fsdp=fsdp2):
             super().__init__(**kwargs)
         set_collective_timeout(timeout)  # joined: from now on every collective is bounded by it
         if not dist.is_initialized():  # one process: a world of one, so the engine's path is the same
@@ -262,26 +262,15 @@ class ParallelAccelerator(Accelerator):
                 f"{owner}.prepare: the optimizer has already stepped; its state belongs to the unsharded parameters."
                 " Prepare the model and optimizer before training."
             )
-        names: dict[int, tuple[Tensor, list[str]]] = {}  # each parameter and all its names
-        for name, param in model.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), (param, []))[1].append(_canonical(name))
+        names = parameter_names(model)
         if not is_on_meta(hf_model) and not all(_on(p.device, self.device) for p in model.parameters()):
             model.to(self.device)  # only when needed: `.to` on torchao NF4 weights leaves views FSDP2 cannot shard
         parallelize_and_load(
             model, hf_model, self.plan, None, None, load_from=self.load_from, owner=owner, device=self.device
         )  # the plan's checks against the model's config run here, once
         self.balance = ExpertBalance.of(hf_model)
-        params = {_canonical(name): p for name, p in model.named_parameters(remove_duplicate=False)}
-        now = {key: next((params[n] for n in aliases if n in params), None) for key, (_, aliases) in names.items()}
-        self._replaced.update((key, p) for key, (p, _) in names.items() if now[key] is not p)
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                lost = sorted(names[id(p)][1][0] for p in group["params"] if id(p) in now and now[id(p)] is None)
-                if lost and self.layout.pp_size == 1:
-                    raise LayoutError(f"{owner}.prepare: parameters {lost[:3]} vanished while parallelizing the model.")
-                # Under pipeline parallelism each rank's optimizer keeps only its stages' parameters; a tied embedding
-                # is found by any of its names (the first stage keeps the embedding's, the last stage the head's).
-                group["params"] = [now.get(id(p), p) for p in group["params"] if now.get(id(p), p) is not None]
+        pipeline = self.layout.pp_size > 1
+        self._replaced.update(repoint_optimizers(owner, model, names, optimizers, pipeline=pipeline))
 
     def moe_balance(self) -> dict[str, float]:
         """The ``moe/*`` routing figures of the steps since the last call, over every rank (a collective: every rank
@@ -494,7 +483,3 @@ class ParallelAccelerator(Accelerator):
 def _on(device: torch.device, target: torch.device) -> bool:
     """Whether ``device`` is ``target`` (Accelerate names the CPU ``cpu:0``; parameters live on ``cpu``)."""
     return device.type == target.type and (device.type == "cpu" or device.index == target.index)
-
-
-def _canonical(name: str) -> str:
-    return _WRAPPER_NAMES.sub("", name)

@@ -117,6 +117,23 @@ def merge_sizes(owner: str, given: dict[str, int | None], parallelism_config: An
     return ParallelLayout(**sizes)
 
 
+def resolved_layout(
+    owner: str, given: dict[str, int | None], parallelism_config: Any | None = None
+) -> tuple[ParallelLayout, int]:
+    """The layout of the sizes given, ``parallelism_config`` and the launch (:func:`merge_sizes`), resolved for the
+    launched world, and that world's size.
+
+    Raises:
+        LayoutError: when the layout does not fit the launched world, naming how it was launched.
+    """
+    layout = merge_sizes(owner, given, parallelism_config)
+    local, nodes = launched_world()
+    try:
+        return layout.resolve(local * nodes), local * nodes
+    except LayoutError as err:
+        raise LayoutError(f"{owner}: the layout does not fit the world started by {describe_launch()}. {err}") from None
+
+
 def builtin_path(deepspeed_plugin: Any | None = None, fsdp_plugin: Any | None = None) -> str | None:
     """``"DeepSpeed"`` or ``"FSDP"`` when Accelerate's own sharding is selected (plugin or launch config)."""
     if deepspeed_plugin is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":

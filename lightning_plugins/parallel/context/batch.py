@@ -72,22 +72,8 @@ def shard_batch_for_context_parallel(
     multiple = pad_to_multiple_of or 2 * cp_size
     if multiple % (2 * cp_size):
         raise ValueError(f"pad_to_multiple_of={multiple} must be a multiple of 2 * cp_size = {2 * cp_size}.")
-    if not isinstance(batch, Mapping):
-        raise ValueError(
-            f"Context parallelism shards dict-like batches with `input_ids` [batch, seq]; got {type(batch).__name__}."
-        )
-    if "inputs_embeds" in batch:
-        raise ValueError("Context parallelism shards `input_ids`; pass token ids, not `inputs_embeds`.")
-    input_ids = batch.get("input_ids")
-    if not isinstance(input_ids, Tensor) or input_ids.ndim != 2:
-        raise ValueError("Context parallelism needs `input_ids` of shape [batch, seq] in the batch.")
+    input_ids = _checked_input_ids(batch)
     rows, seq_len = input_ids.shape
-    for name, value in batch.items():
-        if name not in _SEQUENCE_KEYS and isinstance(value, Tensor) and value.shape[:2] == (rows, seq_len):
-            raise ValueError(
-                f"Batch key {name!r} has shape {tuple(value.shape)}, one entry per token, and context parallelism"
-                f" does not know how to shard it. Supported per-token keys: {_SEQUENCE_KEYS}."
-            )
     labels, shift_labels = batch.get("labels"), batch.get("shift_labels")
     positions = _positions(batch.get("position_ids"), rows, seq_len, input_ids.device)
     derived = shift_labels is None and labels is not None
@@ -105,13 +91,53 @@ def shard_batch_for_context_parallel(
     if batch.get("position_ids") is not None:
         _check_documents(positions)
 
-    num_pad = -seq_len % multiple
     out = {k: v for k, v in batch.items() if k not in _SEQUENCE_KEYS}
+    shards = _padded_shards(
+        input_ids, positions, labels, shift_labels, multiple, cp_rank, cp_size, pad_token_id, ignore_index
+    )
+    return out | shards
+
+
+def _checked_input_ids(batch: Mapping[str, Any]) -> Tensor:
+    """The batch's ``input_ids [batch, seq]``, once it is a dict whose per-token keys context parallelism shards."""
+    if not isinstance(batch, Mapping):
+        raise ValueError(
+            f"Context parallelism shards dict-like batches with `input_ids` [batch, seq]; got {type(batch).__name__}."
+        )
+    if "inputs_embeds" in batch:
+        raise ValueError("Context parallelism shards `input_ids`; pass token ids, not `inputs_embeds`.")
+    input_ids = batch.get("input_ids")
+    if not isinstance(input_ids, Tensor) or input_ids.ndim != 2:
+        raise ValueError("Context parallelism needs `input_ids` of shape [batch, seq] in the batch.")
+    rows, seq_len = input_ids.shape
+    for name, value in batch.items():
+        if name not in _SEQUENCE_KEYS and isinstance(value, Tensor) and value.shape[:2] == (rows, seq_len):
+            raise ValueError(
+                f"Batch key {name!r} has shape {tuple(value.shape)}, one entry per token, and context parallelism"
+                f" does not know how to shard it. Supported per-token keys: {_SEQUENCE_KEYS}."
+            )
+    return input_ids
+
+
+def _padded_shards(
+    input_ids: Tensor,
+    positions: Tensor,
+    labels: Tensor | None,
+    shift_labels: Tensor | None,
+    multiple: int,
+    cp_rank: int,
+    cp_size: int,
+    pad_token_id: int,
+    ignore_index: int,
+) -> dict[str, Tensor]:
+    """The per-token tensors padded at the end to ``multiple`` (pads attend nothing real, predict nothing; their
+    positions count on) and this rank's load-balanced shard of each."""
+    num_pad = -input_ids.shape[1] % multiple
 
     def shard(x: Tensor, fill: int) -> Tensor:
         return shard_sequence_load_balanced(F.pad(x, (0, num_pad), value=fill), -1, cp_rank, cp_size)
 
-    out["input_ids"] = shard(input_ids, pad_token_id)
+    out = {"input_ids": shard(input_ids, pad_token_id)}
     steps = torch.arange(1, num_pad + 1, device=positions.device, dtype=positions.dtype)
     out["position_ids"] = shard_sequence_load_balanced(
         torch.cat([positions, positions[:, -1:] + steps], dim=-1), -1, cp_rank, cp_size

@@ -320,6 +320,28 @@ def ring_attention(
         This rank's attention output, shaped like ``q``.
     """
     group = group if group is not None else dist.group.WORLD
+    _check_ring_inputs(q, k, v, causal, load_balanced, valid_len, query_tile, window, softcap)
+    document_starts = _document_starts(document_starts, q, causal)
+    if sinks is not None:
+        sinks = local_sinks(sinks, q.shape[1])
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _RingAttention.apply(
+        q, k, v, sinks, group, causal, scale, load_balanced, valid_len, query_tile, document_starts, window, softcap
+    )
+
+
+def _check_ring_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    load_balanced: bool,
+    valid_len: Optional[int],
+    query_tile: Optional[int],
+    window: Optional[int],
+    softcap: Optional[float],
+) -> None:
+    """Refuse shapes and settings :func:`ring_attention` cannot compute exactly, naming the fix."""
     if query_tile is not None and query_tile < 1:
         raise ValueError(f"query_tile must be a positive number of rows, got {query_tile}.")
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
@@ -335,17 +357,6 @@ def ring_attention(
         )
     if valid_len is not None and valid_len < 1:
         raise ValueError(f"valid_len must be at least 1, got {valid_len}.")
-    if document_starts is not None:
-        if document_starts.ndim != 2 or document_starts.shape[-1] != q.shape[2]:
-            raise ValueError(
-                f"document_starts must be [batch or 1, local_seq] = [{q.shape[0]}, {q.shape[2]}], got"
-                f" {tuple(document_starts.shape)}."
-            )
-        document_starts = document_starts.detach().to("cpu", torch.long)
-        if not bool(document_starts.any()):
-            document_starts = None  # every query's document begins at 0: one document a row
-        elif not causal:
-            raise ValueError("ring_attention masks packed documents (document_starts) in causal attention only.")
     if window is not None:
         if window < 1:
             raise ValueError(f"window must be a positive number of keys, got {window}.")
@@ -353,9 +364,21 @@ def ring_attention(
             raise ValueError("ring_attention applies a sliding window in causal attention only.")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be positive, got {softcap}.")
-    if sinks is not None:
-        sinks = local_sinks(sinks, q.shape[1])
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(
-        q, k, v, sinks, group, causal, scale, load_balanced, valid_len, query_tile, document_starts, window, softcap
-    )
+
+
+def _document_starts(document_starts: Optional[Tensor], q: Tensor, causal: bool) -> Optional[Tensor]:
+    """Packed rows' document starts on the CPU as ``long`` (the tiles are chosen there), ``None`` for one document
+    a row; checked against the local queries."""
+    if document_starts is None:
+        return None
+    if document_starts.ndim != 2 or document_starts.shape[-1] != q.shape[2]:
+        raise ValueError(
+            f"document_starts must be [batch or 1, local_seq] = [{q.shape[0]}, {q.shape[2]}], got"
+            f" {tuple(document_starts.shape)}."
+        )
+    document_starts = document_starts.detach().to("cpu", torch.long)
+    if not bool(document_starts.any()):
+        return None  # every query's document begins at 0: one document a row
+    if not causal:
+        raise ValueError("ring_attention masks packed documents (document_starts) in causal attention only.")
+    return document_starts
