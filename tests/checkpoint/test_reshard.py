@@ -19,6 +19,7 @@ import sys
 from itertools import groupby
 from pathlib import Path
 
+import pytest
 import torch
 from lightning_plugins.testing.world import run_command
 from torch.distributed.checkpoint import FileSystemReader
@@ -87,6 +88,7 @@ def _hf_names(checkpoint: Path) -> set[str]:
     return {key[len(prefix) :] for key in keys if key.startswith(prefix)}
 
 
+@pytest.mark.slow  # the default suite reshards in test_moe_checkpoint (load, resume, reshard, export)
 def test_checkpoints_reshard_across_layouts(tmp_path: Path) -> None:
     model = _four_layer_model(tmp_path / "model")
     reference = set(AutoModelForCausalLM.from_pretrained(model).state_dict())

@@ -74,7 +74,7 @@ def test_raised_max_steps_continues_the_longer_run(runs: dict[str, Path], tmp_pa
         assert resumed[step]["train/loss"] == pytest.approx(reference[step]["train/loss"], abs=1e-5), step
 
 
-@pytest.mark.parametrize("door", ["finetune", "accelerate"])
+@pytest.mark.parametrize("door", [pytest.param("finetune", marks=pytest.mark.slow), "accelerate"])
 def test_refused_resumes_stop_before_anything_runs(
     runs: dict[str, Path], tmp_path: Path, door: str, capsys: pytest.CaptureFixture
 ) -> None:

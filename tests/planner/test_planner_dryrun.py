@@ -110,6 +110,7 @@ def test_qlora_base_is_counted_at_nf4_size() -> None:
     _close(state, {"parameters": expected, "gradients": 4 * adapters / 8, "optimizer": 8 * adapters / 8})
 
 
+@pytest.mark.slow  # the design check of MEASURED_LAYERS; the default suite checks the dry run against real runs
 def test_extrapolation_from_fewer_layers_matches_measuring_them_all(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each interval's peak, extrapolated from 4 and 8 layers per rank, equals the peak of all of them: 24 layers
     in one process, with and without checkpointing; 40 layers in a 2-stage 1F1B pipeline (20 per rank)."""
