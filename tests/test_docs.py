@@ -38,7 +38,6 @@ def test_every_recipe_key_is_documented() -> None:
         assert f"| `{key}` |" in reference
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason='mkdocs is not installed: pip install -e ".[docs]"')
 def test_the_site_builds_strict(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,

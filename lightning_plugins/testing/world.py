@@ -73,6 +73,8 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], errors
     from lightning_plugins.parallel.teardown import release_process_groups
 
     torch.set_num_threads(1)
+    # Not a file from someone else: run_world wrote it a moment ago into its own private temporary directory (0700),
+    # holding the test's own callables' arguments, which weights-only loading cannot carry.
     args = torch.load(Path(logs, "args.pt"), weights_only=False)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
