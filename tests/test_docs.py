@@ -29,7 +29,7 @@ def _hook(name: str = "recipe_keys"):
 
 def test_every_recipe_key_is_documented() -> None:
     hook = _hook()
-    assert hook.undocumented() == [], "describe these keys in their section class's Attributes:/Args: docstring"
+    assert hook.undocumented() == [], "describe these keys in a docstring under each field"
     reference = hook.reference()
     for prefix, _ in hook.sections():
         assert f"### `{prefix}`" in reference

@@ -1,15 +1,18 @@
 """MkDocs hook: the recipe key reference, generated from the typed schema (``lightning_plugins.recipe.schema``).
 
 ``{{ recipe_keys }}`` in a page becomes one table per section: every key, its type, default, constraints and what it
-does (from the section class's ``Attributes:`` docstring). A key without a description fails the build, so the
-reference cannot fall behind the schema (``tests/test_docs.py`` checks it too).
+does (from the docstring under the field, as griffe and mkdocstrings read it). A key without a description fails the
+build, so the reference cannot fall behind the schema (``tests/test_docs.py`` checks it too).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
+import itertools
 import re
+import textwrap
 import types
 import typing
 from typing import Any
@@ -18,26 +21,22 @@ PLACEHOLDER = "{{ recipe_keys }}"
 
 
 def _attribute_docs(cls: type) -> dict[str, str]:
-    """``name -> description`` from a Google-style ``Attributes:`` section (continuation lines joined)."""
+    """``name -> description`` from the docstring under each field (PEP 257 attribute docstrings, as griffe reads
+    them), the section's bases included, each joined onto one line."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        text = inspect.getdoc(klass) if klass.__doc__ else None
-        heading = next((h for h in ("Attributes:", "Args:") if h in (text or "")), None)
-        if heading is None:
+        if not klass.__module__.startswith("lightning_plugins"):
             continue
-        body = text.split(heading, 1)[1].splitlines()
-        names: list[str] = []
-        for line in body:
-            if line and not line.startswith(" "):
-                break  # the next section
-            match = re.match(r"^ {4}(\w+(?:, \w+)*)(?: \([^)]*\))?:\s*(.*)$", line)
-            if match:
-                names = match[1].split(", ")
-                for name in names:
-                    docs[name] = match[2].strip()
-            elif names and line.strip():
-                for name in names:
-                    docs[name] += " " + line.strip()
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for field, after in itertools.pairwise(body):
+            if (
+                isinstance(field, ast.AnnAssign)
+                and isinstance(field.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[field.target.id] = " ".join(line.strip() for line in after.value.value.splitlines() if line.strip())
     return docs
 
 
@@ -138,7 +137,7 @@ def sections() -> list[tuple[str, type]]:
 
 
 def undocumented() -> list[str]:
-    """Every recipe key whose section's docstring does not describe it."""
+    """Every recipe key without a docstring under its field."""
     missing = []
     for prefix, cls in sections():
         docs = _attribute_docs(cls)
@@ -150,7 +149,7 @@ def reference() -> str:
     """The key reference as Markdown: a table per section."""
     missing = undocumented()
     if missing:
-        raise ValueError(f"recipe keys without a description in their section's docstring: {', '.join(missing)}")
+        raise ValueError(f"recipe keys without a docstring under their field: {', '.join(missing)}")
     from lightning_plugins.recipe.schema import Recipe
 
     out = []

@@ -53,46 +53,42 @@ QUANTIZE = ("none", "nf4")
 
 @dataclass(frozen=True)
 class LoraOptions:
-    """LoRA settings: the recipe's ``lora:`` section and what :func:`apply_lora` takes.
-
-    Args:
-        r: Rank of each adapter (``lora_A``: ``r x in``, ``lora_B``: ``out x r``).
-        alpha: Scale numerator: the adapter's output is multiplied by ``alpha / r`` (``alpha / sqrt(r)``
-            with ``use_rslora``).
-        dropout: Dropout on each adapter's input (0 disables it).
-        target_modules: Module names (last name component, e.g. ``"q_proj"``) to adapt; ``None`` takes the
-            model family's attention and MLP projections (``q/k/v/o_proj``, ``gate/up/down_proj`` for Llama,
-            Mistral, Qwen). Under tensor parallelism only those projections can be adapted.
-        use_rslora: Rank-stabilised scaling ``alpha / sqrt(r)`` (Kalajdzievski 2023).
-        quantize: ``"nf4"`` stores the frozen base as 4-bit NF4 (QLoRA, see :mod:`lightning_plugins.adapters.qlora`);
-            ``"none"`` keeps it dense.
-        target_parameters: Parameter names (peft's ``target_parameters``: the full name or its last components)
-            adapted with LoRA directly: a mixture of experts' fused 3-D weights, e.g.
-            ``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`` (one low-rank pair per expert, run by the
-            engine's grouped experts forward under every layout, :mod:`lightning_plugins.parallel.moe.expert_adapters`).
-        modules_to_save: Module names (peft's ``modules_to_save``: names the module's full name ends with) trained in
-            full next to the adapters and saved with them, e.g. a mixture of experts' router: ``["gate"]`` (Mixtral,
-            Qwen-MoE) or ``["router"]`` (gpt-oss). Under tensor parallelism only modules inside a mixture-of-experts
-            block can be (the block runs whole on each rank's tokens).
-        autocast_adapter_dtype: peft's ``get_peft_model(..., autocast_adapter_dtype=...)``, under peft's name. ``True``
-            (peft's default) upcasts the adapters of a bf16/fp16 base to fp32: each adapted projection then casts its
-            input to fp32 and keeps that copy for backward, and the adapters' gradients and AdamW state are fp32.
-            ``False`` keeps the adapters in the base's dtype (bf16 adapters next to a bf16 base, as torchtune
-            trains them; with ``quantize: nf4`` the adapters stay in the dtype the base had before quantization).
-            It changes nothing for an fp32 base, so nothing under FSDP2 mixed precision with fp32 master weights
-            (``model.dtype: fp32``, ``memory.param_dtype: bf16``): the adapters are fp32 already and FSDP2 casts
-            them for compute.
-    """
+    """LoRA settings: the recipe's ``lora:`` section and what :func:`apply_lora` takes."""
 
     r: int = 16
+    """Rank of each adapter (``lora_A``: ``r x in``, ``lora_B``: ``out x r``)."""
     alpha: float = 32
+    """Scale numerator: the adapter's output is multiplied by ``alpha / r`` (``alpha / sqrt(r)`` with
+    ``use_rslora``)."""
     dropout: float = 0.0
+    """Dropout on each adapter's input (0 disables it)."""
     target_modules: tuple[str, ...] | None = None
+    """Module names (last name component, e.g. ``"q_proj"``) to adapt; ``None`` takes the model family's attention and
+    MLP projections (``q/k/v/o_proj``, ``gate/up/down_proj`` for Llama, Mistral, Qwen). Under tensor parallelism only
+    those projections can be adapted."""
     use_rslora: bool = False
+    """Rank-stabilised scaling ``alpha / sqrt(r)`` (Kalajdzievski 2023)."""
     quantize: Literal["none", "nf4"] = "none"
+    """``"nf4"`` stores the frozen base as 4-bit NF4 (QLoRA, see :mod:`lightning_plugins.adapters.qlora`); ``"none"``
+    keeps it dense."""
     target_parameters: tuple[str, ...] | None = None
+    """Parameter names (peft's ``target_parameters``: the full name or its last components) adapted with LoRA directly:
+    a mixture of experts' fused 3-D weights, e.g. ``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`` (one
+    low-rank pair per expert, run by the engine's grouped experts forward under every layout,
+    :mod:`lightning_plugins.parallel.moe.expert_adapters`)."""
     modules_to_save: tuple[str, ...] | None = None
+    """Module names (peft's ``modules_to_save``: names the module's full name ends with) trained in full next to the
+    adapters and saved with them, e.g. a mixture of experts' router: ``["gate"]`` (Mixtral, Qwen-MoE) or ``["router"]``
+    (gpt-oss). Under tensor parallelism only modules inside a mixture-of-experts block can be (the block runs whole on
+    each rank's tokens)."""
     autocast_adapter_dtype: bool = True
+    """peft's ``get_peft_model(..., autocast_adapter_dtype=...)``, under peft's name. ``True`` (peft's default) upcasts
+    the adapters of a bf16/fp16 base to fp32: each adapted projection then casts its input to fp32 and keeps that copy
+    for backward, and the adapters' gradients and AdamW state are fp32. ``False`` keeps the adapters in the base's dtype
+    (bf16 adapters next to a bf16 base, as torchtune trains them; with ``quantize: nf4`` the adapters stay in the dtype
+    the base had before quantization). It changes nothing for an fp32 base, so nothing under FSDP2 mixed precision with
+    fp32 master weights (``model.dtype: fp32``, ``memory.param_dtype: bf16``): the adapters are fp32 already and FSDP2
+    casts them for compute."""
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r < 1:

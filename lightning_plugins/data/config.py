@@ -21,39 +21,34 @@ _TRUNCATIONS = ("truncate", "error")
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The recipe's ``data:`` section.
-
-    Args:
-        train: Training records: a ``.jsonl`` / ``.json`` / ``.parquet`` file or a ``save_to_disk``
-            directory (relative paths are resolved by :meth:`resolve`), or a Hugging Face Hub dataset id with an
-            optional split (``trl-lib/tldr``, ``trl-lib/tldr:validation``; split ``train`` by default), read
-            through ``datasets.load_dataset`` (its cache, or the hub) when the run starts.
-        eval: Held-out records in the same forms; ``None`` to hold out ``eval_fraction`` of ``train``.
-        eval_fraction: Fraction of ``train`` held out for evaluation when ``eval`` is ``None``
-            (``0`` for no evaluation split).
-        format: ``"prompt_completion"``, ``"chat"`` (``messages``), or ``"auto"`` (from the columns).
-        max_seq_len: Longest sample in tokens; with packing, the length of every packed row.
-        truncation: A longer sample is cut at ``max_seq_len`` (``"truncate"``) or is an error naming
-            its file and line (``"error"``).
-        packing: Concatenate samples into rows of ``max_seq_len`` tokens (see
-            :mod:`lightning_plugins.data.packing`).
-        split_seed: Seed of the random hold-out split.
-        cache_dir: Where the tokenized (and packed) data is prepared once per node and memory-mapped by every
-            rank (see :mod:`lightning_plugins.data.prepared`); relative paths are resolved by :meth:`resolve`.
-            ``None``: ``lightning_plugins/prepared/`` in the ``datasets`` cache (``HF_DATASETS_CACHE``, by default
-            ``~/.cache/huggingface/datasets``), which works offline. A directory local to each node prepares once per
-            node; one shared by the nodes (with ``flock`` locks), once per job.
-    """
+    """The recipe's ``data:`` section."""
 
     train: str
+    """Training records: a ``.jsonl`` / ``.json`` / ``.parquet`` file or a ``save_to_disk`` directory (relative paths
+    are resolved by :meth:`resolve`), or a Hugging Face Hub dataset id with an optional split (``trl-lib/tldr``,
+    ``trl-lib/tldr:validation``; split ``train`` by default), read through ``datasets.load_dataset`` (its cache, or the
+    hub) when the run starts."""
     eval: str | None = None
+    """Held-out records in the same forms; ``None`` to hold out ``eval_fraction`` of ``train``."""
     eval_fraction: float = 0.0
+    """Fraction of ``train`` held out for evaluation when ``eval`` is ``None`` (``0`` for no evaluation split)."""
     format: Literal["auto", "prompt_completion", "chat"] = "auto"
+    """``"prompt_completion"``, ``"chat"`` (``messages``), or ``"auto"`` (from the columns)."""
     max_seq_len: int = 2048
+    """Longest sample in tokens; with packing, the length of every packed row."""
     truncation: Literal["truncate", "error"] = "truncate"
+    """A longer sample is cut at ``max_seq_len`` (``"truncate"``) or is an error naming its file and line
+    (``"error"``)."""
     packing: bool = False
+    """Concatenate samples into rows of ``max_seq_len`` tokens (see :mod:`lightning_plugins.data.packing`)."""
     split_seed: int = 0
+    """Seed of the random hold-out split."""
     cache_dir: str | None = None
+    """Where the tokenized (and packed) data is prepared once per node and memory-mapped by every rank (see
+    :mod:`lightning_plugins.data.prepared`); relative paths are resolved by :meth:`resolve`. ``None``:
+    ``lightning_plugins/prepared/`` in the ``datasets`` cache (``HF_DATASETS_CACHE``, by default
+    ``~/.cache/huggingface/datasets``), which works offline. A directory local to each node prepares once per node; one
+    shared by the nodes (with ``flock`` locks), once per job."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_seq_len, int) or self.max_seq_len < 2:

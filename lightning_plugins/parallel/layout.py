@@ -23,26 +23,23 @@ MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelLayout:
-    """Sizes of the five parallel dimensions, given by name (``ParallelLayout(tp_size=2, dp_shard_size=-1)``).
-
-    Args:
-        pp_size: Pipeline stages.
-        dp_replicate_size: Data-parallel replicas (HSDP's outer dimension when ``dp_shard_size > 1``).
-        dp_shard_size: Ranks that shard parameters, gradients and optimizer state (FSDP2).
-            ``-1`` means whatever the world size leaves after the other dimensions.
-        cp_size: Ranks that split the sequence inside attention (context parallel).
-        tp_size: Ranks that split weight matrices (tensor parallel).
-        ep_size: Ranks that split the routed experts of a mixture-of-experts model (expert parallel). They are
-            drawn from the ``dp_shard x cp`` ranks (innermost first), so this adds no mesh dimension: it must divide
-            ``dp_shard_size x cp_size`` and the number of experts; FSDP2 shards each expert over the rest.
-    """
+    """Sizes of the five parallel dimensions, given by name (``ParallelLayout(tp_size=2, dp_shard_size=-1)``)."""
 
     pp_size: int = 1
+    """Pipeline stages."""
     dp_replicate_size: int = 1
+    """Data-parallel replicas (HSDP's outer dimension when ``dp_shard_size > 1``)."""
     dp_shard_size: int = -1
+    """Ranks that shard parameters, gradients and optimizer state (FSDP2). ``-1`` means whatever the world size leaves
+    after the other dimensions."""
     cp_size: int = 1
+    """Ranks that split the sequence inside attention (context parallel)."""
     tp_size: int = 1
+    """Ranks that split weight matrices (tensor parallel)."""
     ep_size: int = 1
+    """Ranks that split the routed experts of a mixture-of-experts model (expert parallel). They are drawn from the
+    ``dp_shard x cp`` ranks (innermost first), so this adds no mesh dimension: it must divide ``dp_shard_size x
+    cp_size`` and the number of experts; FSDP2 shards each expert over the rest."""
 
     def __post_init__(self) -> None:
         for name in ("pp_size", "dp_replicate_size", "cp_size", "tp_size", "ep_size"):

@@ -71,34 +71,31 @@ DTYPE_NAMES = tuple(MIXED_PRECISION_DTYPES)
 
 @dataclass(frozen=True)
 class ParallelOptions:
-    """How each parallel dimension is applied.
-
-    Args:
-        sequence_parallel: With TP: shard norms and the residual stream along the sequence.
-        loss_parallel: With TP: cross entropy on vocab-sharded logits, never gathering them.
-        cp_backend: With ``cp_size > 1``: ``"ulysses"`` (all-to-all over heads) or ``"ring"`` (K/V around
-            the ring, online softmax; no head constraint).
-        pp_schedule: With ``pp_size > 1``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
-            ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or ``"dualpipev"``.
-        pp_microbatches: Micro-batches per pipeline step; ``None`` takes the number of stages.
-        pp_stages_per_rank: Stages per rank; ``None`` takes 1 (2 for interleaved and V-shaped schedules).
-        compile: ``torch.compile`` each decoder layer (after TP and activation checkpointing, before FSDP2, as
-            torchtitan does); not with pipeline or context parallelism, nor mixture-of-experts layers.
-        float8: float8 linear layers (torchao, tensorwise scaling; FSDP2 all-gathers the weights in float8):
-            needs ``compile`` and a GPU of compute capability 8.9 or newer (H100, L4, RTX 4090).
-        async_tp: With TP: micro-pipeline the tensor-parallel collectives with the matmuls (inductor's
-            ``_micro_pipeline_tp`` with symmetric memory): needs ``compile`` and NCCL GPUs.
-    """
+    """How each parallel dimension is applied."""
 
     sequence_parallel: bool = True
+    """With TP: shard norms and the residual stream along the sequence."""
     loss_parallel: bool = True
+    """With TP: cross entropy on vocab-sharded logits, never gathering them."""
     cp_backend: str = "ulysses"
+    """With ``cp_size > 1``: ``"ulysses"`` (all-to-all over heads) or ``"ring"`` (K/V around the ring, online softmax;
+    no head constraint)."""
     pp_schedule: str = "1f1b"
+    """With ``pp_size > 1``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"looped_bfs"``,
+    ``"interleaved_zero_bubble"``, ``"zbv_zero_bubble"`` or ``"dualpipev"``."""
     pp_microbatches: int | None = None
+    """Micro-batches per pipeline step; ``None`` takes the number of stages."""
     pp_stages_per_rank: int | None = None
+    """Stages per rank; ``None`` takes 1 (2 for interleaved and V-shaped schedules)."""
     compile: bool = False
+    """``torch.compile`` each decoder layer (after TP and activation checkpointing, before FSDP2, as torchtitan does);
+    not with pipeline or context parallelism, nor mixture-of-experts layers."""
     float8: bool = False
+    """float8 linear layers (torchao, tensorwise scaling; FSDP2 all-gathers the weights in float8): needs ``compile``
+    and a GPU of compute capability 8.9 or newer (H100, L4, RTX 4090)."""
     async_tp: bool = False
+    """With TP: micro-pipeline the tensor-parallel collectives with the matmuls (inductor's ``_micro_pipeline_tp`` with
+    symmetric memory): needs ``compile`` and NCCL GPUs."""
 
     def __post_init__(self) -> None:
         for name in ("compile", "float8", "async_tp"):
@@ -123,74 +120,69 @@ class ParallelOptions:
 
 @dataclass(frozen=True)
 class MemoryOptions:
-    """Memory levers: activation checkpointing and offload, FSDP2 mixed precision, CPU and optimizer offload, resharding.
-
-    Args:
-        activation_checkpointing: ``"none"``, ``"full"`` (each layer keeps only its input) or
-            ``"selective"`` (op-level: matmul and attention outputs kept; or every N-th layer, see below).
-        every_n_layers: With ``"selective"``: checkpoint every N-th layer fully instead of op-level.
-        param_dtype: FSDP2 compute dtype (``"bf16"``, ``"fp32"``); ``None`` keeps the parameters' dtype.
-        reduce_dtype: FSDP2 gradient-reduction dtype; ``None`` follows ``param_dtype``.
-        cpu_offload: FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state on the
-            host (pinned on GPUs; unpinned on CPU, where the path still runs).
-        reshard_after_forward: FSDP2 ZeRO-3 (``True``) or keep parameters gathered until backward.
-        optimizer_offload: The optimizer's state and step on the host, parameters and gradients on the GPU
-            (DeepSpeed ZeRO-Offload style; :class:`lightning_plugins.parallel.optim.offload.HostOffloadOptimizer`): saves AdamW's
-            8 bytes per trainable fp32 parameter of GPU memory for a host copy of parameters, gradients and
-            state, and costs a gradient and a parameter transfer over PCIe plus a host AdamW per step. Applied
-            where the optimizer is built (``make_optimizer``; your own: ``lightning_plugins.parallel.optim.offload.offload_optimizer``).
-            Not with ``cpu_offload``, which already keeps the optimizer on the host.
-        activation_offload: Saved activations of each decoder layer moved to host memory during forward and
-            back in backward (pinned on GPUs; on CPU the copies still run). With ``activation_checkpointing``
-            only what checkpointing keeps (a fully checkpointed layer's input) moves.
-        pp_reshard_per_microbatch: Under pipeline parallelism with FSDP2: reshard each stage's parameters after
-            every micro-batch's backward and reduce-scatter its gradients then, accumulating sharded gradients,
-            instead of torch's default of keeping the stage's parameters and fp32 gradients unsharded from the first
-            micro-batch's backward to the last (the stage's whole unsharded gradient size). Trade-off: one
-            all-gather (forward; again in backward with ``reshard_after_forward``) and one reduce-scatter per layer
-            per micro-batch instead of per step. Not with zero-bubble schedules (their weight pass needs the
-            parameters gathered until then).
-        loss_chunk_tokens: Chunked cross entropy: a training forward with labels computes the loss from the final
-            hidden states this many tokens at a time and never builds the ``[tokens, vocab]`` logits (backward
-            recomputes each chunk's; :mod:`lightning_plugins.parallel.memory.chunked_loss`); ``outputs.logits`` is then
-            empty. ``None`` or ``0``: off (full logits, as transformers computes them).
-        mlp_chunk_tokens: Tiled MLP: each dense MLP of the decoder computed this many tokens at a time, saving only its
-            input and recomputing each tile in backward, so its intermediate-width tensors exist for one tile at a
-            time; one more MLP forward per step (:mod:`lightning_plugins.parallel.memory.tiled_mlp`). Not with
-            ``tp_size > 1`` or ``compile``. ``None`` or ``0``: off.
-        efficient_norms: RMSNorms of a known form (Llama's, OLMo 2's, Gemma's) computed bit-identically but saving
-            only their input and the fp32 ``rstd`` per row for backward, not fp32 copies of the activation
-            (:mod:`lightning_plugins.parallel.memory.norms`).
-        efficient_mlp: Gated MLPs of a known form (SwiGLU/GeGLU: Llama's ``down_proj(act_fn(gate_proj(x)) *
-            up_proj(x))``, Phi-3's fused ``gate_up_proj``) computed bit-identically but saving ``gate`` and ``up`` only,
-            recomputing the activation in backward: one intermediate-width tensor less per layer
-            (:mod:`lightning_plugins.parallel.memory.gated_mlp`).
-        sp_regather: With sequence parallelism: each region (attention, MLP) keeps its input's sequence shard for
-            backward and all-gathers it again there, instead of keeping the gathered input (one more all-gather per
-            region and step; :mod:`lightning_plugins.parallel.memory.regather`). Not with activation checkpointing or
-            activation offload, which already decide what a layer keeps.
-        optimizer_in_backward: Each parameter's optimizer step runs in backward as soon as its gradient is ready, and
-            the gradient is freed (:mod:`lightning_plugins.parallel.optim.optim_in_backward`): a step never holds all the
-            gradients. Applied where the optimizer is built (``make_optimizer``; your own:
-            ``lightning_plugins.parallel.optim.optim_in_backward.step_in_backward``). Not with gradient clipping, gradient
-            accumulation, or pp/tp/cp/ep > 1.
-    """
+    """Memory levers: activation checkpointing and offload, FSDP2 mixed precision, CPU/optimizer offload, resharding."""
 
     activation_checkpointing: str = "none"
+    """``"none"``, ``"full"`` (each layer keeps only its input) or ``"selective"`` (op-level: matmul and attention
+    outputs kept; or every N-th layer, see below)."""
     every_n_layers: int | None = None
+    """With ``"selective"``: checkpoint every N-th layer fully instead of op-level."""
     param_dtype: str | None = None
+    """FSDP2 compute dtype (``"bf16"``, ``"fp32"``); ``None`` keeps the parameters' dtype."""
     reduce_dtype: str | None = None
+    """FSDP2 gradient-reduction dtype; ``None`` follows ``param_dtype``."""
     cpu_offload: bool = False
+    """FSDP2 ``CPUOffloadPolicy``: sharded parameters, gradients and optimizer state on the host (pinned on GPUs;
+    unpinned on CPU, where the path still runs)."""
     reshard_after_forward: bool = True
+    """FSDP2 ZeRO-3 (``True``) or keep parameters gathered until backward."""
     optimizer_offload: bool = False
+    """The optimizer's state and step on the host, parameters and gradients on the GPU (DeepSpeed ZeRO-Offload style;
+    :class:`lightning_plugins.parallel.optim.offload.HostOffloadOptimizer`): saves AdamW's 8 bytes per trainable fp32
+    parameter of GPU memory for a host copy of parameters, gradients and state, and costs a gradient and a parameter
+    transfer over PCIe plus a host AdamW per step. Applied where the optimizer is built (``make_optimizer``; your own:
+    ``lightning_plugins.parallel.optim.offload.offload_optimizer``). Not with ``cpu_offload``, which already keeps the
+    optimizer on the host."""
     activation_offload: bool = False
+    """Saved activations of each decoder layer moved to host memory during forward and back in backward (pinned on GPUs;
+    on CPU the copies still run). With ``activation_checkpointing`` only what checkpointing keeps (a fully checkpointed
+    layer's input) moves."""
     pp_reshard_per_microbatch: bool = False
+    """Under pipeline parallelism with FSDP2: reshard each stage's parameters after every micro-batch's backward and
+    reduce-scatter its gradients then, accumulating sharded gradients, instead of torch's default of keeping the stage's
+    parameters and fp32 gradients unsharded from the first micro-batch's backward to the last (the stage's whole
+    unsharded gradient size). Trade-off: one all-gather (forward; again in backward with ``reshard_after_forward``) and
+    one reduce-scatter per layer per micro-batch instead of per step. Not with zero-bubble schedules (their weight pass
+    needs the parameters gathered until then)."""
     loss_chunk_tokens: int | None = 512
+    """Chunked cross entropy: a training forward with labels computes the loss from the final hidden states this many
+    tokens at a time and never builds the ``[tokens, vocab]`` logits (backward recomputes each chunk's;
+    :mod:`lightning_plugins.parallel.memory.chunked_loss`); ``outputs.logits`` is then empty. ``None`` or ``0``: off
+    (full logits, as transformers computes them)."""
     mlp_chunk_tokens: int | None = None
+    """Tiled MLP: each dense MLP of the decoder computed this many tokens at a time, saving only its input and
+    recomputing each tile in backward, so its intermediate-width tensors exist for one tile at a time; one more MLP
+    forward per step (:mod:`lightning_plugins.parallel.memory.tiled_mlp`). Not with ``tp_size > 1`` or ``compile``.
+    ``None`` or ``0``: off."""
     efficient_norms: bool = True
+    """RMSNorms of a known form (Llama's, OLMo 2's, Gemma's) computed bit-identically but saving only their input and
+    the fp32 ``rstd`` per row for backward, not fp32 copies of the activation
+    (:mod:`lightning_plugins.parallel.memory.norms`)."""
     efficient_mlp: bool = True
+    """Gated MLPs of a known form (SwiGLU/GeGLU: Llama's ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, Phi-3's fused
+    ``gate_up_proj``) computed bit-identically but saving ``gate`` and ``up`` only, recomputing the activation in
+    backward: one intermediate-width tensor less per layer (:mod:`lightning_plugins.parallel.memory.gated_mlp`)."""
     sp_regather: bool = False
+    """With sequence parallelism: each region (attention, MLP) keeps its input's sequence shard for backward and
+    all-gathers it again there, instead of keeping the gathered input (one more all-gather per region and step;
+    :mod:`lightning_plugins.parallel.memory.regather`). Not with activation checkpointing or activation offload, which
+    already decide what a layer keeps."""
     optimizer_in_backward: bool = False
+    """Each parameter's optimizer step runs in backward as soon as its gradient is ready, and the gradient is freed
+    (:mod:`lightning_plugins.parallel.optim.optim_in_backward`): a step never holds all the gradients. Applied where the
+    optimizer is built (``make_optimizer``; your own:
+    ``lightning_plugins.parallel.optim.optim_in_backward.step_in_backward``). Not with gradient clipping, gradient
+    accumulation, or pp/tp/cp/ep > 1."""
 
     def __post_init__(self) -> None:
         for name, off in (("loss_chunk_tokens", "the loss from full logits"), ("mlp_chunk_tokens", "the MLP whole")):

@@ -47,15 +47,12 @@ NOISE_S = 0.05
 
 @dataclass
 class ProfileOptions:
-    """``train.profile``: which optimizer steps ``torch.profiler`` records on every rank.
-
-    Attributes:
-        start_step: The first profiled optimizer step (1-based; leave the first few out: they warm up).
-        steps: How many optimizer steps to profile.
-    """
+    """``train.profile``: which optimizer steps ``torch.profiler`` records on every rank."""
 
     start_step: int = 2
+    """The first profiled optimizer step (1-based; leave the first few out: they warm up)."""
     steps: int = 1
+    """How many optimizer steps to profile."""
 
     def __post_init__(self) -> None:
         for name in ("start_step", "steps"):
