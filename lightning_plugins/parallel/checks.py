@@ -17,7 +17,7 @@ from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, check_pipeline_layout, check_pp_reshard
 from lightning_plugins.parallel.memory.tiled_mlp import check_tiled_mlp
 
-__all__ = ["check_settings"]
+__all__ = ["check_model_fit", "check_settings"]
 
 
 def check_settings(
@@ -44,17 +44,8 @@ def check_settings(
         LayoutError: for sizes that do not fit the model.
         OptionsError: for settings that do not fit the layout or the model; both name the fix.
     """
+    pipeline = check_model_fit(layout, options, config)
     resolved = layout.dp_shard_size != -1
-    if resolved:
-        layout.validate(config)
-    pipeline = None
-    if layout.pp_size > 1:
-        pipeline = PipelineOptions.of(options)
-        if config is not None and resolved:
-            pipeline = check_pipeline_layout(layout, config, pipeline)
-        else:
-            pipeline = pipeline.resolve(layout.pp_size)
-    check_context_parallel(config, layout.cp_size, layout.tp_size, options.cp_backend)
     if resolved and memory.uses_fsdp_policy and layout.fsdp_size == 1:
         raise OptionsError(
             "cpu_offload, param_dtype and reduce_dtype are FSDP2 options and need at least 2 data-parallel ranks"
@@ -74,4 +65,33 @@ def check_settings(
                 " accumulates them later. Use FSDP2 (dp_shard_size, dp_replicate_size) or one GPU, or turn"
                 " optimizer_in_backward off."
             )
+    return pipeline
+
+
+def check_model_fit(layout: ParallelLayout, options: ParallelOptions, config: Any | None = None) -> PipelineOptions | None:
+    """The part of :func:`check_settings` that reads the model's config: the sizes against it
+    (:meth:`ParallelLayout.validate`), the pipeline's stages and schedule, and context parallelism's heads; without a
+    config, what of these needs none.
+
+    The memory levers and the rest of :func:`check_settings` do not depend on the model, so a plan checked before its
+    model existed runs only this part once the config is known
+    (:meth:`~lightning_plugins.parallel.plan.ParallelPlan.check_config`).
+
+    Returns:
+        The resolved pipeline options when ``layout.pp_size > 1``, else ``None``.
+
+    Raises:
+        LayoutError, OptionsError: as :func:`check_settings` does.
+    """
+    resolved = layout.dp_shard_size != -1
+    if resolved:
+        layout.validate(config)
+    pipeline = None
+    if layout.pp_size > 1:
+        pipeline = PipelineOptions.of(options)
+        if config is not None and resolved:
+            pipeline = check_pipeline_layout(layout, config, pipeline)
+        else:
+            pipeline = pipeline.resolve(layout.pp_size)
+    check_context_parallel(config, layout.cp_size, layout.tp_size, options.cp_backend)
     return pipeline

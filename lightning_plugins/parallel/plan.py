@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.errors import LayoutError
-from lightning_plugins.parallel.checks import check_settings
+from lightning_plugins.parallel.checks import check_model_fit, check_settings
 from lightning_plugins.parallel.layout import MESH_DIM_NAMES, ParallelLayout
 from lightning_plugins.parallel.mesh import MeshRegistry, data_mesh, fsdp_mesh
 from lightning_plugins.parallel.moe.experts import ExpertMeshes, expert_meshes
@@ -69,7 +69,8 @@ class ParallelPlan:
         """
         if config is None or config is self._config:
             return
-        self.pipeline = check_settings(self.layout, self.options, self.memory, config)
+        # What needs no model was checked when the plan was resolved: only what the config adds runs here.
+        self.pipeline = check_model_fit(self.layout, self.options, config)
         self.checked_config, self._config = True, config
 
     @property

@@ -21,7 +21,7 @@ def test_a_plan_resolved_before_the_model_checks_its_config_once() -> None:
         check_parallelizable(model, plan)  # the door's early check: the config is checked here
         check_parallelizable(model, plan)  # parallelize's own check with the same plan: not again
         plan.check_config(model.config)
-    assert checks == [None, model.config]
+    assert checks == [("check_settings", None), ("check_model_fit", model.config)]  # what the config adds, once
     assert plan.checked_config
 
 

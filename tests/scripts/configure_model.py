@@ -195,7 +195,7 @@ def run_strategy(case: str, checkpoint: Path) -> dict[str, Any]:
         with counted_settings_checks() as checks:
             trainer = fit(module, strategy, data)
         results[name] = {**against(module, baseline, trainer.global_step), "configured": module.configured}
-        results[name]["settings_checks"] = [config is not None for config in checks]  # against the model's config?
+        results[name]["settings_checks"] = [[check, config is not None] for check, config in checks]  # with a config?
 
     itself = ParallelizesItself(copy.deepcopy(reference))
     trainer = fit(itself, make_strategy(), data)

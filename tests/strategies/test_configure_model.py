@@ -53,11 +53,13 @@ def test_configure_model_under_every_strategy(tmp_path: Path) -> None:
             assert case["steps"] == 3 and case["layout"] == layout, (strategy, name, case)
             assert case["loss_diff"] <= SAME and case["weight_diff"] <= SAME, (strategy, name, case)
             assert case.get("configured", 1) == 1, (strategy, name, case)  # configure_model ran once per fit
-        # One plan per run: resolved with the model's config when the module holds the model, else resolved before
-        # configure_model (without it) and checked against the config once the model exists.
-        assert cases["built in __init__"]["settings_checks"] == [True], (strategy, cases["built in __init__"])
+        # One plan per run, its settings checked once: resolved with the model's config when the module holds the
+        # model, else resolved before configure_model (without it), and what the config adds checked once the model
+        # exists.
+        built_early = cases["built in __init__"]
+        assert built_early["settings_checks"] == [["check_settings", True]], (strategy, built_early)
         built_later = cases["built on meta in configure_model"]
-        assert built_later["settings_checks"] == [False, True], (strategy, built_later)
+        assert built_later["settings_checks"] == [["check_settings", False], ["check_model_fit", True]], built_later
         # A second entry point keeps the settings the module's configure_model chose (validation ran).
         assert cases["parallelized by configure_model"]["validate_diff"] <= TOL, (strategy, cases)
         assert cases["LightningCLI"]["strategy"] == class_name, (strategy, cases["LightningCLI"])
