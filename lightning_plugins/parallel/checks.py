@@ -68,7 +68,9 @@ def check_settings(
     return pipeline
 
 
-def check_model_fit(layout: ParallelLayout, options: ParallelOptions, config: Any | None = None) -> PipelineOptions | None:
+def check_model_fit(
+    layout: ParallelLayout, options: ParallelOptions, config: Any | None = None
+) -> PipelineOptions | None:
     """The part of :func:`check_settings` that reads the model's config: the sizes against it
     (:meth:`ParallelLayout.validate`), the pipeline's stages and schedule, and context parallelism's heads; without a
     config, what of these needs none.
