@@ -58,6 +58,7 @@ class Case:
     real_len: int | None = None  # shorter than seq: padded with pad_for_context_parallel
     pass_valid_len: bool = False
     query_tile: int | None = None  # ring only: query rows per tile (uneven last tile, masks sliced)
+    fused: bool = True  # ring only: False computes every block with the pure-torch tiles (the "-tiled" cases)
     packed: bool = False  # rows of several documents (DOCUMENTS), passed as document_starts
     seq: int = SEQ  # LONG_SEQ: several segments of the load-balanced layout (LONG_DOCUMENTS when packed)
     window: int | None = None  # sliding window: query i attends keys i - window < j <= i (causal only)
@@ -81,9 +82,9 @@ def _cases() -> list[Case]:
         # Causal attention needs no valid_len: real tokens never attend trailing pads.
         cases.append(Case(f"{kernel}-causal-padded-no-valid-len", kernel, True, 2, real_len=PADDED_LEN))
     for causal, mode in ((True, "causal"), (False, "full")):
-        cases.append(Case(f"ring-{mode}-gqa-tiled", "ring", causal, 2, query_tile=5))
+        cases.append(Case(f"ring-{mode}-gqa-tiled", "ring", causal, 2, query_tile=5, fused=False))
         padded = dict(real_len=PADDED_LEN, pass_valid_len=True)
-        cases.append(Case(f"ring-{mode}-padded-tiled", "ring", causal, 2, query_tile=2, **padded))
+        cases.append(Case(f"ring-{mode}-padded-tiled", "ring", causal, 2, query_tile=2, fused=False, **padded))
     return cases
 
 
@@ -93,11 +94,11 @@ def _packed_cases() -> list[Case]:
         cases.append(Case(f"{kernel}-packed", kernel, True, 2, packed=True))
         cases.append(Case(f"{kernel}-packed-contiguous", kernel, True, 2, load_balanced=False, packed=True))
         cases.append(Case(f"{kernel}-packed-fp32", kernel, True, 2, dtype="float32", packed=True))
-    cases.append(Case("ring-packed-tiled", "ring", True, 2, query_tile=2, packed=True))
+    cases.append(Case("ring-packed-tiled", "ring", True, 2, query_tile=2, packed=True, fused=False))
     for kernel in ("ring", "ulysses"):
         cases.append(Case(f"{kernel}-causal-long", kernel, True, 2, seq=LONG_SEQ))
         cases.append(Case(f"{kernel}-packed-long", kernel, True, 2, packed=True, seq=LONG_SEQ))
-    cases.append(Case("ring-packed-long-tiled", "ring", True, 2, query_tile=16, packed=True, seq=LONG_SEQ))
+    cases.append(Case("ring-packed-long-tiled", "ring", True, 2, query_tile=16, packed=True, seq=LONG_SEQ, fused=False))
     cases.append(Case("ring-causal-long-padded", "ring", True, 2, seq=LONG_SEQ, real_len=LONG_SEQ - 3))
     return cases
 
@@ -241,7 +242,7 @@ def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
         shard = lambda t: t.chunk(cp, dim=2)[cp_rank]  # noqa: E731
     local = [shard(t).detach().requires_grad_() for t in (q, k, v)]
     if case.kernel == "ring":
-        kernel = functools.partial(ring_attention, query_tile=case.query_tile)
+        kernel = functools.partial(ring_attention, query_tile=case.query_tile, fused=case.fused)
     else:
         kernel = ulysses_attention
     valid_len = valid if case.pass_valid_len else None

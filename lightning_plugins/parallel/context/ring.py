@@ -3,9 +3,18 @@
 Each rank keeps its own queries and passes its key/value block around the ring of ``cp`` ranks; attention of
 the local queries against each arriving block is merged with an online softmax (running log-sum-exp in fp32
 or wider). The backward recomputes each block from the saved ``q, k, v, out, lse`` (FlashAttention-2 style)
-while K/V and the dK/dV accumulators travel the ring again, so no rank ever holds more than two K/V blocks or
-any attention probabilities beyond the tile of query rows being computed against one block. Pure torch
-(matmul + exp): runs on CPU/gloo as well as on GPUs.
+while K/V and the dK/dV accumulators travel the ring again, so no rank ever holds more than two K/V blocks.
+
+Each block is computed in pieces (:func:`~.tiles.block_pieces` says which path each takes):
+
+* **fused** (:mod:`.fused`): fully visible boxes and causal squares go to an SDPA kernel that returns the
+  log-sum-exp (on CPU ``aten._scaled_dot_product_flash_attention_for_cpu``, on CUDA the flash kernel), and backward
+  through the kernel's own backward op, given the merged output and log-sum-exp; no scores are materialised;
+* **tiles**, the pure-torch fallback (matmul + exp, a tile of query rows at a time, each with its own small mask):
+  what no fused kernel expresses: soft-capped scores, the band rows of a sliding window that cuts through a block,
+  short packed documents (a tile takes many), or a device/dtype without a fused kernel (``fused=False`` forces it).
+
+Sinks join the merged log-sum-exp after the last block, whichever path computed the blocks.
 """
 
 from __future__ import annotations
@@ -20,7 +29,8 @@ from torch import Tensor
 
 from lightning_plugins.parallel.context.checks import check_gqa, local_sinks
 from lightning_plugins.parallel.context.sharding import sequence_positions
-from lightning_plugins.parallel.context.tiles import active_block, row_tiles
+from lightning_plugins.parallel.context.fused import fused_backward, fused_forward, fused_kernel_for
+from lightning_plugins.parallel.context.tiles import FusedCall, Tile, active_block, block_pieces
 
 # p2p tags keep the K/V ring and the dK/dV ring apart where a backend matches messages by tag (gloo);
 # NCCL ignores tags and matches by posting order, which is the same on every rank.
@@ -137,6 +147,7 @@ class _RingAttention(torch.autograd.Function):
         document_starts: Optional[Tensor],
         window: Optional[int],
         softcap: Optional[float],
+        fused: bool,
     ) -> Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         b, hq, s, d = q.shape
@@ -145,35 +156,35 @@ class _RingAttention(torch.autograd.Function):
         positions = functools.partial(sequence_positions, s * size, cp_size=size, load_balanced=load_balanced)
         q_pos = positions(rank)
         starts = _first_keys(q_pos, document_starts, window)
+        # Soft-capping changes every score before the softmax: no fused kernel computes it.
+        kernel = fused_kernel_for(q) if fused and softcap is None else None
 
-        q5 = q.to(acc).reshape(b, hkv, hq // hkv, s, d)
-        out = torch.zeros_like(q5)
+        q5 = q.reshape(b, hkv, hq // hkv, s, d)
+        out = torch.zeros(q5.shape, dtype=acc, device=q.device)
         lse = torch.full(q5.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])
+        aux: list[Any] = []  # what the CUDA kernel's backward needs of each fused call, in call order
         for step in range(size):
             # Start moving the next block before computing on this one, so communication overlaps compute.
             works, kv_next = _ring_shift(kv, group, _KV_TAG) if step < size - 1 else ([], kv)
             block = active_block(q_pos, positions((rank - step) % size), causal, valid_len, starts)
             if block is not None:
-                k_blk, v_blk = (kv[i, :, :, block.col_start : block.col_end].to(acc) for i in (0, 1))
-                for rows, cols, mask in row_tiles(block, query_tile, b * hq):
-                    block_out, block_lse = _attend_block(
-                        q5[..., rows, :], k_blk[..., cols, :], v_blk[..., cols, :], scale, mask, softcap
-                    )
-                    _merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
+                pieces = block_pieces(block, query_tile, b * hq, kernel is not None)
+                kv_blk = kv[:, :, :, block.col_start : block.col_end]
+                _attend_pieces(q5, kv_blk, pieces, out, lse, kernel, scale, softcap, aux)
             _wait(works)
             kv = kv_next
 
         if sinks is not None:
             # gpt-oss: one logit per head joins every row's softmax denominator and carries no value.
-            with_sink = torch.logaddexp(lse, _sink_logits(sinks, q5).expand_as(lse))
+            with_sink = torch.logaddexp(lse, _sink_logits(sinks, q5, acc).expand_as(lse))
             out.mul_(torch.exp(lse - with_sink).unsqueeze(-1))
             lse = with_sink
         out = out.to(q.dtype).reshape(b, hq, s, d)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.causal, ctx.scale, ctx.softcap = group, causal, scale, softcap
         ctx.load_balanced, ctx.valid_len, ctx.query_tile = load_balanced, valid_len, query_tile
-        ctx.starts = starts
+        ctx.starts, ctx.kernel, ctx.aux = starts, kernel, aux
         return out
 
     @staticmethod
@@ -187,37 +198,20 @@ class _RingAttention(torch.autograd.Function):
         positions = functools.partial(sequence_positions, s * size, cp_size=size, load_balanced=ctx.load_balanced)
         q_pos = positions(rank)
 
-        q5 = q.to(acc).reshape(b, hkv, hq // hkv, s, d)
-        grad_out5 = grad_out.to(acc).reshape(q5.shape)
-        # FlashAttention-2's D = rowsum(dO * O): the softmax-Jacobian term, the same for every key block.
-        delta = (grad_out5 * out.to(acc).reshape(q5.shape)).sum(dim=-1)
-        grad_q = torch.zeros_like(q5)
+        q5 = q.reshape(b, hkv, hq // hkv, s, d)
+        saved = _Saved(grad_out.reshape(q5.shape), out.reshape(q5.shape), lse, iter(ctx.aux))
+        grad_q = torch.zeros(q5.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         grad_works: list[Any] = []
         grad_kv_in: Optional[Tensor] = None
         for step in range(size):
             works, kv_next = _ring_shift(kv, group, _KV_TAG) if step < size - 1 else ([], kv)
             grad_kv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-            k_pos = positions((rank - step) % size)
-            block = active_block(q_pos, k_pos, ctx.causal, ctx.valid_len, ctx.starts)
+            block = active_block(q_pos, positions((rank - step) % size), ctx.causal, ctx.valid_len, ctx.starts)
             if block is not None:
-                k_blk, v_blk = (kv[i, :, :, block.col_start : block.col_end].to(acc) for i in (0, 1))
-                grad_blk = grad_kv[:, :, :, block.col_start : block.col_end]
-                for rows, cols, mask in row_tiles(block, ctx.query_tile, b * hq):
-                    grad_q_blk, grad_k_blk, grad_v_blk = _attend_block_backward(
-                        q5[..., rows, :],
-                        k_blk[..., cols, :],
-                        v_blk[..., cols, :],
-                        grad_out5[..., rows, :],
-                        lse[..., rows],
-                        delta[..., rows],
-                        ctx.scale,
-                        mask,
-                        ctx.softcap,
-                    )
-                    grad_q[..., rows, :] += grad_q_blk
-                    grad_blk[0, :, :, cols] += grad_k_blk
-                    grad_blk[1, :, :, cols] += grad_v_blk
+                pieces = block_pieces(block, ctx.query_tile, b * hq, ctx.kernel is not None)
+                cols = slice(block.col_start, block.col_end)
+                _attend_pieces_backward(ctx, q5, kv[:, :, :, cols], pieces, saved, grad_q, grad_kv[:, :, :, cols])
             if grad_kv_in is not None:
                 # This block's dK/dV so far (its owner's and every rank's since) arrives from the previous rank.
                 _wait(grad_works)
@@ -235,14 +229,106 @@ class _RingAttention(torch.autograd.Function):
         grad_sinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # d out / d sink = -p_sink * out, so d loss / d sink = -p_sink * rowsum(dO * O) = -p_sink * delta.
-            p_sink = torch.exp(_sink_logits(sinks, q5) - lse)
-            grad_sinks = -(p_sink * delta).sum(dim=(0, 3)).reshape(hq).to(sinks.dtype)
-        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), grad_sinks, *([None] * 9)
+            p_sink = torch.exp(_sink_logits(sinks, q5, acc) - lse)
+            grad_sinks = -(p_sink * saved.delta()).sum(dim=(0, 3)).reshape(hq).to(sinks.dtype)
+        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), grad_sinks, *([None] * 10)
 
 
-def _sink_logits(sinks: Tensor, q5: Tensor) -> Tensor:
+def _attend_pieces(
+    q5: Tensor,
+    kv_blk: Tensor,
+    pieces: list[tuple[slice, FusedCall | Tile]],
+    out: Tensor,
+    lse: Tensor,
+    kernel: Optional[str],
+    scale: float,
+    softcap: Optional[float],
+    aux: list[Any],
+) -> None:
+    """Attend the grouped queries to one K/V block ``kv_blk`` ``[2, b, kv_heads, cols, d]`` piece by piece, merging
+    each piece into ``out``/``lse``: a :class:`FusedCall` through the fused kernel, a tile through the pure-torch
+    fallback (:func:`_attend_block`, in the accumulation dtype)."""
+    for batch, piece in pieces:
+        if isinstance(piece, FusedCall):
+            rows, cols = piece.rows, piece.cols
+            k_blk, v_blk = kv_blk[0, batch, :, cols], kv_blk[1, batch, :, cols]
+            assert kernel is not None
+            block_out, block_lse, extra = fused_forward(
+                kernel, q5[batch][..., rows, :], k_blk, v_blk, piece.causal, scale
+            )
+            if extra is not None:
+                aux.append(extra)
+        else:
+            rows, cols, mask = piece
+            k_blk, v_blk = (kv_blk[i, batch, :, cols].to(out.dtype) for i in (0, 1))
+            block_out, block_lse = _attend_block(
+                q5[batch][..., rows, :].to(out.dtype), k_blk, v_blk, scale, mask, softcap
+            )
+        _merge_into(out[batch][..., rows, :], lse[batch][..., rows], block_out, block_lse)
+
+
+class _Saved:
+    """The backward's per-row inputs, grouped like the queries: dO, the final O and lse, and the CUDA kernel's extras
+    in the forward's call order; ``delta`` (FlashAttention-2's ``D = rowsum(dO * O)``) built once, when first needed."""
+
+    def __init__(self, grad_out5: Tensor, out5: Tensor, lse: Tensor, aux: Any) -> None:
+        self.grad_out5, self.out5, self.lse, self.aux = grad_out5, out5, lse, aux
+        self._delta: Optional[Tensor] = None
+
+    def delta(self) -> Tensor:
+        if self._delta is None:
+            acc = self.lse.dtype
+            self._delta = (self.grad_out5.to(acc) * self.out5.to(acc)).sum(dim=-1)
+        return self._delta
+
+
+def _attend_pieces_backward(
+    ctx: Any,
+    q5: Tensor,
+    kv_blk: Tensor,
+    pieces: list[tuple[slice, FusedCall | Tile]],
+    saved: _Saved,
+    grad_q: Tensor,
+    grad_kv_blk: Tensor,
+) -> None:
+    """Add one K/V block's gradients, piece by piece as the forward computed it, into ``grad_q`` and ``grad_kv_blk``."""
+    acc = grad_q.dtype
+    for batch, piece in pieces:
+        if isinstance(piece, FusedCall):
+            rows, cols = piece.rows, piece.cols
+            grads = fused_backward(
+                ctx.kernel,
+                saved.grad_out5[batch][..., rows, :],
+                q5[batch][..., rows, :],
+                kv_blk[0, batch, :, cols],
+                kv_blk[1, batch, :, cols],
+                saved.out5[batch][..., rows, :],
+                saved.lse[batch][..., rows],
+                piece.causal,
+                ctx.scale,
+                next(saved.aux, None),
+            )
+        else:
+            rows, cols, mask = piece
+            grads = _attend_block_backward(
+                q5[batch][..., rows, :].to(acc),
+                kv_blk[0, batch, :, cols].to(acc),
+                kv_blk[1, batch, :, cols].to(acc),
+                saved.grad_out5[batch][..., rows, :].to(acc),
+                saved.lse[batch][..., rows],
+                saved.delta()[batch][..., rows],
+                ctx.scale,
+                mask,
+                ctx.softcap,
+            )
+        grad_q[batch][..., rows, :] += grads[0]
+        grad_kv_blk[0, batch, :, cols] += grads[1]
+        grad_kv_blk[1, batch, :, cols] += grads[2]
+
+
+def _sink_logits(sinks: Tensor, q5: Tensor, dtype: torch.dtype) -> Tensor:
     """Per-query-head sink logits ``[hq]`` shaped ``[1, kv_heads, group, 1]`` to broadcast over grouped rows."""
-    return sinks.to(q5.dtype).reshape(1, q5.shape[1], q5.shape[2], 1)
+    return sinks.to(dtype).reshape(1, q5.shape[1], q5.shape[2], 1)
 
 
 def _first_keys(q_pos: Tensor, document_starts: Optional[Tensor], window: Optional[int]) -> Optional[Tensor]:
@@ -278,13 +364,15 @@ def ring_attention(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     sinks: Optional[Tensor] = None,
+    fused: bool = True,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the context-parallel group.
 
     Every rank passes its K/V block around the ring and attends its queries to each block in turn,
     merging with an online softmax; backward recomputes the blocks and sends dK/dV home around the
-    ring. Memory is the local shard, its fp32 output and log-sum-exp, two K/V blocks, and a few
-    ``[local_seq, local_seq]`` score-sized buffers per head for the block being computed.
+    ring. Blocks are computed by a fused attention kernel where one expresses them, else by pure-torch
+    tiles (see the module docstring). Memory is the local shard, its fp32 output and log-sum-exp, two K/V
+    blocks, and the kernel's own buffers (the fallback tiles: a few score-sized buffers, see ``query_tile``).
 
     Args:
         q: This rank's queries ``[batch, heads, local_seq, head_dim]``.
@@ -301,9 +389,9 @@ def ring_attention(
         valid_len: Global length before padding; positions from it on are padding and neither attend
             nor are attended (their output is zero). Needed for non-causal attention over a padded
             sequence; with causal attention real tokens never see trailing pads anyway.
-        query_tile: Query rows computed at once against a K/V block; bounds the score-sized temporaries
-            to ``batch x heads x query_tile x local_seq``. Default: as many rows as keep each of them
-            under 2**22 elements (16 MiB in fp32).
+        query_tile: Query rows a pure-torch fallback tile computes at once against a K/V block; bounds its
+            score-sized temporaries to ``batch x heads x query_tile x local_seq`` (the fused kernel tiles itself).
+            Default: as many rows as keep each of them under 2**22 elements (16 MiB in fp32).
         document_starts: Packed rows: ``[batch or 1, local_seq]``, the global position where each local
             query's document begins (at most the query's own position). A query attends only keys from
             its document's start on; blocks and tiles holding none of its document's keys are skipped, so
@@ -315,6 +403,8 @@ def ring_attention(
             before the mask; applied per score, so the online softmax stays exact.
         sinks: Attention sinks (gpt-oss ``s_aux``), one logit per query head ``[heads]``: each joins every row's
             softmax denominator and carries no value. Gets its gradient.
+        fused: Whether blocks go to a fused attention kernel where one applies (the default); ``False`` computes
+            every block with the pure-torch tiles (the fallback: for comparisons and tests).
 
     Returns:
         This rank's attention output, shaped like ``q``.
@@ -326,7 +416,20 @@ def ring_attention(
         sinks = local_sinks(sinks, q.shape[1])
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _RingAttention.apply(
-        q, k, v, sinks, group, causal, scale, load_balanced, valid_len, query_tile, document_starts, window, softcap
+        q,
+        k,
+        v,
+        sinks,
+        group,
+        causal,
+        scale,
+        load_balanced,
+        valid_len,
+        query_tile,
+        document_starts,
+        window,
+        softcap,
+        fused,
     )
 
 

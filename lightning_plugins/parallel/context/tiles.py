@@ -201,3 +201,146 @@ def _document_tiles(
             held = [lo, hi, first_at[lo], pairs]
     if held is not None:
         yield slice(row_start + held[0], row_start + held[1]), slice(held[2], last_at[held[1] - 1])
+
+
+class FusedCall(NamedTuple):
+    """A piece of a block that one call of a fused kernel computes (:mod:`.fused`): query rows x keys (relative to the
+    block's first key) where every pair attends, or, ``causal``, a square whose ``i``-th row attends its keys ``0..i``."""
+
+    rows: slice
+    cols: slice
+    causal: bool
+
+
+#: A tile of the pure-torch fallback: (rows, keys relative to the block's first key, mask or ``None``).
+Tile = tuple[slice, slice, Optional[Tensor]]
+
+#: Packed rows: a run of rows goes to the fused kernel when at least this many rows share their first key (one
+#: document's rows); shorter runs (short documents, a sliding window's band, whose first key moves every row) go to the
+#: pure-torch tiles, which take many of them in one tile instead of one kernel call each.
+MIN_FUSED_ROWS = 32
+
+
+def block_pieces(
+    block: _Block, query_tile: Optional[int], batch_heads: int, fused: bool
+) -> list[tuple[slice, FusedCall | Tile]]:
+    """How ring attention computes one active block: (batch rows, piece), each piece a :class:`FusedCall` for the
+    fused kernel or a :data:`Tile` of :func:`row_tiles` for the pure-torch fallback.
+
+    In a block, each query row attends a contiguous range of keys (sorted positions; from its document's start or
+    window's first key, when there is one, to its own position). Runs of rows whose ranges share a first key and
+    whose last key stays put (a fully visible box) or moves one key a row (a causal square, with a fully visible box
+    before it) are fused calls: a diagonal block of the load-balanced layout is one causal call, an off-diagonal one
+    a full call per step of its staircase. What the fused kernel cannot express falls back to the tiles: every block
+    when not ``fused`` (no fused kernel for the device or dtype, or soft-capping), and the rows of a sliding window's
+    band or of short documents (under :data:`MIN_FUSED_ROWS`). Rows packed differently in each batch row are
+    planned one batch row at a time.
+    """
+    if not fused:
+        return [(slice(None), tile) for tile in row_tiles(block, query_tile, batch_heads)]
+    if block.documents is None and block.causal is None:
+        return [(slice(None), FusedCall(slice(block.row_start, block.row_end), slice(0, _width(block)), False))]
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    pieces: list[tuple[slice, FusedCall | Tile]] = []
+    with unset_fake_temporarily():  # positions are real tensors, also in the planner's dry run
+        planned = [(batch, sub, _fused_calls(sub)) for batch, sub in _batch_blocks(block)]
+    for batch, sub, (calls, tile_rows) in planned:
+        shift = sub.col_start - block.col_start  # the sub-block's keys relative to the block's first key
+        for call in calls:
+            pieces.append((batch, call._replace(cols=_shifted(call.cols, shift))))
+        for start, stop in tile_rows:
+            for rows, cols, mask in row_tiles(sub._replace(row_start=start, row_end=stop), query_tile, batch_heads):
+                pieces.append((batch, (rows, _shifted(cols, shift), mask)))
+    return pieces
+
+
+def _width(block: _Block) -> int:
+    return block.col_end - block.col_start
+
+
+def _shifted(cols: slice, shift: int) -> slice:
+    return slice(cols.start + shift, cols.stop + shift)
+
+
+def _batch_blocks(block: _Block) -> list[tuple[slice, _Block]]:
+    """The block for all batch rows at once, or, when its batch rows are packed differently, one per batch row
+    (boxed to that row's documents, ``None`` boxes dropped)."""
+    documents = block.documents
+    if documents is None or documents.starts.shape[0] == 1 or bool((documents.starts == documents.starts[:1]).all()):
+        return [(slice(None), block)]
+    subs = []
+    for b in range(documents.starts.shape[0]):
+        own = documents._replace(starts=documents.starts[b : b + 1])
+        box = _document_box(own, block.row_start, block.row_end)
+        if box is not None:
+            subs.append((slice(b, b + 1), _Block(*box, None, own)))
+    return subs
+
+
+def _key_ranges(block: _Block) -> tuple[Tensor, Tensor]:
+    """Per row of the block: the first key it attends and one past its last, relative to the block's first key (a row
+    attending nothing has ``last <= first``)."""
+    rows = slice(block.row_start, block.row_end)
+    if block.documents is None:
+        assert block.causal is not None
+        q_pos, k_pos = block.causal
+        last = torch.searchsorted(k_pos, q_pos[rows], right=True).clamp(max=block.col_end)
+        return torch.zeros_like(last), last - block.col_start
+    q_pos, k_pos, starts = block.documents
+    first = torch.searchsorted(k_pos, starts[:, rows].contiguous())[0]
+    last = torch.searchsorted(k_pos, q_pos[rows], right=True)
+    return first.clamp(min=block.col_start) - block.col_start, last.clamp(max=block.col_end) - block.col_start
+
+
+def _staircase(first: Tensor, last: Tensor) -> list[tuple[int, int, int]]:
+    """Runs ``[a, b)`` of rows (relative to the first) with one first key and a last key that stays put (kind 0), moves
+    one key a row (kind 1), or neither (kind -1; a single row is kind 0)."""
+    if len(first) == 1:
+        return [(0, 1, 0)]
+    step = last[1:] - last[:-1]
+    code = torch.where((first[1:] == first[:-1]) & (step <= 1), step, -1)
+    values, counts = torch.unique_consecutive(code, return_counts=True)
+    runs: list[tuple[int, int, int]] = []
+    start, row, kind = 0, 0, 0  # the open run: rows [start, row]; kind of its steps (0 while it has none)
+    for value, count in zip(values.tolist(), counts.tolist()):
+        if value >= 0 and (row == start or kind == value):
+            row, kind = row + count, value
+        elif value >= 0:  # the other kind: the open run ends at `row`, the next begins after it
+            runs.append((start, row + 1, kind))
+            start, row, kind = row + 1, row + count, value if count > 1 else 0
+        else:  # no staircase between these rows: one run of them
+            runs.append((start, row + 1, kind))
+            if count > 1:
+                runs.append((row + 1, row + count, -1))
+            start, row, kind = row + count, row + count, 0
+    runs.append((start, row + 1, kind))
+    return runs
+
+
+def _fused_calls(block: _Block) -> tuple[list[FusedCall], list[tuple[int, int]]]:
+    """The block's fused calls, and the row ranges (absolute) left to the tiles: see :func:`block_pieces`."""
+    first_t, last_t = _key_ranges(block)
+    first, last = first_t.tolist(), last_t.tolist()
+    calls, tile_rows = [], []
+    for a, b, kind in _staircase(first_t, last_t):
+        if kind < 0 or (block.documents is not None and b - a < MIN_FUSED_ROWS):
+            if tile_rows and tile_rows[-1][1] == block.row_start + a:
+                tile_rows[-1] = (tile_rows[-1][0], block.row_start + b)
+            else:
+                tile_rows.append((block.row_start + a, block.row_start + b))
+            continue
+        lo = first[a]
+        if kind == 1 and last[a] <= lo:
+            a += 1  # its first row attends nothing; the rest each attend one key more
+        if a >= b or last[a] <= lo:
+            continue
+        rows = slice(block.row_start + a, block.row_start + b)
+        if kind == 0:
+            calls.append(FusedCall(rows, slice(lo, last[a]), False))
+            continue
+        diagonal = last[a] - 1  # the key the run's first row attends last: the causal square starts there
+        if diagonal > lo:
+            calls.append(FusedCall(rows, slice(lo, diagonal), False))
+        calls.append(FusedCall(rows, slice(diagonal, diagonal + b - a), True))
+    return calls, tile_rows

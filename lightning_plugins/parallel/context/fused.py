@@ -1,0 +1,133 @@
+"""Fused attention kernels that return the log-sum-exp: what ring attention (:mod:`.ring`) computes its blocks with.
+
+One block of ring attention is the attention of some local query rows to some keys of one K/V block, where every
+pair attends (``causal=False``) or the box is square and causal (row ``i`` attends keys ``0..i``). Such a piece is one
+call of a fused SDPA kernel that also returns each row's log-sum-exp, so the pieces merge by an online softmax, and
+whose backward op takes the *merged* output and log-sum-exp (as torch's own ring attention,
+``torch/distributed/tensor/experimental/_context_parallel/_attention.py``, drives them):
+
+* CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (every float dtype);
+* CUDA: ``aten._scaled_dot_product_flash_attention`` and its ``_backward`` (fp16/bf16, head_dim a multiple of 8 and
+  at most 256). Written as torch's ring drives it; not run on a GPU in this repository's tests.
+
+Anything else (other devices or dtypes) has no fused kernel here: :func:`fused_kernel_for` says ``None`` and ring
+attention computes every block with its pure-torch tiles. Grouped-query attention: a fully visible piece folds the
+query heads that share a key head into its rows (one call, K/V not repeated); a causal piece repeats K/V to the
+query heads (the causal triangle is per query head).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+aten = torch.ops.aten
+
+#: The kernel each device's fused path calls (see the module docstring).
+CPU_KERNEL = "cpu_flash"
+CUDA_KERNEL = "cuda_flash"
+
+
+def fused_kernel_for(q: Tensor) -> Optional[str]:
+    """The fused kernel ring attention uses for these queries (:data:`CPU_KERNEL`, :data:`CUDA_KERNEL`), or ``None``
+    when there is none and the pure-torch tiles compute every block."""
+    if q.device.type == "cpu" and q.dtype.is_floating_point:
+        return CPU_KERNEL
+    head_dim = q.shape[-1]
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256:
+        return CUDA_KERNEL
+    return None
+
+
+def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Any]:
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, None
+
+
+def _cpu_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: Any
+) -> tuple[Tensor, Tensor, Tensor]:
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _cuda_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Any]:
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    # The backward takes what the forward returned besides out and lse (no dropout: the rng state is unused).
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cuda_backward(
+    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: Any
+) -> tuple[Tensor, Tensor, Tensor]:
+    cum_q, cum_k, max_q, max_k, seed, offset = aux
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+    )
+
+
+_FORWARD = {CPU_KERNEL: _cpu_forward, CUDA_KERNEL: _cuda_forward}
+_BACKWARD = {CPU_KERNEL: _cpu_backward, CUDA_KERNEL: _cuda_backward}
+
+
+def _repeat_heads(t: Tensor, group: int) -> Tensor:
+    """``[b, kv_heads, n, d]`` -> ``[b, kv_heads * group, n, d]``: key head ``i`` serves query heads ``i*group..``."""
+    b, hkv, n, d = t.shape
+    return t.unsqueeze(2).expand(b, hkv, group, n, d).reshape(b, hkv * group, n, d)
+
+
+def _as_kernel_heads(t: Tensor, causal: bool) -> Tensor:
+    """Grouped rows ``[b, kv_heads, group, n, ...]`` as the kernel's ``[b, heads, n, ...]``: query heads for a causal
+    piece, the group folded into the rows (one head per key head) for a fully visible one."""
+    b, hkv, group, n = t.shape[:4]
+    if causal:
+        return t.reshape(b, hkv * group, n, *t.shape[4:])
+    return t.reshape(b, hkv, group * n, *t.shape[4:])
+
+
+def fused_forward(
+    kernel: str, q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, Any]:
+    """One fused piece: grouped queries ``[b, kv_heads, group, rows, d]`` against keys/values ``[b, kv_heads, cols, d]``.
+
+    Returns the output ``[b, kv_heads, group, rows, d]`` (normalised over this piece's keys), its log-sum-exp
+    ``[b, kv_heads, group, rows]``, and what the kernel's backward needs besides (``None`` on CPU).
+    """
+    b, hkv, group, rows, d = q5.shape
+    if causal and group > 1:
+        k, v = _repeat_heads(k, group), _repeat_heads(v, group)
+    out, lse, aux = _FORWARD[kernel](_as_kernel_heads(q5, causal), k, v, causal, scale)
+    return out.reshape(q5.shape), lse.reshape(q5.shape[:-1]), aux
+
+
+def fused_backward(
+    kernel: str,
+    grad5: Tensor,
+    q5: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out5: Tensor,
+    lse5: Tensor,
+    causal: bool,
+    scale: float,
+    aux: Any,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (dq ``[b, kv_heads, group, rows, d]``, dk, dv ``[b, kv_heads, cols, d]``) of one fused piece.
+
+    ``out5`` and ``lse5`` are the *final* output and log-sum-exp of these rows (merged over every block, sinks
+    included): the kernel recomputes the piece's probabilities as ``exp(score - lse)`` and the softmax Jacobian's
+    ``rowsum(dO * O)`` from them, which is the piece's share of the whole softmax's gradient.
+    """
+    b, hkv, group, rows, d = q5.shape
+    repeat = causal and group > 1
+    if repeat:
+        k, v = _repeat_heads(k, group), _repeat_heads(v, group)
+    grad, q, out = (_as_kernel_heads(t, causal) for t in (grad5, q5, out5))
+    lse = _as_kernel_heads(lse5, causal).contiguous()
+    grad_q, grad_k, grad_v = _BACKWARD[kernel](grad.contiguous(), q, k, v, out, lse, causal, scale, aux)
+    if repeat:
+        grad_k, grad_v = (t.reshape(b, hkv, group, *t.shape[2:]).sum(2) for t in (grad_k, grad_v))
+    return grad_q.reshape(q5.shape), grad_k, grad_v
