@@ -31,7 +31,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
-__all__ = ["LINEAR_PROJECTIONS", "HeadSplitLinearAttention", "is_gated_delta_net", "linear_attention_problem"]
+__all__ = [
+    "LINEAR_PROJECTIONS",
+    "HeadSplitLinearAttention",
+    "head_group_rows",
+    "is_gated_delta_net",
+    "linear_attention_problem",
+    "parameter_role",
+]
 
 #: The input projections of Qwen3.5's Gated DeltaNet (q/k/v fused as [q | k | v], z, a, b each by value head) and of
 #: Qwen3-Next's (q/k/v/z and b/a fused per key head: a contiguous split gives a rank its key heads' groups).
@@ -66,6 +73,19 @@ def _role(path: str) -> tuple[str, str] | None:
     if kind in ("lora_A", "lora_B") and rest.endswith(".weight") and rest.count(".") == 2:
         return head, kind
     return None
+
+
+def parameter_role(path: str) -> tuple[str, str] | None:
+    """``(projection or parameter, part)`` of a parameter path inside a Gated DeltaNet (see :func:`_role`); ``None`` for
+    a path a head split has no rule for."""
+    return _role(path)
+
+
+def head_group_rows(key_dim: int, value_dim: int, size: int, rank: int) -> torch.Tensor:
+    """The rows of the fused ``[q | k | v]`` channels (``in_proj_qkv``'s outputs, ``conv1d``'s channels) that hold rank
+    ``rank``'s heads when the heads are split over ``size`` ranks: its key heads' q and k and its value heads' v."""
+    k_rows, v_rows = torch.arange(key_dim).chunk(size)[rank], torch.arange(value_dim).chunk(size)[rank]
+    return torch.cat([k_rows, key_dim + k_rows, 2 * key_dim + v_rows])
 
 
 def _placement(role: tuple[str, str]) -> Placement:
@@ -141,8 +161,7 @@ class HeadSplitLinearAttention:
         shard = (2 * key + value) // size
 
         def rows_of(r: int) -> torch.Tensor:
-            k_rows, v_rows = torch.arange(key).chunk(size)[r], torch.arange(value).chunk(size)[r]
-            return torch.cat([k_rows, key + k_rows, 2 * key + v_rows])
+            return head_group_rows(key, value, size, r)
 
         mine = rows_of(rank)
         sends = [rows_of(r)[(rows_of(r) // shard) == rank] - rank * shard for r in range(size)]

@@ -3,7 +3,8 @@
 fp32, gloo, SGD with momentum (a wrong loss scale shows in the weights), gradient clipping exercised,
 gradient accumulation over micro-batches with different numbers of valid tokens, right padding with
 ``-100`` labels, prompt tokens ignored, sequence lengths divisible and not divisible by ``2 * cp``.
-Both backends at cp=2 (2 ranks) and cp=4, sliding windows shorter than the sequence, soft-capping, sinks, CP x TP and CP x FSDP2 (4 ranks). Packed rows under CP train
+Both backends at cp=2 (2 ranks) and cp=4, Qwen3.5's Gated DeltaNet linear attention (its kernel against the fp64
+recurrence at cp = 1, 2, 4 in the 4-rank world, with test_linear_attention_context.py's helpers), sliding windows shorter than the sequence, soft-capping, sinks, CP x TP and CP x FSDP2 (4 ranks). Packed rows under CP train
 exactly what one process trains on the unpacked samples; left-padded rows what it trains on them as given.
 One world per rank count checks every case (starting ranks is the slow part); the reference runs on each rank.
 """
@@ -66,6 +67,10 @@ CASES = {
         "gemma2 cp2 ulysses seq20 packed": ("gemma2", CP2, 20, {**U, "data": "packed"}),
         "gemma3 cp2 ring seq18 packed": ("gemma3", CP2, 18, {**R, "data": "packed"}),
         "gpt_oss cp2 ring seq20": ("gpt_oss", CP2, 20, R),
+        # Gated DeltaNet linear attention (two layers) before a full-attention one: heads split over cp (Ulysses), the
+        # recurrent state and conv inputs passed along the ranks (ring). See test_linear_attention_context.py.
+        "qwen3_5 cp2 ulysses seq13": ("qwen3_5", CP2, 13, U),
+        "qwen3_5 cp2 ring seq13": ("qwen3_5", CP2, 13, R),
     },
     4: {
         "llama cp4 ulysses seq16": ("llama", CP4, 16, U),
@@ -177,7 +182,14 @@ def _run_case(world_size: int, family: str, sizes: dict, seq: int, options: dict
 
 
 def _world(rank: int, world_size: int, out_dir: str) -> None:
+    from test_linear_attention_context import kernel_results, packed_refused
+
     results = {name: _run_case(world_size, *case) for name, case in CASES[world_size].items()}
+    if world_size == 2:
+        message = packed_refused(world_size)
+        results["qwen3_5 packed refused"] = {"refused": float("Packed rows" in message and "Gated DeltaNet" in message)}
+    else:  # the linear-attention kernel under cp = 1, 2, 4 against the fp64 recurrence
+        results.update(kernel_results(rank, world_size))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -203,3 +215,13 @@ def test_context_parallel_matches_one_process(world_size: int, name: str) -> Non
     assert diffs["norm_diff"] <= TOL, (name, diffs)
     assert diffs["weight_diff"] <= TOL, (name, diffs)
 
+
+def test_linear_attention_packed_rows_refused() -> None:
+    assert _results(2)["qwen3_5 packed refused"]["refused"] == 1.0
+
+
+def test_linear_attention_kernel_matches_recurrence() -> None:
+    kernel = {name: diffs for name, diffs in _results(4).items() if name.startswith("linear-attention kernel")}
+    assert len(kernel) == 8, sorted(kernel)  # cp1, cp2: Ulysses seq24, ring seq24 and seq520; cp4: ring
+    for name, diffs in kernel.items():
+        assert diffs["fp64"] < 1e-12 and diffs["a_log"] < 1e-6, (name, diffs)  # A_log's gradient: fp32's precision

@@ -56,7 +56,8 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, backend:
         backend: ``"ulysses"`` or ``"ring"``.
 
     Raises:
-        LayoutError: when Ulysses cannot split the heads over ``cp_size`` ranks.
+        LayoutError: when Ulysses cannot split the heads (softmax or linear attention) over ``cp_size`` ranks, or
+            a model with linear attention asks for context and tensor parallelism together.
         OptionsError: for an unknown backend, or ring attention with attention dropout; both name a setting that works.
     """
     if backend not in BACKENDS:
@@ -65,6 +66,7 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, backend:
         return
     if config is None:
         return
+    _check_linear_attention(config, cp_size, tp_size, backend)
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if backend == "ulysses" and heads is not None:
@@ -85,6 +87,33 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, backend:
             f"Ring attention has no attention dropout, but config.attention_dropout={dropout}. Set it to 0.0 or use"
             " backend='ulysses'."
         )
+
+
+def _check_linear_attention(config: Any, cp_size: int, tp_size: int, backend: str) -> None:
+    """Gated DeltaNet layers (``layer_types`` with ``linear_attention``: Qwen3.5, Qwen3-Next) under context parallelism:
+    not with tensor parallelism; Ulysses splits their key and value heads over cp, which must divide both."""
+    text = getattr(config, "text_config", None) or config
+    layer_types = list(getattr(text, "layer_types", None) or ())
+    if "linear_attention" not in layer_types:
+        return
+    index = layer_types.index("linear_attention")
+    if tp_size > 1:
+        raise LayoutError(
+            f"Decoder layer {index} is Gated DeltaNet linear attention, which context parallelism (cp_size={cp_size})"
+            f" does not combine with tensor parallelism (tp_size={tp_size}) yet. Use tp_size=1 with cp_size={cp_size},"
+            f" or tp_size={tp_size} with cp_size=1."
+        )
+    if backend != "ulysses":
+        return
+    for name in ("linear_num_key_heads", "linear_num_value_heads"):
+        heads = getattr(text, name, None)
+        if heads is not None and heads % cp_size:
+            good = [c for c in range(1, heads + 1) if heads % c == 0]
+            raise LayoutError(
+                f"Decoder layer {index} is Gated DeltaNet linear attention, whose heads Ulysses context parallelism"
+                f" splits over cp_size={cp_size}, but {name}={heads} is not divisible by it. Use cp_size in"
+                f" {good}, or cp_backend='ring' (the recurrent state passed along the cp ranks; no head constraint)."
+            )
 
 
 def local_sinks(sinks: Tensor, num_heads: int) -> Tensor:

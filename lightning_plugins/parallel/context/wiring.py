@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_plugins.parallel.context.checks import BACKENDS
+from lightning_plugins.parallel.context.linear import PackedCheck, apply_linear_context_parallel, linear_attention_of
 from lightning_plugins.parallel.context.sharding import sequence_positions
 from lightning_plugins.parallel.context.ring import ring_attention
 from lightning_plugins.parallel.context.ulysses import eager_attention, ulysses_attention
@@ -55,7 +56,8 @@ def apply_context_parallel(model: Any, layers: Any, cp_mesh: Any, backend: str =
 
     Args:
         model: A transformers causal LM (after tensor parallelism, if any).
-        layers: Its decoder layers, each with a ``self_attn`` module.
+        layers: Its decoder layers, each with a ``self_attn`` module or a Gated DeltaNet ``linear_attn`` (see
+            :mod:`lightning_plugins.parallel.context.linear`).
         cp_mesh: The 1-D context-parallel mesh.
         backend: ``"ulysses"`` (all-to-all over heads, then the model's own attention on the full
             sequence) or ``"ring"`` (K/V passed around the ring, online softmax).
@@ -72,8 +74,12 @@ def apply_context_parallel(model: Any, layers: Any, cp_mesh: Any, backend: str =
     inner_config = copy.copy(model.config)
     inner_config._attn_implementation = inner
     state = _AttentionState(cp_mesh, cp_mesh.size(), backend, inner, inner_config)
+    packed = PackedCheck()  # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): their own context parallelism
     for index, layer in enumerate(layers):
         attention = getattr(layer, "self_attn", None)
+        if attention is None and linear_attention_of(layer) is not None:
+            apply_linear_context_parallel(layer, index, cp_mesh, backend, packed)
+            continue
         if attention is None:
             raise LayoutError(
                 f"Decoder layer {index} ({type(layer).__name__}) has no `self_attn` module, so context parallelism"
