@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -46,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_plugins.testing.world import spawn_world
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
 from lightning_plugins.checkpoint.resume import publish, save_rng
+from lightning_plugins.testing.bench import Timed, add_report_arguments, machine, print_run, write_rows
 
 HIDDEN, INTERMEDIATE, VOCAB = 1024, 2816, 8192
 
@@ -235,15 +235,15 @@ def main() -> None:
     parser.add_argument("--async-only", action="store_true", help="only the sync vs async loop")
     parser.add_argument("--quick", action="store_true", help="small sizes: checks that the script runs")
     parser.add_argument("--tmp", default=None, help="where to write the checkpoints (default: the system's temp)")
+    add_report_arguments(parser, out=True)
     args = parser.parse_args()
     if args.quick:
         args.layers, args.async_layers, args.steps, args.save_every = [1, 2], 1, 6, 3
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-    started = time.perf_counter()
-    print(f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, Python"
-          f" {platform.python_version()}, load average {os.getloadavg()[0]:.1f} at start\n")  # fmt: skip
-    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+    print(f"Machine: {machine(python=True)}\n")
+    rows: list[dict] = []
+    with Timed() as run, tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         root = Path(tmp)
         print("| params | fp32 weights | ranks | save (s) | save GB/s | load (s) | load GB/s | on disk |")
         print("|---|---|---|---|---|---|---|---|")
@@ -254,6 +254,7 @@ def main() -> None:
                 ckpt = root / f"ckpt_{layers}_{world}"
                 result = save_load(layers, ckpt) if world == 1 else save_load_world(layers, ckpt, world)
                 disk = directory_bytes(ckpt)
+                rows.append({"layers": layers, "params": params(layers), "ranks": world, **result, "disk_bytes": disk})
                 print(f"| {params(layers) / 1e6:.0f}M | {size / 2**30:.2f} GiB | {world} | {result['save_s']:.2f} |"
                       f" {size / 1e9 / result['save_s']:.2f} | {result['load_s']:.2f} | {size / 1e9 / result['load_s']:.2f} |"
                       f" {disk / 2**30:.2f} GiB |", flush=True)  # fmt: skip
@@ -281,7 +282,9 @@ def main() -> None:
             blocked = f"{result['blocked_s'] / saves:.2f}" if saves else "-"
             lost = f"{result['lost_per_save_s']:.2f}" if saves else "-"
             print(f"| {mode} | {result['loop_s']:.1f} | {saves} | {blocked} | {lost} |")
-    print(f"\nWall time {time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.1f} at end.")
+    on = machine(run.load, python=True)
+    print_run(run.elapsed, on)
+    write_rows(args.out, args, on, {"save_load": rows, "export": dict(exports), "sync_vs_async": loop})
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ Usage::
     python benchmarks/data_prepare.py                        # 100k records, 1 2 4 ranks: ~2 minutes on 2 cores
     python benchmarks/data_prepare.py --records 1000000      # 1M records: ~2 minutes more per rank count
     python benchmarks/data_prepare.py --ranks 4 --packing    # packed rows of --max-seq-len tokens
+    python benchmarks/data_prepare.py --records 1000 --ranks 1 --out rows.json   # the rows as JSON too
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from lightning_plugins.testing.bench import Timed, add_report_arguments, machine, print_run, write_rows
+
+#: The printed columns.
+COLUMNS = ("ranks", "run", "seconds", "writers", "rows", "arrow", "writer private", "others private", "mapped")
 
 
 def _memory() -> dict[str, float]:
@@ -117,6 +123,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--max-seq-len", type=int, default=64)
     parser.add_argument("--packing", action="store_true")
+    add_report_arguments(parser, out=True)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -124,26 +131,34 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.worker:
         return worker(opts)
-    with tempfile.TemporaryDirectory() as tmp:
+    rows = []
+    with Timed() as timed, tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp, "train.jsonl")
         write_records(data, opts.records)
         write_records(Path(tmp, "small.jsonl"), 10)
         print(f"{opts.records} records ({data.stat().st_size / 2**20:.1f} MiB of JSON lines), max_seq_len"
-              f" {opts.max_seq_len}, packing {opts.packing}; {os.cpu_count()} CPUs.")
-        columns = ("ranks", "run", "seconds", "writers", "rows", "arrow", "writer private", "others private", "mapped")
-        print(" ".join(f"{c:>{max(8, len(c))}}" for c in columns))
+              f" {opts.max_seq_len}, packing {opts.packing}; {os.cpu_count()} CPUs.")  # fmt: skip
+        print(" ".join(f"{c:>{max(8, len(c))}}" for c in COLUMNS))
         for ranks in opts.ranks:
             work = Path(tmp, f"ranks{ranks}")
             work.mkdir()
             for run in ("cold", "warm"):
-                reports = run_ranks(ranks, data, work / "cache", opts)
-                assert len({(r["rows"], r["checksum"]) for r in reports}) == 1, reports  # the same rows on every rank
-                writers = [r["private_read"] for r in reports if r["wrote"]]
-                others = [r["private_read"] for r in reports if not r["wrote"]]
-                values = (ranks, run, f"{max(r['seconds'] for r in reports):.2f}", len(writers), reports[0]["rows"],
-                          f"{reports[0]['arrow']:.1f}", *(f"{max(v):.1f}" if v else "-" for v in (writers, others)),
-                          f"{max(r['mapped_read'] for r in reports):.1f}")  # fmt: skip
-                print(" ".join(f"{v:>{max(8, len(c))}}" for v, c in zip(values, columns)), flush=True)
+                rows.append(_row(ranks, run, run_ranks(ranks, data, work / "cache", opts)))
+                print(" ".join(f"{v:>{max(8, len(c))}}" for v, c in zip(rows[-1].values(), COLUMNS)), flush=True)
+    on = machine(timed.load)
+    print_run(timed.elapsed, on)
+    write_rows(opts.out, opts, on, rows)
+
+
+def _row(ranks: int, run: str, reports: list[dict]) -> dict:
+    """One printed row (:data:`COLUMNS`) from the workers' reports."""
+    assert len({(r["rows"], r["checksum"]) for r in reports}) == 1, reports  # the same rows on every rank
+    writers = [r["private_read"] for r in reports if r["wrote"]]
+    others = [r["private_read"] for r in reports if not r["wrote"]]
+    values = (ranks, run, f"{max(r['seconds'] for r in reports):.2f}", len(writers), reports[0]["rows"],
+              f"{reports[0]['arrow']:.1f}", *(f"{max(v):.1f}" if v else "-" for v in (writers, others)),
+              f"{max(r['mapped_read'] for r in reports):.1f}")  # fmt: skip
+    return dict(zip(COLUMNS, values))
 
 
 if __name__ == "__main__":

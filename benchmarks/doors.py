@@ -37,7 +37,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -54,11 +53,18 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lightning_plugins.testing.bench import (  # noqa: E402
+    Timed,
+    add_report_arguments,
+    command,
+    machine,
+    write_json,
+    write_report,
+)
 from lightning_plugins.testing.world import spawn_world  # noqa: E402
 from tensor_parallel import (  # noqa: E402
     CommCounter,
     Options,
-    _version,
     build_config,
     build_variant,
     make_batches,
@@ -227,7 +233,7 @@ def _mib(x: float) -> str:
     return f"{x / 2**20:.1f}"
 
 
-def report(opts: Options, results: list[dict[str, Any]], elapsed: float, command: str, load: str) -> str:
+def report(opts: Options, results: list[dict[str, Any]], elapsed: float, command: str, on: str) -> str:
     tokens = opts.batch * opts.seq
     names = list(opts.variants)
     r0 = results[0]
@@ -268,10 +274,7 @@ def report(opts: Options, results: list[dict[str, Any]], elapsed: float, command
             lines.append(f"| {n} | `{op}` | {len(wires)} | {sum(wires) / 2**20:.3f} |")
     lines += [
         "",
-        f"Machine: {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), gloo, torch"
-        f" {torch.__version__}, transformers {_version('transformers')}, lightning {_version('lightning')},"
-        f" accelerate {_version('accelerate')}, Python {platform.python_version()}; load average (1 min) {load}."
-        f" Whole run {elapsed:.0f} s. Command: `{command}`",
+        f"Machine: {on}. Whole run {elapsed:.0f} s. Command: `{command}`",
     ]
     return "\n".join(lines)
 
@@ -286,8 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {VARIANTS}")
     parser.add_argument("--quick", action="store_true", help="a tiny model and 1+2 rounds: checks the script runs")
-    parser.add_argument("--output", type=Path, help="also write the markdown report here")
-    parser.add_argument("--json", type=Path, help="also write the raw per-rank measurements here")
+    add_report_arguments(parser, output=True, json_out=True)
     args = parser.parse_args(argv)
     opts = Options(**{f: getattr(args, f) for f in _SIZE_FIELDS})
     if args.quick:
@@ -296,8 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     if set(opts.variants) - set(VARIANTS):
         parser.error(f"--variants: known are {VARIANTS}")
 
-    start, load_start = time.perf_counter(), os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="doors_bench_") as tmp:
+    with Timed() as run, tempfile.TemporaryDirectory(prefix="doors_bench_") as tmp:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
@@ -310,15 +311,12 @@ def main(argv: list[str] | None = None) -> None:
         outdir.mkdir()
         spawn_world(worker, WORLD, opts, str(Path(tmp, "model")), str(outdir), errors=outdir)
         results = [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(WORLD)]
-    elapsed = time.perf_counter() - start
-    command = "python " + " ".join([os.path.relpath(sys.argv[0])] + (sys.argv[1:] if argv is None else argv))
-    if args.json:
-        raw = {"options": vars(opts), "results": results, "elapsed": elapsed, "command": command}
-        args.json.write_text(json.dumps(raw))
-    text = report(opts, results, elapsed, command, f"{load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    ran = command(argv)
+    write_json(args.json, {"options": vars(opts), "results": results, "elapsed": run.elapsed, "command": ran}, None)
+    on = machine(run.load, packages=("transformers", "lightning", "accelerate"), python=True)
+    text = report(opts, results, run.elapsed, ran, on)
     print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
+    write_report(args.output, text)
 
 
 if __name__ == "__main__":

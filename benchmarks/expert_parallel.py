@@ -32,18 +32,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import platform
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_plugins.testing.world import spawn_world  # noqa: E402
+from lightning_plugins.testing.bench import Timed, add_report_arguments, command, machine, write_report
+from lightning_plugins.testing.world import spawn_world
 
 BYTES = 4  # fp32
 
@@ -193,13 +190,13 @@ def check(world: int, ranks: list[dict[str, Any]], args: argparse.Namespace) -> 
         assert fsdp["calls"] == 0 and fsdp["count_bytes"] == 0, f"W={world} rank {rank}: FSDP2 ran all-to-alls"
 
 
-def report(results: dict[int, list[dict[str, Any]]], args: argparse.Namespace, command: str, elapsed: float) -> str:
-    """The two markdown tables (bytes, memory) with the command and the machine."""
+def report(results: dict[int, list[dict[str, Any]]], args: argparse.Namespace, command: str, elapsed: float,
+           on: str) -> str:  # fmt: skip
+    """The two markdown tables (bytes, memory) with the command and the machine (``on``)."""
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     tokens = args.rows * args.seq
     lines = [
-        f"Command: `{command}` ({elapsed:.0f} s). Machine: {platform.processor() or platform.machine()},"
-        f" {os.cpu_count()} cores, torch {torch.__version__}, gloo, fp32, 1 thread per rank. Model: Mixtral"
+        f"Command: `{command}` ({elapsed:.0f} s). Machine: {on}, fp32, 1 thread per rank. Model: Mixtral"
         f" h={args.hidden}, intermediate {2 * args.hidden}, {args.experts} experts, top-{args.top_k},"
         f" {args.layers} layers, vocab {args.vocab}; {args.rows} x {args.seq} = {tokens} tokens per rank; AdamW.",
         "",
@@ -249,20 +246,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--output", type=Path, default=None)
+    add_report_arguments(parser, output=True)
     args = parser.parse_args(argv)
-    start = time.time()
     results = {}
-    for world in args.worlds:
-        with tempfile.TemporaryDirectory() as outdir:
-            spawn_world(worker, world, world, args, outdir, errors=outdir)
-            results[world] = [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(world)]
-        check(world, results[world], args)
-    command = "python benchmarks/expert_parallel.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    table = report(results, args, command.strip(), time.time() - start)
+    with Timed() as run:
+        for world in args.worlds:
+            with tempfile.TemporaryDirectory() as outdir:
+                spawn_world(worker, world, world, args, outdir, errors=outdir)
+                results[world] = [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(world)]
+            check(world, results[world], args)
+    table = report(results, args, command(argv), run.elapsed, machine(run.load))
     print(table)
-    if args.output:
-        args.output.write_text(table + "\n")
+    write_report(args.output, table)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,6 @@ import argparse
 import copy
 import functools
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -40,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lightning_plugins.testing.bench import Timed, add_report_arguments, command, machine, write_report  # noqa: E402
 from lightning_plugins.testing.world import spawn_world  # noqa: E402
 from tensor_parallel import Options, build_config, make_batches, peak_step_allocation  # noqa: E402
 
@@ -131,11 +130,10 @@ def worker(rank: int, opts: Options, outdir: str) -> None:
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(measure(rank, opts)))
 
 
-def report(opts: Options, ranks: list[list[dict]], command: str, elapsed: float) -> str:
+def report(opts: Options, ranks: list[list[dict]], command: str, elapsed: float, on: str) -> str:
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     lines = [
-        f"Command: `{command}` ({elapsed:.0f} s). Machine: {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, gloo, fp32. Model: Llama h={opts.hidden}, "
+        f"Command: `{command}` ({elapsed:.0f} s). Machine: {on}, fp32. Model: Llama h={opts.hidden}, "
         f"{opts.layers} layers, vocab {opts.vocab}; batch {opts.batch} x seq {opts.seq}; AdamW; LoRA r=16 on all projections.",
         "",
         "| layout | method | trainable params | AdamW state / rank (MiB) | frozen base / rank (MiB) | of which decoder linears (MiB) | peak / rank (MiB) | tokens/s |",
@@ -158,17 +156,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=Options.layers)
     parser.add_argument("--seq", type=int, default=Options.seq)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--output", type=Path, default=None)
+    add_report_arguments(parser, output=True)
     args = parser.parse_args(argv)
     opts = replace(Options(), layers=args.layers, seq=args.seq, steps=args.steps, warmup=1)
-    start = time.time()
-    with tempfile.TemporaryDirectory() as outdir:
+    with Timed() as run, tempfile.TemporaryDirectory() as outdir:
         spawn_world(worker, WORLD, opts, outdir, errors=outdir)
         ranks = [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(WORLD)]
-    table = report(opts, ranks, "python benchmarks/finetune_methods.py " + " ".join(argv or sys.argv[1:]), time.time() - start)
+    table = report(opts, ranks, command(argv), run.elapsed, machine(run.load))
     print(table)
-    if args.output:
-        args.output.write_text(table + "\n")
+    write_report(args.output, table)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from lightning_plugins.planner.hardware import GPUS, cluster_from, peak_flops
 from lightning_plugins.planner.model_stats import load_model_config, model_stats
 from lightning_plugins.planner.report import plan
 from lightning_plugins.planner.workload import Workload
+from lightning_plugins.testing.bench import Timed, add_report_arguments, machine, print_report, write_json
 
 GIB = 2**30
 LORA = LoraOptions(r=16, alpha=32, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
@@ -171,17 +172,19 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=None, help="tokens per step (default 4096; 256 with --dry)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 10; 1 with --dry)")
     parser.add_argument("--warmup", type=int, default=3, help="steps before measuring (compilation)")
-    parser.add_argument("--out", default="gpu_llama8b.json")
+    add_report_arguments(parser, out=True, out_default="gpu_llama8b.json")
     args = parser.parse_args()
     args.seq = args.seq or (256 if args.dry else 4096)
     args.steps = args.steps or (1 if args.dry else 10)
     if args.dry:
         args.warmup = min(args.warmup, 1)
     backend = "nccl" if torch.cuda.is_available() and not args.dry else "gloo"
-    rows = run(args, backend)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name() if backend == "nccl" else "cpu", "rows": rows}, f, indent=1)
-    print(table(rows))
+    with Timed() as timed:
+        rows = run(args, backend)
+    device = torch.cuda.get_device_name() if backend == "nccl" else "cpu"
+    on = machine(timed.load, backend="gloo" if device == "cpu" else f"nccl, {device}")
+    write_json(args.out, {"device": device, "machine": on, "rows": rows})
+    print_report(table(rows), timed.elapsed, on)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_plugins.testing.bench import Timed, add_report_arguments, machine, print_run, write_json
 from lightning_plugins.testing.models import tiny_llama
 from lightning_plugins.testing.world import world_rows
 
@@ -42,8 +43,8 @@ def _status_kib(key: str) -> int:
 def _rank(rank: int, directory: str, method: str, world: int, hub_cache: str | None, out: str) -> None:
     import torch.distributed as dist
 
-    from lightning_plugins.parallel.hf_model import hf_model_of
     from lightning_plugins.checkpoint.load import parallelize_and_load
+    from lightning_plugins.parallel.hf_model import hf_model_of
     from lightning_plugins.recipe.build import build_model
     from lightning_plugins.recipe.schema import load_recipe
 
@@ -152,13 +153,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--json", type=Path)
+    add_report_arguments(parser, json_out=True)
     args = parser.parse_args()
     print("| method | ranks | peak MiB/rank above baseline | x checkpoint | x checkpoint/ranks | load s | disk read s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    rows = measure(args.methods, args.ranks, args.hidden, args.layers, args.vocab)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    with Timed() as run:
+        rows = measure(args.methods, args.ranks, args.hidden, args.layers, args.vocab)
+    print_run(run.elapsed, machine(run.load))
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +32,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from lightning_plugins.testing.bench import Timed, add_report_arguments, machine, print_run, write_rows
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 IMPLEMENTATIONS = ("eager", "hf_grouped_mm", "ours")
@@ -192,19 +193,23 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON too")
+    add_report_arguments(parser, out=True)
     args = parser.parse_args()
     if "bf16" in args.dtypes and args.dtypes[0] != "fp32":
         parser.error("--dtypes: bf16 is checked against the fp32 run, so list fp32 first")
     torch.set_num_threads(args.threads)
-    rows = measure(args)
+    with Timed() as run:
+        rows = measure(args)
+    on = machine(run.load)
+    print_run(run.elapsed, on)
     print(
         f"{args.family} experts: hidden {args.hidden}, intermediate {args.intermediate}, {args.experts} experts,"
-        f" top-{args.top_k}, {args.tokens} tokens, {args.threads} threads; torch {torch.__version__},"
-        f" {platform.processor() or platform.machine()}; median of {args.repeats}"
+        f" top-{args.top_k}, {args.tokens} tokens, {args.threads} threads; median of {args.repeats}"
     )
     print(table(rows))
     if args.json:
         print(json.dumps(rows, indent=1))
+    write_rows(args.out, args, on, rows)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import time
 
@@ -25,8 +24,9 @@ import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lightning_plugins.parallel.optim.offload import offload_optimizer
 from lightning_plugins.parallel.memory.activation import apply_activation_checkpointing
+from lightning_plugins.parallel.optim.offload import offload_optimizer
+from lightning_plugins.testing.bench import Timed, add_report_arguments, machine, print_run, write_json
 
 SETTINGS = {
     "plain": {},
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--out", default="offload_gpu.json")
+    add_report_arguments(parser, out=True, out_default="offload_gpu.json")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -114,7 +114,17 @@ def main() -> None:
     torch.cuda.set_device(0)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 32000, (args.batch, args.seq), generator=gen).cuda()
-    batch = {"input_ids": ids, "labels": ids}
+    with Timed() as timed:
+        results = _measure(args, {"input_ids": ids, "labels": ids})
+    on = machine(timed.load, backend=f"nccl, {torch.cuda.get_device_name()}")
+    print_run(timed.elapsed, on)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "machine": on, **vars(args)}
+    write_json(args.out, {"meta": meta | {"out": str(args.out)}, "results": results}, indent=2)
+    dist.destroy_process_group()
+
+
+def _measure(args: argparse.Namespace, batch: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Every setting, its line printed as it is measured."""
     results, reference = {}, None
     for name, setting in SETTINGS.items():
         result, model = _run(setting, args.layers, batch, args.steps)
@@ -131,10 +141,7 @@ def main() -> None:
               f" {result['forward_backward_s']:.3f} s, optimizer {result['optimizer_step_s']:.3f} s; losses"
               f" {[round(x, 4) for x in result['losses']]}; max |w - plain| {result['max_weight_diff_vs_plain']:.1e}",
               flush=True)  # fmt: skip
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, **vars(args)}
-    with open(args.out, "w") as handle:
-        json.dump({"meta": meta, "results": results}, handle, indent=2)
-    dist.destroy_process_group()
+    return results
 
 
 if __name__ == "__main__":

@@ -33,17 +33,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import random
-import sys
 import time
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import torch
 
 from lightning_plugins.data import IGNORE_INDEX, collate_causal_lm, collate_packed, first_fit, pack_examples
+from lightning_plugins.testing.bench import Timed, add_report_arguments, command, machine, write_report
 
 PAD = 0  # samples use ids 1..vocab-1, so real tokens are the non-zero ones in both modes
 
@@ -163,11 +160,10 @@ def measure(opts: Options) -> dict[str, dict[str, float]]:
     return stats
 
 
-def report(opts: Options, stats: dict, elapsed: float, command: str, load: str) -> str:
+def report(opts: Options, stats: dict, elapsed: float, command: str, on: str) -> str:
     lines = [
         f"Command ({elapsed:.0f} s wall): `{command}`",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores (load average {load}), {opts.threads} torch threads,"
-        f" torch {torch.__version__}, Python {platform.python_version()}.",
+        f"Machine: {on}; {opts.threads} torch threads.",
         "",
         f"Model: Llama hidden {opts.hidden}, {opts.layers} layers, {opts.heads} heads / {opts.kv_heads} kv heads,"
         f" intermediate {opts.intermediate}, vocab {opts.vocab}, fp32, sdpa. Samples: {opts.samples},"
@@ -204,20 +200,17 @@ def main(argv: list[str] | None = None) -> None:
     for field in fields(Options):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=getattr(defaults, field.name))
     parser.add_argument("--quick", action="store_true", help="a tiny model and few samples: checks the script runs")
-    parser.add_argument("--output", type=Path, help="also write the markdown report here")
+    add_report_arguments(parser, output=True)
     args = parser.parse_args(argv)
     opts = Options(**{field.name: getattr(args, field.name) for field in fields(Options)})
     if args.quick:
         opts = Options(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256, max_len=128, min_len=8,
                        samples=16, rounds=2, threads=opts.threads)
-    start, load_start = time.perf_counter(), os.getloadavg()[0]
-    stats = measure(opts)
-    elapsed = time.perf_counter() - start
-    command = "python " + " ".join([os.path.relpath(__file__)] + (list(argv) if argv is not None else sys.argv[1:]))
-    text = report(opts, stats, elapsed, command, f"{load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+    with Timed() as run:
+        stats = measure(opts)
+    text = report(opts, stats, run.elapsed, command(argv), machine(run.load, python=True))
     print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
+    write_report(args.output, text)
 
 
 if __name__ == "__main__":

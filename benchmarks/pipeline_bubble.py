@@ -22,7 +22,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import weakref
 from typing import Any
@@ -32,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from lightning_plugins.testing.bench import Timed, add_report_arguments, machine, print_report, write_json
 from lightning_plugins.testing.world import spawn_world
 
 LAYERS = 8  # the same model for every layout: p=2 -> 4 layers per stage (2 interleaved), p=4 -> 2 (1)
@@ -219,35 +219,40 @@ def main() -> None:
     parser.add_argument("--layer-ms", type=float, default=10.0, help="F = I = W per layer, milliseconds")
     parser.add_argument("--steps", type=int, default=2, help="measured steps per configuration")
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--out", type=str, default=None, help="also write the rows as JSON")
+    add_report_arguments(parser, out=True)
     args = parser.parse_args()
     rows: list[dict] = []
     ctx = mp.get_context("spawn")
-    for p in args.pp:
-        queue = ctx.SimpleQueue()
-        spawn_world(_entry, p, p, args.layer_ms / 1000, args.steps, queue)
-        rows += queue.get()
-    print(
+    with Timed() as run:
+        for p in args.pp:
+            queue = ctx.SimpleQueue()
+            spawn_world(_entry, p, p, args.layer_ms / 1000, args.steps, queue)
+            rows += queue.get()
+    print_report(table(rows), run.elapsed, machine(run.load))
+    write_json(args.out, rows)
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a markdown table (a schedule that cannot run this ``p`` says why)."""
+    lines = [
         "| schedule | p | v | m | theory | idle, mean | idle per rank | layer share, mean | step (ms)"
-        " | peak activations per rank (MiB) |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+        " | peak activations per rank (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         if "skipped" in row:
-            print(f"| {row['schedule']} | {row['p']} | | {row['m']} | | n/a: {row['skipped']} | | | | |")
+            lines.append(f"| {row['schedule']} | {row['p']} | | {row['m']} | | n/a: {row['skipped']} | | | | |")
             continue
         theory = "" if row["theory"] is None else f"{row['theory']:.3f}"
         mean = sum(row["idle_per_rank"]) / len(row["idle_per_rank"])
         per_rank = " / ".join(f"{x:.3f}" for x in row["idle_per_rank"])
         share = sum(row["layer_share_per_rank"]) / len(row["layer_share_per_rank"])
         mem = " / ".join(str(x) for x in row["peak_act_mib_per_rank"])
-        print(
+        lines.append(
             f"| {row['schedule']} | {row['p']} | {row['v']} | {row['m']} | {theory} | {mean:.3f} | {per_rank}"
             f" | {share:.3f} | {row['step_ms']:.0f} | {mem} |"
         )
-    if args.out:
-        with open(args.out, "w") as handle:
-            json.dump(rows, handle, indent=1)
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from typing import Any
 from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions
 from lightning_plugins.planner.dryrun import RankMemory, dry_runs
 from lightning_plugins.planner.workload import Workload
+from lightning_plugins.testing.bench import Timed, add_report_arguments, machine, print_run, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -239,7 +238,7 @@ def main() -> None:
     parser.add_argument("--max-seq", type=int, default=2**20, help="stop doubling past this length")
     parser.add_argument("--no-fit", action="store_true", help="skip the longest-sequence search")
     parser.add_argument("--tiny-check", action="store_true", help="also check PP2 x CP2 at tiny size on gloo")
-    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    add_report_arguments(parser, out=True)
     args = parser.parse_args()
     if args.resolution % 8:
         parser.error("--resolution must be a multiple of 8 (CP's load-balanced layout pads to 2 x cp, cp up to 4)")
@@ -248,18 +247,17 @@ def main() -> None:
 
     config = AutoConfig.from_pretrained(ROOT / "recipes" / "configs" / args.model)
     settings = [Setting(name, pp, cp, ac) for ac in args.ac for name, (pp, cp) in LAYOUTS.items()]
-    load, start = os.getloadavg(), time.perf_counter()
-    measured = sweep(config, settings, args.seqs, args.cp_backend)
-    sweep_s = time.perf_counter() - start
+    with Timed() as run:
+        measured = sweep(config, settings, args.seqs, args.cp_backend)
     print("\n".join(_table(settings, args.seqs, measured)), flush=True)
-    record: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "sweep_s": sweep_s}
+    record: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "sweep_s": run.elapsed}
     record["sweep"] = {f"{key}|{seq}": value for (key, seq), value in measured.items()}
     if not args.no_fit:
-        start = time.perf_counter()
-        fits = longest_fitting(
-            config, settings, measured, args.budget_gib * GIB, args.resolution, args.max_seq, args.cp_backend
-        )
-        record["fit"], record["fit_s"] = fits, time.perf_counter() - start
+        with Timed() as fitting:
+            fits = longest_fitting(
+                config, settings, measured, args.budget_gib * GIB, args.resolution, args.max_seq, args.cp_backend
+            )
+        record["fit"], record["fit_s"] = fits, fitting.elapsed
         print(f"\nLongest sequence under {args.budget_gib:g} GiB per GPU (multiples of {args.resolution}):")
         print(
             "| layout | GPUs | AC | longest seq | first over | probes (seq: peak GiB) |\n|---|---:|---|---:|---:|---|"
@@ -271,14 +269,9 @@ def main() -> None:
     if args.tiny_check:
         record["tiny_check"] = tiny_check(args.cp_backend)
         print(json.dumps(record["tiny_check"], indent=1))
-    load_end = os.getloadavg()
-    cpu = platform.processor() or platform.machine()
-    record["machine"] = (
-        f"{cpu}, {os.cpu_count()} CPU cores; load average {load[0]:.1f} at the start, {load_end[0]:.1f} at the end"
-    )
-    print(f"\n{' '.join(sys.argv)}  (sweep {sweep_s:.0f} s; {record['machine']})")
-    if args.out is not None:
-        args.out.write_text(json.dumps(record, indent=1))
+    record["machine"] = machine((run.load_start, os.getloadavg()[0]))
+    print_run(run.elapsed, record["machine"])
+    write_json(args.out, record)
 
 
 if __name__ == "__main__":

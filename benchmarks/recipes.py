@@ -10,14 +10,13 @@ Exits 1 when a recipe does not fit its hardware with the planner's 10% margin.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
-from lightning_plugins.planner.rank_memory import PEAK_CATEGORIES
 from lightning_plugins.planner.plot import layout_label
+from lightning_plugins.planner.rank_memory import PEAK_CATEGORIES
 from lightning_plugins.planner.report import plan_recipe
 from lightning_plugins.recipe.schema import load_recipe
+from lightning_plugins.testing.bench import Timed, add_report_arguments, machine, print_run, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -29,9 +28,9 @@ def shipped_recipes() -> list[Path]:
 
 
 def row(path: Path) -> dict:
-    start = time.perf_counter()
-    recipe = load_recipe(path)
-    plan = plan_recipe(recipe)
+    with Timed() as planned:
+        recipe = load_recipe(path)
+        plan = plan_recipe(recipe)
     worst = max(plan.ranks, key=lambda rank: rank.total)
     hardware = recipe.hardware
     return {
@@ -46,14 +45,25 @@ def row(path: Path) -> dict:
         "host_gib_per_node": plan.host_per_node / GIB,
         "tokens_per_s_per_gpu": plan.step.tokens_per_s_per_gpu,
         "fits": plan.fits,
-        "seconds": time.perf_counter() - start,
+        "seconds": planned.elapsed,
     }
+
+
+def _line(r: dict) -> str:
+    c = r["categories_gib"]
+    flag = "" if r["fits"] else " **does not fit**"
+    return (
+        f"| `{r['recipe']}` | {r['hardware']} | {r['layout']} | {r['seq_len']} | {r['peak_gib']:.1f} ({r['budget_gib']:.0f})"
+        f"{flag} | {c['parameters']:.1f} | {c['gradients']:.1f} | {c['optimizer']:.1f} | {c['activations']:.1f}"
+        f" | {c['temporaries']:.1f} | {r['host_gib_per_node']:.0f} | {r['tokens_per_s_per_gpu']:,.0f}"
+        f" | {r['seconds']:.0f} |"
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipes", nargs="*", type=Path, help="recipe files (default: every shipped one)")
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    add_report_arguments(parser, json_out=True)
     args = parser.parse_args()
     rows = []
     print(
@@ -61,20 +71,12 @@ def main() -> int:
         " | tok/s/GPU | dry run s |"
     )
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for path in args.recipes or shipped_recipes():
-        r = row(path.resolve())
-        rows.append(r)
-        c = r["categories_gib"]
-        flag = "" if r["fits"] else " **does not fit**"
-        print(
-            f"| `{r['recipe']}` | {r['hardware']} | {r['layout']} | {r['seq_len']} | {r['peak_gib']:.1f} ({r['budget_gib']:.0f})"
-            f"{flag} | {c['parameters']:.1f} | {c['gradients']:.1f} | {c['optimizer']:.1f} | {c['activations']:.1f}"
-            f" | {c['temporaries']:.1f} | {r['host_gib_per_node']:.0f} | {r['tokens_per_s_per_gpu']:,.0f}"
-            f" | {r['seconds']:.0f} |",
-            flush=True,
-        )
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+    with Timed() as run:
+        for path in args.recipes or shipped_recipes():
+            rows.append(row(path.resolve()))
+            print(_line(rows[-1]), flush=True)
+    print_run(run.elapsed, machine(run.load))
+    write_json(args.json, rows)
     return 0 if all(r["fits"] for r in rows) else 1
 
 

@@ -28,12 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import sys
 import tempfile
-import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +39,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from lightning_plugins.testing.bench import Timed, add_report_arguments, command, machine, write_report  # noqa: E402
 from lightning_plugins.testing.world import spawn_world  # noqa: E402
 
 WORLD = 2
@@ -181,7 +179,7 @@ def predictions(family: str, opts: Options) -> dict[str, float]:
     return out
 
 
-def report(opts: Options, results: list[dict[str, Any]], elapsed: float, command: str) -> str:
+def report(opts: Options, results: list[dict[str, Any]], elapsed: float, command: str, on: str) -> str:
     mib = lambda x: f"{x / 2**20:.2f}"  # noqa: E731
     lines = [
         f"Per family: hidden {opts.hidden}, {opts.layers} layers, {opts.heads} heads / {opts.kv_heads} kv heads,"
@@ -220,8 +218,7 @@ def report(opts: Options, results: list[dict[str, Any]], elapsed: float, command
         lines.append(f"* {family}: {listed or 'none'}")
     lines += [
         "",
-        f"Machine: {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), gloo, torch"
-        f" {torch.__version__}, Python {platform.python_version()}. Whole run {elapsed:.0f} s. Command: `{command}`",
+        f"Machine: {on}. Whole run {elapsed:.0f} s. Command: `{command}`",
     ]
     return "\n".join(lines)
 
@@ -238,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny size: checks the script runs")
     parser.add_argument("--plain-norms", action="store_true", help="the models' own RMSNorms (efficient_norms=False)")
     parser.add_argument("--sp-regather", action="store_true", help="regions re-gather their input in backward")
-    parser.add_argument("--output", type=Path, help="also write the markdown report here")
+    add_report_arguments(parser, output=True)
     args = parser.parse_args(argv)
     opts = Options(
         **{f: getattr(args, f) for f in _SIZE_FIELDS},
@@ -251,8 +248,7 @@ def main(argv: list[str] | None = None) -> None:
             hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=256, seq=64, families=opts.families,
             plain_norms=opts.plain_norms, sp_regather=opts.sp_regather,
         )
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="sp_fallback_") as tmp:
+    with Timed() as run, tempfile.TemporaryDirectory(prefix="sp_fallback_") as tmp:
         from transformers import AutoModelForCausalLM
 
         checkpoints = {}
@@ -265,11 +261,9 @@ def main(argv: list[str] | None = None) -> None:
                 model.save_pretrained(checkpoints[family])
         spawn_world(worker, WORLD, opts, checkpoints, tmp, errors=tmp)
         results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD)]
-    command = "python " + " ".join([os.path.relpath(sys.argv[0])] + (sys.argv[1:] if argv is None else argv))
-    text = report(opts, results, time.perf_counter() - start, command)
+    text = report(opts, results, run.elapsed, command(argv), machine(run.load, python=True))
     print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
+    write_report(args.output, text)
 
 
 if __name__ == "__main__":

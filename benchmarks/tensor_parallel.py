@@ -64,7 +64,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -80,6 +79,14 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # weight-loading bar
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from lightning_plugins.testing.bench import (  # noqa: E402
+    Timed,
+    add_report_arguments,
+    command,
+    machine,
+    write_json,
+    write_report,
+)
 from lightning_plugins.testing.models import tiny_llama  # noqa: E402
 from lightning_plugins.testing.world import spawn_world  # noqa: E402
 
@@ -514,7 +521,7 @@ def _mib(x: float) -> str:
     return f"{x / 2**20:.1f}"
 
 
-def report(opts: Options, results: list[dict[str, Any]], elapsed: float, command: str, load: str) -> str:
+def report(opts: Options, results: list[dict[str, Any]], elapsed: float, command: str, on: str) -> str:
     tokens = opts.batch * opts.seq
     names = list(opts.variants)
     r0 = results[0]
@@ -607,21 +614,9 @@ def report(opts: Options, results: list[dict[str, Any]], elapsed: float, command
         lines.append(f"* {label}: {terms}; total {mini['total'] / 2**20:.3f}")
     lines += [
         "",
-        f"Machine: {os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), gloo, torch"
-        f" {torch.__version__}, transformers {_version('transformers')}, lightning {_version('lightning')},"
-        f" Python {platform.python_version()}; load average (1 min) {load}. Whole run {elapsed:.0f} s."
-        f" Command: `{command}`",
+        f"Machine: {on}. Whole run {elapsed:.0f} s. Command: `{command}`",
     ]
     return "\n".join(lines)
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import version
-
-    try:
-        return version(package)
-    except Exception:
-        return "?"
 
 
 _SIZE_FIELDS = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq", "batch", "warmup", "steps")
@@ -634,8 +629,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
     parser.add_argument("--variants", default=",".join(defaults.variants), help="comma-separated subset")
     parser.add_argument("--quick", action="store_true", help="a tiny model and 1+2 rounds: checks the script runs")
-    parser.add_argument("--output", type=Path, help="also write the markdown report here")
-    parser.add_argument("--json", type=Path, help="also write the raw per-rank measurements here")
+    add_report_arguments(parser, output=True, json_out=True)
     args = parser.parse_args(argv)
     opts = Options(**{f: getattr(args, f) for f in _SIZE_FIELDS})
     opts.variants = tuple(v for v in args.variants.split(",") if v)
@@ -648,8 +642,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or "hf_tp" not in opts.variants:
         parser.error(f"--variants: unknown {sorted(unknown)} or no hf_tp (the reference); known: {list(LABELS)}")
 
-    start, load_start = time.perf_counter(), os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="tp_bench_") as tmp:
+    with Timed() as run, tempfile.TemporaryDirectory(prefix="tp_bench_") as tmp:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
@@ -662,16 +655,11 @@ def main(argv: list[str] | None = None) -> None:
         outdir.mkdir()
         spawn_world(worker, WORLD, opts, str(Path(tmp, "model")), str(outdir), errors=outdir)
         results = [json.loads(Path(outdir, f"rank{r}.json").read_text()) for r in range(WORLD)]
-    elapsed = time.perf_counter() - start
-    command = "python " + " ".join([os.path.relpath(sys.argv[0])] + (sys.argv[1:] if argv is None else argv))
-    if args.json:
-        raw = {"options": asdict(opts), "results": results, "elapsed": elapsed, "command": command}
-        args.json.write_text(json.dumps(raw))
-    load = f"{load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end"
-    text = report(opts, results, elapsed, command, load)
+    ran = command(argv)
+    write_json(args.json, {"options": asdict(opts), "results": results, "elapsed": run.elapsed, "command": ran}, None)
+    text = report(opts, results, run.elapsed, ran, machine(run.load, packages=("transformers", "lightning"), python=True))
     print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
+    write_report(args.output, text)
 
 
 if __name__ == "__main__":
