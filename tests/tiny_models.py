@@ -42,6 +42,12 @@ _QWEN3_5 = dict(
     layer_types=["linear_attention", "linear_attention", "full_attention"],
 )
 
+_QWEN3_5_4L = {
+    **_QWEN3_5,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+}
+
 CONFIGS = {
     "llama": lambda: LlamaConfig(**_COMMON),
     "llama_tied": lambda: LlamaConfig(**_COMMON, tie_word_embeddings=True),
@@ -122,6 +128,15 @@ CONFIGS = {
     # Qwen3-Next: the same layers, its Gated DeltaNet's q/k/v/z and b/a fused per key head; experts in every layer.
     "qwen3_next": lambda: Qwen3NextConfig(
         **_QWEN3_5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+    ),
+    # Four layers, Qwen3.5's own pattern (three linear-attention layers, then a full-attention one), for pipeline
+    # stages: 2 stages hold [lin, lin] and [lin, full], 4 hold one layer each (three of them linear attention only).
+    "qwen3_5_4l": lambda: Qwen3_5TextConfig(**_QWEN3_5_4L),
+    "qwen3_5_moe_4l": lambda: Qwen3_5MoeTextConfig(
+        **_QWEN3_5_4L, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+    ),
+    "qwen3_next_4l": lambda: Qwen3NextConfig(
+        **_QWEN3_5_4L, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
     ),
     "mixtral_4l": lambda: MixtralConfig(**{**_COMMON, "num_hidden_layers": 4}, num_local_experts=4, num_experts_per_tok=2),
 }

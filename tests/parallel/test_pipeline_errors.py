@@ -126,6 +126,30 @@ def test_forward_a_stage_cannot_reproduce(fake_world: int) -> None:
         parallelize(gemma3, ParallelLayout(pp_size=2))
 
 
+def test_linear_attention_other_than_gated_delta_net(fake_world: int) -> None:
+    """Stages give a linear-attention layer what Qwen3.5's and Qwen3-Next's decoders give their Gated DeltaNets (the
+    padding mask; test_pipeline_linear_attention.py); MiniMax's lightning attention in a ``linear_attention`` layer is
+    refused naming the layer and pp, before anything is split."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.minimax.configuration_minimax import MiniMaxConfig
+
+    config = MiniMaxConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention", "linear_attention"],
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = dict(model.model.layers.named_children())
+    with pytest.raises(
+        LayoutError, match=r"pp_size=2: .*'minimax': model\.layers\.1 \(MiniMaxDecoderLayer\) is a linear_attention layer"
+    ):
+        parallelize(model, ParallelLayout(pp_size=2))
+    assert dict(model.model.layers.named_children()) == layers  # nothing cut
+    # Qwen3.5's config passes the checks that need no weights.
+    check_settings(ParallelLayout(pp_size=2).resolve(4), ParallelOptions(), MemoryOptions(), tiny_model("qwen3_5").config)
+
+
 def test_a_module_the_forward_would_miss(fake_world: int) -> None:
     """A module added to the base model (a step its forward may run) is refused by name, not assumed harmless."""
     model = tiny_model("llama_4l")

@@ -7,16 +7,21 @@ does between the pieces. Transformers' decoders all follow one shape, and the va
   ``sqrt(hidden_size)`` in the weight's dtype), then the base model's ``embedding_multiplier`` (Granite) and
   ``embedding_dropout`` (StarCoder2).
 * **Per layer.** The mask of the layer's attention type (``config.layer_types``: full or sliding) and the rotary
-  embedding, per layer type when the rotary module takes one (Gemma 3's local and global RoPE). Everything else
-  (post-norms, fused projections, sinks, soft-capped attention, residual multipliers) is inside the layer.
+  embedding, per layer type when the rotary module takes one (Gemma 3's local and global RoPE). A linear-attention
+  layer (Qwen3.5's and Qwen3-Next's Gated DeltaNet) gets what their decoders give it: the 2-D padding mask
+  (:func:`~lightning_plugins.parallel.pipeline.stage.recurrent_padding_mask`) and no cache; the shared rotary
+  embedding passed along is unused there. A linear-attention layer without a Gated DeltaNet is refused: other
+  hybrid decoders give theirs other inputs. Everything else (post-norms, fused projections, sinks, soft-capped
+  attention, residual multipliers) is inside the layer.
 * **Head.** The final norm, ``lm_head``, then the causal LM's logit transforms from its config:
   ``logits / logits_scaling`` (Granite), ``logits * logit_scale`` (Cohere),
   ``tanh(logits / cap) * cap`` with ``final_logit_softcapping`` (Gemma 2 and 3).
 
 :func:`decoder_anatomy` finds these on the model and refuses, naming it, anything else a forward could hide from
 a stage: a module of the base model or the causal LM that is not one of the pieces above, a scalar attribute
-the stage would not apply, an attention type with no mask here, a layer that does not take its mask and
-rotary embedding. :func:`check_stageable_config` runs the config part before any weight exists.
+the stage would not apply, an attention type with no mask here, a linear-attention layer that is not a Gated
+DeltaNet, a layer that does not take its mask and rotary embedding. :func:`check_stageable_config` runs the config
+part before any weight exists.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.parallel.linear_attention import is_gated_delta_net
 
 __all__ = [
     "ATTENTION_KINDS",
+    "UNROTATED_KINDS",
     "DecoderAnatomy",
     "attention_kinds",
     "check_stageable_config",
@@ -39,7 +46,9 @@ __all__ = [
 ]
 
 #: Attention types (``config.layer_types``) whose masks a stage builds (the names transformers gives them).
-ATTENTION_KINDS = ("full_attention", "sliding_attention")
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "linear_attention")
+#: Attention types whose layers take no rotary embedding (a stage computes none for a stage of only those).
+UNROTATED_KINDS = ("linear_attention",)
 #: The base model's pieces a stage runs; any other submodule is a step of its forward the stage would miss.
 _BASE_PIECES = {"embed_tokens", "layers", "norm", "rotary_emb"}
 #: Scalars on the base model that a stage applies or that do not act in the forward.
@@ -90,9 +99,16 @@ class DecoderAnatomy:
         return hidden
 
     def rotary(self, rotary: nn.Module, hidden: Tensor, position_ids: Tensor, kinds: set[str]) -> dict[str, Any]:
-        """The rotary embedding each attention type in ``kinds`` uses."""
+        """The rotary embedding each attention type in ``kinds`` uses (``None`` for a type without one).
+
+        A shared embedding also goes to linear-attention layers, as the decoders' forward passes it (they ignore it);
+        a stage whose layers are all linear attention computes none.
+        """
+        rotated = {kind for kind in kinds if kind not in UNROTATED_KINDS}
+        if not rotated:
+            return dict.fromkeys(kinds)
         if self.rotary_per_layer_type:
-            return {kind: rotary(hidden, position_ids, kind) for kind in kinds}
+            return {kind: rotary(hidden, position_ids, kind) if kind in rotated else None for kind in kinds}
         shared = rotary(hidden, position_ids)
         return dict.fromkeys(kinds, shared)
 
@@ -130,10 +146,16 @@ def check_stageable_config(config: Any, pp_size: int) -> None:
     Raises:
         LayoutError: naming the attention type or switch that blocks staging.
     """
-    unknown = sorted(set(attention_kinds(config)) - set(ATTENTION_KINDS))
+    kinds = attention_kinds(config)
+    unknown = sorted(set(kinds) - set(ATTENTION_KINDS))
     if unknown:
-        kinds = list(ATTENTION_KINDS)
-        raise _refuse(config, pp_size, f"its layer_types include {unknown}, and stages build masks for {kinds} only")
+        where = [index for index, kind in enumerate(kinds) if kind in unknown]
+        raise _refuse(
+            config,
+            pp_size,
+            f"its layer_types include {unknown} (layers {where}), and stages build masks for {list(ATTENTION_KINDS)}"
+            " only",
+        )
     for switch, what in _REFUSED_SWITCHES.items():
         if getattr(config, switch, False):
             raise _refuse(config, pp_size, f"config.{switch}=True ({what})")
@@ -176,6 +198,7 @@ def decoder_anatomy(model: nn.Module, pp_size: int = 2) -> DecoderAnatomy:
     if scalars:
         what = f"its forward may apply the scalar attribute(s) {scalars}, which a stage does not"
         raise _refuse(config, pp_size, what)
+    _check_linear_attention_layers(model, pp_size)
     layer = next(iter(base.layers), None)
     if layer is not None:
         params = inspect.signature(layer.forward).parameters
@@ -192,6 +215,19 @@ def decoder_anatomy(model: nn.Module, pp_size: int = 2) -> DecoderAnatomy:
         rotary_per_layer_type="layer_type" in inspect.signature(base.rotary_emb.forward).parameters,
         **_head_fields(model),
     )
+
+
+def _check_linear_attention_layers(model: nn.Module, pp_size: int) -> None:
+    """Refuse a ``linear_attention`` layer without a Gated DeltaNet: a stage gives such a layer the padding mask that
+    Qwen3.5's and Qwen3-Next's decoders give theirs, and other hybrids' decoders give their layers other inputs."""
+    kinds, prefix = attention_kinds(model.config), model.base_model_prefix
+    for key, layer in model.base_model.layers.named_children():
+        if kinds[int(key)] in UNROTATED_KINDS and not any(is_gated_delta_net(module) for module in layer.modules()):
+            what = (
+                f"{prefix}.layers.{key} ({type(layer).__name__}) is a linear_attention layer without a Gated DeltaNet,"
+                " and stages give linear-attention layers only what Qwen3.5's and Qwen3-Next's decoders give theirs"
+            )
+            raise _refuse(model.config, pp_size, what)
 
 
 def _head_fields(model: nn.Module) -> dict[str, Any]:

@@ -96,7 +96,11 @@ class StageModule(nn.Module):
             hidden = inputs
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=inputs.device).unsqueeze(0)
-        mask_fns = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        mask_fns = {
+            "full_attention": create_causal_mask,
+            "sliding_attention": create_sliding_window_causal_mask,
+            "linear_attention": recurrent_padding_mask,
+        }
         masks = {
             # No cache: passed by position, since transformers 5.24 renamed the argument (past_key_values -> cache).
             kind: mask_fns[kind](self.config, hidden, attention_mask, None, position_ids=position_ids)
@@ -125,6 +129,21 @@ class StageModule(nn.Module):
             loss_sum = token_losses(self.anatomy.logits(logits), targets).sum()
         self.loss_sums.append(loss_sum.detach())
         return loss_sum * self.loss_factor
+
+
+def recurrent_padding_mask(
+    config: Any, hidden: Tensor, attention_mask: Tensor | None, cache: Any = None, **kwargs: Any
+) -> Tensor | None:
+    """What Qwen3.5's and Qwen3-Next's decoders give a linear-attention layer as its mask: the 2-D padding mask (the
+    layer zeroes padded positions before its recurrence), ``None`` without one (or for a custom 4-D mask).
+
+    As transformers' ``create_recurrent_attention_mask`` without a cache, except that a mask without padding is passed
+    too rather than checked on the host (multiplying by ones changes nothing; the check would stall every stage on
+    the device once per micro-batch). Here, not imported: the floor (transformers 5.23) builds it inside the forward.
+    """
+    if attention_mask is None or attention_mask.ndim != 2:
+        return None
+    return attention_mask[:, -hidden.shape[1] :].contiguous()
 
 
 def identity_loss(output: Tensor, target: Tensor) -> Tensor:
