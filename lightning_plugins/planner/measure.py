@@ -57,11 +57,13 @@ on the first step and kept) are tracked as *other*, as is the batch.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from copy import deepcopy
 from functools import wraps
 from typing import TYPE_CHECKING, Any
+from typing_extensions import override
 
 import torch
 from torch import Tensor, nn
@@ -205,6 +207,18 @@ class StepMemTracker(MemTracker):
         if self._depth == 0:
             ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
 
+    @override
+    def _pre_bw_hook(self, module: nn.Module | None, args: Any) -> None:
+        if module is not None:  # a module made for one call is gone by its backward (see _post_bw_hook)
+            super()._pre_bw_hook(module, args)
+
+    @override
+    def _post_bw_hook(self, module: nn.Module | None, args: Any) -> None:
+        # transformers builds some modules afresh at each call (``ACT2FN[name]`` instantiates the activation: Qwen3.5's
+        # gated norm, the causal conv's torch fallback); they hold no state, and MemTracker would warn at each.
+        if module is not None:
+            super()._post_bw_hook(module, args)
+
     def _untracked(self, propagate: Callable[..., Any]) -> Callable[..., Any]:
         """``propagate`` (DTensor's output-shape propagation) run past this tracker (see the module docstring)."""
 
@@ -233,11 +247,15 @@ class StepMemTracker(MemTracker):
 
     def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
         # ``MemTracker`` registers its gradient hooks on every parameter, which fails for frozen ones (LoRA's
-        # base): hook only those that get gradients.
-        memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        # base): hook only those that get gradients. A module whose parameters are swapped for one call by slices of
+        # them (linear attention's heads under context parallelism) lists non-leaf tensors: their gradients flow on
+        # to the parameters, which are hooked.
+        with warnings.catch_warnings():  # MemTracker reads `.grad` of those non-leaf tensors too (None: nothing to count)
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+            memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
         if install_grad_hooks:
             for param in module.parameters():
-                if param.requires_grad and self._param_to_grad_hook_handles.get(param) is None:
+                if param.requires_grad and param.is_leaf and self._param_to_grad_hook_handles.get(param) is None:
                     self._param_to_grad_hook_handles[param] = (
                         param.register_hook(self._file_gradient),
                         param.register_post_accumulate_grad_hook(lambda p: self._file_gradient(p.grad)),

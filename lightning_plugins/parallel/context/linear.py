@@ -49,6 +49,10 @@ from lightning_plugins.parallel.linear_attention import (
     parameter_role,
 )
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 __all__ = ["LinearContextParallel", "PackedCheck", "apply_linear_context_parallel", "linear_attention_of"]
 
 
@@ -292,7 +296,7 @@ def _reduce_scatter_sequence(x: Tensor, group: Any) -> Tensor:
     size = dist.get_world_size(group)
     parts = x.unflatten(1, (size, x.shape[1] // size)).movedim(1, 0)
     out = x.new_empty(parts.shape[1:])
-    dist.reduce_scatter_tensor(out, parts.flatten(0, 1).contiguous(), group=group)  # gloo: concatenated along dim 0
+    _reduce_scatter_single(out, parts.flatten(0, 1).contiguous(), group=group)  # gloo: concatenated along dim 0
     return out
 
 
@@ -300,7 +304,7 @@ def _all_gather_sequence(x: Tensor, group: Any) -> Tensor:
     """Every rank's ``[b, s, ...]`` as ``[b, cp * s, ...]`` in rank order."""
     size = dist.get_world_size(group)
     gathered = x.new_empty((size * x.shape[0], *x.shape[1:]))  # gloo: concatenated along dim 0
-    dist.all_gather_into_tensor(gathered, x.contiguous(), group=group)
+    _all_gather_single(gathered, x.contiguous(), group=group)
     return gathered.unflatten(0, (size, x.shape[0])).movedim(0, 1).flatten(1, 2)
 
 
