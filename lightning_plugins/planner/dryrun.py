@@ -65,6 +65,7 @@ from lightning_plugins.planner.forked import forked
 from lightning_plugins.planner.host_memory import largest_read, pinned_rounding
 from lightning_plugins.planner.intervals import mark_intervals
 from lightning_plugins.planner.measure import StepMemTracker
+from lightning_plugins.planner.reference_kernels import LINEAR_ATTENTION_NOTE, reference_kernels_quietly
 from lightning_plugins.planner.rank_memory import RankMemory, with_offload, with_optimizer_offload, worst_interval
 from lightning_plugins.planner.workload import Workload
 
@@ -167,6 +168,8 @@ def _rank_memory(
         activations_per_layer=per_layer,
     )
     report.intervals = intervals
+    if "linear_attention" in (getattr(workload.config, "layer_types", None) or ()):
+        report.notes.append(LINEAR_ATTENTION_NOTE)
     if len(steps) > 1:
         report.notes.append(
             f"peak extrapolated to {layers} layers from copies of the model with {MEASURED_LAYERS[0]} and"
@@ -333,6 +336,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
         balanced_routing(),
         default_dtype(DTYPES[workload.dtype]),
         host_device("meta"),  # offloaded activations: tracked on the meta device, apart from the GPU's
+        reference_kernels_quietly(),
     ):
         model = build_parallel_model(workload)
         counted = {}

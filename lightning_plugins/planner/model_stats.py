@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from lightning_plugins.planner.layer_kinds import LayerKind
+
 __all__ = ["ModelStats", "PlannerError", "load_model_config", "model_stats", "shipped_configs"]
 
 #: Training methods the planner models: all weights, LoRA on a dense base, LoRA on an NF4 base.
@@ -95,6 +97,10 @@ class ModelStats:
         expert_matmul_params: The matmul weights among :attr:`expert_params` (no biases).
         attention_windows: Per decoder layer, the keys a query attends at most (its sliding window), ``0`` for
             full attention; empty when every layer attends fully (see :func:`attention_windows`).
+        layer_kinds: The kinds of layer of a stack that mixes them (Qwen3.5's linear and full attention,
+            DeepSeek-V3's dense and MoE layers; :mod:`.layer_kinds`), each with its count: the counts and FLOPs
+            then sum over them, and the per-layer fields above are the stack's mean layer (``linears``: every
+            kind's). Empty when all layers are alike.
     """
 
     hidden_size: int
@@ -117,6 +123,7 @@ class ModelStats:
     expert_params: int = 0
     expert_matmul_params: int = 0
     attention_windows: tuple[int, ...] = ()
+    layer_kinds: tuple[LayerKind, ...] = field(default=(), compare=False)
 
     @property
     def is_moe(self) -> bool:
@@ -127,23 +134,33 @@ class ModelStats:
     def active_params(self) -> int:
         """Parameters one token uses: :attr:`total_params` less the routed experts it is not sent to (a dense
         model's are all of them). Attention, router, shared experts, embedding and head all count."""
-        idle = self.expert_params - self.expert_params * self.experts_per_token // max(self.num_experts, 1)
+        experts, top_k = max(self.num_experts, 1), self.experts_per_token
+        if self.layer_kinds:
+            return self.total_params - sum(k.count * (k.expert_params - k.expert_params * top_k // experts) for k in self.layer_kinds)  # fmt: skip
+        idle = self.expert_params - self.expert_params * top_k // experts
         return self.total_params - self.num_layers * idle
 
     @property
     def total_params(self) -> int:
         """All parameters (a tied weight counted once), as ``sum(p.numel())`` of the transformers model."""
-        return self.embedding_params + self.num_layers * self.layer_params + self.norm_params + self.head_params
+        layers = sum(k.count * k.params for k in self.layer_kinds) or self.num_layers * self.layer_params
+        return self.embedding_params + layers + self.norm_params + self.head_params
 
     @property
-    def layer_matmul_params(self) -> int:
-        """Weights of one decoder layer that take part in matmuls (its linear weights; no biases or norms)."""
+    def layer_matmul_params(self) -> float:
+        """Weights of one decoder layer that take part in matmuls (its linear weights; no biases or norms); of a
+        stack of mixed layers, the mean layer's."""
+        if self.layer_kinds:
+            return sum(k.count * k.matmul_params for k in self.layer_kinds) / self.num_layers
         return sum(fan_in * fan_out for _, fan_in, fan_out in self.linears)
 
     @property
-    def layer_active_matmul_params(self) -> int:
+    def layer_active_matmul_params(self) -> float:
         """Matmul weights one token meets in a decoder layer: its linears and, of a MoE layer, the ``top-k`` routed
-        experts' weights (a dense layer: :attr:`layer_matmul_params`)."""
+        experts' weights (a dense layer: :attr:`layer_matmul_params`); of a stack of mixed layers, the mean layer's."""
+        if self.layer_kinds:
+            experts, top_k = self.num_experts, self.experts_per_token
+            return sum(k.count * k.active_matmul_params(top_k, experts) for k in self.layer_kinds) / self.num_layers
         return self.layer_matmul_params + self.expert_matmul_params * self.experts_per_token // max(self.num_experts, 1)
 
     @property
@@ -162,8 +179,9 @@ class ModelStats:
         family's column- and row-parallel projections (``q/k/v/o_proj``, ``gate/up/down_proj``)."""
         return self.lora_targets or tuple(name for name, _, _ in self.linears)
 
-    def lora_params_per_layer(self, target_modules: tuple[str, ...] | None, r: int) -> int:
-        """Adapter parameters of one decoder layer: ``r x (in + out)`` per targeted linear.
+    def lora_params_per_layer(self, target_modules: tuple[str, ...] | None, r: int) -> float:
+        """Adapter parameters of one decoder layer: ``r x (in + out)`` per targeted linear (of a stack of mixed
+        layers, the mean layer's: Qwen3.5's ``q_proj`` is in one layer of four).
 
         Args:
             target_modules: Last name components (``"q_proj"``); ``None`` takes :meth:`default_lora_targets`.
@@ -181,6 +199,9 @@ class ModelStats:
                 f" are {sorted(names)}. Use some of those (e.g. target_modules=['q_proj', 'v_proj'])."
             )
         wanted = {t.rpartition(".")[2] for t in targets}
+        if self.layer_kinds:
+            per_kind = (k.count * sum(r * (i + o) for name, i, o in k.linears if name in wanted) for k in self.layer_kinds)  # fmt: skip
+            return sum(per_kind) / self.num_layers
         return sum(r * (fan_in + fan_out) for name, fan_in, fan_out in self.linears if name in wanted)
 
     def attention_flops_per_token(self, seq_len: int) -> float:
@@ -247,17 +268,26 @@ def _shape(config: Any) -> tuple[int, int, int, int, int, int, int]:
     h, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or h // heads
-    return h, layers, heads, kv_heads, head_dim, config.intermediate_size, config.vocab_size
+    ffn = getattr(config, "intermediate_size", None) or getattr(config, "moe_intermediate_size", None) or 0
+    return h, layers, heads, kv_heads, head_dim, ffn, config.vocab_size
+
+
+#: Tokens per chunk of the chunked gated delta rule (transformers' torch fallback and fla's kernels): a
+#: linear-attention layer attends like softmax within its chunk and carries a state across chunks, so its work per
+#: token is that of a window of this many keys (the state's update is of the same order), not of the whole row.
+LINEAR_ATTENTION_CHUNK = 64
 
 
 def attention_windows(config: Any) -> tuple[int, ...]:
     """Per decoder layer, its sliding window (``0``: full attention), as transformers' masks decide it: a config
-    with ``layer_types`` windows its ``"sliding_attention"`` layers; one without windows every layer when it sets
-    ``sliding_window`` (Mistral). Empty when no layer is windowed."""
+    with ``layer_types`` windows its ``"sliding_attention"`` layers (and counts a ``"linear_attention"`` layer as a
+    window of :data:`LINEAR_ATTENTION_CHUNK`); one without windows every layer when it sets ``sliding_window``
+    (Mistral). Empty when no layer is windowed."""
     window = getattr(config, "sliding_window", None) or 0
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        windows = tuple(window if kind == "sliding_attention" else 0 for kind in layer_types)
+        sizes = {"sliding_attention": window, "linear_attention": LINEAR_ATTENTION_CHUNK}
+        windows = tuple(sizes.get(kind, 0) for kind in layer_types)
     else:
         windows = (window,) * config.num_hidden_layers
     return windows if any(windows) else ()
@@ -317,66 +347,72 @@ def _closed_form(config: Any) -> ModelStats:
     )
 
 
+#: Model stats counted on meta-device models, by the config's JSON text (the layout search asks for them often).
+_COUNTED: dict[str, ModelStats] = {}
+
+
 def _from_meta_layer(config: Any) -> ModelStats:
-    """Count an unregistered model type on a one-layer meta-device copy (shapes only, no memory)."""
+    """Count an unregistered model type on its meta-device copy (shapes only, no memory): every decoder layer, grouped
+    by kind (:func:`.layer_kinds.layer_kinds`), so a stack that mixes kinds is counted exactly."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _COUNTED:
+        _COUNTED[key] = _counted(config)
+    return _COUNTED[key]
+
+
+def _built(config: Any) -> Any:
     import torch
-    from torch import nn
     from transformers import AutoModelForCausalLM
 
-    from lightning_plugins.parallel.moe.experts import expert_modules, num_experts
-    from lightning_plugins.errors import LayoutError
-    from lightning_plugins.parallel.families import decoder_layers, family_for, projection_names
-
-    fields = {**config.to_dict(), "num_hidden_layers": 1}
-    if fields.get("layer_types"):
-        fields["layer_types"] = fields["layer_types"][:1]
-    small = config.__class__.from_dict(fields)
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(small)
+            return AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError) as err:
         raise PlannerError(
             f"Cannot build a {getattr(config, 'model_type', '?')} causal LM from this config ({err}). The planner needs"
             " a decoder-only model transformers can build with AutoModelForCausalLM."
         ) from None
+
+
+def _counted(config: Any) -> ModelStats:
+    from lightning_plugins.errors import LayoutError
+    from lightning_plugins.parallel.families import decoder_layers, family_for, projection_names
+    from lightning_plugins.parallel.moe.experts import num_experts
+    from lightning_plugins.planner.layer_kinds import layer_kinds
+
+    model = _built(config)
     try:  # LoRA's defaults: a registered family's projections, or those of the config's TP plan
         targets = projection_names(family_for(model))
     except LayoutError:
         targets = ()
-    layer = decoder_layers(model, family_for(model, tensor_parallel=False))[0]
-    embedding = model.get_input_embeddings()
-    head = model.get_output_embeddings()
+    layers = list(decoder_layers(model, family_for(model, tensor_parallel=False)))
+    kinds = layer_kinds(layers)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head is not None and head.weight is embedding.weight
-    total = sum(p.numel() for p in model.parameters())
-    layer_params = sum(p.numel() for p in layer.parameters())
+    stack = sum(k.count * k.params for k in kinds)
     embedding_params = embedding.weight.numel()
     head_params = 0 if tied or head is None else sum(p.numel() for p in head.parameters())
-    linears = tuple(
-        (name.rpartition(".")[2], m.in_features, m.out_features)
-        for name, m in layer.named_modules()
-        if isinstance(m, nn.Linear)
-    )
-    experts = [module for _, module in expert_modules(layer)]
-    expert_params = sum(p.numel() for module in experts for p in module.parameters())
-    expert_matmuls = sum(p.numel() for module in experts for p in module.parameters() if p.dim() == 3)
+    mixed = len(kinds) > 1
+    linears = tuple({name: (name, i, o) for k in kinds for name, i, o in k.linears}.values())
     moe = {}
-    if experts:
+    if any(k.expert_params for k in kinds):
         top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", None)
         moe = {
             "num_experts": num_experts(config) or 0,
             "experts_per_token": int(top_k or 0),
-            "expert_params": expert_params,
-            "expert_matmul_params": expert_matmuls,
+            "expert_params": sum(k.count * k.expert_params for k in kinds) // len(layers),
+            "expert_matmul_params": sum(k.count * k.expert_matmul_params for k in kinds) // len(layers),
         }
     return _stats(
         config,
         tied_embeddings=tied,
         embedding_params=embedding_params,
-        layer_params=layer_params,
-        norm_params=total - embedding_params - layer_params - head_params,
+        layer_params=round(stack / len(layers)),
+        norm_params=sum(p.numel() for p in model.parameters()) - embedding_params - stack - head_params,
         head_params=head_params,
         linears=linears,
         lora_targets=targets,
+        layer_kinds=kinds if mixed else (),
         **moe,
     )
 

@@ -42,6 +42,22 @@ TINY_MOE = {
     "experts_per_token": 2,
     "moe_intermediate_size": 64,
     "shared_expert_intermediate_size": 128,
+    "n_routed_experts": 4,  # DeepSeek-V3 / GLM-4.5 spelling, with their expert groups (one group of 4)
+    "n_group": 1,
+    "topk_group": 1,
+}
+#: The other widths a family has, shrunk where its config has them so that heads still split over TP=2: Gated
+#: DeltaNet linear attention (Qwen3.5, Qwen3-Next) and multi-head latent attention (DeepSeek-V3, Kimi K2).
+TINY_WIDTHS = {
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
 }
 #: Learning rates at which a random tiny model's loss falls within a few steps (full, adapters).
 TINY_LR = {"full": 3e-3, "lora": 1e-2}
@@ -95,13 +111,26 @@ def tiny_config(config: Any, layers: int) -> Any:
         changes["max_window_layers"] = layers
     layer_types = getattr(config, "layer_types", None)
     if isinstance(layer_types, list):  # an alternating pattern (gpt-oss: sliding, full) is kept, as is a uniform one
-        changes["layer_types"] = [layer_types[i % len(layer_types)] for i in range(layers)]
+        changes["layer_types"] = _every_kind(layer_types, layers)
+    if getattr(config, "first_k_dense_replace", None):  # DeepSeek-V3 / GLM-4.5: one dense layer, then experts
+        changes["first_k_dense_replace"] = 1
+    changes.update({key: value for key, value in TINY_WIDTHS.items() if getattr(config, key, None) is not None})
     if isinstance(getattr(config, "sliding_window", None), int):  # a window the tiny rows are longer than
         changes["sliding_window"] = min(config.sliding_window, TINY_SEQ_LEN // 4)
     changes.update({key: value for key, value in TINY_MOE.items() if getattr(config, key, None) is not None})
     fields = {**config.to_dict(), **changes}
     fields.pop("quantization_config", None)  # the twin's random weights are plain fp32 (gpt-oss ships MXFP4 experts)
     return type(config).from_dict(fields)
+
+
+def _every_kind(layer_types: list[str], layers: int) -> list[str]:
+    """The first ``layers`` of a periodic ``layer_types``, its last entries given to the kinds those leave out: a
+    twin of Qwen3.5 (three linear-attention layers to one full) has one of each, as gpt-oss's keeps sliding, full."""
+    kinds = [layer_types[i % len(layer_types)] for i in range(layers)]
+    missing = [kind for kind in dict.fromkeys(layer_types) if kind not in kinds]
+    for index, kind in zip(range(layers - 1, 0, -1), missing):
+        kinds[index] = kind
+    return kinds
 
 
 def _tiny_tokenizer() -> Any:

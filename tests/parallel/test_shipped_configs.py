@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lightning_plugins import LayoutError, ParallelLayout
@@ -40,6 +41,12 @@ MODELS = {
     # 14.7B on the hub; exact = embedding + untied lm_head (2 x 100352 x 5120) + 40 x (qkv_proj 7680 x 5120,
     # o_proj, gate_up_proj 35840 x 5120, down_proj, 2 norms) + the final norm, counted by hand from the shape.
     "phi-4": ("Phi3ForCausalLM", 14.7e9, 14_659_507_200),
+    # The 2026 families (issue 47). Exact: what transformers builds from the config, which leaves out the multi-token
+    # prediction layer the hub's files also hold (DeepSeek-V3's 685B on the hub = 671B + 14B MTP) and counts
+    # gpt-oss-20b's experts dense (the hub holds them in MXFP4).
+    "DeepSeek-V3": ("DeepseekV3ForCausalLM", 671e9, 671_026_404_352),
+    "GLM-4.5-Air": ("Glm4MoeForCausalLM", 106.9e9, 106_852_245_504),  # the card's "106B", rounded down
+    "gpt-oss-20b": ("GptOssForCausalLM", 20.9e9, 20_914_757_184),
 }
 
 # Multimodal checkpoints whose text decoder the recipes train: (architecture of the checkpoint, of the decoder,
@@ -47,7 +54,14 @@ MODELS = {
 # projector are 423M of it); the decoder ties its embedding to lm_head (262208 x 5376 counted once).
 MULTIMODAL = {
     "gemma-3-27b-pt": ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM", 27_432_406_640, 27_009_346_304),
+    # Qwen3.5 (dense and MoE) ships image-text checkpoints only; "27B" and "35B" count the vision tower (0.46B).
+    "Qwen3.5-27B": ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", 27_356_728_560, 26_895_998_464),
+    "Qwen3.5-35B-A3B": ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", 35_107_181_936, 34_660_610_688),
 }
+
+# The largest tensor parallelism of a multimodal checkpoint's decoder when it is below 8: Qwen3.5-27B has 4 kv heads,
+# Qwen3.5-35B-A3B 2 (their linear-attention heads, 16 key and 48 / 32 value heads, would split 8 ways).
+MULTIMODAL_TP = {"Qwen3.5-27B": 4, "Qwen3.5-35B-A3B": 2}
 
 # Mixture-of-experts models: (routed experts, experts per token, published active parameters, whether the
 # published figure counts the input embedding). OpenAI's card counts gpt-oss's active parameters without the
@@ -57,6 +71,8 @@ MOE = {
     "Qwen3-235B-A22B": (128, 8, 22e9, True),
     "Mixtral-8x22B-v0.1": (8, 2, 39e9, True),
     "gpt-oss-120b": (128, 4, 5.1e9, False),
+    "gpt-oss-20b": (32, 4, 3.6e9, False),
+    "DeepSeek-V3": (256, 8, 37e9, True),
 }
 
 # Models whose sizes do not allow tensor parallelism over 8 ranks, the size that forbids it and the tp sizes the
@@ -105,13 +121,17 @@ def test_multimodal_config_builds_its_text_decoder(name: str) -> None:
     config = AutoConfig.from_pretrained(CONFIGS / name)
     decoder_config = load_model_config(name)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = getattr(transformers, architecture)(config)  # Qwen3.5's AutoModelForCausalLM is the text model
         text_model = AutoModelForCausalLM.from_config(decoder_config)
     assert (type(model).__name__, type(text_model).__name__) == (architecture, decoder)
     assert sum(p.numel() for p in model.parameters()) == whole
     assert sum(p.numel() for p in text_model.parameters()) == model_stats(decoder_config).total_params == text
-    layout = ParallelLayout(tp_size=8, dp_shard_size=-1).resolve(64)
+    tp = MULTIMODAL_TP.get(name, 8)
+    layout = ParallelLayout(tp_size=tp, dp_shard_size=-1).resolve(64)
     layout.validate(decoder_config)
+    if tp < 8:
+        with pytest.raises(LayoutError, match="tp_size=8 does not divide num_key_value_heads"):
+            ParallelLayout(tp_size=8, dp_shard_size=-1).resolve(64).validate(decoder_config)
 
 
 def test_gemma3_27b_keeps_its_attention_pattern() -> None:
@@ -176,3 +196,42 @@ def test_llama31_keeps_its_rope_scaling() -> None:
         config = AutoConfig.from_pretrained(CONFIGS / name)
         rope = getattr(config, "rope_parameters", None) or config.rope_scaling
         assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0
+
+
+# Stacks that mix kinds of layer (issue 47): Qwen3.5's Gated DeltaNet linear attention in three layers of four,
+# DeepSeek-V3's three dense layers before 58 MoE ones, GLM-4.5-Air's one. name: (kinds, layers of each kind).
+MIXED = {
+    "Qwen3.5-27B": (2, [48, 16]),
+    "Qwen3.5-35B-A3B": (2, [30, 10]),
+    "DeepSeek-V3": (2, [3, 58]),
+    "GLM-4.5-Air": (2, [1, 45]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXED))
+def test_mixed_layer_stacks_are_counted_layer_by_layer(name: str) -> None:
+    """The planner counts every kind of layer of a mixed stack (one layer times the depth miscounts Qwen3.5-27B by
+    176M and counts DeepSeek-V3 as dense): totals, routed experts, LoRA adapters on names only some layers have,
+    and a linear-attention layer's attention work as a chunk's, not the whole row's."""
+    from lightning_plugins.parallel.moe.experts import expert_modules
+    from lightning_plugins.planner.model_stats import LINEAR_ATTENTION_CHUNK, load_model_config, model_stats
+
+    kinds, counts = MIXED[name]
+    config = load_model_config(name)
+    stats = model_stats(config)
+    assert (len(stats.layer_kinds), [k.count for k in stats.layer_kinds]) == (kinds, counts)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    routed = sum(p.numel() for _, module in expert_modules(model) for p in module.parameters())
+    assert stats.total_params == sum(p.numel() for p in model.parameters())
+    if routed:
+        assert stats.active_params == stats.total_params - routed + routed * stats.experts_per_token // stats.num_experts
+    targets = ("q_proj", "o_proj", "in_proj_qkv", "out_proj", "q_a_proj", "kv_b_proj")
+    present = tuple(t for t in targets if any(n.endswith(f".{t}") for n, _ in model.named_modules()))
+    adapters = sum(16 * (m.in_features + m.out_features) for n, m in model.named_modules() if n.rpartition(".")[2] in present)  # fmt: skip
+    assert stats.lora_params_per_layer(present, 16) * stats.num_layers == pytest.approx(adapters)
+    linear = [kind == "linear_attention" for kind in getattr(config, "layer_types", None) or []]
+    if any(linear):
+        seq = 4096
+        full = (len(linear) - sum(linear)) * seq + sum(linear) * LINEAR_ATTENTION_CHUNK
+        assert stats.attention_flops_per_token(seq) == 4.0 * stats.num_heads * stats.head_dim * full
