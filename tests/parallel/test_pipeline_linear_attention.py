@@ -12,7 +12,8 @@ any softmax attention.
 
 One launched world of 4 ranks in the default suite, two steps per layout (PP2 x TP2 with SP and loss parallel, PP2 x
 FSDP2 x EP2 with the interleaved schedule, PP2 x FSDP2); the wider matrix (every schedule under PP=2, PP=4, each family
-under each composition, activation checkpointing), five steps each, is slow.
+under each composition, PP x CP ring and Ulysses,
+activation checkpointing), five steps each, is slow.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ FOUR_RANKS_MORE = [
     ),
     ("qwen3_5_4l", {"pp_size": 2, "dp_shard_size": 2}, {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 2}),
     ("qwen3_5_4l", {"pp_size": 4}, {"pp_schedule": "1f1b", "pp_microbatches": 4}),
+    # PP x CP: the stages' linear-attention layers pass their state along the cp ranks (parallel/context/linear.py)
+    ("qwen3_5_4l", {"pp_size": 2, "cp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2, "cp_backend": "ring"}),
+    ("qwen3_5_4l", {"pp_size": 2, "cp_size": 2}, {"pp_schedule": "1f1b", "pp_microbatches": 2, "cp_backend": "ulysses"}),
 ]
 
 
