@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from lightning_plugins.testing.world import free_port, run_command
 
 ROOT = Path(__file__).parents[1]
 TINY = ROOT / "recipes" / "tiny"
 CONFIG = ROOT / "accelerate_configs" / "cpu_2proc.yaml"
+SCRIPTS = ROOT / "tests" / "scripts"
 
 
 def accelerate_launch(
@@ -28,3 +31,57 @@ def clean_stdout(proc: subprocess.CompletedProcess) -> str:
     """The run's standard output, after checking its console is clean (how it ended is checked by run_command)."""
     assert "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
     return proc.stdout
+
+
+def collected(request, test: str) -> list[dict]:
+    """The parameters (``name -> value``) of each test of the function ``test`` (in the requesting module) that this
+    session runs, after ``-m``/``-k`` deselection: a module fixture makes for them only what they will read, so a
+    shared reference run whose only readers are marked slow costs the default suite nothing."""
+    return [getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items
+            if item.module is request.module and getattr(item, "originalname", None) == test]  # fmt: skip
+
+
+#: Trainer test scripts (``tests/scripts``) that share one launched world of their rank count, each with the test
+#: that reads its results: a session runs every one that its tests read in one world (``script_chain.py``), so the
+#: ranks start and import once, not once per script.
+SHARED_WORLDS: dict[tuple[str, int], str] = {
+    ("save_habits_trainer.py", 2): "tests/checkpoint/test_save_habits.py::test_lightning_save_pretrained_after_fit",
+    ("lightning_habits.py", 2):
+        "tests/strategies/test_lightning_habits.py::test_model_parallel_strategy_modules_train_like_one_process",
+    ("pipeline_trainer.py", 2):
+        "tests/strategies/test_pipeline_trainer.py::test_pipeline_trainer_matches_one_process_and_resumes[2]",
+    ("trainer_parity.py", 2): "tests/strategies/test_trainer_parity.py::test_trainer_matches_one_process_and_resumes[2]",
+    ("context_trainer.py", 4): "tests/strategies/test_context_trainer.py::test_context_parallel_trainer_matches_one_process",
+    ("lora_trainer.py", 4): "tests/strategies/test_lora_trainer.py::test_lora_under_every_strategy[4]",
+}
+#: ``(script, devices) -> its results``, or the failure of the world that ran it, once per session.
+_SHARED_RESULTS: dict[tuple[str, int], Any] = {}
+
+
+def shared_script(request, tmp_path_factory, script: str, devices: int) -> dict[str, Any]:
+    """The results of ``tests/scripts/SCRIPT --devices N --out results.json``, run in one world with every other script
+    of :data:`SHARED_WORLDS` of that rank count that this session's tests read (made when first asked). A script that
+    failed, or did not run because one before it failed, raises that world's failure for its test."""
+    key = (script, devices)
+    if key not in _SHARED_RESULTS:
+        running = {item.nodeid for item in request.session.items}
+        keys = [k for k, reader in SHARED_WORLDS.items() if k[1] == devices and reader in running and k not in _SHARED_RESULTS]
+        keys += [] if key in keys else [key]
+        root = tmp_path_factory.mktemp(f"world{devices}")
+        outs = {k: root / Path(k[0]).stem / "results.json" for k in keys}
+        runs = [[k[0], "--devices", str(devices), "--out", str(outs[k])] for k in keys]
+        for out in outs.values():
+            out.parent.mkdir()
+        failure: BaseException | None = None
+        try:
+            run_command([sys.executable, str(SCRIPTS / "script_chain.py"), json.dumps(runs)], cwd=root, timeout=1500)
+        except AssertionError as err:
+            failure = err
+        for k, out in outs.items():
+            _SHARED_RESULTS[k] = json.loads(out.read_text()) if out.is_file() else failure
+            if _SHARED_RESULTS[k] is None:  # the chain ended well, without this script's results
+                _SHARED_RESULTS[k] = AssertionError(f"{k[0]} wrote no results ({out})")
+    result = _SHARED_RESULTS[key]
+    if isinstance(result, BaseException):
+        raise result
+    return result

@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _saved import check_saved, differing
-from lightning_plugins.testing.world import run_script, run_world
+from _launch import shared_script
+from lightning_plugins.testing.world import run_world
 from _accelerate_loop import ACCUM, build, prepared, run_loop
 from tiny_models import make_batch, tiny_model
 from torch.distributed.tensor import DTensor
@@ -41,8 +42,8 @@ def _check(name: str, case: dict[str, Any]) -> None:
     assert case["moved_from_untrained"] > 1e-3, (name, case)  # the trained weights differ from the initial ones
 
 
-def test_lightning_save_pretrained_after_fit(tmp_path: Path) -> None:
-    results = run_script(SCRIPT, tmp_path, "--devices", "2")
+def test_lightning_save_pretrained_after_fit(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+    results = shared_script(request, tmp_path_factory, SCRIPT.name, 2)  # in one world with the strategies' scripts
     assert set(results) == {"tp2", "pp2 tied", "cp2 ring", "fsdp2", "lora pp2"}, results
     for name, case in results.items():
         _check(name, case)

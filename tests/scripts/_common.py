@@ -211,13 +211,18 @@ def check_resume(
     }
 
 
+#: The arguments of the script that runs now when ``script_chain.py`` runs several in one world (``None``: the
+#: command line's). The command line itself stays the chain's: Lightning's launcher starts the other ranks with it.
+ARGV: list[str] | None = None
+
+
 def script_args(devices: bool = True) -> argparse.Namespace:
     """The command line every script takes: ``--out results.json`` (and ``--devices N`` unless told otherwise)."""
     parser = argparse.ArgumentParser()
     if devices:
         parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    return parser.parse_args()
+    return parser.parse_args(ARGV)
 
 
 def write_results(results: dict, out: Path) -> None:

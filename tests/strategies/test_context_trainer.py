@@ -8,18 +8,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning_plugins.testing.world import run_script
+import pytest
+
+from _launch import shared_script
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "context_trainer.py"
 TOL = 1e-5
 
 
-def test_context_parallel_trainer_matches_one_process(tmp_path: Path) -> None:
+def test_context_parallel_trainer_matches_one_process(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     # One 4-rank launch covers Ulysses cp2 x dp2 (the sampler shards over dp only), ring cp4 and
     # ring cp2 x tp2 through ParallelismStrategy, then issue 27's Gemma 2 (ring cp4) and Mistral with a window
     # (Ulysses cp2 x dp2); the rank count is the slow part on CPU.
     devices = 4
-    results = run_script(SCRIPT, tmp_path, "--devices", str(devices))
+    results = shared_script(request, tmp_path_factory, SCRIPT.name, devices)  # one world with lora_trainer's 4 ranks
     assert results, "no case ran"
     for name, case in results.items():
         assert case["steps"] == 3, name

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _launch import shared_script
 from lightning_plugins.testing.world import run_script
 
 from lightning_plugins import LayoutError
@@ -21,8 +22,10 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "lightning_habits.py"
 TOL = 1e-5
 
 
-def test_model_parallel_strategy_modules_train_like_one_process(tmp_path: Path) -> None:
-    results = run_script(SCRIPT, tmp_path, "--devices", "2")
+def test_model_parallel_strategy_modules_train_like_one_process(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    results = shared_script(request, tmp_path_factory, SCRIPT.name, 2)  # one world with the other 2-rank scripts
     for name in ("tp guide", "lightning sizes"):
         case = results[name]
         assert case["steps"] == 3 and case["tp_size"] == 2, (name, case)

@@ -7,15 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lightning_plugins.testing.world import run_script
+from _launch import shared_script
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "lora_trainer.py"
 TOL = 1e-5
 
 
 @pytest.mark.parametrize("devices", [pytest.param(2, marks=pytest.mark.slow), 4])
-def test_lora_under_every_strategy(devices: int, tmp_path: Path) -> None:
-    results = run_script(SCRIPT, tmp_path, "--devices", str(devices))
+def test_lora_under_every_strategy(
+    devices: int, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    results = shared_script(request, tmp_path_factory, SCRIPT.name, devices)  # 4 ranks: one world with context_trainer
     assert len(results) == {2: 6, 4: 2}[devices]
     for name, case in results.items():
         assert case["steps"] == 3, (name, case)

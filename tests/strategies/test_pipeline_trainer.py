@@ -9,15 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lightning_plugins.testing.world import run_script
+from _launch import shared_script
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "pipeline_trainer.py"
 TOL = 1e-5
 
 
 @pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_pipeline_trainer_matches_one_process_and_resumes(devices: int, tmp_path: Path) -> None:
-    results = run_script(SCRIPT, tmp_path, "--devices", str(devices))
+def test_pipeline_trainer_matches_one_process_and_resumes(
+    devices: int, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    results = shared_script(request, tmp_path_factory, SCRIPT.name, devices)  # 2 ranks: one world with the others
     resumes = {name: results.pop(name) for name in list(results) if name.startswith("resume")}
     validate = results.pop("validate")
     assert results, "no case ran"

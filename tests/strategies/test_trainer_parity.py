@@ -10,15 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lightning_plugins.testing.world import run_script
+from _launch import shared_script
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "trainer_parity.py"
 TOL = 1e-5
 
 
 @pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_trainer_matches_one_process_and_resumes(devices: int, tmp_path: Path) -> None:
-    results = run_script(SCRIPT, tmp_path, "--devices", str(devices))
+def test_trainer_matches_one_process_and_resumes(
+    devices: int, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    results = shared_script(request, tmp_path_factory, SCRIPT.name, devices)  # 2 ranks: one world with the others
     resume = results.pop("resume")
     skip = results.pop("skip", None)
     assert results, "no case ran"
