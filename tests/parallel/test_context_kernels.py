@@ -1,8 +1,9 @@
 """Context-parallel kernels against single-process SDPA on the whole sequence.
 
-Ring attention and Ulysses, forward and gradients (dq, dk, dv), causal and not, MHA/GQA/MQA, the
-load-balanced and the contiguous layout, padded sequences, packed rows (attention within each document,
-against SDPA with a block-diagonal causal mask), in fp64 (exact up to rounding) and fp32.
+Ring attention (on its fused kernels, and on its pure-torch tiles in the ``-tiled`` cases) and Ulysses, forward and
+gradients (dq, dk, dv), causal and not, MHA/GQA/MQA, the load-balanced and the contiguous layout, padded sequences,
+packed rows (attention within each document, against SDPA with a block-diagonal causal mask), in fp64 (exact up to
+rounding) and fp32.
 Starting ranks is the slow part (seconds each), so a single gloo world of 4 ranks runs every case at
 every cp size: cp=4 on the world, cp=2 on the two sub-groups {0, 1} and {2, 3} (whose group ranks differ
 from their global ranks, as in a real cp sub-mesh), cp=1 on one-rank groups. Each rank writes its

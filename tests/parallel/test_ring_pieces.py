@@ -78,8 +78,9 @@ def _offset(cols: slice, start: int) -> slice:
     return slice(cols.start + start, cols.stop + start)
 
 
-@pytest.mark.parametrize("cp", (1, 2, 4))
-@pytest.mark.parametrize("segments", (1, 2))
+@pytest.mark.parametrize(
+    ("cp", "segments"), [(1, 1), (2, 1), (4, 1), (2, 2), pytest.param(4, 2, marks=pytest.mark.slow), (1, 2)]
+)
 def test_causal_blocks_are_fused_calls_only(cp: int, segments: int) -> None:
     """Unpacked causal rows, both layouts: every block is fused, a diagonal block one causal call, and there are few."""
     seq = 2 * cp * (8 if segments == 1 else 64 * segments)
