@@ -163,6 +163,9 @@ class ParallelCausalLMLoss:
         #: The model's :class:`~lightning_plugins.parallel.memory.chunked_loss.ChunkedHead`, if any: when it computed the
         #: token-loss sum in place of the logits (a training forward with labels), that sum is used.
         self.chunked = chunked
+        #: Set by a preference loss (:func:`lightning_plugins.preference.logps.sequence_logps`) around a forward: the
+        #: call is handed to it (``sequences(logits, targets, chunked)``), which keeps each sequence's log-probability.
+        self.sequences: Any = None
 
     def __call__(
         self,
@@ -175,6 +178,8 @@ class ParallelCausalLMLoss:
         **kwargs: Any,
     ) -> Tensor:
         targets = causal_lm_targets(labels, shift_labels, ignore_index).to(logits.device)
+        if self.sequences is not None:
+            return self.sequences(logits, targets, self.chunked)
         loss_sum = None if self.chunked is None else self.chunked.take()
         if loss_sum is None:
             loss_sum = token_losses(logits, targets).sum()

@@ -73,16 +73,22 @@ def _sharded_logsumexp(logits: Tensor, group: dist.ProcessGroup) -> Tensor:
 
 
 def _chunk_losses(
-    hidden: Tensor, weight: Tensor, targets: Tensor, head: DecoderAnatomy, vocab: _VocabSlice | None
+    hidden: Tensor, weight: Tensor, targets: Tensor, head: DecoderAnatomy, vocab: _VocabSlice | None,
+    logit_sums: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One chunk's token losses and each token's log normaliser (``logsumexp`` of its transformed logits, which
     backward turns the recomputed logits into the softmax with): the head matmul and logit transforms in the
-    weight's dtype (as the model's forward), the loss math in fp32 at least (as :func:`local_token_losses`)."""
+    weight's dtype (as the model's forward), the loss math in fp32 at least (as :func:`local_token_losses`).
+    ``logit_sums``: filled with each token's sum of logits over the whole vocabulary (a metric, no gradient)."""
     logits = F.linear(hidden, weight)
     if vocab is not None and vocab.gather:
         logits = _gather_vocab(logits, vocab.group)
     logits = head.logits(logits)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # once: the loss's upcast is then a no-op
+    if logit_sums is not None:
+        logit_sums.copy_(logits.sum(dim=-1))
+        if vocab is not None and not vocab.gather:
+            dist.all_reduce(logit_sums, group=vocab.group)
     if vocab is None or vocab.gather:
         return local_token_losses(logits, targets), logits.logsumexp(dim=-1)
     return local_token_losses(logits, targets, vocab.start, vocab.group), _sharded_logsumexp(logits, vocab.group)
@@ -148,19 +154,31 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         chunk: int,
         head: DecoderAnatomy,
         vocab: _VocabSlice | None,
-    ) -> Tensor:
+        per_token: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         lse = hidden.new_empty(targets.shape, dtype=torch.promote_types(weight.dtype, torch.float32))
+        # Per token (a preference loss sums them per sequence): each token's loss and its sum of logits (a metric).
+        tokens = lse.new_empty(targets.shape) if per_token else None
+        logit_sums = lse.new_empty(targets.shape) if per_token else None
         for start in _chunk_starts(targets.numel(), chunk):
             end = start + chunk
-            losses, lse[start:end] = _chunk_losses(hidden[start:end], weight, targets[start:end], head, vocab)
-            total += losses.sum()
+            sums = None if logit_sums is None else logit_sums[start:end]
+            losses, lse[start:end] = _chunk_losses(hidden[start:end], weight, targets[start:end], head, vocab, sums)
+            if tokens is None:
+                total += losses.sum()
+            else:
+                tokens[start:end] = losses
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk, ctx.head, ctx.vocab = chunk, head, vocab
-        return total
+        if tokens is None:
+            return total
+        ctx.mark_non_differentiable(logit_sums)
+        return tokens, logit_sums
 
     @staticmethod
-    def backward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, grad_total: Tensor, *unused: Any) -> tuple[Tensor | None, ...]:
+        # grad_total: a scalar (the sum), or one gradient per token (per_token; the logit sums have none).
         hidden, weight, targets, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         accumulate = lse.dtype
@@ -198,7 +216,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden.to(hidden.dtype)
             if ctx.vocab is not None:  # each vocabulary slice contributes a partial sum
                 dist.all_reduce(grad_hidden, group=ctx.vocab.group)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_token_loss_sum(
@@ -208,7 +226,8 @@ def chunked_token_loss_sum(
     head: DecoderAnatomy,
     chunk_tokens: int,
     gather_vocab: bool = False,
-) -> Tensor:
+    per_token: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """The sum of next-token losses of ``head.logits(hidden @ weight.T)``, one chunk of tokens at a time.
 
     Args:
@@ -219,6 +238,8 @@ def chunked_token_loss_sum(
         chunk_tokens: Tokens per chunk.
         gather_vocab: With a vocab-sharded weight, gather each chunk's logits whole (the head's output is
             replicated: no loss parallel) instead of the vocab-parallel cross entropy (loss parallel).
+        per_token: Instead of the sum, each token's loss (flat, differentiable: a preference loss sums them per
+            sequence) and each token's sum of logits over the vocabulary (no gradient).
     """
     vocab = None
     if isinstance(weight, DTensor):
@@ -232,7 +253,7 @@ def chunked_token_loss_sum(
     if isinstance(hidden, DTensor):
         hidden = hidden.to_local()
     flat = hidden.reshape(-1, hidden.shape[-1])
-    return _ChunkedLinearCrossEntropy.apply(flat, weight, targets.reshape(-1), chunk_tokens, head, vocab)
+    return _ChunkedLinearCrossEntropy.apply(flat, weight, targets.reshape(-1), chunk_tokens, head, vocab, per_token)
 
 
 class ChunkedHead:
@@ -249,6 +270,10 @@ class ChunkedHead:
         self.lm_head, self.head, self.chunk_tokens, self.gather_vocab = lm_head, head, chunk_tokens, gather_vocab
         self._targets: Tensor | None = None
         self._loss_sum: Tensor | None = None
+        #: Set by a preference loss (:mod:`lightning_plugins.preference.logps`): every call with labels, training or
+        #: not, with or without gradients (the reference's forward), computes each token's loss and logit sum instead.
+        self.per_sequence = False
+        self._tokens: tuple[Tensor, Tensor] | None = None
         self._logits = lm_head.forward
         lm_head.forward = self.forward  # type: ignore[method-assign]  # hooks (FSDP2, TP) still run around it
 
@@ -261,13 +286,22 @@ class ChunkedHead:
         loss_sum, self._loss_sum = self._loss_sum, None
         return loss_sum
 
+    def take_tokens(self) -> tuple[Tensor, Tensor] | None:
+        """Each token's loss and sum of logits (flat) from the last call in :attr:`per_sequence` mode, once."""
+        tokens, self._tokens = self._tokens, None
+        return tokens
+
     def forward(self, hidden: Tensor) -> Tensor:
         targets, self._targets = self._targets, None
         if targets is None or hidden.shape[:-1] != targets.shape:
             return self._logits(hidden)
-        self._loss_sum = chunked_token_loss_sum(
-            hidden, self.lm_head.weight, targets, self.head, self.chunk_tokens, self.gather_vocab
+        computed = chunked_token_loss_sum(
+            hidden, self.lm_head.weight, targets, self.head, self.chunk_tokens, self.gather_vocab, self.per_sequence
         )
+        if self.per_sequence:
+            self._tokens = computed
+        else:
+            self._loss_sum = computed
         if not isinstance(hidden, DTensor):
             return hidden.new_empty(*hidden.shape[:-1], 0)
         # Tensor parallelism's output hook expects the head's DTensor: an empty one, vocab-sharded as the head's is.
@@ -280,7 +314,7 @@ class ChunkedHead:
         # transformers' causal LMs compute a loss only when `labels` is given: with `shift_labels` alone the forward
         # returns the logits and no loss, so the head must compute them.
         labels = kwargs.get("labels")
-        armed = module.training and torch.is_grad_enabled() and labels is not None
+        armed = labels is not None and (self.per_sequence or (module.training and torch.is_grad_enabled()))
         if not armed or kwargs.get("logits_to_keep", 0) != 0:
             self.arm(None)
             return

@@ -1,0 +1,121 @@
+"""Each sequence's log-probability of its labels, summed over its tokens, without full logits where the model's
+head is chunked.
+
+A preference loss needs, per row of the batch, the sum of ``log p(label)`` over the completion's tokens. The model's
+own forward computes it, with every layout's hooks in place: :func:`sequence_logps` calls the model with ``labels``
+while its :class:`~lightning_plugins.parallel.loss.ParallelCausalLMLoss` hands the call to a collector, which takes
+each token's loss from the chunked head (:mod:`lightning_plugins.parallel.memory.chunked_loss`, in per-token mode:
+never the ``[batch, seq, vocab]`` logits) or, without one, from the logits the head returned: whole, or a
+vocab-sharded DTensor under loss parallel (three small all-reduces per token, as the SFT loss). Both give the same
+numbers as ``log_softmax(logits).gather(labels)`` of one process; context parallelism (a sequence split over ranks)
+is not covered yet (the recipe refuses it).
+
+A model the engine did not parallelize (one process, no :class:`ParallelCausalLMLoss`) gets the same statistics
+from its full logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_plugins.parallel.loss import IGNORE_INDEX, ParallelCausalLMLoss, next_token_targets, token_losses
+
+__all__ = ["SequenceLogps", "find_parallel_loss", "sequence_logps"]
+
+
+@dataclass(frozen=True)
+class SequenceLogps:
+    """Per row: the summed log-probability of its labels (differentiable), how many labels it has, and the sum over
+    them of each token's mean logit (TRL's ``logits/*`` metric; no gradient)."""
+
+    logps: Tensor
+    tokens: Tensor
+    logit_sums: Tensor
+    #: The ranks that hold other rows (``dp_cp`` of the layout), or ``None``.
+    data_mesh: DeviceMesh | None = None
+
+
+def _mean_logits(logits: Tensor) -> Tensor:
+    """Each token's mean logit over the whole vocabulary (a vocab-sharded DTensor: local sums, one all-reduce)."""
+    with torch.no_grad():
+        if isinstance(logits, DTensor) and logits.placements[-1].is_shard():
+            local = logits.to_local().float()
+            sums = local.sum(dim=-1)
+            dist.all_reduce(sums, group=logits.device_mesh.get_group())
+            return sums / logits.shape[-1]
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        return logits.float().mean(dim=-1)
+
+
+def _per_row(losses: Tensor, mean_logits: Tensor, targets: Tensor, data_mesh: DeviceMesh | None) -> SequenceLogps:
+    valid = targets != IGNORE_INDEX
+    return SequenceLogps(
+        logps=-(losses.view(targets.shape).masked_fill(~valid, 0.0)).sum(dim=-1),
+        tokens=valid.sum(dim=-1).to(torch.float32),
+        logit_sums=mean_logits.view(targets.shape).masked_fill(~valid, 0.0).sum(dim=-1).detach(),
+        data_mesh=data_mesh,
+    )
+
+
+class _Collector:
+    """Stands in for the loss during one forward: keeps the rows' statistics, returns their summed loss."""
+
+    def __init__(self, data_mesh: DeviceMesh | None) -> None:
+        self.data_mesh = data_mesh
+        self.result: SequenceLogps | None = None
+
+    def __call__(self, logits: Tensor, targets: Tensor, chunked: Any) -> Tensor:
+        taken = None if chunked is None else chunked.take_tokens()
+        if taken is None:
+            losses, means = token_losses(logits, targets), _mean_logits(logits)
+        else:
+            losses, sums = taken
+            means = sums / chunked.lm_head.weight.shape[0]  # the whole vocabulary's rows (a DTensor's global shape)
+        self.result = _per_row(losses, means, targets, self.data_mesh)
+        return -self.result.logps.sum()
+
+
+def find_parallel_loss(model: nn.Module) -> ParallelCausalLMLoss | None:
+    """The :class:`ParallelCausalLMLoss` the engine installed on ``model`` (or on the causal LM inside a peft model)."""
+    for module in model.modules():
+        loss = module.__dict__.get("_loss_function")
+        if isinstance(loss, ParallelCausalLMLoss):
+            return loss
+    return None
+
+
+def sequence_logps(model: nn.Module, batch: dict[str, Tensor]) -> SequenceLogps:
+    """The model's summed log-probability of each row's ``labels`` (``-100``: not counted), shifted as a causal LM's.
+
+    Args:
+        model: A transformers causal LM (or peft model), parallelized by the engine or not.
+        batch: ``input_ids``, ``labels`` and optionally ``attention_mask`` / ``position_ids``.
+    """
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    loss = find_parallel_loss(model)
+    if loss is None:  # one process, plain model: the full logits
+        logits = model(**inputs, use_cache=False).logits
+        targets = next_token_targets(batch["labels"]).to(logits.device)
+        return _per_row(token_losses(logits, targets), _mean_logits(logits), targets, None)
+    collector = _Collector(loss.data_mesh)
+    chunked = loss.chunked
+    loss.sequences = collector
+    if chunked is not None:
+        chunked.per_sequence = True
+    try:
+        model(**inputs, labels=batch["labels"], use_cache=False)
+    finally:
+        loss.sequences = None
+        if chunked is not None:
+            chunked.per_sequence = False
+    if collector.result is None:
+        raise RuntimeError(f"{type(model).__name__}'s forward did not call its loss function: no log-probabilities.")
+    return collector.result

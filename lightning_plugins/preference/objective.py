@@ -1,0 +1,155 @@
+"""A batch of preference pairs to its loss and TRL's metrics, under any layout the log-probabilities cover.
+
+A batch holds ``2 * pairs`` rows, the chosen completions first and their rejected ones after, in the same order
+(:func:`lightning_plugins.data.preference.collate_pairs`), so both halves of a pair are always in the same
+micro-batch on the same data rank. The loss is the mean over every pair of the global batch (each rank divides its
+sum by the global number of pairs, as the SFT loss does with tokens: :func:`global_mean`), and the metrics
+are global means, so they read as one process's, and as TRL's.
+
+The reference of DPO is the policy's own base: the forward runs with the peft adapters disabled (peft's
+``disable_adapter()``) and without gradients; no second copy of the model exists. A full fine-tune has no such
+base: it is refused (:meth:`PreferenceObjective.check_model`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_plugins.errors import OptionsError
+from lightning_plugins.preference.logps import SequenceLogps, sequence_logps
+from lightning_plugins.preference.losses import PairLosses, dpo_losses, orpo_losses, simpo_losses
+from lightning_plugins.preference.options import PreferenceOptions
+
+#: TRL's metric names, in the order they are reduced.
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")  # fmt: skip
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The reference: ``model`` with its peft adapters off (peft's ``disable_adapter()``), restored after."""
+    disable = getattr(model, "disable_adapter", None)
+    if disable is None:
+        raise OptionsError(
+            f"objective.method=dpo needs a reference model, and {type(model).__name__} is not a peft model whose"
+            " adapters could be disabled. Add a `lora:` section (the reference is then the base model), or use a"
+            " reference-free method (objective.method: simpo or orpo); a frozen reference copy for a full fine-tune"
+            " is not built yet."
+        )
+    with disable():
+        yield
+
+
+def global_mean(local_sum: Tensor, count: Tensor, mesh: DeviceMesh | None) -> Tensor:
+    """This rank's share of the mean over the data ranks: ``local_sum`` divided by the global ``count``, scaled by the
+    number of ranks (FSDP2 averages their gradients), its value the global mean on every rank. As the SFT loss's
+    :func:`~lightning_plugins.parallel.loss.normalize_over_tokens`, in ``local_sum``'s own dtype."""
+    ranks = 1 if mesh is None else mesh.size()
+    totals = torch.stack([local_sum.detach(), count.to(local_sum.dtype)])
+    if ranks > 1:
+        dist.all_reduce(totals, group=mesh.get_group())
+    total = totals[1].clamp(min=1)
+    scaled = local_sum * (ranks / total)
+    return scaled + (totals[0] / total - scaled).detach()
+
+
+def _global_sums(values: list[Tensor], mesh: DeviceMesh | None) -> Tensor:
+    """The sums of ``values`` over the data ranks (one all-reduce), detached, in fp32 at least."""
+    dtype = torch.promote_types(values[0].dtype, torch.float32)
+    sums = torch.stack([value.detach().to(dtype).sum() for value in values])
+    if mesh is not None and mesh.size() > 1:
+        dist.all_reduce(sums, group=mesh.get_group())
+    return sums
+
+
+class PreferenceObjective:
+    """``loss, metrics = objective(model, batch)``: the preference loss of a batch of pairs and TRL's metrics.
+
+    Args:
+        options: The method and its settings (the recipe's ``objective:`` section).
+    """
+
+    def __init__(self, options: PreferenceOptions) -> None:
+        if not options.paired:
+            raise OptionsError(f"PreferenceObjective trains on pairs; objective.method={options.method!r} does not.")
+        self.options = options
+
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse, before training, a model this method cannot train (DPO without adapters to disable)."""
+        if self.options.needs_reference:
+            with adapters_disabled(model):
+                pass
+
+    def __call__(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        rows = batch["input_ids"].shape[0]
+        if rows % 2:
+            raise ValueError(f"a preference batch holds chosen rows then rejected rows; got {rows} rows (odd).")
+        reference = None
+        if self.options.needs_reference:
+            with torch.no_grad(), adapters_disabled(model):
+                reference = sequence_logps(model, batch)
+        return self.from_logps(sequence_logps(model, batch), reference)
+
+    def from_logps(
+        self, policy: SequenceLogps, reference: SequenceLogps | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss and metrics of log-probabilities already computed (rows: the chosen, then the rejected)."""
+        if self.options.needs_reference and reference is None:
+            raise ValueError(f"objective.method={self.options.method!r} needs the reference's log-probabilities.")
+        pairs, extra = self._pair_losses(policy, reference)
+        mesh = policy.data_mesh
+        count = torch.tensor(policy.logps.shape[0] // 2, device=pairs.losses.device)
+        if self.options.method == "orpo":  # the chosen NLL minus the odds-ratio term
+            loss = extra["nll_loss"] - global_mean(pairs.losses.sum(), count, mesh)
+        else:
+            loss = global_mean(pairs.losses.sum(), count, mesh)
+            if "nll_loss" in extra:
+                loss = loss + self.options.sft_weight * extra["nll_loss"]
+        return loss, self._metrics(policy, pairs, extra)
+
+    def _pair_losses(self, policy: SequenceLogps, reference: SequenceLogps | None) -> tuple[PairLosses, dict[str, Tensor]]:
+        options = self.options
+        chosen, rejected = policy.logps.chunk(2)
+        chosen_tokens, rejected_tokens = policy.tokens.chunk(2)
+        if options.method == "dpo":
+            assert reference is not None
+            ref_chosen, ref_rejected = reference.logps.chunk(2)
+            losses = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, options.beta, options.loss_type,
+                                options.label_smoothing, chosen_tokens, rejected_tokens)  # fmt: skip
+            return losses, {}
+        # Reference-free methods score the completions' mean log-probability per token.
+        chosen_mean, rejected_mean = chosen / chosen_tokens, rejected / rejected_tokens
+        nll = global_mean(-chosen.sum(), chosen_tokens.sum(), policy.data_mesh)
+        if options.method == "simpo":
+            losses = simpo_losses(chosen_mean, rejected_mean, options.beta, options.simpo_gamma, options.label_smoothing)
+            return losses, ({"nll_loss": nll} if options.sft_weight else {})
+        losses, log_odds = orpo_losses(chosen_mean, rejected_mean, options.beta)
+        return losses, {"nll_loss": nll, "log_odds_ratio": losses.losses / options.beta, "log_odds_chosen": log_odds}
+
+    def _metrics(self, policy: SequenceLogps, pairs: PairLosses, extra: dict[str, Tensor]) -> dict[str, Tensor]:
+        """TRL's metrics, as means over the global batch (the logits: over its completion tokens)."""
+        chosen, rejected = policy.logps.chunk(2)
+        logits_chosen, logits_rejected = policy.logit_sums.chunk(2)
+        tokens_chosen, tokens_rejected = policy.tokens.chunk(2)
+        per_pair = [pairs.chosen_rewards, pairs.rejected_rewards,
+                    (pairs.chosen_rewards > pairs.rejected_rewards).float(),
+                    pairs.chosen_rewards - pairs.rejected_rewards, chosen, rejected]  # fmt: skip
+        means = {key: value for key, value in extra.items() if key != "nll_loss"}
+        sums = _global_sums(
+            per_pair + [logits_chosen, tokens_chosen, logits_rejected, tokens_rejected, torch.ones_like(chosen)]
+            + list(means.values()), policy.data_mesh,
+        )  # fmt: skip
+        pairs_total = sums[10]
+        metrics = {name: sums[i] / pairs_total for i, name in enumerate(METRICS)}
+        metrics["logits/chosen"] = sums[6] / sums[7].clamp(min=1)
+        metrics["logits/rejected"] = sums[8] / sums[9].clamp(min=1)
+        metrics.update({key: sums[11 + i] / pairs_total for i, key in enumerate(means)})
+        if "nll_loss" in extra:
+            metrics["nll_loss"] = extra["nll_loss"].detach()
+        return metrics

@@ -1,0 +1,59 @@
+"""The recipe's ``objective:`` section: what the run optimizes (SFT, or a preference method and its settings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from lightning_plugins.errors import OptionsError
+
+#: Methods that train on chosen/rejected pairs.
+PAIRED = ("dpo", "simpo", "orpo")
+#: Methods whose loss compares the policy with a reference model.
+NEEDS_REFERENCE = ("dpo",)
+
+
+@dataclass(frozen=True)
+class PreferenceOptions:
+    """What the run optimizes. ``method: sft`` (the default) trains on prompt/completion or chat records; the
+    preference methods train on chosen/rejected pairs (TRL's ``prompt``/``chosen``/``rejected`` records), with TRL's
+    losses and logged metrics (:mod:`lightning_plugins.preference.losses`)."""
+
+    method: Literal["sft", "dpo", "simpo", "orpo"] = "sft"
+    """``sft``; ``dpo`` (against a reference: with ``lora``, the base model with the adapters disabled); ``simpo``
+    or ``orpo`` (reference-free, on length-averaged log-probabilities)."""
+    beta: float = 0.1
+    """The methods' temperature: DPO's KL coefficient (IPO's tau), SimPO's reward scale, ORPO's odds-ratio weight
+    (TRL's ``beta``; TRL's ORPO default is 0.1, SimPO's paper uses 2.0 to 10.0)."""
+    loss_type: Literal["sigmoid", "robust", "ipo"] = "sigmoid"
+    """DPO's loss: ``sigmoid`` (DPO), ``robust`` (robust DPO: ``label_smoothing`` is the probability a pair's label is
+    flipped) or ``ipo`` (IPO, its log-ratios averaged over the completion's tokens, as TRL)."""
+    label_smoothing: float = 0.0
+    """``robust`` DPO: the flip probability, in [0, 0.5); SimPO: conservative label smoothing, in [0, 0.5)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin (TRL's ``simpo_gamma``)."""
+    sft_weight: float = 0.0
+    """SimPO: weight of the chosen completions' token-mean NLL added to the loss (TRL CPO's ``cpo_alpha``, whose default
+    there is 1.0; SimPO's paper uses none). ORPO always adds that NLL with weight 1."""
+
+    def __post_init__(self) -> None:
+        if self.method not in ("sft", *PAIRED):
+            raise OptionsError(f"objective.method={self.method!r} is not one of sft, {', '.join(PAIRED)}.")
+        if not self.beta > 0:
+            raise OptionsError(f"objective.beta must be > 0, got {self.beta!r}.")
+        if self.loss_type not in ("sigmoid", "robust", "ipo"):
+            raise OptionsError(f"objective.loss_type={self.loss_type!r} is not one of sigmoid, robust, ipo.")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise OptionsError(f"objective.label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}.")
+        if self.sft_weight < 0:
+            raise OptionsError(f"objective.sft_weight must be >= 0, got {self.sft_weight!r}.")
+
+    @property
+    def paired(self) -> bool:
+        """Whether the method trains on chosen/rejected pairs."""
+        return self.method in PAIRED
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the method's loss needs a reference model."""
+        return self.method in NEEDS_REFERENCE
