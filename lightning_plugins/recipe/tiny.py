@@ -115,6 +115,8 @@ def tiny_config(config: Any, layers: int) -> Any:
     if getattr(config, "first_k_dense_replace", None):  # DeepSeek-V3 / GLM-4.5: one dense layer, then experts
         changes["first_k_dense_replace"] = 1
     changes.update({key: value for key, value in TINY_WIDTHS.items() if getattr(config, key, None) is not None})
+    if "qk_rope_head_dim" in changes:  # latent attention: RoPE's width is head_dim (as DeepseekV3Config sets it)
+        changes["head_dim"] = changes["qk_rope_head_dim"]
     if isinstance(getattr(config, "sliding_window", None), int):  # a window the tiny rows are longer than
         changes["sliding_window"] = min(config.sliding_window, TINY_SEQ_LEN // 4)
     changes.update({key: value for key, value in TINY_MOE.items() if getattr(config, key, None) is not None})

@@ -37,7 +37,16 @@ def test_the_recipes_the_issue_asks_for_are_shipped() -> None:
         assert {"full", "lora"} <= methods[model], model
     for model in ("mixtral-8x22b-v0.1", "gpt-oss-120b"):
         assert "lora" in methods[model], model
-    moe = [load_recipe(p) for p in RECIPES if p.parent.name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x22b-v0.1", "gpt-oss-120b")]  # fmt: skip
+    # The 2026 families (issue 47): Qwen3.5 dense and MoE (full and LoRA), DeepSeek-V3 over several nodes with expert
+    # parallelism, GLM-4.5-Air, gpt-oss-20b on one GPU.
+    for model in ("qwen3.5-27b", "qwen3.5-35b-a3b"):
+        assert {"full", "lora"} <= methods[model], model
+    assert "lora" in methods["glm-4.5-air"]
+    [deepseek] = [load_recipe(p) for p in RECIPES if p.parent.name == "deepseek-v3"]
+    assert deepseek.hardware.nodes > 1 and deepseek.layout.ep_size > deepseek.hardware.devices
+    [small] = [load_recipe(p) for p in RECIPES if p.parent.name == "gpt-oss-20b"]
+    assert small.hardware.world_size == 1
+    moe = [load_recipe(p) for p in RECIPES if p.parent.name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x22b-v0.1", "gpt-oss-120b", "qwen3.5-35b-a3b", "deepseek-v3", "glm-4.5-air", "gpt-oss-20b")]  # fmt: skip
     assert all(r.layout.ep_size > 1 for r in moe if r.hardware.world_size > 1)
     assert all(r.lora.target_modules for r in moe if r.lora is not None)  # attention: expert LoRA is not assumed
     long_context = [load_recipe(p) for p in RECIPES if p.stem.endswith("_cp")]
@@ -71,7 +80,9 @@ def _readme_peaks() -> dict[str, float]:
 
 #: Recipes of different kinds of layout and lever, dry-run by the default suite (about 2 minutes): TP x FSDP, CP at
 #: 64K, experts (EP8 over FSDP8), QLoRA on one GPU. The slow test dry-runs every recipe (about 14 minutes; pipelines
-#: cost most, three kinds of rank each).
+#: cost most, three kinds of rank each; the 2026 families about 30 more on 2 shared cores: Qwen3.5's linear attention
+#: runs transformers' torch reference of the chunked delta rule, 4-10 minutes a recipe, so none is in the sample;
+#: tests/planner/test_planner_linear_attention.py checks that measurement against a real run).
 SAMPLE = [
     "qwen2.5-14b/full_tp2_fsdp4",
     "llama-3.1-70b/lora_64k_cp",
