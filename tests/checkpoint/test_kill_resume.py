@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning_plugins.testing.world import free_port, run_command, run_world
+from _launch import collected
 from kill_run import ENV  # tests/scripts is on the path (_world)
 
 ROOT = Path(__file__).parents[2]
@@ -106,16 +107,23 @@ PER_DOOR = {"lora_fsdp2"}
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], list[tuple[int, float]]]:
+def references(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Callable[[str, str], list[tuple[int, float]]]:
     """``reference(layout, door)``: the per-step losses of one uninterrupted run (made once, when first asked). The
-    Lightning door's references of every layout are made together, in one launched world (``finetune_chain.py``)."""
+    Lightning door's references of every layout this session's tests read are made together, in one launched world
+    (``finetune_chain.py``): the default suite's read TP and PP, not LoRA (its cases are slow)."""
     found: dict[tuple[str, str], list[tuple[int, float]]] = {}
     root = tmp_path_factory.mktemp("reference")
+    read = [(p["layout"], p["door"]) for p in collected(request, "test_killed_run_resumes_on_the_same_trajectory")]
+    read += [("tp", p["door"]) for p in collected(request, "test_preempted_run_resumes_on_the_same_trajectory")]
+    chained = [name for name in LAYOUTS if any(lay == name and name not in PER_DOOR or (lay, door) == (name, "finetune")
+                                               for lay, door in read)]  # fmt: skip
 
     def reference(layout: str, door: str) -> list[tuple[int, float]]:
         key = (layout, door if layout in PER_DOOR else "finetune")
         if key not in found:
-            keys = [(name, "finetune") for name in LAYOUTS] if key[1] == "finetune" else [key]
+            keys = [(name, "finetune") for name in dict.fromkeys([*chained, layout])] if key[1] == "finetune" else [key]
             outs = {k: root / f"{k[0]}_{k[1]}" for k in keys}
             if key[1] == "finetune":
                 runs = [[str(TINY / LAYOUTS[k[0]][0]), f"--train.output_dir={outs[k]}", *SHORT, *LAYOUTS[k[0]][1]]

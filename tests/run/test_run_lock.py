@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _launch import collected
 from lightning_plugins.testing.world import free_port, run_command
 
 from lightning_plugins.checkpoint.resume_choice import RESUME_ENV, check_same_decision
@@ -140,12 +141,19 @@ def _losses(out: Path) -> list[tuple[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    """A Lightning run (TP=2, checkpoints at steps 2 and 4); an Accelerate run is started on its directory meanwhile."""
+def first_run(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> tuple[Path, subprocess.CompletedProcess]:
+    """A Lightning run (TP=2, checkpoints at steps 2 and 4); an Accelerate run is started on its directory meanwhile,
+    when this session runs the test that reads how it ended (slow: the default suite checks the refusal in one
+    process, test_a_held_directory_is_refused_naming_the_holder, and launches no world only to be refused)."""
     out = tmp_path_factory.mktemp("first") / "out"
-    second = _accelerate(["-m", "lightning_plugins.accelerate", str(RECIPE), f"--train.output_dir={out}", *ARGS])
     command = [sys.executable, str(HOOKS), "finetune", str(RECIPE), f"--train.output_dir={out}", *ARGS]
-    proc = run_command(command, cwd=ROOT, timeout=300, LIGHTNING_PLUGINS_TEST_SECOND=json.dumps(second))
+    env = {}
+    if collected(request, "test_a_second_run_on_a_held_directory_is_refused_at_once"):
+        second = _accelerate(["-m", "lightning_plugins.accelerate", str(RECIPE), f"--train.output_dir={out}", *ARGS])
+        env["LIGHTNING_PLUGINS_TEST_SECOND"] = json.dumps(second)
+    proc = run_command(command, cwd=ROOT, timeout=300, **env)
     return out, proc
 
 
