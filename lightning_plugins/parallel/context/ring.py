@@ -416,19 +416,7 @@ def ring_attention(
         sinks = local_sinks(sinks, q.shape[1])
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _RingAttention.apply(
-        q,
-        k,
-        v,
-        sinks,
-        group,
-        causal,
-        scale,
-        load_balanced,
-        valid_len,
-        query_tile,
-        document_starts,
-        window,
-        softcap,
+        q, k, v, sinks, group, causal, scale, load_balanced, valid_len, query_tile, document_starts, window, softcap,
         fused,
     )
 
