@@ -9,6 +9,7 @@ from typing import Any, Literal
 from lightning_plugins.data.config import DataConfig, existing_path, hub_dataset
 from lightning_plugins.errors import DataError
 from lightning_plugins.data.encoding import ENCODERS, fit_to_length
+from lightning_plugins.data.preference import PAIR_KEYS, encode_preference, fit_pair_to_length
 from lightning_plugins.data.loading import quiet_datasets, Source
 from lightning_plugins.data.packing import write_packed
 from lightning_plugins.data.prepared import DATA_FILE, cache_root, entry_name, file_identity, prepared
@@ -16,7 +17,8 @@ from lightning_plugins.data.prepared import DATA_FILE, cache_root, entry_name, f
 def _detect_format(config: DataConfig, source: Source) -> str:
     columns = set(source.dataset.column_names)
     if config.format != "auto":
-        needed = {"chat": {"messages"}, "prompt_completion": {"prompt", "completion"}}[config.format]
+        needed = {"chat": {"messages"}, "prompt_completion": {"prompt", "completion"},
+                  "preference": {"chosen", "rejected"}}[config.format]  # fmt: skip
         if not needed <= columns:
             raise DataError(
                 f"data.{source.key}: {source.path} has columns {sorted(columns)}, but data.format={config.format!r}"
@@ -25,11 +27,13 @@ def _detect_format(config: DataConfig, source: Source) -> str:
         return config.format
     if "messages" in columns:
         return "chat"
+    if {"chosen", "rejected"} <= columns:
+        return "preference"
     if {"prompt", "completion"} <= columns:
         return "prompt_completion"
     raise DataError(
-        f"data.{source.key}: {source.path} has columns {sorted(columns)}; expected 'messages' (chat) or 'prompt' and"
-        " 'completion'. Rename the fields, or set data.format."
+        f"data.{source.key}: {source.path} has columns {sorted(columns)}; expected 'messages' (chat), 'prompt' and"
+        " 'completion', or 'chosen' and 'rejected' (preference pairs). Rename the fields, or set data.format."
     )
 
 
@@ -86,22 +90,27 @@ def _tokenize(
     if config.eval is None and config.eval_fraction > 0:
         indices = _held_out(dataset.num_rows, config, source)[split == "eval"]
         dataset = dataset.select(indices, keep_in_memory=True)  # the row numbers only: the records stay mapped
-    encode = ENCODERS[fmt]
+    pairs = fmt == "preference"
+    if pairs and config.packing:
+        raise DataError(f"data.{source.key}: preference pairs are not packed yet; set data.packing: false.")
+    encode, fit = (encode_preference, fit_pair_to_length) if pairs else (ENCODERS[fmt], fit_to_length)
+    keys = PAIR_KEYS if pairs else ("input_ids", "labels")
     seen = {"longest": 0, "tokens": 0}  # for the message when truncation leaves nothing
 
     def tokenize(batch: dict[str, list], rows: list[int]) -> dict[str, list]:
-        out: dict[str, list] = {"input_ids": [], "labels": []}
+        out: dict[str, list] = {key: [] for key in keys}
         for j, row in enumerate(rows):
             try:
                 encoded = encode({k: v[j] for k, v in batch.items()}, tokenizer)
-                seen["longest"] = max(seen["longest"], len(encoded["input_ids"]))
-                seen["tokens"] += len(encoded["input_ids"])
-                example = fit_to_length(encoded, config)
+                lengths = [len(encoded[key]) for key in keys if key.endswith("input_ids")]
+                seen["longest"] = max(seen["longest"], *lengths)
+                seen["tokens"] += sum(lengths)
+                example = fit(encoded, config)
             except DataError as err:
                 raise DataError(f"{source.where(row if indices is None else indices[row])}: {err}") from None
             if example is not None:
-                out["input_ids"].append(example["input_ids"])
-                out["labels"].append(example["labels"])
+                for key in keys:
+                    out[key].append(example[key])
         return out
 
     samples_file = directory / ("samples.arrow" if config.packing else DATA_FILE)

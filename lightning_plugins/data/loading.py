@@ -191,13 +191,20 @@ class Source:
         records = read_jsonl(self.path)
         if not records:
             raise DataError(f"data.{self.key}: {self.path} holds no records.")
+        pairs = "chosen" in records[0]
         for index, record in enumerate(records):
             try:
-                messages_field(record) if "messages" in record else (text_field(record, "prompt"), text_field(record, "completion"))
+                if "messages" in record:
+                    messages_field(record)
+                elif pairs:  # strings or conversations: their contents are checked when encoded
+                    if record.get("chosen") is None or record.get("rejected") is None:
+                        raise DataError("a preference record needs 'chosen' and 'rejected'.")
+                else:
+                    (text_field(record, "prompt"), text_field(record, "completion"))
             except DataError as bad:
                 raise DataError(f"{self.where(index)}: {bad}") from None
-        fields = ("messages",) if "messages" in records[0] else ("prompt", "completion")
+        fields = ("messages",) if "messages" in records[0] else ("prompt", "chosen", "rejected") if pairs else ("prompt", "completion")
         try:
-            return datasets.Dataset.from_list([{key: record[key] for key in fields} for record in records])
+            return datasets.Dataset.from_list([{key: record.get(key) for key in fields} for record in records])
         except Exception:
             raise DataError(f"data.{self.key}: {self.path} could not be read: {err}") from err

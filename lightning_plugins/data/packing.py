@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_plugins.data.config import IGNORE_INDEX, DataConfig, Example
+from lightning_plugins.data.preference import PAIR_KEYS, SIDES
 from lightning_plugins.errors import DataError
 
 def first_fit(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
@@ -188,13 +189,33 @@ def collate_packed(
     }
 
 
+def collate_pairs(
+    examples: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int, pad_to_multiple_of: int | None = None
+) -> dict[str, Tensor]:
+    """Preference pairs (:mod:`lightning_plugins.data.preference`) to one padded batch: the chosen rows of every
+    pair, then their rejected rows in the same order (what :class:`lightning_plugins.preference.PreferenceObjective`
+    splits)."""
+    rows = [
+        {"input_ids": example[f"{side}_input_ids"], "labels": example[f"{side}_labels"]}
+        for side in SIDES
+        for example in examples
+    ]
+    return collate_causal_lm(rows, pad_token_id, pad_to_multiple_of)
+
+
 def make_collator(
     config: DataConfig, pad_token_id: int, pad_to_multiple_of: int | None = None
 ) -> Callable[[Sequence[Mapping[str, Sequence[int]]]], dict[str, Tensor]]:
-    """The ``collate_fn`` for rows of :func:`build_dataset` with this config: padded or packed batches."""
-    if config.packing:
-        return lambda examples: collate_packed(examples, pad_token_id, config.max_seq_len, pad_to_multiple_of)
-    return lambda examples: collate_causal_lm(examples, pad_token_id, pad_to_multiple_of)
+    """The ``collate_fn`` for rows of :func:`build_dataset` with this config: padded or packed batches, and for
+    preference pairs (:func:`~lightning_plugins.data.preference.collate_pairs`) the chosen rows then the rejected."""
+    def collate(examples: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, Tensor]:
+        if examples and PAIR_KEYS[0] in examples[0]:  # rows of preference pairs (data.format preference, or auto)
+            return collate_pairs(examples, pad_token_id, pad_to_multiple_of)
+        if config.packing:
+            return collate_packed(examples, pad_token_id, config.max_seq_len, pad_to_multiple_of)
+        return collate_causal_lm(examples, pad_token_id, pad_to_multiple_of)
+
+    return collate
 
 
 #: Attention implementations whose masks transformers builds from packed ``position_ids`` in any batch.

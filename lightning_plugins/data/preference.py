@@ -1,0 +1,113 @@
+"""Preference pairs: TRL's ``prompt``/``chosen``/``rejected`` records to token ids, and batches that keep a pair together.
+
+Records, as TRL reads them:
+
+* strings: ``{"prompt": str, "chosen": str, "rejected": str}``: ``prompt`` (with the tokenizer's special tokens) +
+  completion + EOS, for each completion;
+* conversations: ``{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`` rendered with the
+  tokenizer's chat template; or without ``prompt`` (TRL's implicit prompt), ``chosen`` and ``rejected`` whole
+  conversations whose shared leading messages are the prompt.
+
+Only the completion is labelled: the prompt's tokens (and, in a conversation, every token the prompt rendered with its
+generation prompt already holds) are ``-100``. Each record becomes one row with ``chosen_input_ids``,
+``chosen_labels``, ``rejected_input_ids`` and ``rejected_labels``; :func:`~lightning_plugins.data.packing.collate_pairs` stacks a batch of them as
+``[chosen of each pair..., rejected of each pair...]``, the layout :class:`lightning_plugins.preference.PreferenceObjective`
+splits, so both halves of a pair are always in the same micro-batch on the same data rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning_plugins.data.config import IGNORE_INDEX, DataConfig, Example
+from lightning_plugins.data.encoding import encode_chat, require_eos_id, text_field
+from lightning_plugins.errors import DataError
+
+#: What a pair's row holds.
+PAIR_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+SIDES = ("chosen", "rejected")
+
+
+def _conversation(record: Mapping[str, Any], key: str) -> list[dict[str, str]]:
+    value = record.get(key)
+    if not isinstance(value, list) or not value or not all(isinstance(m, Mapping) for m in value):
+        raise DataError(f"field {key!r} must be a non-empty list of {{'role', 'content'}} messages.")
+    return [{k: v for k, v in message.items() if v is not None} for message in value]
+
+
+def _split_implicit(chosen: list[dict], rejected: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """TRL's implicit prompt: the messages both conversations start with."""
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+        shared += 1
+    if shared == 0:
+        raise DataError("'chosen' and 'rejected' share no leading message, and there is no 'prompt' field.")
+    return chosen[:shared], chosen[shared:], rejected[shared:]
+
+
+def _encode_conversation(prompt: list[dict], completion: list[dict], tokenizer: Any) -> Example:
+    """``prompt + completion`` through the chat template; only the completion's assistant tokens labelled."""
+    if not any(m.get("role") == "assistant" for m in completion):
+        raise DataError("the completion has no 'assistant' message, so nothing in it would be trained.")
+    whole = encode_chat({"messages": prompt + completion}, tokenizer)
+    start = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, return_dict=True)
+    start = list(start["input_ids"])
+    if whole["input_ids"][: len(start)] != start:
+        raise DataError(
+            "the chat template renders the prompt (with its generation prompt) differently from the start of the"
+            " prompt followed by the completion, so the prompt's tokens cannot be masked. Use a template that renders"
+            " earlier turns unchanged, or string records."
+        )
+    return {"input_ids": whole["input_ids"], "labels": [IGNORE_INDEX] * len(start) + whole["labels"][len(start) :]}
+
+
+def encode_preference(record: Mapping[str, Any], tokenizer: Any) -> Example:
+    """A preference record to one row of both completions' ids and labels (prompt masked).
+
+    Raises:
+        DataError: naming the field that is missing or of the wrong kind.
+    """
+    if isinstance(record.get("chosen"), str) or isinstance(record.get("prompt"), str):
+        prompt = text_field(record, "prompt")
+        prompt_ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        row: Example = {}
+        for side in SIDES:
+            ids = list(tokenizer(text_field(record, side), add_special_tokens=False)["input_ids"])
+            ids.append(require_eos_id(tokenizer))
+            row[f"{side}_input_ids"] = prompt_ids + ids
+            row[f"{side}_labels"] = [IGNORE_INDEX] * len(prompt_ids) + ids
+        return row
+    chosen, rejected = _conversation(record, "chosen"), _conversation(record, "rejected")
+    if record.get("prompt") is None:
+        prompt, chosen, rejected = _split_implicit(chosen, rejected)
+    else:
+        prompt = _conversation(record, "prompt")
+    row = {}
+    for side, completion in zip(SIDES, (chosen, rejected)):
+        encoded = _encode_conversation(prompt, completion, tokenizer)
+        row[f"{side}_input_ids"], row[f"{side}_labels"] = encoded["input_ids"], encoded["labels"]
+    return row
+
+
+def fit_pair_to_length(example: Example, config: DataConfig) -> Example:
+    """Applies ``max_seq_len`` to both completions: truncate, or a clear error; a pair truncation leaves without a
+    trained token on either side is an error (dropping it would silently change the data), naming the side."""
+    fitted = dict(example)
+    for side in SIDES:
+        ids, labels = example[f"{side}_input_ids"], example[f"{side}_labels"]
+        if len(ids) > config.max_seq_len:
+            if config.truncation == "error":
+                raise DataError(
+                    f"the {side} sequence has {len(ids)} tokens, longer than data.max_seq_len={config.max_seq_len}."
+                    " Raise data.max_seq_len, shorten or drop the record, or set data.truncation: truncate."
+                )
+            ids, labels = ids[: config.max_seq_len], labels[: config.max_seq_len]
+        if all(label == IGNORE_INDEX for label in labels):
+            raise DataError(
+                f"truncation at data.max_seq_len={config.max_seq_len} leaves the {side} completion no token (its"
+                f" prompt and completion have {len(example[f'{side}_input_ids'])} tokens). Raise data.max_seq_len,"
+                " shorten the prompt, or drop the record."
+            )
+        fitted[f"{side}_input_ids"], fitted[f"{side}_labels"] = ids, labels
+    return fitted
