@@ -34,6 +34,7 @@ from lightning_plugins.recipe.build import build_loaders, build_model, make_opti
 from lightning_plugins.recipe.diff import reset_optimizer
 from lightning_plugins.recipe.finish import check_exportable, export_dir, export_trained, write_results
 from lightning_plugins.recipe.meter import ThroughputMeter
+from lightning_plugins.errors import OptionsError
 from lightning_plugins.recipe.schema import Recipe
 from lightning_plugins.recipe.train import TrainSection
 from lightning_plugins.recipe.manifest import write_manifest
@@ -58,6 +59,11 @@ class Progress:
 
 def make_accelerator(recipe: Recipe) -> ParallelAccelerator:
     """The recipe's layout and settings; the scheduler is stepped by the loop, once per optimizer step."""
+    if recipe.objective.paired:  # before any model is built
+        raise OptionsError(
+            f"objective.method={recipe.objective.method}: preference methods run through the Lightning door"
+            " (`lightning-plugins finetune RECIPE`) for now; the Accelerate door's loop does not call them yet."
+        )
     return ParallelAccelerator(
         layout=recipe.layout, options=recipe.parallel, memory=recipe.memory,
         load_from=recipe.model.path if Path(recipe.model.path).is_dir() else None,

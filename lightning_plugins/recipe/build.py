@@ -119,6 +119,7 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, 
     drop = recipe.layout.pp_size > 1
     seed = recipe.train.seed
     dataset = build_dataset(recipe.data, tokenizer, "train")
+    check_objective_data(recipe, dataset.column_names)
     check_global_batch(recipe, dataset.num_rows)
     train = ResumableDataLoader(
         dataset, batch_size=size, shuffle=True, collate_fn=collate, drop_last=drop, generator=loader_generator(seed)
@@ -129,6 +130,22 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, 
         build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate,
         generator=loader_generator(seed),
     )  # fmt: skip
+
+
+def check_objective_data(recipe: Recipe, columns: list[str]) -> None:
+    """Refuse records of the wrong kind for ``objective.method``: pairs for SFT, or prompt/completion for a preference
+    method (``data.format: auto`` decides from the columns only when the data is read)."""
+    from lightning_plugins.data import DataError
+    from lightning_plugins.data.preference import PAIR_KEYS
+
+    pairs = PAIR_KEYS[0] in columns
+    if pairs != recipe.objective.paired:
+        got = "chosen/rejected pairs" if pairs else "prompt/completion or chat records"
+        raise DataError(
+            f"data.train ({recipe.data.train}) holds {got}, but objective.method={recipe.objective.method}"
+            f" trains on {'pairs' if recipe.objective.paired else 'prompt/completion or chat records'}. Point data.train"
+            " at records of that kind, or change objective.method."
+        )
 
 
 def check_global_batch(recipe: Recipe, samples: int) -> None:

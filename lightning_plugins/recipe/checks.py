@@ -74,7 +74,38 @@ def check_recipe(recipe: Recipe, path: Path) -> Recipe:
         except ValueError as err:
             raise RecipeError(f"{path}: model.attn_implementation with data.packing: {err}") from None
     _check_merged_export(recipe, path)
+    _check_objective(recipe, layout, path)
     return recipe
+
+
+def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None:
+    """A preference method on what this slice of it covers: pairs in padded batches, layouts whose sequence
+    log-probabilities are summed exactly (FSDP2, HSDP, TP with SP and loss parallel), a reference where DPO needs one."""
+    objective = recipe.objective
+    if not objective.paired:
+        if recipe.data.format == "preference":
+            raise RecipeError(f"{path}: data.format: preference trains a preference method; set objective.method (dpo,"
+                              " simpo, orpo), or give prompt/completion or chat records for SFT.")  # fmt: skip
+        return
+    key = f"objective.method={objective.method}"
+    if recipe.data.format not in ("auto", "preference"):
+        raise RecipeError(f"{path}: {key} trains on chosen/rejected pairs; set data.format: preference (or auto).")
+    if recipe.data.packing:
+        raise RecipeError(f"{path}: {key}: preference pairs are not packed yet; set data.packing: false.")
+    unsupported = {"pp_size": "pipeline", "cp_size": "context", "ep_size": "expert"}
+    for size, kind in unsupported.items():
+        if getattr(layout, size) > 1:
+            raise RecipeError(
+                f"{path}: {key} under {kind} parallelism (layout.{size}={getattr(layout, size)}) is not supported yet:"
+                " its sequence log-probabilities are only summed exactly under FSDP2/HSDP and tensor parallelism."
+                f" Set layout.{size}: 1 (use dp_shard_size / tp_size)."
+            )
+    if objective.needs_reference and recipe.lora is None:
+        raise RecipeError(
+            f"{path}: {key} needs a reference model: with a `lora:` section it is the base model with the adapters"
+            " disabled (no copy); a frozen reference copy for a full fine-tune is not built yet. Add a `lora:` section,"
+            " or use a reference-free method (objective.method: simpo or orpo)."
+        )
 
 
 def _config_of(recipe: Recipe, path: Path) -> Any:

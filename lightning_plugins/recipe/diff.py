@@ -63,6 +63,7 @@ RULES: dict[str, tuple[Kind, str]] = {
     "train.seed": ("refused", "the checkpoint's data order and initial weights came from this seed"),
     "train.resume_reset_optimizer": ("control", ""),
     "hardware": ("applied", ""),
+    "objective": ("refused", "the checkpoint was trained toward this objective"),
 }
 
 
@@ -101,6 +102,9 @@ def rule_for(key: str) -> tuple[Kind, str]:
 def diff_recipes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     """The keys whose values differ between two recipes (as :meth:`Recipe.to_yaml` writes them), classified."""
     changes = []
+    objective = new.get("objective")
+    if "objective" not in old and isinstance(objective, dict) and objective.get("method", "sft") == "sft":
+        old = {**old, "objective": objective}  # a recipe from before the section trained SFT
     for key, before, after in _differences(old, new):
         kind, why = rule_for(key)
         if kind != "control":

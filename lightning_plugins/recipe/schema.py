@@ -1,7 +1,7 @@
 """The recipe: one YAML file that says what to fine-tune, on what data, with which layout and settings.
 
-Parsed by pydantic into typed sections. The ``layout``, ``parallel``, ``memory``, ``data`` and ``lora``
-sections *are* the engine's own objects (:class:`~lightning_plugins.ParallelLayout`,
+Parsed by pydantic into typed sections. The ``layout``, ``parallel``, ``memory``, ``data``, ``lora`` and
+``objective`` sections *are* the engine's own objects (:class:`~lightning_plugins.ParallelLayout`,
 :class:`~lightning_plugins.ParallelOptions`, :class:`~lightning_plugins.MemoryOptions`,
 :class:`~lightning_plugins.data.DataConfig`, :class:`~lightning_plugins.adapters.lora.LoraOptions`), so a setting
 is defined once and reaches every door. Nothing here is Lightning- or Accelerate-specific.
@@ -31,6 +31,7 @@ from lightning_plugins.data import DataConfig
 from lightning_plugins.errors import RecipeError
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
+from lightning_plugins.preference.options import PreferenceOptions
 from lightning_plugins.recipe.checks import check_recipe, resolve_paths
 from lightning_plugins.recipe.sections import HardwareSection, ModelSection, OptimSection, Section
 from lightning_plugins.recipe.train import TrainSection
@@ -48,6 +49,7 @@ class Recipe(Section):
     lora: LoraOptions | None = None
     optim: OptimSection = Field(default_factory=OptimSection)
     train: TrainSection
+    objective: PreferenceOptions = Field(default_factory=PreferenceOptions)
     hardware: HardwareSection = Field(default_factory=HardwareSection)
 
     @property

@@ -30,6 +30,7 @@ from lightning_plugins.recipe.diff import reset_optimizer
 from lightning_plugins.recipe.finish import check_exportable, export_trained, write_results
 from lightning_plugins.recipe.launch import say
 from lightning_plugins.recipe.meter import ThroughputMeter
+from lightning_plugins.preference import PreferenceObjective
 from lightning_plugins.recipe.schema import Recipe
 
 
@@ -45,18 +46,30 @@ class RecipeModule(L.LightningModule):
         self.total_steps = total_steps
         self._meter = ThroughputMeter(sum(p.numel() for p in model.parameters()), recipe.layout)  # before sharding
         self._logged_step = -1
+        # objective.method dpo/simpo/orpo: the preference loss of each batch of pairs, with TRL's metrics.
+        self.objective = PreferenceObjective(recipe.objective) if recipe.objective.paired else None
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The recipe's objective: the model's own loss (SFT), or the preference loss and its metrics."""
+        if self.objective is None:
+            return self.model(**batch).loss, {}
+        return self.objective(self.model, batch)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self._meter.count(batch)
-        loss = self.model(**batch).loss
+        loss, metrics = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True)
+        if metrics:  # already means over the global batch on every rank
+            self.log_dict({f"train/{name}": value for name, value in metrics.items()})
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         # The loss is already the global one on every rank; syncing keeps Lightning's epoch mean exact too.
-        self.log(
-            "val/loss", self.model(**batch).loss, prog_bar=True, sync_dist=True, batch_size=batch["input_ids"].shape[0]
-        )
+        loss, metrics = self._loss(batch)
+        rows = batch["input_ids"].shape[0]
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=rows)
+        if metrics:
+            self.log_dict({f"val/{name}": value for name, value in metrics.items()}, sync_dist=True, batch_size=rows)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """After every ``train.log_every``-th optimizer step: learning rate, gradient norm, tokens/s, MFU (GPUs)."""

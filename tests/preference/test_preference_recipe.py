@@ -1,0 +1,77 @@
+"""The recipe's ``objective:`` section: what a preference method refuses before any process starts, and the shipped
+tiny DPO recipe through ``lightning-plugins finetune``."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from lightning_plugins.testing.world import run_command
+
+from lightning_plugins.errors import RecipeError
+from lightning_plugins.preference import PreferenceOptions
+from lightning_plugins.recipe.schema import load_recipe
+
+TINY = Path(__file__).parents[2] / "recipes" / "tiny"
+RECIPE = TINY / "dpo_lora_fsdp2.yaml"
+
+
+def _recipe(tmp_path: Path, drop: tuple[str, ...] = (), **changes: dict) -> Path:
+    raw = yaml.safe_load(RECIPE.read_text())
+    raw["model"]["path"] = str(TINY / "model")
+    raw["data"].update(train=str(TINY / "data/preference_train.jsonl"), eval=str(TINY / "data/preference_eval.jsonl"))
+    for section in drop:
+        raw.pop(section)
+    for section, values in changes.items():
+        raw.setdefault(section, {}).update(values)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_the_shipped_recipe_is_one_typed_object() -> None:
+    recipe = load_recipe(RECIPE)
+    assert recipe.objective == PreferenceOptions(method="dpo", beta=0.1, loss_type="sigmoid")
+    assert load_recipe(TINY / "lora_tp2.yaml").objective.method == "sft"  # SFT stays the default
+
+
+@pytest.mark.parametrize(
+    ("drop", "changes", "match"),
+    [
+        (("lora",), {}, r"objective\.method=dpo needs a reference model: .*not built yet. Add a `lora:` section"),
+        ((), {"layout": {"dp_shard_size": 1, "pp_size": 2}}, r"under pipeline parallelism \(layout\.pp_size=2\)"),
+        ((), {"layout": {"dp_shard_size": 1, "cp_size": 2}}, r"under context parallelism \(layout\.cp_size=2\)"),
+        ((), {"data": {"packing": True}}, r"preference pairs are not packed yet; set data\.packing: false"),
+        ((), {"data": {"format": "chat"}}, r"objective\.method=dpo trains on chosen/rejected pairs; set data\.format"),
+        ((), {"objective": {"method": "sft"}}, r"data\.format: preference trains a preference method"),
+        ((), {"objective": {"beta": 0}}, r"objective: .*objective\.beta must be > 0"),
+        ((), {"objective": {"loss_type": "robust", "label_smoothing": 0.5}}, r"label_smoothing must be in \[0, 0\.5\)"),
+        ((), {"objective": {"metod": "dpo"}}, r"objective\.metod: unknown key; did you mean `method`\?"),
+    ],
+)
+def test_what_a_preference_recipe_refuses(tmp_path: Path, drop: tuple, changes: dict, match: str) -> None:
+    path = _recipe(tmp_path, drop, **changes)
+    with pytest.raises(RecipeError, match=match) as err:
+        load_recipe(path)
+    assert str(path) in str(err.value)
+
+
+def test_reference_free_methods_need_no_adapters(tmp_path: Path) -> None:
+    assert load_recipe(_recipe(tmp_path, ("lora",), objective={"method": "orpo"})).objective.method == "orpo"
+
+
+@pytest.mark.slow
+def test_the_tiny_dpo_recipe_runs_through_finetune(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "lightning_plugins", "finetune", str(RECIPE), f"--train.output_dir={out}"]
+    result = run_command(command, cwd=tmp_path)
+    assert "Warning" not in result.stdout + result.stderr
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    logged = {key for row in rows for key, value in row.items() if value}
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                 "logps/rejected", "logits/chosen", "logits/rejected"):  # fmt: skip
+        assert f"train/{name}" in logged and f"val/{name}" in logged
+    assert (out / "adapter" / "adapter_config.json").exists()
