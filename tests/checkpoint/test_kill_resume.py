@@ -256,7 +256,11 @@ def test_preempted_run_resumes_on_the_same_trajectory(
 def test_a_preempted_rank_stuck_before_its_step_end_exits_within_the_bound() -> None:
     """The watchdog ends a preempted process that never reaches the agreement (blocked for good) after the bound."""
     code = (
-        "import os, signal, time\n"
+        "import os, signal, sys, time, types\n"
+        # The package registered bare (its path only): its __init__ (torch, transformers, the engine: seconds) is not
+        # what this process tests; preemption.py itself imports torch.
+        "sys.modules['lightning_plugins'] = package = types.ModuleType('lightning_plugins')\n"
+        f"package.__path__ = [{str(ROOT / 'lightning_plugins')!r}]\n"
         "from lightning_plugins.run.preemption import Preemption\n"
         "Preemption(['SIGTERM'], watch_parent=False, exit_within_s=0.5, poll_s=0.05).install()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
