@@ -207,7 +207,7 @@ def make_collator(
     config: DataConfig, pad_token_id: int, pad_to_multiple_of: int | None = None
 ) -> Callable[[Sequence[Mapping[str, Sequence[int]]]], dict[str, Tensor]]:
     """The ``collate_fn`` for rows of :func:`build_dataset` with this config: padded or packed batches, and for
-    preference pairs (:func:`~lightning_plugins.data.preference.collate_pairs`) the chosen rows then the rejected."""
+    preference pairs (:func:`collate_pairs`) the chosen rows then the rejected."""
     def collate(examples: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, Tensor]:
         if examples and PAIR_KEYS[0] in examples[0]:  # rows of preference pairs (data.format preference, or auto)
             return collate_pairs(examples, pad_token_id, pad_to_multiple_of)

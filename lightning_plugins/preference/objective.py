@@ -1,7 +1,7 @@
 """A batch of preference pairs to its loss and TRL's metrics, under any layout the log-probabilities cover.
 
 A batch holds ``2 * pairs`` rows, the chosen completions first and their rejected ones after, in the same order
-(:func:`lightning_plugins.data.preference.collate_pairs`), so both halves of a pair are always in the same
+(:func:`lightning_plugins.data.packing.collate_pairs`), so both halves of a pair are always in the same
 micro-batch on the same data rank. The loss is the mean over every pair of the global batch (each rank divides its
 sum by the global number of pairs, as the SFT loss does with tokens: :func:`global_mean`), and the metrics
 are global means, so they read as one process's, and as TRL's.
