@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from lightning_plugins.testing.world import run_command
 
 from lightning_plugins.errors import RecipeError
 from lightning_plugins.preference import PreferenceOptions
 from lightning_plugins.recipe.schema import load_recipe
+from lightning_plugins.testing.world import run_command
 
 TINY = Path(__file__).parents[2] / "recipes" / "tiny"
 RECIPE = TINY / "dpo_lora_fsdp2.yaml"
