@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
+import io
 import json
+import os
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,30 @@ def clean_stdout(proc: subprocess.CompletedProcess) -> str:
     """The run's standard output, after checking its console is clean (how it ended is checked by run_command)."""
     assert "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
     return proc.stdout
+
+
+def in_process(module: str, argv: list[str], **env: str) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGV`` run in this process (its ``main``; no interpreter start and its seconds of imports),
+    with ``env`` added to the environment meanwhile: the exit status, stdout and stderr the interpreter would give
+    (a ``sys.exit`` message is written to stderr with status 1)."""
+    main = importlib.import_module("lightning_plugins.cli" if module == "lightning_plugins" else f"{module}.__main__").main
+    out, err, saved, code = io.StringIO(), io.StringIO(), dict(os.environ), 0
+    os.environ.update(env)
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                main(argv)
+            except SystemExit as stop:
+                code = stop.code
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=err)
+        code = 1
+    return subprocess.CompletedProcess([module, *argv], code, out.getvalue(), err.getvalue())
 
 
 def collected(request, test: str) -> list[dict]:

@@ -6,18 +6,16 @@ Kubernetes manifest is parsed as YAML and its container command run the same way
 
 from __future__ import annotations
 
-import importlib
-import io
 import json
 import os
 import shlex
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 import yaml
+from _launch import in_process
 
 from lightning_plugins.resources import accelerate_configs_dir
 
@@ -26,33 +24,9 @@ RECIPE = "llama-3.1-70b/full_tp8_fsdp4"  # TP=8 x FSDP2=4: 4 nodes of 8 GPUs
 RECORD = 'printf "%s\\n" "$(basename "$0")" "NODE_RANK=${NODE_RANK-}" "RANK=${RANK-}" "$@" > "$RECORDED"'
 
 
-def _in_process(module: str, argv: list[str], **env: str) -> subprocess.CompletedProcess:
-    """``python -m MODULE ARGV`` run in this process (its ``main``; no interpreter start and its seconds of imports),
-    with ``env`` added to the environment meanwhile: the exit status, stdout and stderr the interpreter would give
-    (a ``sys.exit`` message is written to stderr with status 1)."""
-    main = importlib.import_module("lightning_plugins.cli" if module == "lightning_plugins" else f"{module}.__main__").main
-    out, err, saved, code = io.StringIO(), io.StringIO(), dict(os.environ), 0
-    os.environ.update(env)
-    try:
-        with redirect_stdout(out), redirect_stderr(err):
-            try:
-                main(argv)
-            except SystemExit as stop:
-                code = stop.code
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):
-        print(code, file=err)
-        code = 1
-    return subprocess.CompletedProcess([module, *argv], code, out.getvalue(), err.getvalue())
-
-
 def _launch(*args: str) -> subprocess.CompletedProcess:
     """``lightning-plugins launch ARGS`` (in this process)."""
-    return _in_process("lightning_plugins", ["launch", *args])
+    return in_process("lightning_plugins", ["launch", *args])
 
 
 def _run_node(command: list[str], tmp_path: Path, **env: str) -> list[str]:
@@ -78,7 +52,7 @@ def _run_node(command: list[str], tmp_path: Path, **env: str) -> list[str]:
 def _print_config(module: str, args: list[str], **world: str) -> subprocess.CompletedProcess:
     """A node's recipe arguments, resolved for real (``--print-config``, in this process) with the launched world's
     variables."""
-    return _in_process(module, [*args, "--print-config"], **world)
+    return in_process(module, [*args, "--print-config"], **world)
 
 
 def test_torchrun_script_starts_the_lightning_door_on_every_node(tmp_path: Path) -> None:

@@ -7,11 +7,10 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from lightning_plugins.testing.world import run_command
+from _launch import in_process
 
 ROOT = Path(__file__).parents[2]
 SLURM = ROOT / "recipes" / "slurm"
@@ -44,11 +43,11 @@ def _render(
 
 
 def _print_config(command: str, module: str, **world: str) -> subprocess.CompletedProcess:
-    """The rendered command, run for real with ``--print-config`` (resolves and checks the recipe, then exits)."""
+    """The rendered command, run for real with ``--print-config`` (resolves and checks the recipe, then exits), in this
+    process (``python -m MODULE``'s main, no interpreter start)."""
     argv = shlex.split(command.split(": ", 1)[1])
     rest = argv[argv.index(module) + 1 :]
-    return run_command([sys.executable, "-m", module, *rest, "--print-config"], cwd=ROOT, timeout=120, expected=None,
-                       **world)  # fmt: skip
+    return in_process(module, [*rest, "--print-config"], **world)
 
 
 def test_lightning_batch_file_renders_one_trainer_world_over_the_nodes(tmp_path: Path) -> None:
