@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_plugins.testing.models import tiny_llama
 from lightning_plugins.testing.bench import Timed, add_world_arguments, machine, print_report, write_rows
+from lightning_plugins.testing.models import tiny_llama
 from lightning_plugins.testing.world import world_rows
 
 MIB = 2**20
@@ -185,7 +185,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
@@ -196,13 +196,13 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--steps", type=int, default=2, help="timed steps (best is reported) after one warm-up")
     add_world_arguments(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     rows: list[dict[str, Any]] = []
     with Timed() as run:
         for cp in args.cps:
             rows += world_rows(_rank, cp, cp, args, threads=args.threads)
-    on = machine()
+    on = machine(run.load)
     print_report(table(rows), run.elapsed, on)
     write_rows(args.out, args, on, rows)
 

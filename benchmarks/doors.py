@@ -1,6 +1,6 @@
 """The two doors and the anchor, measured side by side: the same TP=2 layout through Lightning and Accelerate.
 
-One run trains the TP benchmark's small Llama (``benchmarks/tensor_parallel.py``: fp32, CPU, gloo, 2 ranks)
+One run trains the TP benchmark's small Llama (``testing/tp_workload.py``: fp32, CPU, gloo, 2 ranks)
 from one checkpoint, with the same batches, in one 2-rank world, through:
 
 * ``lightning``: the Lightning door, a ``lightning.Trainer`` with ``ParallelismStrategy(tp_size=2)`` (SP + loss
@@ -52,7 +52,6 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lightning_plugins.testing.bench import (  # noqa: E402
     Timed,
     add_report_arguments,
@@ -61,16 +60,9 @@ from lightning_plugins.testing.bench import (  # noqa: E402
     write_json,
     write_report,
 )
+from lightning_plugins.testing.step_accounting import CommCounter, peak_step_allocation, state_bytes  # noqa: E402
+from lightning_plugins.testing.tp_workload import Options, build_config, build_variant, make_batches  # noqa: E402
 from lightning_plugins.testing.world import spawn_world  # noqa: E402
-from tensor_parallel import (  # noqa: E402
-    CommCounter,
-    Options,
-    build_config,
-    build_variant,
-    make_batches,
-    peak_step_allocation,
-    state_bytes,
-)
 
 WORLD = 2
 VARIANTS = ("lightning", "accelerate", "engine", "anchor")

@@ -1,6 +1,6 @@
 """Full fine-tuning vs LoRA vs QLoRA, measured side by side at TP=2 and FSDP2=2 (2 gloo ranks, CPU, fp32).
 
-The model is the TP benchmark's small Llama (``benchmarks/tensor_parallel.py``: h=512, 8 layers, vocab
+The model is the TP benchmark's small Llama (``lightning_plugins/testing/tp_workload.py``: h=512, 8 layers, vocab
 16384; ``--layers``/``--seq`` shrink it). Each variant starts from the same weights, wraps them with peft
 LoRA (r=16 on every projection) for ``lora``, stores the frozen base as NF4 (torchao) for ``qlora``,
 applies the layout with ``parallelize`` and trains with AdamW. Per variant and rank:
@@ -10,7 +10,8 @@ applies the layout with ``parallelize`` and trains with AdamW. Per variant and r
 * bytes of the frozen base weights this rank holds (the goal: NF4 ~0.28x the 16-bit bytes, i.e. ~0.14x
   of these fp32 bytes);
 * peak tensor memory of a training step: the state alive before the step (parameters, buffers, optimizer
-  state) plus the profiler's peak of the step's own allocations (see ``tensor_parallel.peak_step_allocation``);
+  state) plus the profiler's peak of the step's own allocations (see
+  ``lightning_plugins.testing.step_accounting.peak_step_allocation``);
 * tokens/s: median step time over the measured steps, the step bracketed by barriers.
 
 QLoRA under TP is refused by the engine (NF4 blocks do not split row-wise); the table says so.
@@ -27,7 +28,6 @@ import copy
 import functools
 import json
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -37,10 +37,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lightning_plugins.testing.bench import Timed, add_report_arguments, command, machine, write_report  # noqa: E402
-from lightning_plugins.testing.world import spawn_world  # noqa: E402
-from tensor_parallel import Options, build_config, make_batches, peak_step_allocation  # noqa: E402
+from lightning_plugins.testing.bench import Timed, add_report_arguments, command, machine, write_report
+from lightning_plugins.testing.step_accounting import peak_step_allocation
+from lightning_plugins.testing.tp_workload import Options, build_config, make_batches
+from lightning_plugins.testing.world import spawn_world
 
 WORLD = 2
 METHODS = ("full", "lora", "qlora")

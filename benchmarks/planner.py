@@ -2,9 +2,10 @@
 
 Sections (default: all), each printed as markdown tables:
 
-* ``--small``: the 7 small layouts of ``tests/_memory.py`` run for real on gloo (``measure_all``: torch's
-  ``MemTracker`` on a real step), each rank kind's peak next to the dry run's prediction for the same workload
-  (``dry_run(Workload(...))``, built as ``tests/planner/test_planner_dryrun.py`` builds it), by category.
+* ``--small``: the small layouts of ``lightning_plugins/testing/memory_layouts.py`` run for real on gloo
+  (``measure_all``: torch's ``MemTracker`` on a real step), each rank kind's peak next to the dry run's prediction for
+  the same workload (``dry_run(Workload(...))``, built as ``tests/planner/test_planner_dryrun.py`` builds it), by
+  category.
 * ``--real-size``: Llama-3.1-8B (FSDP8), 70B (TP8 x FSDP8, 64 GPUs) and 405B (TP8 x PP8 x FSDP8, 512 GPUs,
   interleaved 1F1B, 16 micro-batches; and 1F1B with 8) at seq 8192, fp32 master weights + bf16 compute
   (``MemoryOptions(param_dtype="bf16")``), full activation checkpointing: memory per GPU by category per rank kind
@@ -30,9 +31,7 @@ import argparse
 import contextlib
 import datetime
 import io
-import json
 import os
-import platform
 import re
 import sys
 import time
@@ -48,6 +47,7 @@ from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.planner.dryrun import dry_run
 from lightning_plugins.planner.rank_memory import PEAK_CATEGORIES, RankMemory
 from lightning_plugins.planner.workload import Workload
+from lightning_plugins.testing.bench import Timed, add_report_arguments, command, machine, write_json, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "recipes" / "configs"
@@ -142,10 +142,10 @@ class Section:
 
 
 def small_section() -> Section:
-    """The small layouts of ``tests/_memory.py``: measured on gloo vs the dry run, per rank kind and category."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from _memory import CONFIG, LAYOUTS, SEQ_LEN, measure_all
+    """The small layouts of ``testing/memory_layouts.py``: measured on gloo vs the dry run, by rank kind, category."""
     from transformers import LlamaConfig
+
+    from lightning_plugins.testing.memory_layouts import CONFIG, LAYOUTS, SEQ_LEN, measure_all
 
     start = time.perf_counter()
     real = measure_all()
@@ -196,9 +196,10 @@ def small_section() -> Section:
         "### Small layouts: predicted vs measured peak per rank",
         "",
         (
-            f"Model: `tests/_memory.py` (Llama h={CONFIG['hidden_size']}, {CONFIG['num_hidden_layers']} layers, "
-            f"{CONFIG['num_attention_heads']} heads / {CONFIG['num_key_value_heads']} kv heads, vocab "
-            f"{CONFIG['vocab_size']}; fp32, seq {SEQ_LEN}, AdamW). Measured: `measure_all()` (real gloo worlds, "
+            f"Model: `lightning_plugins/testing/memory_layouts.py` (Llama h={CONFIG['hidden_size']}, "
+            f"{CONFIG['num_hidden_layers']} layers, {CONFIG['num_attention_heads']} heads / "
+            f"{CONFIG['num_key_value_heads']} kv heads, vocab {CONFIG['vocab_size']}; fp32, seq {SEQ_LEN}, AdamW). "
+            "Measured: `measure_all()` (real gloo worlds, "
             f"`MemTracker` on the step after a warm-up step; {measured_s:.0f} s). Predicted: `dry_run` of the same "
             f"workload on a fake process group ({dry_s:.0f} s for all). Categories at the moment of the peak, "
             "predicted / measured, MiB; `other` includes buffers (rotary table), the batch and pipeline receive "
@@ -817,17 +818,7 @@ def calibration_section() -> Section:
 # ------------------------------------------------------------------------------------------------------------- main
 
 
-def _machine() -> str:
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    import transformers
-
-    return (
-        f"{platform.machine()}, {os.cpu_count()} CPU cores (load average at the end {load}), torch "
-        f"{torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}"
-    )
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="small layouts: measured on gloo vs predicted")
     parser.add_argument("--real-size", action="store_true", help="8B / 70B / 405B: memory, dry-run time, estimators")
@@ -839,37 +830,33 @@ def main() -> int:
         default=60.0,
         help="fail (exit 1) when the 405B interleaved dry run takes longer (default 60)",
     )
-    parser.add_argument("--output", type=Path, default=None, help="also write the markdown to this file")
-    parser.add_argument("--json", type=Path, default=None, help="also write the data as JSON")
-    args = parser.parse_args()
+    add_report_arguments(parser, output=True, json_out=True)
+    args = parser.parse_args(argv)
     chosen = [name for name in ("small", "real_size", "published", "calibration") if getattr(args, name)]
     chosen = chosen or ["small", "real_size", "published", "calibration"]
 
-    start = time.perf_counter()
     sections: dict[str, Section] = {}
     passed = True
-    for name in chosen:
-        if name == "small":
-            sections[name] = small_section()
-        elif name == "real_size":
-            sections[name], passed = real_size_section(args.max_405b_seconds)
-        elif name == "published":
-            sections[name] = published_section()
-        else:
-            sections[name] = calibration_section()
-        print("\n".join(sections[name].lines) + "\n", flush=True)
-    elapsed = time.perf_counter() - start
+    with Timed() as run:
+        for name in chosen:
+            if name == "small":
+                sections[name] = small_section()
+            elif name == "real_size":
+                sections[name], passed = real_size_section(args.max_405b_seconds)
+            elif name == "published":
+                sections[name] = published_section()
+            else:
+                sections[name] = calibration_section()
+            print("\n".join(sections[name].lines) + "\n", flush=True)
+    backend = "gloo and a fake process group" if "small" in chosen else "a fake process group"
+    on = machine(run.load, packages=("transformers",), python=True, backend=backend)
     footer = [
-        f"Command: `python benchmarks/planner.py {' '.join(sys.argv[1:])}`".rstrip() + f" ({elapsed:.0f} s)",
-        f"Machine: {_machine()}. Date: {datetime.date.today().isoformat()}.",
+        f"Command: `{command(argv)}` ({run.elapsed:.0f} s)",
+        f"Machine: {on}. Date: {datetime.date.today().isoformat()}.",
     ]
     print("\n".join(footer))
-    if args.output is not None:
-        args.output.write_text(
-            "\n".join(footer) + "\n\n" + "\n\n".join("\n".join(s.lines) for s in sections.values()) + "\n"
-        )
-    if args.json is not None:
-        args.json.write_text(json.dumps({name: s.data for name, s in sections.items()}, indent=1, default=str))
+    write_report(args.output, "\n".join(footer) + "\n\n" + "\n\n".join("\n".join(s.lines) for s in sections.values()))
+    write_json(args.json, {name: s.data for name, s in sections.items()}, default=str)
     if not passed:
         print(
             f"FAILED: the 405B interleaved dry run took longer than --max-405b-seconds {args.max_405b_seconds:g}.",

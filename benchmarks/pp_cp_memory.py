@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,13 +156,13 @@ def longest_fitting(
 
 
 def tiny_check(backend: str) -> dict[str, Any]:
-    """PP2 x CP2 on the small model of ``tests/_memory.py``: the dry run's peak per rank kind next to a real gloo run."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from _memory import CONFIG, SEQ_LEN, MemoryLayout
-    from lightning_plugins.testing.world import run_world
+    """PP2 x CP2 on the small model of ``lightning_plugins/testing/memory_layouts.py``: the dry run's peak per rank kind
+    next to a real gloo run."""
     from transformers import LlamaConfig
 
     from lightning_plugins.planner.dryrun import dry_run
+    from lightning_plugins.testing.memory_layouts import CONFIG, SEQ_LEN, MemoryLayout
+    from lightning_plugins.testing.world import run_world
 
     spec = MemoryLayout(
         4,
@@ -203,9 +202,9 @@ def tiny_check(backend: str) -> dict[str, Any]:
 
 
 def _tiny_rank(rank: int, world_size: int, spec: Any, out_dir: str) -> None:
-    from _memory import _measure
+    from lightning_plugins.testing.memory_layouts import measure_layout
 
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(_measure(spec)))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(measure_layout(spec)))
 
 
 def _table(settings: list[Setting], seqs: list[int], measured: dict[tuple[str, int], Any]) -> list[str]:

@@ -10,6 +10,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,10 @@ def write_report(path: Path | None, text: str) -> None:
         Path(path).write_text(text + "\n")
 
 
-def write_json(path: Path | str | None, data: Any, indent: int | None = 1) -> None:
-    """``data`` as JSON in ``path`` (nothing when ``path`` is ``None``)."""
+def write_json(
+    path: Path | str | None, data: Any, indent: int | None = 1, default: Callable[[Any], Any] | None = None
+) -> None:
+    """``data`` as JSON in ``path`` (nothing when ``path`` is ``None``); ``default`` turns what JSON cannot hold into
+    what it can (``str``, say)."""
     if path is not None:
-        Path(path).write_text(json.dumps(data, indent=indent))
+        Path(path).write_text(json.dumps(data, indent=indent, default=default))

@@ -1,4 +1,5 @@
-"""Real per-rank peak memory of small layouts on gloo: the ground truth the planner's dry run is checked against.
+"""Real per-rank peak memory of small layouts on gloo: the ground truth the planner's dry run is checked against (by
+the planner's tests and by ``benchmarks/planner.py`` and ``benchmarks/pp_cp_memory.py``).
 
 One small Llama (fp32, fixed seed) where activations are a visible share of the peak, and the layouts of
 issue 10's prediction test, run for real with :func:`lightning_plugins.planner.measure.measure_step_memory`.
@@ -8,11 +9,12 @@ Importable settings, so that a dry run can be asked about exactly the same thing
   :func:`make_config`, :func:`make_model` (seeded, LoRA applied when asked, not parallelized);
 * :data:`LAYOUTS` (name -> :class:`MemoryLayout`: world size, ``ParallelLayout``, ``ParallelOptions``,
   ``MemoryOptions``, LoRA, rows per data rank), :func:`make_batch`;
+* :func:`measure_layout` measures one layout on the calling rank of a running world;
 * :func:`measure_all` runs them (one launched world per world size) and returns
   ``{layout name: {"rank0": measurement, ...}}``; :func:`measured` does it once per process (tests that
   compare predictions with these share one run).
 
-``python tests/_memory.py --out measured.json`` writes the same as JSON.
+``python -m lightning_plugins.testing.memory_layouts --out measured.json`` writes the same as JSON.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning_plugins.testing.world import run_world
 
 from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions, parallelize
 from lightning_plugins.adapters.lora import LoraOptions
+from lightning_plugins.testing.world import run_world
 
 #: The model: 4 layers, GQA (8 heads, 4 kv heads), SwiGLU; ~2.9M parameters (11.4 MiB in fp32).
 CONFIG: dict[str, Any] = {
@@ -126,7 +128,7 @@ def make_batch(rows: int, data_rank: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
 
 
-def _measure(spec: MemoryLayout) -> dict[str, Any]:
+def measure_layout(spec: MemoryLayout) -> dict[str, Any]:
     """Build, parallelize and measure one layout on this rank, noting where the rank sits in the mesh."""
     from lightning_plugins.adapters.lora import trainable_parameters
     from lightning_plugins.parallel import context_parallel_batch, mesh_of
@@ -147,7 +149,7 @@ def _measure(spec: MemoryLayout) -> dict[str, Any]:
 
 
 def _world(rank: int, world_size: int, names: list[str], out_dir: str) -> None:
-    results = {name: _measure(LAYOUTS[name]) for name in names}
+    results = {name: measure_layout(LAYOUTS[name]) for name in names}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 

@@ -152,7 +152,7 @@ def test_dry_run_predicts_the_peak_of_real_runs() -> None:
     steps' overall peaks could pair different moments). Parameters and optimizer state agree within 1% at the real
     peak's moment.
     """
-    from _memory import CONFIG, LAYOUTS, SEQ_LEN, measured
+    from lightning_plugins.testing.memory_layouts import CONFIG, LAYOUTS, SEQ_LEN, measured
 
     real = measured()
     config = LlamaConfig(**CONFIG)

@@ -25,11 +25,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from _memory import CONFIG, LAYOUTS, MemoryLayout, make_model, measured
 from tiny_models import make_batch, tiny_model
 
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.planner.measure import CATEGORIES, StepMemTracker, measure_step_memory
+from lightning_plugins.testing.memory_layouts import CONFIG, LAYOUTS, MemoryLayout, make_model, measured
 
 FP32 = 4  # bytes per element: the model is fp32
 ADAM_STEP = 4  # AdamW's `step` is a float32 scalar tensor per parameter (not capturable, not fused)
