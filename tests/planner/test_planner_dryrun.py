@@ -143,8 +143,9 @@ def test_extrapolation_from_fewer_layers_matches_measuring_them_all(monkeypatch:
 
 
 def test_dry_run_predicts_the_peak_of_real_runs() -> None:
-    """Each small layout, run for real on gloo (tests/_memory.py), and its dry run on a fake process group, moment by
-    moment: both cut the step into the same intervals (:func:`lightning_plugins.planner.intervals.mark_intervals`).
+    """Each small layout, run for real on gloo (``testing/memory_layouts.py``), and its dry run on a fake process group,
+    moment by moment: both cut the step into the same intervals
+    (:func:`lightning_plugins.planner.intervals.mark_intervals`).
 
     At each interval's peak the total is within 10% and the breakdown by category agrees, its L1 distance within 15%
     of the total (a fake process group holds a few MiB more than gloo in places: the tiny TP2 layout's layers'

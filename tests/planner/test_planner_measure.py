@@ -1,8 +1,8 @@
 """The measured side of the planner's prediction test: real per-rank peak memory of small layouts on gloo.
 
-``tests/_memory.py`` runs every layout of :data:`_memory.LAYOUTS` for real (one 2-rank and one 4-rank world)
-under :func:`lightning_plugins.planner.measure.measure_step_memory`. These tests check that the measurement
-is right where it can be derived without the engine: the shares of the one-process model each rank holds
+``lightning_plugins.testing.memory_layouts`` runs every layout of its :data:`LAYOUTS` for real (one 2-rank and
+one 4-rank world) under :func:`lightning_plugins.planner.measure.measure_step_memory`. These tests check that the
+measurement is right where it can be derived without the engine: the shares of the one-process model each rank holds
 (FSDP2's dim-0 shards with their padding, tensor-parallel splits with RMSNorm weights replicated, pipeline
 stages by layer), AdamW's two moments plus a step scalar per trainable tensor, LoRA training only its
 adapters, full activation checkpointing keeping fewer activations, and the tracker holding exactly that
