@@ -113,3 +113,19 @@ def shared_script(request, tmp_path_factory, script: str, devices: int) -> dict[
     if isinstance(result, BaseException):
         raise result
     return result
+
+
+#: ``(command without its output directory) -> the output directory of its run``, once per session.
+_SHARED_RUNS: dict[tuple[str, ...], Path] = {}
+
+
+def shared_run(tmp_path_factory, command: list[str], timeout: int = 300) -> Path:
+    """The output directory of ``command`` (a door's command line without ``--train.output_dir``) run to its end, once
+    per session: test modules whose fixtures run the same command (its ``--`` options in any order) read one run; they
+    only read it, or copy it."""
+    key = (*[a for a in command if not a.startswith("--")], *sorted(a for a in command if a.startswith("--")))
+    if key not in _SHARED_RUNS:
+        out = tmp_path_factory.mktemp("shared_run") / "out"
+        run_command([*command, f"--train.output_dir={out}"], cwd=ROOT, timeout=timeout)
+        _SHARED_RUNS[key] = out
+    return _SHARED_RUNS[key]

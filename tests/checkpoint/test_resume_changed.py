@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _launch import shared_run
 from lightning_plugins.testing.world import run_command
 
 from lightning_plugins.recipe.diff import RECIPE_FILE, RESET_FLAG
@@ -50,11 +51,13 @@ def _checkpoints(out: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A 4-step Lightning run and an uninterrupted 6-step Accelerate run, both with checkpoints at steps 2 and 4."""
+    """A 4-step Lightning run (shared with test_untrusted: _launch.shared_run) and an uninterrupted 6-step Accelerate
+    run, both with checkpoints at steps 2 and 4."""
     root = tmp_path_factory.mktemp("resume_changed")
-    _door("finetune", root / "lightning4", "--train.max_steps=4")
+    command = [sys.executable, "-m", "lightning_plugins", "finetune", str(RECIPE), *ONE, "--train.max_steps=4"]
+    lightning4 = shared_run(tmp_path_factory, command)
     _door("accelerate", root / "accelerate6", "--train.max_steps=6")
-    return {"lightning4": root / "lightning4", "accelerate6": root / "accelerate6"}
+    return {"lightning4": lightning4, "accelerate6": root / "accelerate6"}
 
 
 @pytest.mark.slow

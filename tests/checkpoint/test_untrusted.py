@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _launch import shared_run
 from lightning_plugins.testing.world import run_command
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -45,10 +46,12 @@ from lightning_plugins.strategies.checkpoint_io import ShardedCheckpoints
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"
-# One process, checkpoints at steps 2 and 4.
+# One process, checkpoints at steps 2 and 4; a constant schedule (what is checked here does not depend on it), so the
+# Lightning run is test_resume_changed's and one run serves both (_launch.shared_run).
 ONE = ["--layout.tp_size=1", "--hardware.devices=1", "--parallel.sequence_parallel=false",
        "--parallel.loss_parallel=false", "--train.micro_batch_size=8", "--train.checkpoint_every=2",
-       "--train.log_every=1", "--train.eval_every=100", "--optim.warmup_steps=2", "--train.max_steps=4"]  # fmt: skip
+       "--train.log_every=1", "--train.eval_every=100", "--optim.scheduler=constant", "--optim.warmup_steps=2",
+       "--train.max_steps=4"]  # fmt: skip
 DOORS = {"lightning": ["-m", "lightning_plugins", "finetune"], "accelerate": ["-m", "lightning_plugins.accelerate"]}
 #: What the payload calls: named by the refusal.
 CALLED = "shutil.copyfile"
@@ -141,11 +144,12 @@ def _door(door: str, out: Path, *extra: str, expected: int | None = 0):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One 4-step run per door (checkpoints at steps 2 and 4): their output directories."""
+    """One 4-step run per door (checkpoints at steps 2 and 4): their output directories (the Lightning one shared with
+    test_resume_changed)."""
     root = tmp_path_factory.mktemp("untrusted")
-    for door in DOORS:
-        _door(door, root / door)
-    return {door: root / door for door in DOORS}
+    _door("accelerate", root / "accelerate")
+    lightning = shared_run(tmp_path_factory, [sys.executable, *DOORS["lightning"], str(RECIPE), *ONE])
+    return {"lightning": lightning, "accelerate": root / "accelerate"}
 
 
 def planted(runs: dict[str, Path], tmp_path: Path, what: str) -> tuple[Path, Path, Path]:
