@@ -28,7 +28,7 @@ from test_context_parity import TOL, _run_case
 from tiny_models import CONFIGS, tiny_model
 
 from lightning_plugins import ParallelLayout, parallelize
-from lightning_plugins.errors import LayoutError
+from lightning_plugins.errors import DataError, LayoutError
 from lightning_plugins.parallel import context_parallel_batch, mesh_of
 from lightning_plugins.parallel.context.checks import check_context_parallel
 from lightning_plugins.parallel.context.linear import apply_linear_context_parallel
@@ -171,7 +171,7 @@ def packed_refused(world_size: int) -> str:
     batch = context_parallel_batch({"input_ids": ids, "labels": ids, "position_ids": positions}, mesh_of(model))
     try:
         model(**batch)
-    except ValueError as err:
+    except DataError as err:
         return str(err)
     return "not refused"
 

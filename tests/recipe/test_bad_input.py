@@ -200,3 +200,20 @@ def _moe_overrides(tmp_path: Path) -> list[str]:
 
     tiny_model("mixtral").config.save_pretrained(tmp_path / "moe")
     return [f"model.path={tmp_path / 'moe'}", "lora.target_modules=[q_proj]"]
+
+
+def test_packed_rows_under_context_parallelism_with_linear_attention_are_refused_at_load(tmp_path: Path) -> None:
+    """Gated DeltaNet layers cannot restart their state at a document start under CP: the recipe says so before any
+    rank starts (the engine's refusal at the first forward is checked in test_context_parity's world)."""
+    from transformers import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=512, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path / "model")
+    cp2 = TINY / "full_cp2.yaml"
+    with pytest.raises(RecipeError, match=r"data.packing=true with layout.cp_size=2: .*Gated DeltaNet.*data.packing"):
+        load_recipe(cp2, [f"model.path={tmp_path / 'model'}"])
+    load_recipe(cp2, [f"model.path={tmp_path / 'model'}", "data.packing=false"])  # padded rows: accepted

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_plugins.errors import LayoutError
+from lightning_plugins.errors import DataError, LayoutError
 from lightning_plugins.parallel.context.sharding import (
     reorder_sequence_load_balanced,
     sequence_positions,
@@ -84,7 +84,7 @@ class PackedCheck:
         flag = torch.tensor([int(packed)], device=positions.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if int(flag.item()):
-            raise ValueError(
+            raise DataError(
                 "Packed rows (documents starting inside a row) cannot run through Gated DeltaNet linear attention"
                 " under context parallelism: transformers' kernels take no document boundaries here, so the"
                 " recurrent state and the conv would not reset at each document start. Use unpacked (padded) rows,"
