@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_plugins.adapters.meta_base import real_adapters_on_meta_base
 from lightning_plugins.parallel.families import family_for, projection_names
+from lightning_plugins.parallel.image_text import image_text_parts
 from lightning_plugins.errors import LayoutError, OptionsError
 
 if TYPE_CHECKING:
@@ -225,7 +226,8 @@ def check_lora_targets(config: Any, options: LoraOptions) -> None:
 
 def _default_targets(model: nn.Module) -> tuple[str, ...]:
     """The last name component of the family's column- and row-parallel projections (attention and MLP) that the
-    model has."""
+    model has; for an image-text model, the full names of those in its language model (its vision tower may hold
+    linears of the same names, e.g. Qwen2.5-VL's ``mlp.gate_proj``: adapted only when named)."""
     try:  # a registered family, or one read from the config's TP plan (its projections are the defaults)
         family = family_for(model)
     except LayoutError:  # neither: no default projections (named below)
@@ -239,7 +241,15 @@ def _default_targets(model: nn.Module) -> tuple[str, ...]:
             f"apply_lora: model type {family.name!r} has no known attention/MLP projections. Name the modules to"
             f" adapt: LoraOptions(target_modules=[...]) from its linear layers {_linear_names(model)}."
         )
-    return names
+    parts = image_text_parts(model)
+    if parts is None:
+        return names
+    language = model.get_submodule(parts.language_path)
+    return tuple(
+        f"{parts.language_path}.{name}"
+        for name, module in language.named_modules()
+        if isinstance(module, nn.Linear) and name.rpartition(".")[2] in names
+    )
 
 
 def _check_targets(model: nn.Module, targets: tuple[str, ...], options: LoraOptions) -> None:

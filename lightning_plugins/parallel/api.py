@@ -21,6 +21,7 @@ from lightning_plugins.parallel.context import apply_context_parallel
 from lightning_plugins.parallel.families import ModelFamily, check_supported, decoder_layers, family_for, final_norm
 from lightning_plugins.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
 from lightning_plugins.parallel.hf_model import hf_model_of
+from lightning_plugins.parallel.image_text import image_text_parts
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
 from lightning_plugins.parallel.memory.activation import apply_activation_checkpointing
@@ -186,8 +187,11 @@ def _shard(
     if plan.fsdp is None:
         return
     memory = plan.memory
+    vision: list[nn.Module] = []
     if family is not None:
         embedding, head = root.get_input_embeddings(), (final_norm(root, family), root.get_output_embeddings())
+        parts = image_text_parts(root)
+        vision = parts.vision_units(root) if parts is not None else []
     apply_fsdp(
         root,
         layers,
@@ -198,6 +202,7 @@ def _shard(
         experts=plan.experts,
         embedding=embedding,
         head=head,
+        vision=vision,
     )
 
 
@@ -281,6 +286,7 @@ def check_parallelizable(
 
 def _check_model(model: nn.Module, plan: ParallelPlan) -> None:
     """The checks that need the model itself, not only its config."""
+    image_text_parts(model)  # an image-text model's parts are found, or the one that is not is named
     if plan.pipeline is not None:
         decoder_anatomy(model, plan.pp_size)  # a forward a stage cannot reproduce is refused here
     check_quantized(model, plan.layout, float8=plan.options.float8)

@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.parallel.image_text import image_text_parts
 from lightning_plugins.parallel.linear_attention import LINEAR_PROJECTIONS
 
 
@@ -110,6 +111,8 @@ def family_for(model: nn.Module, *, tensor_parallel: bool = True) -> ModelFamily
             f"{type(model).__name__} is not a transformers PreTrainedModel (no `.config.model_type`). Pass a"
             f" causal LM such as `AutoModelForCausalLM.from_config(...)`; supported families: {sorted(FAMILIES)}."
         )
+    if isinstance(model, nn.Module) and (parts := image_text_parts(model)) is not None:
+        return _language_model_family(model, parts.language_path, tensor_parallel)
     if model_type in FAMILIES:
         return FAMILIES[model_type]
     plan = dict(getattr(config, "base_model_tp_plan", None) or {}) if tensor_parallel else {}
@@ -131,6 +134,28 @@ def family_for(model: nn.Module, *, tensor_parallel: bool = True) -> ModelFamily
         )
     family = _family_from_hf_plan(model_type, plan, getattr(model, "base_model_prefix", "model"))
     return _with_sequence_parallel(family, model) if isinstance(model, nn.Module) else family
+
+
+def _language_model_family(model: nn.Module, language: str, tensor_parallel: bool) -> ModelFamily:
+    """The family of an image-text model's language model (at ``language``, e.g. ``model.language_model``): its text
+    config's, with the paths of its layers and final norm inside the image-text model."""
+    text = model.config.get_text_config(decoder=True)
+    family = FAMILIES.get(text.model_type)
+    if family is None:
+        plan = dict(getattr(text, "base_model_tp_plan", None) or {})
+        if tensor_parallel and not plan:
+            raise LayoutError(
+                f"The language model of {type(model).__name__} (model type '{text.model_type}') has no registered"
+                f" family and its text config has no `base_model_tp_plan`, so it cannot be tensor-parallel. Use"
+                " tp_size=1 (FSDP2 still works)."
+            )
+        family = _family_from_hf_plan(text.model_type, plan, "model")
+    norm = f"{language}.{family.final_norm.partition('.')[2] or 'norm'}"
+    try:
+        has_norm = is_norm(model.get_submodule(norm))
+    except AttributeError:
+        has_norm = False
+    return replace(family, layers=f"{language}.{family.layers.partition('.')[2]}", final_norm=norm if has_norm else "")
 
 
 def _family_from_hf_plan(model_type: str, plan: dict[str, str], prefix: str) -> ModelFamily:

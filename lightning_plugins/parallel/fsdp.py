@@ -63,6 +63,7 @@ def apply_fsdp(
     experts: ExpertMeshes | None = None,
     embedding: nn.Module | None = None,
     head: Sequence[nn.Module | None] = (),
+    vision: Sequence[nn.Module] = (),
 ) -> None:
     """Shard each decoder layer, the embedding, the final norm with the head, then the root (see the module doc).
 
@@ -79,8 +80,13 @@ def apply_fsdp(
             the ``ep`` ranks sent it, so it is divided by all the data ranks, as the dense weights' are.
         embedding: The input embedding ``model`` holds (``None``: none, e.g. a later pipeline stage).
         head: The final norm and the output head ``model`` holds (``None`` entries are skipped), one unit.
+        vision: An image-text model's vision blocks and projector modules, each its own unit
+            (:meth:`~lightning_plugins.parallel.image_text.ImageTextParts.vision_units`); the rest of the vision tower
+            (its patch embedding) stays in the root.
     """
     kwargs = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), "offload_policy": offload or OffloadPolicy()}
+    for unit in vision:
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **kwargs)
     for layer in layers:
         if experts is not None:
             for _, module in expert_modules(layer):

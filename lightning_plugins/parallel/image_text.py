@@ -1,0 +1,173 @@
+"""The parts of an image-text model (``AutoModelForImageTextToText``), found by structure: vision tower, its blocks, the
+projector, the language model.
+
+An image-text model's config holds a ``vision_config`` and a text config; transformers builds each part as a model of
+its own from its sub-config, so the vision tower is the outermost module whose ``config`` is the ``vision_config``'s
+class and the language model the outermost one whose ``config`` is the text config's (``model.visual`` and
+``model.language_model`` for Qwen2.5-VL, ``model.vision_tower`` and ``model.language_model`` for Gemma 3). The
+tower's blocks are its longest list of same-class modules. The projector maps the tower's width to the language
+model's: the modules next to the two towers that hold parameters (Gemma 3's and LLaVA's ``multi_modal_projector``),
+else the tower's own modules after its blocks (Qwen2.5-VL's ``merger``; Qwen3-VL's ``merger`` and
+``deepstack_merger_list``). No family is named here: a model whose parts are not where this looks is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from lightning_plugins.errors import LayoutError
+
+__all__ = ["ImageTextParts", "check_image_text_layout", "image_text_parts", "is_image_text"]
+
+
+@dataclass(frozen=True)
+class ImageTextParts:
+    """Where an image-text model keeps each of its parts (paths relative to the model given).
+
+    Attributes:
+        vision_path: The vision tower (encoder), e.g. ``model.visual``.
+        blocks_path: The tower's repeated blocks (a ``ModuleList``), e.g. ``model.visual.blocks``.
+        projector_paths: The modules that map the tower's features to the language model's width, each a module with
+            a forward of its own (a list of projectors is given entry by entry), e.g. ``("model.visual.merger",)``.
+        language_path: The language model (the text decoder's base model), e.g. ``model.language_model``.
+    """
+
+    vision_path: str
+    blocks_path: str
+    projector_paths: tuple[str, ...]
+    language_path: str
+
+    def vision_units(self, model: nn.Module) -> list[nn.Module]:
+        """The image path's modules that are sharded as their own FSDP2 units: each vision block, then the
+        projector's modules."""
+        blocks = list(model.get_submodule(self.blocks_path))
+        return [*blocks, *(model.get_submodule(path) for path in self.projector_paths)]
+
+
+def is_image_text(model: Any) -> bool:
+    """Whether ``model`` is a transformers model with a vision tower (its config holds a ``vision_config``)."""
+    config = getattr(model, "config", None)
+    return isinstance(model, nn.Module) and getattr(config, "vision_config", None) is not None
+
+
+def image_text_parts(model: nn.Module) -> ImageTextParts | None:
+    """The parts of an image-text model; ``None`` for a model without a vision tower.
+
+    Raises:
+        LayoutError: naming the model's class and the part that could not be found, for an image-text model whose
+            structure is not the one described in the module doc.
+    """
+    if not is_image_text(model):
+        return None
+    config = model.config
+    vision = _outermost_with_config(model, type(config.vision_config))
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
+    language = _outermost_with_config(model, type(text_config)) if text_config is not config else None
+    if vision is None or language is None:
+        missing = "vision tower" if vision is None else "language model"
+        raise _not_found(model, missing, "no module of it is built from the config's sub-config for it")
+    blocks = _blocks(model, vision)
+    if blocks is None:
+        raise _not_found(model, "vision blocks", f"'{vision}' holds no list of same-class modules")
+    projector = _projector(model, vision, language, blocks)
+    width = getattr(text_config, "hidden_size", None)
+    if not projector or not any(
+        width in p.shape for path in projector for p in model.get_submodule(path).parameters()
+    ):
+        raise _not_found(
+            model, "projector", f"no module next to '{vision}' and '{language}' or after '{blocks}' maps to the"
+            f" language model's width ({width})"
+        )  # fmt: skip
+    return ImageTextParts(vision, blocks, projector, language)
+
+
+def _not_found(model: nn.Module, part: str, why: str) -> LayoutError:
+    return LayoutError(
+        f"{type(model).__name__} is an image-text model (its config has a vision_config), but its {part} could not be"
+        f" found: {why}. The engine finds the vision tower, its blocks, the projector and the language model by"
+        " structure (see lightning_plugins.parallel.image_text); this model is not supported yet. Train its text"
+        " decoder alone (load the checkpoint with AutoModelForCausalLM on its text_config) or file an issue naming it."
+    )
+
+
+def _outermost_with_config(model: nn.Module, config_class: type) -> str | None:
+    """The name of the outermost submodule (not ``model`` itself) whose ``config`` is a ``config_class``."""
+    for name, module in model.named_modules():
+        if name and type(getattr(module, "config", None)) is config_class:
+            return name
+    return None
+
+
+def _blocks(model: nn.Module, vision: str) -> str | None:
+    """The longest ``ModuleList`` of same-class modules with parameters in the vision tower (the first of equals)."""
+    best, length = None, 0
+    for name, module in model.get_submodule(vision).named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) <= length:
+            continue
+        if len({type(entry) for entry in module}) == 1 and any(True for _ in module.parameters()):
+            best, length = f"{vision}.{name}", len(module)
+    return best
+
+
+def _projector(model: nn.Module, vision: str, language: str, blocks: str) -> tuple[str, ...]:
+    """The projector's modules: the parent's children besides the two towers, else the tower's after its blocks."""
+    parent = vision.rpartition(".")[0]
+    found = [
+        f"{parent}.{name}".lstrip(".")
+        for name, child in model.get_submodule(parent).named_children()
+        if f"{parent}.{name}".lstrip(".") not in (vision, language) and _holds_parameters(child)
+    ]
+    found = [path for path in found if path != _head_path(model)]
+    if not found:
+        after, seen = [], False
+        top = blocks.removeprefix(f"{vision}.").partition(".")[0]
+        for name, child in model.get_submodule(vision).named_children():
+            if seen and _holds_parameters(child):
+                after.append(f"{vision}.{name}")
+            seen = seen or name == top
+        found = after
+    units: list[str] = []
+    for path in found:  # a list of projectors has no forward of its own: each entry is one
+        module = model.get_submodule(path)
+        units += [f"{path}.{i}" for i in range(len(module))] if isinstance(module, nn.ModuleList) else [path]
+    return tuple(units)
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _head_path(model: nn.Module) -> str | None:
+    """The output head's name (a model whose towers sit at its top level holds the head next to them)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((name for name, module in model.named_modules() if module is head), None)
+
+
+
+def check_image_text_layout(layout: Any, config: Any | None) -> None:
+    """Refuse, for an image-text model's config, the layouts that would not carry its images: only the data
+    dimensions do yet.
+
+    Tensor, pipeline, context and expert parallelism apply to the decoder layers alone; a pipeline stage, a sequence
+    shard or an expert dispatch would not see the image embeddings the vision tower places into the sequence. (Training
+    the text decoder of a multimodal checkpoint alone, :mod:`lightning_plugins.checkpoint.text_tower`, builds it from
+    the text config, which is not refused.)
+
+    Raises:
+        LayoutError: naming the model type, the sizes that split it and the layout that runs.
+    """
+    if getattr(config, "vision_config", None) is None:
+        return
+    split = {name: getattr(layout, name, 1) for name in ("tp_size", "pp_size", "cp_size", "ep_size")}
+    split = {name: size for name, size in split.items() if size > 1}
+    if split:
+        sizes = ", ".join(f"{name}={size}" for name, size in split.items())
+        kind = getattr(config, "model_type", type(config).__name__)
+        raise LayoutError(
+            f"{sizes} is not supported for image-text models yet (model type '{kind}'): the vision tower's image"
+            " embeddings would not reach the split decoder. Use FSDP2 (dp_shard_size, dp_replicate_size) for the whole"
+            " model, or train the text decoder alone (AutoModelForCausalLM on the checkpoint's text_config)."
+        )

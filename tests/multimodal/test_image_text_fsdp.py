@@ -1,0 +1,165 @@
+"""An image-text model (tiny Qwen2.5-VL) under FSDP2 through `parallelize` trains exactly as in one process.
+
+fp32, gloo, 2 ranks, SGD with momentum (a wrong gradient scale shows in the weights), 3 optimizer steps of 2
+micro-batches, clipping that triggers, rows of different lengths, image sizes and image positions (each rank's rows
+carry their own images: ranks hold different numbers of image patches and of valid tokens). Cases: every weight
+trained; the vision tower frozen before `parallelize` and the projector trained with the language model (the common
+recipe); LoRA with the default targets (the language model's projections only). Per case: per-step losses and pre-clip
+gradient norms, every trained weight (gathered) against the reference, each trained part moved (vision blocks,
+projector, language model), frozen weights bit-identical and never given a gradient, and each vision block and the
+projector sharded as its own FSDP2 unit. One world runs every case; the reference runs on each rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning_plugins.testing.world import run_world
+from tiny_vlm import collate, image_sample, tiny_vlm
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_plugins import ParallelLayout, parallelize
+from lightning_plugins.adapters.lora import LoraOptions, apply_lora, trainable_parameters
+from lightning_plugins.parallel import clip_grad_norm_, mesh_of
+from lightning_plugins.parallel.image_text import image_text_parts
+
+# peft's get_peft_model reads a transformers attribute deprecated in 5.x: third-party noise.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+STEPS, ACCUM, BATCH, SEQ, MAX_NORM, LR = 3, 2, 4, 20, 0.05, 0.5
+TOL = 1e-5
+CASES = ("full", "frozen vision", "lora")
+
+
+def _model(case: str) -> nn.Module:
+    """The tiny VLM as the case trains it: whole, its vision tower frozen but for the projector, or under LoRA (with
+    random non-zero ``lora_B``, so every adapter half gets a gradient)."""
+    model = tiny_vlm()
+    parts = image_text_parts(model)
+    if case == "frozen vision":
+        projector = tuple(f"{path}." for path in parts.projector_paths)
+        for name, param in model.named_parameters():
+            if name.startswith(f"{parts.vision_path}.") and not name.startswith(projector):
+                param.requires_grad_(False)
+    if case == "lora":
+        torch.manual_seed(1)
+        model = apply_lora(model, LoraOptions(r=4, alpha=8))
+        gen = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    return model
+
+
+def _train(model: nn.Module, rows: slice, clip) -> list[float]:
+    """STEPS optimizer steps of ACCUM micro-batches of ``rows`` of each batch; per-step losses then pre-clip norms."""
+    params = trainable_parameters(model)
+    optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
+    model.train()
+    losses, norms = [], []
+    for step in range(STEPS):
+        step_loss = 0.0
+        for micro in range(ACCUM):
+            samples = [image_sample(SEQ, 1000 * step + 10 * micro + row) for row in range(BATCH)]
+            loss = model(**collate(samples[rows])).loss / ACCUM
+            loss.backward()
+            step_loss += loss.item()
+        assert all(p.grad is None for p in model.parameters() if not p.requires_grad), "a frozen weight got a gradient"
+        norm = clip(params, MAX_NORM)
+        assert norm > MAX_NORM, "the test must exercise clipping"
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+        norms.append(float(norm))
+    return losses + norms
+
+
+@functools.cache
+def _reference(case: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _model(case)
+    history = _train(model, slice(None), torch.nn.utils.clip_grad_norm_)
+    return history, {name: param.detach() for name, param in model.named_parameters()}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+def _part(name: str, parts) -> str:
+    if any(name.startswith(f"{path}.") or f".{path}." in name for path in parts.projector_paths):
+        return "projector"
+    return "vision" if f"{parts.vision_path}." in name else "language"
+
+
+def _run_case(case: str) -> dict:
+    ref_history, expected = _reference(case)
+    model = _model(case)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    parts = image_text_parts(inner)
+    initial = {name: param.detach().clone() for name, param in model.named_parameters()}
+    assert parallelize(model, ParallelLayout(dp_shard_size=2).resolve(2)) is model
+    dp = mesh_of(model)["dp"]
+    rows = BATCH // dp.size()
+    history = _train(model, slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows), clip_grad_norm_)
+    trained_diff, frozen_moved, moved = 0.0, 0.0, {}
+    for name, param in model.named_parameters():
+        full = _full(param)
+        if param.requires_grad:
+            trained_diff = max(trained_diff, (full - expected[name]).abs().max().item())
+            part = _part(name, parts)
+            moved[part] = max(moved.get(part, 0.0), (full - initial[name]).abs().max().item())
+        else:
+            frozen_moved = max(frozen_moved, (full - initial[name]).abs().max().item())
+    units = [*parts.vision_units(inner), *inner.get_submodule(f"{parts.language_path}.layers")]
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(history[:STEPS], ref_history[:STEPS])),
+        "norm_diff": max(abs(a - b) for a, b in zip(history[STEPS:], ref_history[STEPS:])),
+        "trained_diff": trained_diff,
+        "frozen_moved": frozen_moved,
+        "moved": moved,
+        "frozen": sum(not p.requires_grad for p in model.parameters()),
+        "adapters_outside_language_model": [n for n, _ in model.named_parameters() if "lora_" in n and
+                                            f"{parts.language_path}." not in n],  # fmt: skip
+        "units": [isinstance(unit, FSDPModule) for unit in units],
+        "vision_blocks": len(inner.get_submodule(parts.blocks_path)),
+        "sharded": all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters()),
+    }
+
+
+def _world(rank: int, world_size: int, out_dir: str) -> None:
+    results = {case: _run_case(case) for case in CASES}
+    dist.barrier()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@functools.cache
+def _results() -> list[dict]:
+    with tempfile.TemporaryDirectory() as out_dir:
+        run_world(_world, 2, out_dir)
+        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_image_text_fsdp2_matches_one_process(case: str) -> None:
+    for rank, result in enumerate(results[case] for results in _results()):
+        where = (case, rank, result)
+        assert result["loss_diff"] <= TOL and result["norm_diff"] <= TOL, where
+        assert result["trained_diff"] <= TOL, where
+        assert result["frozen_moved"] == 0.0, where
+        assert result["sharded"], where
+        # Each vision block, the projector and each decoder layer is its own FSDP2 unit.
+        assert result["units"] == [True] * (result["vision_blocks"] + 1 + 2), where
+        trained = {"full": {"vision", "projector", "language"}, "frozen vision": {"projector", "language"}}
+        assert set(result["moved"]) == trained.get(case, {"language"}), where
+        assert all(change > 100 * TOL for change in result["moved"].values()), where
+        assert (result["frozen"] > 0) == (case != "full"), where
+        assert result["adapters_outside_language_model"] == [], where

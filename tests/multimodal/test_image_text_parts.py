@@ -1,0 +1,87 @@
+"""The parts of an image-text model found by structure, LoRA's default targets on it, and the layouts refused for it.
+
+No process group: the parts and the refusals are read from the model (refusals come before any collective).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+from tiny_vlm import tiny_vlm
+from torch import nn
+from transformers import AutoModelForImageTextToText, Gemma3Config, Qwen3VLMoeConfig
+
+from lightning_plugins import LayoutError, ParallelLayout
+from lightning_plugins.adapters.lora import LoraOptions, apply_lora, lora_layers
+from lightning_plugins.parallel.api import check_parallelizable
+from lightning_plugins.parallel.families import decoder_layers, family_for
+from lightning_plugins.parallel.image_text import image_text_parts
+
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+
+def _on_meta(config) -> nn.Module:
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(config)
+
+
+def test_qwen2_5_vl_parts_and_its_language_model_layers() -> None:
+    model = tiny_vlm()
+    parts = image_text_parts(model)
+    assert (parts.vision_path, parts.blocks_path) == ("model.visual", "model.visual.blocks")
+    assert (parts.projector_paths, parts.language_path) == (("model.visual.merger",), "model.language_model")
+    units = [type(m).__name__ for m in parts.vision_units(model)]
+    assert units == ["Qwen2_5_VLVisionBlock"] * 2 + ["Qwen2_5_VLPatchMerger"]
+    # The decoder layers are the language model's, not the vision blocks (which transformers also lists as
+    # _no_split_modules); its final norm is found too.
+    family = family_for(model, tensor_parallel=False)
+    assert decoder_layers(model, family) is model.model.language_model.layers
+    assert family.final_norm == "model.language_model.norm"
+    assert image_text_parts(tiny_model("llama")) is None
+
+
+def test_parts_of_other_families_are_found_by_the_same_rules() -> None:
+    gemma3 = image_text_parts(_on_meta(Gemma3Config()))
+    assert gemma3.projector_paths == ("model.multi_modal_projector",)
+    assert gemma3.blocks_path == "model.vision_tower.encoder.layers"
+    config = Qwen3VLMoeConfig()
+    config.vision_config.out_hidden_size = config.text_config.hidden_size  # the released checkpoints' widths agree
+    qwen3_vl = image_text_parts(_on_meta(config))
+    assert qwen3_vl.projector_paths[:2] == ("model.visual.merger", "model.visual.deepstack_merger_list.0")
+
+
+def test_lora_defaults_to_the_language_model() -> None:
+    model = tiny_vlm()
+    # The vision tower holds linears of the same names (its MLP's gate/up/down_proj): they are not adapted.
+    assert any(name.endswith("mlp.gate_proj") for name, _ in model.model.visual.named_modules())
+    adapted = [name for name, _ in lora_layers(apply_lora(model, LoraOptions(r=4)))]
+    assert len(adapted) == 7 * 2 and all(".language_model.layers." in name for name in adapted), adapted
+
+
+def test_missing_part_is_named() -> None:
+    model = tiny_vlm()
+    del model.model.visual.merger
+    with pytest.raises(LayoutError, match="Qwen2_5_VLForConditionalGeneration is an image-text model .* projector"):
+        image_text_parts(model)
+
+
+@pytest.mark.parametrize("sizes", [{"tp_size": 2}, {"pp_size": 2}, {"cp_size": 2}], ids=str)
+def test_layouts_that_split_the_decoder_are_refused(sizes: dict) -> None:
+    name, size = next(iter(sizes.items()))
+    refused = rf"{name}={size} is not supported for image-text models yet \(model type 'qwen2_5_vl'\)"
+    with pytest.raises(LayoutError, match=refused):
+        check_parallelizable(tiny_vlm(), ParallelLayout(**sizes).resolve(2))
+
+
+def test_expert_parallelism_is_refused_for_a_mixture_of_experts_image_text_model() -> None:
+    config = Qwen3VLMoeConfig(
+        text_config=dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                         vocab_size=64, head_dim=8),
+        vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           deepstack_visual_indexes=[0]),
+    )  # fmt: skip
+    refused = r"ep_size=2 is not supported for image-text models yet \(model type 'qwen3_vl_moe'\)"
+    with pytest.raises(LayoutError, match=refused):
+        check_parallelizable(_on_meta(config), ParallelLayout(ep_size=2).resolve(2))
