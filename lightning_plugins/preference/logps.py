@@ -7,8 +7,14 @@ while its :class:`~lightning_plugins.parallel.loss.ParallelCausalLMLoss` hands t
 each token's loss from the chunked head (:mod:`lightning_plugins.parallel.memory.chunked_loss`, in per-token mode:
 never the ``[batch, seq, vocab]`` logits) or, without one, from the logits the head returned: whole, or a
 vocab-sharded DTensor under loss parallel (three small all-reduces per token, as the SFT loss). Both give the same
-numbers as ``log_softmax(logits).gather(labels)`` of one process; context parallelism (a sequence split over ranks)
-is not covered yet (the recipe refuses it).
+numbers as ``log_softmax(logits).gather(labels)`` of one process. Under context parallelism each rank holds a shard
+of every row (the load-balanced chunks of :mod:`lightning_plugins.parallel.context.batch`): its per-row sums are
+partial, and one all-reduce over the ``cp`` ranks completes them (:func:`sum_over_context`; its backward sums the
+gradients too, which the preference loss's mean over the ``dp_cp`` ranks, counting each row once per cp rank, expects).
+
+A mixture of experts whose config has ``output_router_logits`` on also returns its router's balance loss
+(:attr:`SequenceLogps.aux_loss`, the global batch's under data parallelism:
+:mod:`lightning_plugins.parallel.moe.router_loss`), which the preference loss adds as TRL's ``DPOTrainer`` does.
 
 A model the engine did not parallelize (one process, no :class:`ParallelCausalLMLoss`) gets the same statistics
 from its full logits.
@@ -16,7 +22,7 @@ from its full logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,8 +32,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from lightning_plugins.parallel.loss import IGNORE_INDEX, ParallelCausalLMLoss, next_token_targets, token_losses
+from lightning_plugins.parallel.mesh import mesh_of
 
-__all__ = ["SequenceLogps", "find_parallel_loss", "sequence_logps"]
+__all__ = ["SequenceLogps", "context_mesh", "find_parallel_loss", "sequence_logps", "sum_over_context"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,10 @@ class SequenceLogps:
     logit_sums: Tensor
     #: The ranks that hold other rows (``dp_cp`` of the layout), or ``None``.
     data_mesh: DeviceMesh | None = None
+    #: The router's load-balancing loss of the forward (its value the global batch's), or ``None`` (a dense model, or
+    #: ``output_router_logits`` off), and the config's ``router_aux_loss_coef`` that weighs it.
+    aux_loss: Tensor | None = None
+    aux_coef: float = 0.0
 
 
 def _mean_logits(logits: Tensor) -> Tensor:
@@ -83,6 +94,44 @@ class _Collector:
         return -self.result.logps.sum()
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradients too: every rank computes the same loss from the sums,
+    so each partial's gradient is the sum of those ranks' (their mean over ``dp_cp`` then scales it back)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        total = local.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def context_mesh(model: nn.Module) -> DeviceMesh | None:
+    """The ``cp`` ranks holding shards of the same rows, when the engine split ``model``'s sequences (else ``None``)."""
+    for module in model.modules():
+        mesh = mesh_of(module)
+        if mesh is not None:
+            return mesh["cp"] if "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1 else None
+    return None
+
+
+def sum_over_context(rows: SequenceLogps, mesh: DeviceMesh | None) -> SequenceLogps:
+    """Each row's statistics summed over the context-parallel shards of its sequence (one differentiable all-reduce,
+    one without gradient)."""
+    if mesh is None:
+        return rows
+    group = mesh.get_group()
+    counts = torch.stack([rows.tokens, rows.logit_sums.to(rows.tokens.dtype)])
+    dist.all_reduce(counts, group=group)
+    return replace(rows, logps=_SumOverRanks.apply(rows.logps, group), tokens=counts[0], logit_sums=counts[1])
+
+
 def find_parallel_loss(model: nn.Module) -> ParallelCausalLMLoss | None:
     """The :class:`ParallelCausalLMLoss` the engine installed on ``model`` (or on the causal LM inside a peft model)."""
     for module in model.modules():
@@ -92,30 +141,43 @@ def find_parallel_loss(model: nn.Module) -> ParallelCausalLMLoss | None:
     return None
 
 
-def sequence_logps(model: nn.Module, batch: dict[str, Tensor]) -> SequenceLogps:
+def sequence_logps(model: nn.Module, batch: dict[str, Tensor], *, router_loss: bool = True) -> SequenceLogps:
     """The model's summed log-probability of each row's ``labels`` (``-100``: not counted), shifted as a causal LM's.
 
     Args:
         model: A transformers causal LM (or peft model), parallelized by the engine or not.
-        batch: ``input_ids``, ``labels`` and optionally ``attention_mask`` / ``position_ids``.
+        batch: ``input_ids``, ``labels`` and optionally ``attention_mask`` / ``position_ids`` (under context
+            parallelism: this rank's shard, with ``shift_labels``, as ``context_parallel_batch`` makes it).
+        router_loss: ``False``: a mixture of experts computes no router balance loss in this forward (TRL's
+            reference forward), whatever its config says.
     """
     inputs = {key: value for key, value in batch.items() if key != "labels"}
+    if not router_loss and getattr(model.config, "output_router_logits", False):
+        inputs["output_router_logits"] = False
     loss = find_parallel_loss(model)
     if loss is None:  # one process, plain model: the full logits
-        logits = model(**inputs, use_cache=False).logits
-        targets = next_token_targets(batch["labels"]).to(logits.device)
-        return _per_row(token_losses(logits, targets), _mean_logits(logits), targets, None)
+        output = model(**inputs, use_cache=False)
+        targets = next_token_targets(batch["labels"]).to(output.logits.device)
+        rows = _per_row(token_losses(output.logits, targets), _mean_logits(output.logits), targets, None)
+        return _with_router_loss(rows, output, model)
     collector = _Collector(loss.data_mesh)
     chunked = loss.chunked
     loss.sequences = collector
     if chunked is not None:
         chunked.per_sequence = True
     try:
-        model(**inputs, labels=batch["labels"], use_cache=False)
+        output = model(**inputs, labels=batch["labels"], use_cache=False)
     finally:
         loss.sequences = None
         if chunked is not None:
             chunked.per_sequence = False
     if collector.result is None:
         raise RuntimeError(f"{type(model).__name__}'s forward did not call its loss function: no log-probabilities.")
-    return collector.result
+    return _with_router_loss(sum_over_context(collector.result, context_mesh(model)), output, model)
+
+
+def _with_router_loss(rows: SequenceLogps, output: Any, model: nn.Module) -> SequenceLogps:
+    aux = getattr(output, "aux_loss", None)
+    if aux is None:
+        return rows
+    return replace(rows, aux_loss=aux, aux_coef=float(getattr(model.config, "router_aux_loss_coef", 0.0)))

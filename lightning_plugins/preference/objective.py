@@ -9,6 +9,11 @@ are global means, so they read as one process's, and as TRL's.
 The reference of DPO is the policy's own base: the forward runs with the peft adapters disabled (peft's
 ``disable_adapter()``) and without gradients; no second copy of the model exists. A full fine-tune has no such
 base: it is refused (:meth:`PreferenceObjective.check_model`).
+
+A mixture of experts whose config turns ``output_router_logits`` on adds its router's load-balancing loss, weighted by
+the config's ``router_aux_loss_coef``, as TRL's ``DPOTrainer`` adds it (the policy's forward only; logged as
+``aux_loss``). TRL turns the term on whenever the config's coefficient is non-zero; here the config's
+``output_router_logits`` decides, as it does for SFT.
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ class PreferenceObjective:
         reference = None
         if self.options.needs_reference:
             with torch.no_grad(), adapters_disabled(model):
-                reference = sequence_logps(model, batch)
+                reference = sequence_logps(model, batch, router_loss=False)
         return self.from_logps(sequence_logps(model, batch), reference)
 
     def from_logps(
@@ -111,7 +116,11 @@ class PreferenceObjective:
             loss = global_mean(pairs.losses.sum(), count, mesh)
             if "nll_loss" in extra:
                 loss = loss + self.options.sft_weight * extra["nll_loss"]
-        return loss, self._metrics(policy, pairs, extra)
+        metrics = self._metrics(policy, pairs, extra)
+        if policy.aux_loss is not None and policy.aux_coef:  # TRL: the policy's router balance loss, weighted
+            loss = loss + policy.aux_coef * policy.aux_loss
+            metrics["aux_loss"] = policy.aux_loss.detach()
+        return loss, metrics
 
     def _pair_losses(self, policy: SequenceLogps, reference: SequenceLogps | None) -> tuple[PairLosses, dict[str, Tensor]]:
         options = self.options

@@ -80,7 +80,8 @@ def check_recipe(recipe: Recipe, path: Path) -> Recipe:
 
 def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None:
     """A preference method on what this slice of it covers: pairs in padded batches, layouts whose sequence
-    log-probabilities are summed exactly (FSDP2, HSDP, TP with SP and loss parallel), a reference where DPO needs one."""
+    log-probabilities are summed exactly (FSDP2, HSDP, TP with SP and loss parallel, CP ring and Ulysses, EP), a
+    reference where DPO needs one."""
     objective = recipe.objective
     if not objective.paired:
         if recipe.data.format == "preference":
@@ -92,14 +93,12 @@ def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None
         raise RecipeError(f"{path}: {key} trains on chosen/rejected pairs; set data.format: preference (or auto).")
     if recipe.data.packing:
         raise RecipeError(f"{path}: {key}: preference pairs are not packed yet; set data.packing: false.")
-    unsupported = {"pp_size": "pipeline", "cp_size": "context", "ep_size": "expert"}
-    for size, kind in unsupported.items():
-        if getattr(layout, size) > 1:
-            raise RecipeError(
-                f"{path}: {key} under {kind} parallelism (layout.{size}={getattr(layout, size)}) is not supported yet:"
-                " its sequence log-probabilities are only summed exactly under FSDP2/HSDP and tensor parallelism."
-                f" Set layout.{size}: 1 (use dp_shard_size / tp_size)."
-            )
+    if layout.pp_size > 1:
+        raise RecipeError(
+            f"{path}: {key} under pipeline parallelism (layout.pp_size={layout.pp_size}) is not supported yet: its"
+            " sequence log-probabilities are summed exactly under FSDP2/HSDP, tensor, context and expert parallelism."
+            " Set layout.pp_size: 1 (use dp_shard_size / tp_size / cp_size)."
+        )
     if objective.needs_reference and recipe.lora is None:
         raise RecipeError(
             f"{path}: {key} needs a reference model: with a `lora:` section it is the base model with the adapters"

@@ -1,13 +1,18 @@
-"""DPO with LoRA under FSDP2 and tensor parallelism (sequence parallel, loss parallel) trains exactly as one process.
+"""DPO with LoRA trains exactly as one process under FSDP2, tensor parallelism (sequence parallel, loss parallel),
+context parallelism (ring and Ulysses) and expert parallelism on a mixture of experts (with FSDP2 over the rest).
 
 fp32, gloo, one launched world of 2 ranks checking every case. Each micro-batch holds PAIRS chosen rows then their
-PAIRS rejected rows; data-parallel ranks take whole pairs (both halves of a pair on the same rank). The reference of
-DPO is the base with the adapters disabled (peft's ``disable_adapter()``) in the same model. SGD with momentum, two
-micro-batches accumulated, clipping that triggers, random non-zero ``lora_B`` (policy and reference differ from the
-start). The one-process run computes its log-probabilities from the full logits of a plain peft model; the parallel
-runs through the engine's loss path: the chunked head (per-token mode, several chunks), or without chunking the
-vocab-sharded logits of loss parallel. Compared: per-step losses and pre-clip gradient norms, TRL's metrics of every
-micro-batch, and the final adapters, to 1e-5.
+PAIRS rejected rows; data-parallel ranks take whole pairs (both halves of a pair on the same rank); context-parallel
+ranks take the load-balanced shards of every row (`context_parallel_batch`), whose partial log-probabilities are
+summed over the cp ranks. The reference of DPO is the base with the adapters disabled (peft's ``disable_adapter()``)
+in the same model. SGD with momentum, two micro-batches accumulated, clipping that triggers, random non-zero
+``lora_B`` (policy and reference differ from the start). The one-process run computes its log-probabilities from the
+full logits of a plain peft model; the parallel runs through the engine's loss path: the chunked head (per-token
+mode, several chunks), or without chunking the (vocab-sharded, under loss parallel) logits. The mixture of experts
+(tiny Qwen3-MoE, LoRA on attention and on the routed experts' fused weights) has its router's balance loss on with a
+large coefficient, added as TRL adds it (one process: transformers' own ``aux_loss``; expert parallel: the global
+batch's). Compared: per-step losses and pre-clip gradient norms, TRL's metrics of every micro-batch, and the final
+adapters, to 1e-5.
 """
 
 from __future__ import annotations
@@ -15,40 +20,54 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from tiny_models import make_batch, tiny_model
+from tiny_models import CONFIGS, make_batch, tiny_model
 from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
 
 from lightning_plugins import ParallelLayout, parallelize
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora, trainable_parameters
-from lightning_plugins.parallel import clip_grad_norm_, mesh_of
+from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of
 from lightning_plugins.parallel.options import with_settings
 from lightning_plugins.preference import PreferenceObjective, PreferenceOptions
-from lightning_plugins.preference.logps import find_parallel_loss
+from lightning_plugins.preference.logps import find_parallel_loss, sequence_logps
 from lightning_plugins.testing.world import run_world
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 STEPS, ACCUM, PAIRS, SEQ, MAX_NORM, LR, TOL = 3, 2, 4, 13, 0.05, 1.0, 1e-5
 OBJECTIVE = PreferenceOptions(method="dpo", beta=0.5)
-TP2 = {"tp_size": 2}
-# name -> (layout sizes, parallel/memory settings)
+TP2, CP2 = {"tp_size": 2}, {"cp_size": 2}
+#: LoRA on the routed experts' fused 3-D weights (peft's target_parameters), besides attention.
+EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+# name -> (family, layout sizes, parallel/memory settings)
 CASES = {
-    "fsdp2 chunked": ({"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
-    "tp2 sp+lp chunked": (TP2, {"loss_chunk_tokens": 7}),
-    "tp2 sp+lp logits": (TP2, {"loss_chunk_tokens": None}),
+    "fsdp2 chunked": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
+    "tp2 sp+lp chunked": ("llama", TP2, {"loss_chunk_tokens": 7}),
+    "tp2 sp+lp logits": ("llama", TP2, {"loss_chunk_tokens": None}),
+    "cp2 ring chunked": ("llama", CP2, {"cp_backend": "ring", "loss_chunk_tokens": 7}),
+    "cp2 ulysses logits": ("llama", CP2, {"cp_backend": "ulysses", "loss_chunk_tokens": None}),
+    "qwen3_moe ep2 router loss": ("qwen3_moe", {"ep_size": 2}, {"loss_chunk_tokens": 7}),
 }
 
 
-def lora_model() -> torch.nn.Module:
-    model = tiny_model("llama")
+def lora_model(family: str) -> torch.nn.Module:
+    if family == "qwen3_moe":  # the router's balance loss on, weighted enough that a wrong reduction shows
+        torch.manual_seed(0)
+        config = CONFIGS[family]()
+        config.output_router_logits, config.router_aux_loss_coef = True, 0.5
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        options = LoraOptions(r=4, alpha=8, target_modules=("q_proj", "v_proj"), target_parameters=EXPERT_WEIGHTS)
+    else:
+        model, options = tiny_model(family), LoraOptions(r=4, alpha=8)
     model.config.use_cache = False
     torch.manual_seed(1)
-    model = apply_lora(model, LoraOptions(r=4, alpha=8))
+    model = apply_lora(model, options)
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -62,7 +81,7 @@ def _pairs(vocab: int, step: int, micro: int) -> dict[str, torch.Tensor]:
     return make_batch(2 * PAIRS, SEQ, vocab, seed=100 * step + micro)
 
 
-def _train(model, take, clip) -> tuple[list[float], list[list[float]]]:
+def _train(model, take, clip) -> tuple[list[float], list[dict[str, float]]]:
     objective = PreferenceObjective(OBJECTIVE)
     params = trainable_parameters(model)
     optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
@@ -73,7 +92,7 @@ def _train(model, take, clip) -> tuple[list[float], list[list[float]]]:
             loss, logged = objective(model, take(_pairs(model.config.vocab_size, step, micro)))
             (loss / ACCUM).backward()
             step_loss += loss.item() / ACCUM
-            metrics.append([value.item() for _, value in sorted(logged.items())])
+            metrics.append({key: value.item() for key, value in logged.items()})
         norm = clip(params, MAX_NORM)
         assert norm > MAX_NORM, "the test must exercise clipping"
         optimizer.step()
@@ -83,34 +102,38 @@ def _train(model, take, clip) -> tuple[list[float], list[list[float]]]:
 
 
 @functools.cache
-def _reference():
-    model = lora_model()
+def _reference(family: str):
+    model = lora_model(family)
     history, metrics = _train(model, lambda batch: batch, torch.nn.utils.clip_grad_norm_)
     return history, metrics, {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def _rows_of_rank(model):
-    """This data rank's pairs: its share of the chosen rows and the same share of the rejected rows."""
-    dp = mesh_of(model)["dp"]
+    """This data rank's pairs (its share of the chosen rows and the same share of the rejected rows), and this
+    context-parallel rank's shard of each row."""
+    mesh = mesh_of(model)
+    dp = mesh["dp"]
     share = PAIRS // dp.size()
     first = dp.get_local_rank() * share
     rows = list(range(first, first + share)) + list(range(PAIRS + first, PAIRS + first + share))
-    return lambda batch: {key: value[rows] for key, value in batch.items()}
+    return lambda batch: context_parallel_batch({key: value[rows] for key, value in batch.items()}, mesh)
 
 
-def _run_case(sizes: dict, settings: dict) -> dict:
-    want_history, want_metrics, want_adapters = _reference()
-    model = lora_model()
+def _run_case(family: str, sizes: dict, settings: dict) -> dict:
+    want_history, want_metrics, want_adapters = _reference(family)
+    model = lora_model(family)
     parallelize(model, ParallelLayout(**sizes).resolve(dist.get_world_size()), *with_settings("test", **settings))
     chunked = find_parallel_loss(model).chunked is not None
     history, metrics = _train(model, _rows_of_rank(model), clip_grad_norm_)
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in adapters.items()}
-    start = {n: p.detach() for n, p in lora_model().named_parameters() if p.requires_grad}
+    start = {n: p.detach() for n, p in lora_model(family).named_parameters() if p.requires_grad}
     return {
         "chunked": chunked,
         "history_diff": max(abs(a - b) for a, b in zip(history, want_history)),
-        "metrics_diff": max(abs(a - b) for got, want in zip(metrics, want_metrics) for a, b in zip(got, want)),
+        "metrics_diff": max(abs(got[key] - want[key]) for got, want in zip(metrics, want_metrics) for key in want),
+        "metric_names": sorted({key for got in metrics for key in got}),
+        "names_match": [sorted(got) for got in metrics] == [sorted(want) for want in want_metrics],
         "adapter_diff": max((full[n] - want_adapters[n]).abs().max().item() for n in want_adapters),
         "adapter_change": max((want_adapters[n] - start[n]).abs().max().item() for n in start),
     }
@@ -135,4 +158,25 @@ def test_dpo_matches_one_process(name: str) -> None:
         assert result[name]["history_diff"] <= TOL and result[name]["metrics_diff"] <= TOL, where
         assert result[name]["adapter_diff"] <= TOL, where
         assert result[name]["adapter_change"] > 100 * TOL, where  # the adapters moved: parity means something
-        assert result[name]["chunked"] == (CASES[name][1]["loss_chunk_tokens"] is not None), where
+        assert result[name]["chunked"] == (CASES[name][2]["loss_chunk_tokens"] is not None), where
+        assert result[name]["names_match"], where  # every micro-batch logged what one process logged
+        # The mixture of experts' router loss is in the loss and logged (TRL's aux_loss); dense models log none.
+        assert ("aux_loss" in result[name]["metric_names"]) == (CASES[name][0] == "qwen3_moe"), where
+
+
+def test_the_router_loss_is_added_as_trl_adds_it() -> None:
+    """TRL's DPOTrainer: ``loss + router_aux_loss_coef * outputs.aux_loss`` of the policy's forward (its reference
+    forward computes none); the router loss logged as ``aux_loss``."""
+    model = lora_model("qwen3_moe")
+    batch = _pairs(model.config.vocab_size, 0, 0)
+    objective = PreferenceObjective(OBJECTIVE)
+    loss, metrics = objective(model, batch)
+    aux = model(**batch).aux_loss.detach()  # transformers' own balance loss of the batch
+    policy = sequence_logps(model, batch)
+    with torch.no_grad(), model.disable_adapter():
+        reference = sequence_logps(model, batch, router_loss=False)
+    assert reference.aux_loss is None and aux > 0
+    without, _ = objective.from_logps(replace(policy, aux_loss=None), reference)
+    torch.testing.assert_close(metrics["aux_loss"], aux, rtol=0, atol=TOL)
+    coef = model.config.router_aux_loss_coef
+    torch.testing.assert_close(loss.detach(), without.detach() + coef * aux, rtol=0, atol=TOL)

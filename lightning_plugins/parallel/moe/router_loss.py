@@ -90,9 +90,9 @@ class _GlobalBalance:
         if local is None or not logits:
             return output
         mask = kwargs.get("attention_mask")
-        value, share = global_balance_loss(tuple(logits), model.config.num_experts_per_tok, mask, self.data)
+        _, share = global_balance_loss(tuple(logits), model.config.num_experts_per_tok, mask, self.data)
         if output.loss is not None:
             coef = model.config.router_aux_loss_coef
             output.loss = output.loss - coef * local + coef * share
-        output.aux_loss = value
+        output.aux_loss = share  # the global value; differentiable as this rank's share (a preference loss adds it)
         return output
