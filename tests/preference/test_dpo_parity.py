@@ -45,16 +45,23 @@ OBJECTIVE = PreferenceOptions(method="dpo", beta=0.5)
 TP2, CP2 = {"tp_size": 2}, {"cp_size": 2}
 #: LoRA on the routed experts' fused 3-D weights (peft's target_parameters), besides attention.
 EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-# name -> (family, layout sizes, parallel/memory settings)
+# world size -> name -> (family, layout sizes, parallel/memory settings)
 CASES = {
-    "fsdp2 chunked": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
-    "tp2 sp+lp chunked": ("llama", TP2, {"loss_chunk_tokens": 7}),
-    "tp2 sp+lp logits": ("llama", TP2, {"loss_chunk_tokens": None}),
-    "cp2 ring chunked": ("llama", CP2, {"cp_backend": "ring", "loss_chunk_tokens": 7}),
-    "cp2 ulysses logits": ("llama", CP2, {"cp_backend": "ulysses", "loss_chunk_tokens": None}),
-    "qwen3_moe ep2 router loss": ("qwen3_moe", {"ep_size": 2}, {"loss_chunk_tokens": 7}),
+    2: {
+        "fsdp2 chunked": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
+        "tp2 sp+lp chunked": ("llama", TP2, {"loss_chunk_tokens": 7}),
+        "tp2 sp+lp logits": ("llama", TP2, {"loss_chunk_tokens": None}),
+        "cp2 ring chunked": ("llama", CP2, {"cp_backend": "ring", "loss_chunk_tokens": 7}),
+        "cp2 ulysses logits": ("llama", CP2, {"cp_backend": "ulysses", "loss_chunk_tokens": None}),
+        "qwen3_moe ep2 router loss": ("qwen3_moe", {"ep_size": 2}, {"loss_chunk_tokens": 7}),
+    },
+    # Compositions (slow): a row's log-probability summed over cp shards of vocab-sharded chunks, and the experts
+    # split over 2 ranks and FSDP2-sharded over the other 2 (ep2 inside dp_shard 4), one pair a data rank.
+    4: {
+        "cp2 x tp2 sp+lp ring chunked": ("llama", {**CP2, **TP2}, {"cp_backend": "ring", "loss_chunk_tokens": 7}),
+        "qwen3_moe ep2 x fsdp4 router loss": ("qwen3_moe", {"ep_size": 2, "dp_shard_size": 4}, {}),
+    },
 }
-
 
 def lora_model(family: str) -> torch.nn.Module:
     if family == "qwen3_moe":  # the router's balance loss on, weighted enough that a wrong reduction shows
@@ -140,28 +147,33 @@ def _run_case(family: str, sizes: dict, settings: dict) -> dict:
 
 
 def _world(rank: int, world_size: int, out_dir: str) -> None:
-    results = {name: _run_case(*case) for name, case in CASES.items()}
+    results = {name: _run_case(*case) for name, case in CASES[world_size].items()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
 @functools.cache
-def _results() -> list[dict]:
+def _results(world_size: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as out_dir:
-        run_world(_world, 2, out_dir)
-        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(2)]
+        run_world(_world, world_size, out_dir)
+        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-@pytest.mark.parametrize("name", list(CASES), ids=str)
-def test_dpo_matches_one_process(name: str) -> None:
-    for rank, result in enumerate(_results()):
+@pytest.mark.parametrize(
+    ("world_size", "name"),
+    [pytest.param(size, name, marks=[pytest.mark.slow] if size > 2 else []) for size in CASES for name in CASES[size]],
+    ids=str,
+)
+def test_dpo_matches_one_process(world_size: int, name: str) -> None:
+    family, _, settings = CASES[world_size][name]
+    for rank, result in enumerate(_results(world_size)):
         where = (name, rank, result[name])
         assert result[name]["history_diff"] <= TOL and result[name]["metrics_diff"] <= TOL, where
         assert result[name]["adapter_diff"] <= TOL, where
         assert result[name]["adapter_change"] > 100 * TOL, where  # the adapters moved: parity means something
-        assert result[name]["chunked"] == (CASES[name][2]["loss_chunk_tokens"] is not None), where
+        assert result[name]["chunked"] == (settings.get("loss_chunk_tokens", 1) is not None), where
         assert result[name]["names_match"], where  # every micro-batch logged what one process logged
         # The mixture of experts' router loss is in the loss and logged (TRL's aux_loss); dense models log none.
-        assert ("aux_loss" in result[name]["metric_names"]) == (CASES[name][0] == "qwen3_moe"), where
+        assert ("aux_loss" in result[name]["metric_names"]) == (family == "qwen3_moe"), where
 
 
 def test_the_router_loss_is_added_as_trl_adds_it() -> None:
