@@ -10,7 +10,10 @@ token does not predict it: a packed batch trains exactly the per-token loss of i
 Two ways transformers 5.23 silently attends across samples instead, which
 :func:`prepare_model_for_packing` rules out (call it on the model before training packed): it skips the
 detection when a KV cache exists, and a causal LM makes one whenever ``config.use_cache`` is true, even in
-training; and flash attention 2/3 read packed positions only in a batch of one row.
+training; and flash attention 2/3 read packed positions only in a batch of one row. A third way for Gated
+DeltaNet linear attention (Qwen3.5, Qwen3-Next), whose torch kernels take no document boundaries and carry the
+recurrent state and conv from one sample into the next: :func:`prepare_model_for_packing` makes those layers run
+each sample on its own (:mod:`lightning_plugins.parallel.linear_documents`).
 """
 
 from __future__ import annotations
@@ -253,11 +256,16 @@ def prepare_model_for_packing(model: Any) -> None:
 
     Sets ``config.use_cache = False``: with a cache (which the model creates whenever ``use_cache`` is
     true, in training too), transformers does not look for packed sequences in ``position_ids`` and
-    attention silently crosses samples.
+    attention silently crosses samples. Gated DeltaNet linear-attention layers (Qwen3.5, Qwen3-Next) restart their
+    recurrent state and conv at each sample (``parallel.linear_documents.prepare_linear_attention_for_packing``); call
+    it before ``parallelize`` (context parallelism does the same for those layers itself).
 
     Raises:
         DataError: for an attention implementation that does not separate the samples of packed rows
             (see :func:`check_packing_attention`).
     """
+    from lightning_plugins.parallel.linear_documents import prepare_linear_attention_for_packing
+
     check_packing_attention(getattr(model.config, "_attn_implementation", None))
     model.config.use_cache = False
+    prepare_linear_attention_for_packing(model)

@@ -133,7 +133,6 @@ def _check_against_the_model(recipe: Recipe, layout: ParallelLayout, config: Any
             _check_tensor_plan(config)
     except (LayoutError, OptionsError) as err:
         raise RecipeError(f"{path}: layout/parallel do not fit model {recipe.model.path}: {err}") from None
-    _check_packed_linear_attention(recipe, layout, config, path)
     if recipe.lora is not None:
         from lightning_plugins.adapters.lora import check_lora_targets
 
@@ -149,19 +148,6 @@ def _check_against_the_model(recipe: Recipe, layout: ParallelLayout, config: Any
         check_mxfp4(config, DTYPES[recipe.model.dtype], recipe.lora.quantize if recipe.lora else "none")
     except CheckpointError as err:
         raise RecipeError(f"{path}: model {recipe.model.path}: {err}") from None
-
-
-def _check_packed_linear_attention(recipe: Recipe, layout: ParallelLayout, config: Any, path: Path) -> None:
-    """Packed rows under context parallelism need each document to restart the linear-attention state, which
-    transformers' Gated DeltaNet kernels cannot do there (:mod:`lightning_plugins.parallel.context.linear`): refused
-    before any process, as the first forward would."""
-    text = getattr(config, "text_config", None) or config
-    if layout.cp_size > 1 and recipe.data.packing and "linear_attention" in (getattr(text, "layer_types", None) or ()):
-        raise RecipeError(
-            f"{path}: data.packing=true with layout.cp_size={layout.cp_size}: model {recipe.model.path} has Gated"
-            " DeltaNet linear-attention layers, whose recurrent state and conv cannot restart at each document start"
-            " under context parallelism. Set data.packing: false (padded rows), or layout.cp_size: 1."
-        )
 
 
 def _check_batch(recipe: Recipe, layout: ParallelLayout, path: Path) -> None:

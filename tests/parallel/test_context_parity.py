@@ -5,7 +5,8 @@ gradient accumulation over micro-batches with different numbers of valid tokens,
 ``-100`` labels, prompt tokens ignored, sequence lengths divisible and not divisible by ``2 * cp``.
 Both backends at cp=2 (2 ranks) and cp=4, Qwen3.5's Gated DeltaNet linear attention (its kernel against the fp64
 recurrence at cp = 1, 2, 4 in the 4-rank world, with test_linear_attention_context.py's helpers), sliding windows shorter than the sequence, soft-capping, sinks, CP x TP and CP x FSDP2 (4 ranks). Packed rows under CP train
-exactly what one process trains on the unpacked samples; left-padded rows what it trains on them as given.
+exactly what one process trains on the unpacked samples (Qwen3.5's linear attention included, its packed kernel against
+each document alone in fp64); left-padded rows what it trains on them as given.
 One world per rank count checks every case (starting ranks is the slow part); the reference runs on each rank.
 """
 
@@ -23,7 +24,7 @@ from tiny_models import make_batch, tiny_model
 from torch.distributed.tensor import DTensor
 
 from lightning_plugins import ParallelLayout, parallelize
-from lightning_plugins.data.packing import collate_packed, pack_examples
+from lightning_plugins.data.packing import collate_packed, pack_examples, prepare_model_for_packing
 from lightning_plugins.parallel.options import with_settings
 from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of
 
@@ -71,6 +72,11 @@ CASES = {
         # recurrent state and conv inputs passed along the ranks (ring). See test_linear_attention_context.py.
         "qwen3_5 cp2 ulysses seq13": ("qwen3_5", CP2, 13, U),
         "qwen3_5 cp2 ring seq13": ("qwen3_5", CP2, 13, R),
+        # Packed rows: each document restarts the recurrent state and the conv, against the unpacked samples.
+        "qwen3_5 cp2 ring seq13 packed": ("qwen3_5", CP2, 13, {**R, "data": "packed"}),
+        "qwen3_5 cp2 ulysses seq16 packed": ("qwen3_5", CP2, 16, {**U, "data": "packed"}),
+        # The same without CP: tp=2 with sequence parallelism, the documents cut inside the head split.
+        "qwen3_5 tp2 seq13 packed": ("qwen3_5", {"tp_size": 2}, 13, {"data": "packed"}),
     },
     4: {
         "llama cp4 ulysses seq16": ("llama", CP4, 16, U),
@@ -164,6 +170,8 @@ def _run_case(world_size: int, family: str, sizes: dict, seq: int, options: dict
     model = tiny_model(family)
     if inner is not None:
         model.set_attn_implementation(inner)
+    if data == "packed" and sizes.get("cp_size", 1) == 1:  # without CP, packed rows need what the recipe does
+        prepare_model_for_packing(model)
     model = parallelize(model, ParallelLayout(**sizes).resolve(world_size), *with_settings("test", **options))
     history = _train(model, seq, _cp_prepare(model), clip_grad_norm_, data, max_norm)
     weight_diff = 0.0
@@ -182,13 +190,10 @@ def _run_case(world_size: int, family: str, sizes: dict, seq: int, options: dict
 
 
 def _world(rank: int, world_size: int, out_dir: str) -> None:
-    from test_linear_attention_context import kernel_results, packed_refused
+    from test_linear_attention_context import kernel_results
 
     results = {name: _run_case(world_size, *case) for name, case in CASES[world_size].items()}
-    if world_size == 2:
-        message = packed_refused(world_size)
-        results["qwen3_5 packed refused"] = {"refused": float("Packed rows" in message and "Gated DeltaNet" in message)}
-    else:  # the linear-attention kernel under cp = 1, 2, 4 against the fp64 recurrence
+    if world_size == 4:  # the linear-attention kernel under cp = 1, 2, 4 against the fp64 recurrence
         results.update(kernel_results(rank, world_size))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
@@ -216,12 +221,9 @@ def test_context_parallel_matches_one_process(world_size: int, name: str) -> Non
     assert diffs["weight_diff"] <= TOL, (name, diffs)
 
 
-def test_linear_attention_packed_rows_refused() -> None:
-    assert _results(2)["qwen3_5 packed refused"]["refused"] == 1.0
-
-
 def test_linear_attention_kernel_matches_recurrence() -> None:
     kernel = {name: diffs for name, diffs in _results(4).items() if name.startswith("linear-attention kernel")}
-    assert len(kernel) == 8, sorted(kernel)  # cp1, cp2: Ulysses seq24, ring seq24 and seq520; cp4: ring
+    # cp1, cp2: Ulysses seq24 and packed, ring seq24, seq520 and packed; cp4: ring
+    assert len(kernel) == 13, sorted(kernel)
     for name, diffs in kernel.items():
         assert diffs["fp64"] < 1e-12 and diffs["a_log"] < 1e-6, (name, diffs)  # A_log's gradient: fp32's precision

@@ -6,34 +6,35 @@ The default checks run inside ``test_context_parity``'s worlds (starting ranks i
   of the world), Ulysses (heads split over cp) and ring (state and conv inputs passed along the ranks in the
   load-balanced chunk order; sequences of one and of several load-balancing segments), against the single-sequence
   recurrence in fp64: outputs, the input's gradient and the parameters' gradients (``A_log``'s, which the module sums
-  in fp32, to fp32's precision). The module's own kernel is swapped for an fp64 recurrence there (the torch fallback
-  computes in fp32): the wiring calls whatever kernel the model has.
+  in fp32, to fp32's precision); packed rows (:data:`PACKED_ROWS`) against each document on its own. The module's
+  own kernel is swapped for an fp64 recurrence there (the torch fallback computes in fp32): the wiring calls whatever
+  kernel the model has.
 * Training (its 2-rank world): the tiny Qwen3.5 (two linear-attention layers, then a full-attention one) under cp=2,
-  Ulysses and ring, per-step losses, grad norms and final weights against one process (fp32); packed rows refused on
-  every rank (:func:`packed_refused`).
+  Ulysses and ring, per-step losses, grad norms and final weights against one process (fp32); packed rows against one
+  process on the unpacked samples.
 
 Here: the refusals of layouts (before any collective) and, under ``-m slow``, the wider training matrix (Qwen3.5 MoE,
-Qwen3-Next, activation checkpointing, rows over several load-balancing segments, EP x CP)."""
+Qwen3-Next, activation checkpointing, rows over several load-balancing segments, EP x CP, packed rows)."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from test_context_parity import TOL, _run_case
-from tiny_models import CONFIGS, tiny_model
+from tiny_models import CONFIGS
 
-from lightning_plugins import ParallelLayout, parallelize
-from lightning_plugins.errors import DataError, LayoutError
-from lightning_plugins.parallel import context_parallel_batch, mesh_of
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.context.checks import check_context_parallel
 from lightning_plugins.parallel.context.linear import apply_linear_context_parallel
 from lightning_plugins.parallel.context.sharding import shard_sequence_load_balanced
-from lightning_plugins.parallel.options import with_settings
 from lightning_plugins.testing.world import run_world
 
 U, R = {"cp_backend": "ulysses"}, {"cp_backend": "ring"}
@@ -45,6 +46,14 @@ SLOW_CASES = {
     "qwen3_5_moe cp2 ep2 ring seq15": ("qwen3_5_moe", {**CP2, "ep_size": 2}, 15, R),
     "qwen3_next cp2 ring seq13": ("qwen3_next", CP2, 13, R),
     "qwen3_next cp2 ulysses seq16": ("qwen3_next", CP2, 16, U),
+    # Packed rows of 300 tokens (documents across load-balancing segments), recomputed; the other families packed.
+    "qwen3_5 cp2 ring seq150 packed full-ac": (
+        "qwen3_5", CP2, 150, {**R, "data": "packed", "activation_checkpointing": "full"}
+    ),
+    "qwen3_5 cp2 ulysses seq150 packed": ("qwen3_5", CP2, 150, {**U, "data": "packed"}),
+    "qwen3_5_moe cp2 ep2 ring seq15 packed": ("qwen3_5_moe", {**CP2, "ep_size": 2}, 15, {**R, "data": "packed"}),
+    "qwen3_next cp2 ring seq13 packed": ("qwen3_next", CP2, 13, {**R, "data": "packed"}),
+    "qwen3_next cp2 ulysses seq16 packed": ("qwen3_next", CP2, 16, {**U, "data": "packed"}),
 }
 KERNEL_LENGTHS = (24, 520)  # one segment of the load-balanced layout; 520 > 2 * 4 * 64: several, the last one short
 
@@ -133,15 +142,60 @@ def _kernel_case(family: str, group, backend: str, seq: int) -> tuple[float, flo
     return float(max(diffs)), relative
 
 
+#: Packed rows of 40 tokens (documents' lengths): documents that begin inside a rank's run of positions and at its
+#: first position (multiples of 10 for cp=2, of 5 for cp=4), documents shorter than the conv, a row of one document.
+PACKED_ROWS = ((5, 8, 7, 1, 12, 7), (17, 23), (40,), (10, 20, 2, 8))
+
+
+def _per_document(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The right answer for packed rows: each document through ``module`` on its own."""
+    rows = []
+    for row, lengths in enumerate(PACKED_ROWS):
+        starts = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+        rows.append(torch.cat([module(x[row : row + 1, lo:hi]) for lo, hi in itertools.pairwise(starts)], dim=1))
+    return torch.cat(rows)
+
+
+def packed_kernel_case(family: str, group, backend: str) -> tuple[float, float]:
+    """As :func:`_kernel_case`, on :data:`PACKED_ROWS` against each document on its own; ``group=None``: one process
+    (``prepare_linear_attention_for_packing``)."""
+    from lightning_plugins.parallel.linear_documents import prepare_linear_attention_for_packing
+
+    config, seq = CONFIGS[family](), 40
+    reference = _gated_delta_net(family)
+    x = _dyadic(torch.randn(len(PACKED_ROWS), seq, config.hidden_size, dtype=torch.float64)).requires_grad_()
+    weights = torch.randn(len(PACKED_ROWS), seq, config.hidden_size, dtype=torch.float64)
+    want_out = _per_document(reference, x)
+    (want_out * weights).sum().backward()
+    want = {name: p.grad.clone() for name, p in reference.named_parameters()}
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in PACKED_ROWS])
+    size, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+    shard = lambda t: shard_sequence_load_balanced(t, 1, rank, size)
+    layer = _Layer(_gated_delta_net(family))
+    if group is None:
+        prepare_linear_attention_for_packing(layer)
+    else:
+        apply_linear_context_parallel(layer, 0, _Mesh(group), backend)
+    local_x = shard(x.detach()).requires_grad_()
+    out = layer(local_x, position_ids=shard(positions))
+    (out * shard(weights)).sum().backward()
+    diffs = [(out - shard(want_out)).abs().max(), (local_x.grad - shard(x.grad)).abs().max()]
+    relative = 0.0
+    for name, param in layer.linear_attn.named_parameters():
+        if group is not None:
+            dist.all_reduce(param.grad, group=group)
+        if name == "A_log":
+            relative = float((param.grad - want[name]).abs().max() / want[name].abs().max())
+        else:
+            diffs.append((param.grad - want[name]).abs().max())
+    return float(max(diffs)), relative
+
+
 def kernel_results(rank: int, world_size: int) -> dict[str, dict[str, float]]:
     """:func:`_kernel_case` for cp = 1, 2 and 4 (groups of a 4-rank world), both backends (Ulysses up to cp=2: the tiny
-    model has 2 key heads), one segment of the load-balanced layout and (ring) several; run in
-    ``test_context_parity``'s 4-rank world. The module's kernel is swapped for the fp64 recurrence meanwhile."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
-
-    kernels = modeling.torch_chunk_gated_delta_rule, modeling.torch_recurrent_gated_delta_rule
-    modeling.torch_chunk_gated_delta_rule = modeling.torch_recurrent_gated_delta_rule = _fp64_recurrence
-    try:
+    model has 2 key heads), one segment of the load-balanced layout and (ring) several, and packed rows
+    (:func:`packed_kernel_case`); run in ``test_context_parity``'s 4-rank world. The module's kernel is swapped for the fp64 recurrence meanwhile."""
+    with fp64_kernels():
         groups = {}
         for cp in (1, 2, 4):
             for first in range(0, world_size, cp):
@@ -156,24 +210,22 @@ def kernel_results(rank: int, world_size: int) -> dict[str, dict[str, float]]:
                 for seq in lengths:
                     fp64, a_log = _kernel_case("qwen3_5", group, backend, seq)
                     results[f"linear-attention kernel cp{cp} {backend} seq{seq}"] = {"fp64": fp64, "a_log": a_log}
+                fp64, a_log = packed_kernel_case("qwen3_5", group, backend)
+                results[f"linear-attention kernel cp{cp} {backend} packed"] = {"fp64": fp64, "a_log": a_log}
         return results
+
+
+@contextlib.contextmanager
+def fp64_kernels() -> Iterator[None]:
+    """Qwen3.5's Gated DeltaNet kernels swapped for :func:`_fp64_recurrence` (the torch fallback computes in fp32)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    kernels = modeling.torch_chunk_gated_delta_rule, modeling.torch_recurrent_gated_delta_rule
+    modeling.torch_chunk_gated_delta_rule = modeling.torch_recurrent_gated_delta_rule = _fp64_recurrence
+    try:
+        yield
     finally:
         modeling.torch_chunk_gated_delta_rule, modeling.torch_recurrent_gated_delta_rule = kernels
-
-
-def packed_refused(world_size: int) -> str:
-    """The error a packed row meets under cp=2 (ring), or ``"not refused"``; run in ``test_context_parity``'s 2-rank
-    world."""
-    layout = ParallelLayout(cp_size=2).resolve(world_size)
-    model = parallelize(tiny_model("qwen3_5"), layout, *with_settings("test", cp_backend="ring"))
-    ids = torch.randint(0, model.config.vocab_size, (1, 16))
-    positions = torch.cat([torch.arange(10), torch.arange(6)])[None]  # two documents in a row
-    batch = context_parallel_batch({"input_ids": ids, "labels": ids, "position_ids": positions}, mesh_of(model))
-    try:
-        model(**batch)
-    except DataError as err:
-        return str(err)
-    return "not refused"
 
 
 def _parity_world(rank: int, world_size: int, out_dir: str, cases: dict) -> None:

@@ -202,9 +202,9 @@ def _moe_overrides(tmp_path: Path) -> list[str]:
     return [f"model.path={tmp_path / 'moe'}", "lora.target_modules=[q_proj]"]
 
 
-def test_packed_rows_under_context_parallelism_with_linear_attention_are_refused_at_load(tmp_path: Path) -> None:
-    """Gated DeltaNet layers cannot restart their state at a document start under CP: the recipe says so before any
-    rank starts (the engine's refusal at the first forward is checked in test_context_parity's world)."""
+def test_packed_rows_under_context_parallelism_with_linear_attention_load(tmp_path: Path) -> None:
+    """Gated DeltaNet layers restart their state at each document under CP (test_context_parity's world trains them
+    packed against the unpacked samples), so a recipe packing rows for Qwen3.5 under cp=2 loads, as padded rows do."""
     from transformers import Qwen3_5TextConfig
 
     config = Qwen3_5TextConfig(
@@ -214,6 +214,6 @@ def test_packed_rows_under_context_parallelism_with_linear_attention_are_refused
     )  # fmt: skip
     config.save_pretrained(tmp_path / "model")
     cp2 = TINY / "full_cp2.yaml"
-    with pytest.raises(RecipeError, match=r"data.packing=true with layout.cp_size=2: .*Gated DeltaNet.*data.packing"):
-        load_recipe(cp2, [f"model.path={tmp_path / 'model'}"])
-    load_recipe(cp2, [f"model.path={tmp_path / 'model'}", "data.packing=false"])  # padded rows: accepted
+    for packing in ("true", "false"):
+        recipe = load_recipe(cp2, [f"model.path={tmp_path / 'model'}", f"data.packing={packing}"])
+        assert recipe.data.packing is (packing == "true") and recipe.layout.cp_size == 2

@@ -14,14 +14,20 @@ depends on which), replacing it as an instance attribute like the tensor-paralle
 * **Ring** (``cp_backend="ring"``): the sequence stays sharded and the state is passed along the cp ranks in the
   *global* chunk order of the load-balanced layout (rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of every
   segment, so the state goes 0, 1, ..., cp-1, cp-1, ..., 0 and on to the next segment). Each run of consecutive
-  positions a rank holds is one call of the module's forward with a cache stand-in (:class:`_Carry`) that hands the
-  kernel the received state as ``initial_state`` and prepends the received conv inputs; its final state and last
-  conv inputs go to the rank holding the next run. The backward carries their gradients back the same way
+  positions a rank holds is one call of the module's forward with a cache stand-in
+  (:class:`~lightning_plugins.parallel.linear_documents.Carry`) that hands the kernel the received state as
+  ``initial_state`` and prepends the received conv inputs; its final state and last conv inputs go to the rank holding
+  the next run. The backward carries their gradients back the same way
   (:class:`_Send`, :class:`_Receive`; a token orders each rank's hand-offs, so the ranks' backward passes meet in
   reverse chain order). The kernel work of a layer is sequential over the ranks; everything else stays parallel.
 
-Packed rows (a document starting inside a row) are refused: transformers' torch kernels take no document boundaries
-(they ignore ``cu_seqlens``), so neither one process nor these paths could reset the state at a document start.
+Packed rows (``position_ids`` restarting at 0 for each document): transformers' torch kernels take no document
+boundaries (they ignore ``cu_seqlens``), so both layouts cut the rows into documents themselves
+(:func:`~lightning_plugins.parallel.linear_documents.run_documents`): Ulysses runs its heads per document of the whole
+rows (their document starts read from the positions, all-gathered once per forward); the ring cuts each run at the
+documents that begin inside it, a row's first document continues the received state unless the row starts a document
+there, and the state after its last document is passed on. The same as one process with
+:func:`~lightning_plugins.parallel.linear_documents.prepare_linear_attention_for_packing`: each document on its own.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_plugins.errors import DataError, LayoutError
+from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.context.sharding import (
     reorder_sequence_load_balanced,
     sequence_positions,
@@ -48,12 +54,18 @@ from lightning_plugins.parallel.linear_attention import (
     linear_attention_problem,
     parameter_role,
 )
+from lightning_plugins.parallel.linear_documents import (
+    DocumentLinearAttention,
+    document_starts,
+    host_positions,
+    run_documents,
+)
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-__all__ = ["LinearContextParallel", "PackedCheck", "apply_linear_context_parallel", "linear_attention_of"]
+__all__ = ["DocumentPositions", "LinearContextParallel", "apply_linear_context_parallel", "linear_attention_of"]
 
 
 def linear_attention_of(layer: nn.Module) -> Optional[nn.Module]:
@@ -62,38 +74,37 @@ def linear_attention_of(layer: nn.Module) -> Optional[nn.Module]:
     return module if module is not None and is_gated_delta_net(module) else None
 
 
-class PackedCheck:
-    """Whether the rows of the current forward are packed, agreed over the cp group once per ``position_ids`` tensor
-    (one tiny all-reduce per forward, so every rank refuses together; the same tensor in recomputation is not asked
-    again)."""
+class DocumentPositions:
+    """The documents of the current forward's rows, read once per ``position_ids`` tensor and shared by the model's
+    linear-attention layers (recomputation passes the same tensor and is not asked again): this rank's positions on
+    the host (ring), and the whole rows' document starts (Ulysses, one all-gather of the positions per forward)."""
 
     def __init__(self) -> None:
-        self.positions: Optional[Tensor] = None
+        self._key: Optional[Tensor] = None
+        self._local: Optional[Tensor] = None
+        self._full: Optional[Tensor] = None
 
-    def refuse_packed(self, positions: Optional[Tensor], local_len: int, group: dist.ProcessGroup) -> None:
-        from torch._subclasses.fake_tensor import FakeTensor
+    def local(self, positions: Optional[Tensor], rows: int, local_len: int) -> Optional[Tensor]:
+        """This rank's ``position_ids`` ``[rows, local_len]`` on the host, or ``None`` (none, or a dry run's)."""
+        if positions is not self._key:
+            self._key, self._full = positions, None
+            self._local = host_positions(positions, rows, local_len)
+        return self._local
 
-        if positions is None or positions is self.positions or isinstance(positions, FakeTensor):
-            return
-        self.positions = positions
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        index = sequence_positions(local_len * size, rank, size, load_balanced=True)
-        # Position id p at global position i: the token's document begins at i - p (a row's first document may
-        # begin at any id, as rows turned from left padding do).
-        packed = bool(((index - positions.detach().to("cpu", torch.long)) > 0).any())
-        flag = torch.tensor([int(packed)], device=positions.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if int(flag.item()):
-            raise DataError(
-                "Packed rows (documents starting inside a row) cannot run through Gated DeltaNet linear attention"
-                " under context parallelism: transformers' kernels take no document boundaries here, so the"
-                " recurrent state and the conv would not reset at each document start. Use unpacked (padded) rows,"
-                " or cp_size=1."
-            )
+    def full_starts(self, positions: Optional[Tensor], rows: int, local_len: int, group: Any) -> Optional[Tensor]:
+        """Where documents begin in the whole rows ``[rows, cp * local_len]`` (natural order, host), or ``None`` when
+        every row is one document."""
+        local = self.local(positions, rows, local_len)
+        if local is None or self._full is not None:
+            return None if local is None or not bool(self._full[:, 1:].any()) else self._full
+        size = dist.get_world_size(group)
+        gathered = _all_gather_sequence(local.to(positions.device).contiguous(), group)
+        self._full = document_starts(unshard_sequence_load_balanced(gathered, 1, size).to("cpu"))
+        return self._full if bool(self._full[:, 1:].any()) else None
 
 
 def apply_linear_context_parallel(
-    layer: nn.Module, index: int, cp_mesh: Any, backend: str, packed: Optional[PackedCheck] = None
+    layer: nn.Module, index: int, cp_mesh: Any, backend: str, documents: Optional[DocumentPositions] = None
 ) -> None:
     """Make decoder layer ``index``'s Gated DeltaNet context parallel over ``cp_mesh`` (``"ulysses"`` or ``"ring"``).
 
@@ -118,7 +129,7 @@ def apply_linear_context_parallel(
                 f"Ulysses context parallelism splits decoder layer {index}'s linear-attention heads"
                 f" ({type(module).__name__}) over cp_size={size}, but {problem}. Use cp_backend='ring'."
             )
-    wrapper = LinearContextParallel(module, cp_mesh, backend, packed or PackedCheck())
+    wrapper = LinearContextParallel(module, cp_mesh, backend, documents or DocumentPositions())
     module.forward = wrapper  # type: ignore[method-assign]
     layer.register_forward_pre_hook(wrapper.note_positions, with_kwargs=True)
 
@@ -130,12 +141,13 @@ class LinearContextParallel:
         module: The Gated DeltaNet.
         cp_mesh: The 1-D context-parallel mesh (its group is looked up at each call).
         backend: ``"ulysses"`` (heads split over cp) or ``"ring"`` (state passed along the ranks).
-        packed: The model's shared check that refuses packed rows.
+        documents: The model's shared reader of the rows' documents (packed rows).
     """
 
-    def __init__(self, module: nn.Module, cp_mesh: Any, backend: str, packed: PackedCheck) -> None:
-        self.module, self.mesh, self.backend, self.packed = module, cp_mesh, backend, packed
-        self.forward = module.forward
+    def __init__(self, module: nn.Module, cp_mesh: Any, backend: str, documents: DocumentPositions) -> None:
+        self.module, self.mesh, self.backend, self.documents = module, cp_mesh, backend, documents
+        forward = module.forward  # the one-process document split (prepare_model_for_packing) is done here instead
+        self.forward = forward.forward if isinstance(forward, DocumentLinearAttention) else forward
         self.positions: Optional[Tensor] = None
 
     def note_positions(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -155,7 +167,6 @@ class LinearContextParallel:
                 " a Gated DeltaNet under context parallelism got one."
             )
         group = self.mesh.get_group()
-        self.packed.refuse_packed(self.positions, hidden_states.shape[1], group)
         if self.backend == "ulysses":
             return self._heads(hidden_states, group, kwargs)
         return self._chain(hidden_states, group, kwargs)
@@ -164,33 +175,53 @@ class LinearContextParallel:
         """Ulysses: this rank's heads over the whole sequence; the partial outputs reduce-scattered to the shards."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         full = unshard_sequence_load_balanced(_GatherSequence.apply(hidden, group), 1, size)
+        starts = self.documents.full_starts(self.positions, hidden.shape[0], hidden.shape[1], group)
         with _local_heads(self.module, size, rank):
-            out = self.forward(full, **kwargs)
+            if starts is None:
+                out = self.forward(full, **kwargs)
+            else:
+                out = run_documents(self.forward, full, starts, self.module, **kwargs)[0]
         return _ScatterSequence.apply(reorder_sequence_load_balanced(out, 1, size), group)
 
     def _chain(self, hidden: Tensor, group: dist.ProcessGroup, kwargs: dict) -> Tensor:
         """Ring: the module's forward on each run of consecutive positions this rank holds, in global order, with the
-        state and conv inputs of the run before it (received from its rank) and its own sent on."""
+        state and conv inputs of the run before it (received from its rank) and its own sent on; packed rows cut at
+        their documents (:func:`_run_starts`)."""
         module, size = self.module, dist.get_world_size(group)
-        width = module.conv_kernel_size - 1
-        tail_spec = ((hidden.shape[0], module.conv_dim, width), hidden.dtype)
+        tail_spec = ((hidden.shape[0], module.conv_dim, module.conv_kernel_size - 1), hidden.dtype)
         state_dtype = torch.promote_types(hidden.dtype, torch.float32)
         state_spec = ((hidden.shape[0], module.num_v_heads, module.head_k_dim, module.head_v_dim), state_dtype)
+        positions = self.documents.local(self.positions, hidden.shape[0], hidden.shape[1])
         token: Optional[Tensor] = None
         outs = []
         for lo, hi, before, after in _chain_runs(hidden.shape[1] * size, size)[dist.get_rank(group)]:
-            if before is None:
-                carry = _Carry(hidden.new_zeros(tail_spec[0]), None, width)
-            else:
+            carry = None
+            if before is not None:
                 if token is None:  # this rank's first hand-off: a leaf, so the received tensors join the graph
                     token = hidden.new_zeros((), requires_grad=torch.is_grad_enabled())
-                carry = _Carry(*_Receive.apply(token, before, group, tail_spec, state_spec), width)
+                carry = _Receive.apply(token, before, group, tail_spec, state_spec)
                 token = None
-            outs.append(self.forward(hidden[:, lo:hi], cache=carry, **kwargs))
+            starts = _run_starts(positions, lo, hi, hidden.shape[0])
+            out, tail, state = run_documents(
+                self.forward, hidden[:, lo:hi], starts, module, carry, after is not None, **kwargs
+            )
+            outs.append(out)
             if after is not None:
-                token = _Send.apply(carry.tail.to(hidden.dtype), carry.state.to(state_dtype), after, group)
+                token = _Send.apply(tail.to(hidden.dtype), state.to(state_dtype), after, group)
         out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
         return out if token is None else out + token.to(out.dtype)  # the last send's backward must run too
+
+
+def _run_starts(positions: Optional[Tensor], lo: int, hi: int, rows: int) -> Tensor:
+    """Where documents begin in the run ``[lo, hi)`` of this rank's positions (host booleans). Column 0: whether the
+    row starts a document at the run (its position id is 0; ``context_parallel_batch`` checked that documents count up
+    from 0), else it continues the state received."""
+    if positions is None:
+        return torch.zeros((rows, hi - lo), dtype=torch.bool)
+    run = positions[:, lo:hi]
+    starts = document_starts(run)
+    starts[:, 0] = run[:, 0] == 0
+    return starts
 
 
 def _holds_state(cache: Any, module: nn.Module) -> bool:
@@ -202,33 +233,6 @@ def _holds_state(cache: Any, module: nn.Module) -> bool:
         return cache.get_recurrent_state(module.layer_idx) is not None or cache.get_conv_state(module.layer_idx) is not None
     except (AttributeError, IndexError, KeyError, TypeError, ValueError):
         return True
-
-
-class _Carry:
-    """What the Gated DeltaNet's forward reads from and writes to a cache, for one run of positions: the conv inputs
-    and the recurrent state of the positions before the run (zeros and ``None`` at the start of the sequence), then
-    the run's own last conv inputs and final state."""
-
-    def __init__(self, tail: Tensor, state: Optional[Tensor], width: int) -> None:
-        self.tail, self.state, self.width = tail, state, width
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Tensor:
-        return self.tail
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> Optional[Tensor]:
-        return self.state
-
-    def is_recording_past(self, layer_idx: int) -> bool:
-        return True  # never the in-place single-token decode path
-
-    def update_conv_state(self, conv_input: Tensor, layer_idx: int, **kwargs: Any) -> Tensor:
-        full = torch.cat([self.tail.to(conv_input.dtype), conv_input], dim=-1)
-        self.tail = full[..., full.shape[-1] - self.width :]
-        return full
-
-    def update_recurrent_state(self, state: Tensor, layer_idx: int, **kwargs: Any) -> Tensor:
-        self.state = state
-        return state
 
 
 @functools.lru_cache(maxsize=64)

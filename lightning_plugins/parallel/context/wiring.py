@@ -19,7 +19,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_plugins.parallel.context.checks import BACKENDS
-from lightning_plugins.parallel.context.linear import PackedCheck, apply_linear_context_parallel, linear_attention_of
+from lightning_plugins.parallel.context.linear import (
+    DocumentPositions,
+    apply_linear_context_parallel,
+    linear_attention_of,
+)
 from lightning_plugins.parallel.context.sharding import sequence_positions
 from lightning_plugins.parallel.context.ring import ring_attention
 from lightning_plugins.parallel.context.ulysses import eager_attention, ulysses_attention
@@ -74,11 +78,11 @@ def apply_context_parallel(model: Any, layers: Any, cp_mesh: Any, backend: str =
     inner_config = copy.copy(model.config)
     inner_config._attn_implementation = inner
     state = _AttentionState(cp_mesh, cp_mesh.size(), backend, inner, inner_config)
-    packed = PackedCheck()  # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): their own context parallelism
+    documents = DocumentPositions()  # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): their own context parallelism
     for index, layer in enumerate(layers):
         attention = getattr(layer, "self_attn", None)
         if attention is None and linear_attention_of(layer) is not None:
-            apply_linear_context_parallel(layer, index, cp_mesh, backend, packed)
+            apply_linear_context_parallel(layer, index, cp_mesh, backend, documents)
             continue
         if attention is None:
             raise LayoutError(
