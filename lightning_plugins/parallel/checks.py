@@ -12,7 +12,7 @@ from typing import Any
 from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel.compile import check_compile
 from lightning_plugins.parallel.context.checks import check_context_parallel
-from lightning_plugins.parallel.image_text import check_image_text_layout
+from lightning_plugins.parallel.image_text import check_image_text_layout, language_config
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, check_pipeline_layout, check_pp_reshard
@@ -86,10 +86,10 @@ def check_model_fit(
     Raises:
         LayoutError, OptionsError: as :func:`check_settings` does.
     """
-    check_image_text_layout(layout, config)  # the decoder's checks below would read an image-text config wrongly
+    check_image_text_layout(layout, config)  # before the decoder's checks, which read its language model's config
     resolved = layout.dp_shard_size != -1
     if resolved:
-        layout.validate(config)
+        layout.validate(language_config(config))
     pipeline = None
     if layout.pp_size > 1:
         pipeline = PipelineOptions.of(options)

@@ -155,7 +155,14 @@ def _language_model_family(model: nn.Module, language: str, tensor_parallel: boo
         has_norm = is_norm(model.get_submodule(norm))
     except AttributeError:
         has_norm = False
-    return replace(family, layers=f"{language}.{family.layers.partition('.')[2]}", final_norm=norm if has_norm else "")
+    # Sequence parallelism would shard the embeddings the vision tower's output is placed into: off (the text family's
+    # regions and norms are kept, so tensor parallelism splits the language model as it splits the text decoder).
+    return replace(
+        family,
+        layers=f"{language}.{family.layers.partition('.')[2]}",
+        final_norm=norm if has_norm else "",
+        sequence_parallel=False,
+    )
 
 
 def _family_from_hf_plan(model_type: str, plan: dict[str, str], prefix: str) -> ModelFamily:

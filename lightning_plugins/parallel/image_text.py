@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_plugins.errors import LayoutError
 
-__all__ = ["ImageTextParts", "check_image_text_layout", "image_text_parts", "is_image_text"]
+__all__ = ["ImageTextParts", "check_image_text_layout", "image_text_parts", "is_image_text", "language_config"]
 
 
 @dataclass(frozen=True)
@@ -151,23 +151,31 @@ def check_image_text_layout(layout: Any, config: Any | None) -> None:
     """Refuse, for an image-text model's config, the layouts that would not carry its images: only the data
     dimensions do yet.
 
-    Tensor, pipeline, context and expert parallelism apply to the decoder layers alone; a pipeline stage, a sequence
-    shard or an expert dispatch would not see the image embeddings the vision tower places into the sequence. (Training
-    the text decoder of a multimodal checkpoint alone, :mod:`lightning_plugins.checkpoint.text_tower`, builds it from
-    the text config, which is not refused.)
+    Tensor parallelism splits the language model and replicates the vision tower (its input and output whole on every
+    rank; sequence parallelism stays off, the image embeddings are placed into a whole sequence). Pipeline, context and
+    expert parallelism apply to the decoder layers alone: a pipeline stage, a sequence shard or an expert dispatch would
+    not see the image embeddings the vision tower places into the sequence. (Training the text decoder of a multimodal
+    checkpoint alone, :mod:`lightning_plugins.checkpoint.text_tower`, builds it from the text config, not refused.)
 
     Raises:
         LayoutError: naming the model type, the sizes that split it and the layout that runs.
     """
     if getattr(config, "vision_config", None) is None:
         return
-    split = {name: getattr(layout, name, 1) for name in ("tp_size", "pp_size", "cp_size", "ep_size")}
+    split = {name: getattr(layout, name, 1) for name in ("pp_size", "cp_size", "ep_size")}
     split = {name: size for name, size in split.items() if size > 1}
     if split:
         sizes = ", ".join(f"{name}={size}" for name, size in split.items())
         kind = getattr(config, "model_type", type(config).__name__)
         raise LayoutError(
             f"{sizes} is not supported for image-text models yet (model type '{kind}'): the vision tower's image"
-            " embeddings would not reach the split decoder. Use FSDP2 (dp_shard_size, dp_replicate_size) for the whole"
-            " model, or train the text decoder alone (AutoModelForCausalLM on the checkpoint's text_config)."
+            " embeddings would not reach the split decoder. Use FSDP2 (dp_shard_size, dp_replicate_size) and tensor"
+            " parallelism (tp_size), or train the text decoder alone (AutoModelForCausalLM on its text_config)."
         )
+
+
+def language_config(config: Any) -> Any:
+    """The config of the decoder a layout splits: an image-text config's text config, any other config itself."""
+    if getattr(config, "vision_config", None) is None or not hasattr(config, "get_text_config"):
+        return config
+    return config.get_text_config(decoder=True)

@@ -1,13 +1,15 @@
-"""An image-text model (tiny Qwen2.5-VL) under FSDP2 through `parallelize` trains exactly as in one process.
+"""An image-text model (tiny Qwen2.5-VL) under FSDP2 and TP through `parallelize` trains exactly as in one process.
 
 fp32, gloo, 2 ranks, SGD with momentum (a wrong gradient scale shows in the weights), 3 optimizer steps of 2
-micro-batches, clipping that triggers, rows of different lengths, image sizes and image positions (each rank's rows
-carry their own images: ranks hold different numbers of image patches and of valid tokens). Cases: every weight
-trained; the vision tower frozen before `parallelize` and the projector trained with the language model (the common
-recipe); LoRA with the default targets (the language model's projections only). Per case: per-step losses and pre-clip
-gradient norms, every trained weight (gathered) against the reference, each trained part moved (vision blocks,
-projector, language model), frozen weights bit-identical and never given a gradient, and each vision block and the
-projector sharded as its own FSDP2 unit. One world runs every case; the reference runs on each rank.
+micro-batches, clipping that triggers, rows of different lengths, image sizes and image positions (under FSDP2 each
+rank's rows carry their own images: ranks hold different numbers of image patches and of valid tokens). What is
+trained: every weight; the vision tower frozen before `parallelize` and the projector trained with the language model
+(the common recipe); LoRA with the default targets (the language model's projections only). Per case: per-step losses
+and pre-clip gradient norms, every trained weight (gathered) against the reference, each trained part moved (vision
+blocks, projector, language model), frozen weights bit-identical and never given a gradient; under FSDP2 each vision
+block and the projector sharded as its own unit, under TP the language model's projections split and the vision tower
+and projector replicated, identical on both ranks after training. One world runs every case; the reference runs on
+each rank.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from lightning_plugins.testing.world import run_world
 from tiny_vlm import collate, image_sample, tiny_vlm
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_plugins import ParallelLayout, parallelize
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora, trainable_parameters
@@ -36,7 +38,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is d
 
 STEPS, ACCUM, BATCH, SEQ, MAX_NORM, LR = 3, 2, 4, 20, 0.05, 0.5
 TOL = 1e-5
-CASES = ("full", "frozen vision", "lora")
+#: name -> (layout sizes, what is trained: "full", "frozen vision" or "lora").
+CASES = {
+    "fsdp2 full": ({"dp_shard_size": 2}, "full"),
+    "fsdp2 frozen vision": ({"dp_shard_size": 2}, "frozen vision"),
+    "fsdp2 lora": ({"dp_shard_size": 2}, "lora"),
+    # The language model split, the vision tower replicated (and the loss computed on vocab shards).
+    "tp2 full": ({"tp_size": 2}, "full"),
+    "tp2 frozen vision": ({"tp_size": 2}, "frozen vision"),
+    "tp2 lora": ({"tp_size": 2}, "lora"),
+}
 
 
 def _model(case: str) -> nn.Module:
@@ -100,13 +111,13 @@ def _part(name: str, parts) -> str:
     return "vision" if f"{parts.vision_path}." in name else "language"
 
 
-def _run_case(case: str) -> dict:
+def _run_case(sizes: dict, case: str) -> dict:
     ref_history, expected = _reference(case)
     model = _model(case)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     parts = image_text_parts(inner)
     initial = {name: param.detach().clone() for name, param in model.named_parameters()}
-    assert parallelize(model, ParallelLayout(dp_shard_size=2).resolve(2)) is model
+    assert parallelize(model, ParallelLayout(**sizes).resolve(2)) is model
     dp = mesh_of(model)["dp"]
     rows = BATCH // dp.size()
     history = _train(model, slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows), clip_grad_norm_)
@@ -131,12 +142,36 @@ def _run_case(case: str) -> dict:
                                             f"{parts.language_path}." not in n],  # fmt: skip
         "units": [isinstance(unit, FSDPModule) for unit in units],
         "vision_blocks": len(inner.get_submodule(parts.blocks_path)),
-        "sharded": all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters()),
+        "placements": _placements(model, parts),
+        "tp_spread": _tp_spread(model),
     }
 
 
+def _placements(model: nn.Module, parts) -> dict[str, list[str]]:
+    """Each part's parameters' placements (``plain`` for a tensor that is not a DTensor), each once."""
+    seen: dict[str, set[str]] = {}
+    for name, param in model.named_parameters():
+        part = "projection" if name.endswith(("q_proj.weight", "q_proj.base_layer.weight")) else _part(name, parts)
+        seen.setdefault(part, set()).add(str(param.placements) if isinstance(param, DTensor) else "plain")
+    return {part: sorted(placements) for part, placements in seen.items()}
+
+
+def _tp_spread(model: nn.Module) -> float:
+    """The largest difference between tensor-parallel peers' copies of a replicated parameter (must be 0)."""
+    spread = 0.0
+    for param in model.parameters():
+        if isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("tp",) and param.placements == (
+            Replicate(),
+        ):
+            local = param.to_local().detach().contiguous()
+            copies = [torch.empty_like(local) for _ in range(param.device_mesh.size())]
+            dist.all_gather(copies, local, group=param.device_mesh.get_group())
+            spread = max(spread, max((c - local).abs().max().item() for c in copies))
+    return spread
+
+
 def _world(rank: int, world_size: int, out_dir: str) -> None:
-    results = {case: _run_case(case) for case in CASES}
+    results = {name: _run_case(*case) for name, case in CASES.items()}
     dist.barrier()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
@@ -148,18 +183,27 @@ def _results() -> list[dict]:
         return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_image_text_fsdp2_matches_one_process(case: str) -> None:
-    for rank, result in enumerate(results[case] for results in _results()):
-        where = (case, rank, result)
+@pytest.mark.parametrize("name", CASES)
+def test_image_text_model_matches_one_process(name: str) -> None:
+    sizes, case = CASES[name]
+    for rank, result in enumerate(results[name] for results in _results()):
+        where = (name, rank, result)
         assert result["loss_diff"] <= TOL and result["norm_diff"] <= TOL, where
         assert result["trained_diff"] <= TOL, where
         assert result["frozen_moved"] == 0.0, where
-        assert result["sharded"], where
-        # Each vision block, the projector and each decoder layer is its own FSDP2 unit.
-        assert result["units"] == [True] * (result["vision_blocks"] + 1 + 2), where
         trained = {"full": {"vision", "projector", "language"}, "frozen vision": {"projector", "language"}}
         assert set(result["moved"]) == trained.get(case, {"language"}), where
         assert all(change > 100 * TOL for change in result["moved"].values()), where
         assert (result["frozen"] > 0) == (case != "full"), where
         assert result["adapters_outside_language_model"] == [], where
+        placements = result["placements"]
+        if "dp_shard_size" in sizes:
+            # Each vision block, the projector and each decoder layer is its own FSDP2 unit; every weight is sharded.
+            assert result["units"] == [True] * (result["vision_blocks"] + 1 + 2), where
+            assert all(kinds == ["(Shard(dim=0),)"] for kinds in placements.values()), where
+        else:
+            # The language model's projections split, the vision tower and projector replicated (identical on both
+            # ranks after training).
+            assert placements["projection"] == ["(Shard(dim=0),)"], where
+            assert placements["vision"] == placements["projector"] == ["(Replicate(),)"], where
+            assert result["tp_spread"] == 0.0, where

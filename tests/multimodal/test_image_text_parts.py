@@ -66,12 +66,18 @@ def test_missing_part_is_named() -> None:
         image_text_parts(model)
 
 
-@pytest.mark.parametrize("sizes", [{"tp_size": 2}, {"pp_size": 2}, {"cp_size": 2}], ids=str)
-def test_layouts_that_split_the_decoder_are_refused(sizes: dict) -> None:
+@pytest.mark.parametrize("sizes", [{"pp_size": 2}, {"cp_size": 2}], ids=str)
+def test_layouts_that_split_the_sequence_or_the_layers_are_refused(sizes: dict) -> None:
     name, size = next(iter(sizes.items()))
     refused = rf"{name}={size} is not supported for image-text models yet \(model type 'qwen2_5_vl'\)"
     with pytest.raises(LayoutError, match=refused):
         check_parallelizable(tiny_vlm(), ParallelLayout(**sizes).resolve(2))
+
+
+def test_tensor_parallelism_is_checked_against_the_language_model() -> None:
+    check_parallelizable(tiny_vlm(), ParallelLayout(tp_size=2).resolve(2))  # 4 heads, 2 kv heads: splits in 2
+    with pytest.raises(LayoutError, match="tp_size"):
+        check_parallelizable(tiny_vlm(), ParallelLayout(tp_size=4).resolve(4))  # 2 kv heads do not split in 4
 
 
 def test_expert_parallelism_is_refused_for_a_mixture_of_experts_image_text_model() -> None:
