@@ -6,8 +6,8 @@ in the load-balanced layout, full causal and with a sliding window of ``W`` keys
 
 * ``pairs``: attended query-key pairs with the window over full causal: what the window should cost if cost follows
   the pairs (about ``W / S * (2 - W / S)`` for ``W << S``);
-* ``computed``: the score entries ring attention really computes (its blocks and tiles, counted with the kernel's own
-  :func:`active_block` / :func:`row_tiles`), windowed over causal, and the windowed run's excess over its pairs;
+* ``computed``: the score entries ring attention really computes (its blocks' pieces, counted with its own
+  :func:`active_block` / :func:`block_pieces`), windowed over causal, and the windowed run's excess over its pairs;
 * ``time ratio``: median over rounds of time(windowed) / time(causal), the two interleaved round by round (the
   machine is shared, so ratios are taken within a round).
 
@@ -35,10 +35,11 @@ from lightning_plugins.testing.world import world_rows  # noqa: E402
 
 
 def computed_entries(seq: int, cp: int, window: int | None, batch_heads: int) -> int:
-    """Score entries (per head) that ring attention computes over all ranks: its blocks' query-row tiles."""
+    """Score entries (per head) that ring attention computes over all ranks: its blocks' pieces as the CPU kernel
+    takes them (:func:`block_pieces`: a box or a masked box whole, a causal square's lower triangle)."""
     from lightning_plugins.parallel.context.ring import _first_keys
     from lightning_plugins.parallel.context.sharding import sequence_positions
-    from lightning_plugins.parallel.context.tiles import active_block, row_tiles
+    from lightning_plugins.parallel.context.tiles import FusedCall, active_block, block_pieces
 
     total = 0
     for rank in range(cp):
@@ -47,9 +48,11 @@ def computed_entries(seq: int, cp: int, window: int | None, batch_heads: int) ->
         for source in range(cp):
             k_pos = sequence_positions(seq, source, cp, load_balanced=True)
             block = active_block(q_pos, k_pos, True, None, starts)
-            if block is not None:
-                tiles = row_tiles(block, None, batch_heads)
-                total += sum((rows.stop - rows.start) * (cols.stop - cols.start) for rows, cols, _ in tiles)
+            for _, piece in [] if block is None else block_pieces(block, None, batch_heads, True, True):
+                rows, cols = (piece.rows, piece.cols) if isinstance(piece, FusedCall) else piece[:2]
+                height, width = rows.stop - rows.start, cols.stop - cols.start
+                causal = isinstance(piece, FusedCall) and piece.causal
+                total += height * (height + 1) // 2 if causal else height * width
     return total
 
 

@@ -128,6 +128,12 @@ def _variant_cases() -> list[Case]:
     cases.append(Case("ring-window-one-token", "ring", True, 2, window=1, sinks=True))
     cases.append(Case("ring-window-long", "ring", True, 2, seq=LONG_SEQ, window=LONG_WINDOW, softcap=2.0))
     cases.append(Case("ring-window-long-packed", "ring", True, 2, seq=LONG_SEQ, packed=True, window=LONG_WINDOW))
+    # Without soft-capping, window bands and short documents run on the kernel with a mask (CPU): with sinks, MQA, fp32.
+    masked = dict(window=WINDOW, sinks=True, scale=0.4)
+    cases.append(Case("ring-window-sinks-packed-masked", "ring", True, 2, packed=True, **masked))
+    cases.append(Case("ring-window-mqa-masked", "ring", True, 1, window=WINDOW))
+    cases.append(Case("ring-window-long-packed-masked-fp32", "ring", True, 2, "float32", seq=LONG_SEQ, packed=True,
+                      window=LONG_WINDOW, sinks=True))
     return cases
 
 

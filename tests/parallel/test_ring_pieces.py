@@ -1,7 +1,7 @@
 """Which path ring attention computes each block by (:func:`block_pieces`), and that the pieces are exact.
 
-The pieces of every active block, fused calls (a fully visible box or a causal square) and pure-torch tiles (a box
-and its mask), must cover exactly the (query, key) pairs attention attends, each once: the kernel parity world
+The pieces of every active block, fused calls (a fully visible box, a causal square, or, where the kernel takes a mask,
+a box and its mask) and pure-torch tiles (a box and its mask), must cover exactly the (query, key) pairs attention attends, each once: the kernel parity world
 (``test_context_kernels.py``) checks the numbers, this checks the partition, quickly and over wider layouts.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_plugins.parallel.context.fused import CPU_KERNEL, fused_kernel_for
+from lightning_plugins.parallel.context.fused import CPU_KERNEL, CUDA_KERNEL, fused_kernel_for, takes_masks
 from lightning_plugins.parallel.context.ring import _first_keys
 from lightning_plugins.parallel.context.sharding import sequence_positions
 from lightning_plugins.parallel.context.tiles import MIN_FUSED_ROWS, FusedCall, active_block, block_pieces
@@ -33,6 +33,7 @@ def _coverage(
     starts: torch.Tensor | None = None,
     window: int | None = None,
     fused: bool = True,
+    masked: bool = False,
 ) -> tuple[int, int]:
     """Checks every rank's pieces against the mask; returns (fused calls, tiles) over all ranks and blocks."""
     batch = 1 if starts is None else starts.shape[0]
@@ -54,7 +55,7 @@ def _coverage(
             k_pos = sequence_positions(seq, source, cp, load_balanced)
             covered = torch.zeros(batch, len(q_pos), len(k_pos), dtype=torch.long)
             block = active_block(q_pos, k_pos, causal, valid_len, first)
-            for rows_of, piece in [] if block is None else block_pieces(block, None, 1, fused):
+            for rows_of, piece in [] if block is None else block_pieces(block, None, 1, fused, masked):
                 cov = covered[rows_of]
                 if isinstance(piece, FusedCall):
                     calls += 1
@@ -62,6 +63,9 @@ def _coverage(
                     height, width = rows.stop - rows.start, cols.stop - cols.start
                     assert not piece.causal or height == width, piece  # causal squares only: both alignments agree
                     box = torch.ones(height, width, dtype=torch.long)
+                    if piece.mask is not None:
+                        assert masked and not piece.causal, piece
+                        box = piece.mask.reshape(-1, height, width).long()
                     cov[:, rows, cols] += box.tril() if piece.causal else box
                 else:
                     tiles += 1
@@ -110,6 +114,22 @@ def test_pieces_cover_every_variant_exactly(cp: int) -> None:
     assert _coverage(seq, cp, starts=_documents([[seq]]), load_balanced=False, fused=False)[0] == 0
 
 
+@pytest.mark.parametrize("cp", (1, 2, pytest.param(4, marks=pytest.mark.slow)))
+def test_masked_kernel_leaves_nothing_to_the_tiles(cp: int) -> None:
+    """Where the kernel takes a mask (CPU), window bands and short documents are masked fused calls: no tile is left."""
+    seq = 2 * cp * 64 * 2 + 2 * cp * 10
+    for window in (3, 40, 3 * seq):
+        calls, tiles = _coverage(seq, cp, window=window, masked=True)
+        assert calls > 0 and tiles == 0
+    packings = ([[seq // 2, 1, 5, seq - seq // 2 - 6]] * 2, [[100, 3, seq - 103], [64, 64, 128, 3, seq - 259]])
+    for rows in packings:
+        for window in (None, 70):
+            calls, tiles = _coverage(seq, cp, starts=_documents(rows), window=window, masked=True)
+            assert calls > 0 and tiles == 0
+    # fused=False (no kernel) still tiles everything, whatever `masked` says.
+    assert _coverage(seq, cp, window=40, fused=False, masked=True)[0] == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", (2, 3, 4, 8))
 @pytest.mark.parametrize("load_balanced", (True, False))
@@ -126,10 +146,12 @@ def test_pieces_cover_random_packings(cp: int, load_balanced: bool) -> None:
             rows.append(lengths)
         _coverage(seq, cp, load_balanced, starts=_documents(rows), valid_len=seq - trial)
         _coverage(seq, cp, load_balanced, starts=_documents(rows[:1]), window=17 + 50 * trial)
+        _coverage(seq, cp, load_balanced, starts=_documents(rows), window=17 + 50 * trial, masked=True)
 
 
 def test_fused_kernel_for_cpu_and_the_fallback() -> None:
     assert fused_kernel_for(torch.zeros(1, 1, 2, 8)) == CPU_KERNEL
+    assert takes_masks(CPU_KERNEL) and not takes_masks(CUDA_KERNEL) and not takes_masks(None)
     assert fused_kernel_for(torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16)) == CPU_KERNEL
     assert fused_kernel_for(torch.zeros(1, 1, 2, 8, dtype=torch.long)) is None
     assert fused_kernel_for(torch.zeros(1, 1, 2, 8, device="meta")) is None

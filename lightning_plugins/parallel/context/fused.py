@@ -14,6 +14,14 @@ Anything else (other devices or dtypes) has no fused kernel here: :func:`fused_k
 attention computes every block with its pure-torch tiles. Grouped-query attention: a fully visible piece folds the
 query heads that share a key head into its rows (one call, K/V not repeated); a causal piece repeats K/V to the
 query heads (the causal triangle is per query head).
+
+**Masked pieces** (a box whose rows attend part of its keys: the band of a sliding window, short packed documents)
+take the kernel's additive ``attn_mask`` where the kernel has one with its backward (:func:`takes_masks`: the CPU
+kernel; CUDA's flash op has none, so there such pieces stay on the tiles). A row the mask hides wholly (another
+batch row's document) gets output 0 from the kernel and log-sum-exp 0, which :func:`fused_forward` sets to ``-inf``
+so the merge gives it no weight. Soft-capping (``softcap * tanh``) is no mask: no kernel here computes it on CPU
+(``flex_attention``'s ``score_mod`` would, but torch 2.13 refuses its backward on CPU), so soft-capped blocks stay on
+the tiles.
 """
 
 from __future__ import annotations
@@ -41,15 +49,33 @@ def fused_kernel_for(q: Tensor) -> Optional[str]:
     return None
 
 
-def _cpu_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Any]:
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+def takes_masks(kernel: Optional[str]) -> bool:
+    """Whether ``kernel`` computes masked pieces (an additive ``attn_mask``, forward and backward): the CPU kernel."""
+    return kernel == CPU_KERNEL
+
+
+def _cpu_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor, Any]:
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return out, lse, None
 
 
 def _cpu_backward(
-    grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: Any
+    grad: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    aux: Any,
+    mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
+    )
 
 
 def _cuda_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Any]:
@@ -79,28 +105,49 @@ def _repeat_heads(t: Tensor, group: int) -> Tensor:
     return t.unsqueeze(2).expand(b, hkv, group, n, d).reshape(b, hkv * group, n, d)
 
 
-def _as_kernel_heads(t: Tensor, causal: bool) -> Tensor:
+def _as_kernel_heads(t: Tensor, per_head: bool) -> Tensor:
     """Grouped rows ``[b, kv_heads, group, n, ...]`` as the kernel's ``[b, heads, n, ...]``: query heads for a causal
-    piece, the group folded into the rows (one head per key head) for a fully visible one."""
+    or masked piece (``per_head``), the group folded into the rows (one head per key head) for a fully visible one."""
     b, hkv, group, n = t.shape[:4]
-    if causal:
+    if per_head:
         return t.reshape(b, hkv * group, n, *t.shape[4:])
     return t.reshape(b, hkv, group * n, *t.shape[4:])
 
 
+def _kernel_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A piece's boolean mask (``[rows, cols]``, or ``[batch, 1, 1, rows, cols]`` when batch rows differ) as the
+    kernel's additive mask ``[batch or 1, 1, rows, cols]``, broadcast over the query heads."""
+    zero, hidden = torch.zeros((), dtype=dtype), torch.full((), float("-inf"), dtype=dtype)
+    return torch.where(mask.reshape(-1, 1, *mask.shape[-2:]), zero, hidden)
+
+
+def _kernel_inputs(q5: Tensor, k: Tensor, v: Tensor, per_head: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Queries, keys and values as the kernel takes them (K/V repeated to the query heads for a ``per_head`` piece)."""
+    group = q5.shape[2]
+    if per_head and group > 1:
+        k, v = _repeat_heads(k, group), _repeat_heads(v, group)
+    return _as_kernel_heads(q5, per_head), k, v
+
+
 def fused_forward(
-    kernel: str, q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+    kernel: str, q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Optional[Tensor] = None
 ) -> tuple[Tensor, Tensor, Any]:
     """One fused piece: grouped queries ``[b, kv_heads, group, rows, d]`` against keys/values ``[b, kv_heads, cols, d]``.
 
-    Returns the output ``[b, kv_heads, group, rows, d]`` (normalised over this piece's keys), its log-sum-exp
-    ``[b, kv_heads, group, rows]``, and what the kernel's backward needs besides (``None`` on CPU).
+    ``mask`` (a masked piece, not causal; only where :func:`takes_masks`): which (row, key) pairs attend, boolean
+    ``[rows, cols]`` or ``[batch, 1, 1, rows, cols]``. Returns the output ``[b, kv_heads, group, rows, d]``
+    (normalised over this piece's keys), its log-sum-exp ``[b, kv_heads, group, rows]`` (``-inf`` for a row that
+    attends none of them), and what the kernel's backward needs besides (``None`` on CPU).
     """
-    b, hkv, group, rows, d = q5.shape
-    if causal and group > 1:
-        k, v = _repeat_heads(k, group), _repeat_heads(v, group)
-    out, lse, aux = _FORWARD[kernel](_as_kernel_heads(q5, causal), k, v, causal, scale)
-    return out.reshape(q5.shape), lse.reshape(q5.shape[:-1]), aux
+    q, k, v = _kernel_inputs(q5, k, v, causal or mask is not None)
+    if mask is None:
+        out, lse, aux = _FORWARD[kernel](q, k, v, causal, scale)
+        return out.reshape(q5.shape), lse.reshape(q5.shape[:-1]), aux
+    out, lse, aux = _cpu_forward(q, k, v, False, scale, _kernel_mask(mask, q.dtype))
+    lse = lse.reshape(q5.shape[:-1])
+    # The kernel returns log-sum-exp 0 for a row its mask hides wholly: -inf gives it no weight in the merge.
+    lse = lse.masked_fill(~mask.reshape(-1, 1, 1, *mask.shape[-2:]).any(-1), float("-inf"))
+    return out.reshape(q5.shape), lse, aux
 
 
 def fused_backward(
@@ -114,20 +161,25 @@ def fused_backward(
     causal: bool,
     scale: float,
     aux: Any,
+    mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq ``[b, kv_heads, group, rows, d]``, dk, dv ``[b, kv_heads, cols, d]``) of one fused piece.
+    """Gradients (dq ``[b, kv_heads, group, rows, d]``, dk, dv ``[b, kv_heads, cols, d]``) of one fused piece
+    (``mask``: a masked piece's, as in :func:`fused_forward`).
 
     ``out5`` and ``lse5`` are the *final* output and log-sum-exp of these rows (merged over every block, sinks
     included): the kernel recomputes the piece's probabilities as ``exp(score - lse)`` and the softmax Jacobian's
     ``rowsum(dO * O)`` from them, which is the piece's share of the whole softmax's gradient.
     """
-    b, hkv, group, rows, d = q5.shape
-    repeat = causal and group > 1
-    if repeat:
-        k, v = _repeat_heads(k, group), _repeat_heads(v, group)
-    grad, q, out = (_as_kernel_heads(t, causal) for t in (grad5, q5, out5))
-    lse = _as_kernel_heads(lse5, causal).contiguous()
-    grad_q, grad_k, grad_v = _BACKWARD[kernel](grad.contiguous(), q, k, v, out, lse, causal, scale, aux)
-    if repeat:
+    b, hkv, group = q5.shape[:3]
+    per_head = causal or mask is not None
+    q, k, v = _kernel_inputs(q5, k, v, per_head)
+    grad, out = (_as_kernel_heads(t, per_head) for t in (grad5, out5))
+    lse = _as_kernel_heads(lse5, per_head).contiguous()
+    if mask is None:
+        grad_q, grad_k, grad_v = _BACKWARD[kernel](grad.contiguous(), q, k, v, out, lse, causal, scale, aux)
+    else:
+        additive = _kernel_mask(mask, q.dtype)
+        grad_q, grad_k, grad_v = _cpu_backward(grad.contiguous(), q, k, v, out, lse, False, scale, aux, additive)
+    if per_head and group > 1:
         grad_k, grad_v = (t.reshape(b, hkv, group, *t.shape[2:]).sum(2) for t in (grad_k, grad_v))
     return grad_q.reshape(q5.shape), grad_k, grad_v

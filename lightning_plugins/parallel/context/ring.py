@@ -10,9 +10,13 @@ Each block is computed in pieces (:func:`~.tiles.block_pieces` says which path e
 * **fused** (:mod:`.fused`): fully visible boxes and causal squares go to an SDPA kernel that returns the
   log-sum-exp (on CPU ``aten._scaled_dot_product_flash_attention_for_cpu``, on CUDA the flash kernel), and backward
   through the kernel's own backward op, given the merged output and log-sum-exp; no scores are materialised;
+* **masked fused** (where the kernel takes a mask, :func:`~.fused.takes_masks`: on CPU): what a box and a causal
+  square do not express, the band rows of a sliding window that cuts through a block and short packed documents,
+  goes to the same kernel with the additive mask of a tile of query rows (a tile takes many short documents);
 * **tiles**, the pure-torch fallback (matmul + exp, a tile of query rows at a time, each with its own small mask):
-  what no fused kernel expresses: soft-capped scores, the band rows of a sliding window that cuts through a block,
-  short packed documents (a tile takes many), or a device/dtype without a fused kernel (``fused=False`` forces it).
+  what no kernel here computes: soft-capped scores (``softcap * tanh`` is no mask; ``flex_attention`` has no CPU
+  backward in torch 2.13), masked pieces where the kernel takes no mask (CUDA's flash op), or a device/dtype without
+  a fused kernel (``fused=False`` forces it).
 
 Sinks join the merged log-sum-exp after the last block, whichever path computed the blocks.
 """
@@ -29,7 +33,7 @@ from torch import Tensor
 
 from lightning_plugins.parallel.context.checks import check_gqa, local_sinks
 from lightning_plugins.parallel.context.sharding import sequence_positions
-from lightning_plugins.parallel.context.fused import fused_backward, fused_forward, fused_kernel_for
+from lightning_plugins.parallel.context.fused import fused_backward, fused_forward, fused_kernel_for, takes_masks
 from lightning_plugins.parallel.context.tiles import FusedCall, Tile, active_block, block_pieces
 
 # p2p tags keep the K/V ring and the dK/dV ring apart where a backend matches messages by tag (gloo);
@@ -169,7 +173,7 @@ class _RingAttention(torch.autograd.Function):
             works, kv_next = _ring_shift(kv, group, _KV_TAG) if step < size - 1 else ([], kv)
             block = active_block(q_pos, positions((rank - step) % size), causal, valid_len, starts)
             if block is not None:
-                pieces = block_pieces(block, query_tile, b * hq, kernel is not None)
+                pieces = block_pieces(block, query_tile, b * hq, kernel is not None, takes_masks(kernel))
                 kv_blk = kv[:, :, :, block.col_start : block.col_end]
                 _attend_pieces(q5, kv_blk, pieces, out, lse, kernel, scale, softcap, aux)
             _wait(works)
@@ -209,7 +213,7 @@ class _RingAttention(torch.autograd.Function):
             grad_kv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
             block = active_block(q_pos, positions((rank - step) % size), ctx.causal, ctx.valid_len, ctx.starts)
             if block is not None:
-                pieces = block_pieces(block, ctx.query_tile, b * hq, ctx.kernel is not None)
+                pieces = block_pieces(block, ctx.query_tile, b * hq, ctx.kernel is not None, takes_masks(ctx.kernel))
                 cols = slice(block.col_start, block.col_end)
                 _attend_pieces_backward(ctx, q5, kv[:, :, :, cols], pieces, saved, grad_q, grad_kv[:, :, :, cols])
             if grad_kv_in is not None:
@@ -254,7 +258,7 @@ def _attend_pieces(
             k_blk, v_blk = kv_blk[0, batch, :, cols], kv_blk[1, batch, :, cols]
             assert kernel is not None
             block_out, block_lse, extra = fused_forward(
-                kernel, q5[batch][..., rows, :], k_blk, v_blk, piece.causal, scale
+                kernel, q5[batch][..., rows, :], k_blk, v_blk, piece.causal, scale, piece.mask
             )
             if extra is not None:
                 aux.append(extra)
@@ -307,6 +311,7 @@ def _attend_pieces_backward(
                 piece.causal,
                 ctx.scale,
                 next(saved.aux, None),
+                piece.mask,
             )
         else:
             rows, cols, mask = piece

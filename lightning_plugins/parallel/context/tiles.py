@@ -105,6 +105,14 @@ def _document_mask(documents: _Documents, rows: slice, cols: slice) -> Optional[
     return None if bool(mask.all()) else mask[:, None, None]
 
 
+#: A packed tile takes the next document in while its box stays within this many times the pairs its queries attend:
+#: fewer, larger tiles for short documents (each tile has a fixed cost), at most twice their area.
+_DOCUMENT_WASTE = 2.0
+#: The same bound for a masked fused call (:func:`block_pieces` with ``masked``): the kernel's fixed cost per call is
+#: small against a pure-torch tile's, and it computes its whole box, so boxes are kept closer to their pairs (a
+#: 512-key window's band at S 4096, cp 2: 28 masked calls per rank computing 1.17x its pairs, not 7 computing 1.96x).
+_MASKED_WASTE = 1.25
+
 #: Elements of one score-sized temporary (``batch x heads x rows x keys``) that ring attention aims at.
 _SCORE_ELEMENTS = 1 << 22
 
@@ -116,14 +124,15 @@ def _tile_starts(row_start: int, row_end: int, tile: int) -> range:
 
 
 def row_tiles(
-    block: _Block, query_tile: Optional[int], batch_heads: int
+    block: _Block, query_tile: Optional[int], batch_heads: int, waste: float = _DOCUMENT_WASTE
 ) -> Iterator[tuple[slice, slice, Optional[Tensor]]]:
     """Query-row tiles of an active block: (rows, keys, mask), the keys relative to the block's first key.
 
     Rows are independent in attention, so a block is computed a tile at a time: the probabilities of
     one tile against the block's keys are the largest temporaries, whatever the local length. A causal
     tile stops at the last key its last query attends (the masked triangle of a diagonal block is skipped
-    a tile at a time); packed rows are tiled by document (:func:`_document_tiles`). Masks are built per tile.
+    a tile at a time); packed rows are tiled by document (:func:`_document_tiles`, boxes within ``waste`` times
+    their pairs). Masks are built per tile.
     """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -135,7 +144,7 @@ def row_tiles(
         # block: ~200-row tiles, not 16-row ones; 25x fewer tiles, each still under the budget).
         budget = None if query_tile else max(tile * width, _SCORE_ELEMENTS // batch_heads)
         with unset_fake_temporarily():
-            for rows, cols in _document_tiles(block.documents, block.row_start, block.row_end, tile, budget):
+            for rows, cols in _document_tiles(block.documents, block.row_start, block.row_end, tile, budget, waste):
                 mask = _document_mask(block.documents, rows, cols)
                 yield rows, slice(cols.start - block.col_start, cols.stop - block.col_start), mask
         return
@@ -158,21 +167,21 @@ def _causal_tile(
     return slice(start, stop), slice(0, cols), None if every_pair else q_pos[start:stop, None] >= k_pos[None, :cols]
 
 
-#: A packed tile takes the next document in while its box stays within this many times the pairs its queries attend:
-#: fewer, larger tiles for short documents (each tile has a fixed cost), at most twice their area.
-_DOCUMENT_WASTE = 2.0
-
-
 def _document_tiles(
-    documents: _Documents, row_start: int, row_end: int, tile: int, budget: Optional[int] = None
+    documents: _Documents,
+    row_start: int,
+    row_end: int,
+    tile: int,
+    budget: Optional[int] = None,
+    waste: float = _DOCUMENT_WASTE,
 ) -> Iterator[tuple[slice, slice]]:
     """Tiles of packed rows ``[row_start, row_end)``: (rows, keys), whole documents per tile, each boxed to its keys.
 
     Rows are cut where a query's first attended key changes (a document begins, in any row of the batch: a tile
     boxes the union; under a sliding window, every row), and a document longer than ``tile`` rows into tiles of
     ``tile`` rows. Consecutive pieces then merge while the tile stays within ``tile`` rows (or, given ``budget``,
-    its box within ``budget`` query-key pairs) and its box within :data:`_DOCUMENT_WASTE` times the pairs
-    attended; rows that attend no key of this block are skipped.
+    its box within ``budget`` query-key pairs) and its box within ``waste`` times the pairs attended; rows that
+    attend no key of this block are skipped.
     """
     q_pos, starts = documents.q_pos[row_start:row_end], documents.starts[:, row_start:row_end]
     # Sorted positions: a row's first attended key never decreases along the rows, nor does its last.
@@ -193,7 +202,7 @@ def _document_tiles(
             if held is not None and held[1] == lo:
                 area = (hi - held[0]) * (last_at[hi - 1] - held[2])
                 small = hi - held[0] <= tile if budget is None else area <= budget
-                if small and area <= _DOCUMENT_WASTE * (held[3] + pairs):
+                if small and area <= waste * (held[3] + pairs):
                     held[1], held[3] = hi, held[3] + pairs
                     continue
             if held is not None:
@@ -205,11 +214,13 @@ def _document_tiles(
 
 class FusedCall(NamedTuple):
     """A piece of a block that one call of a fused kernel computes (:mod:`.fused`): query rows x keys (relative to the
-    block's first key) where every pair attends, or, ``causal``, a square whose ``i``-th row attends its keys ``0..i``."""
+    block's first key) where every pair attends, or, ``causal``, a square whose ``i``-th row attends its keys ``0..i``,
+    or, with a ``mask`` (a tile's, see :func:`row_tiles`), the box's pairs the mask allows."""
 
     rows: slice
     cols: slice
     causal: bool
+    mask: Optional[Tensor] = None
 
 
 #: A tile of the pure-torch fallback: (rows, keys relative to the block's first key, mask or ``None``).
@@ -222,7 +233,7 @@ MIN_FUSED_ROWS = 32
 
 
 def block_pieces(
-    block: _Block, query_tile: Optional[int], batch_heads: int, fused: bool
+    block: _Block, query_tile: Optional[int], batch_heads: int, fused: bool, masked: bool = False
 ) -> list[tuple[slice, FusedCall | Tile]]:
     """How ring attention computes one active block: (batch rows, piece), each piece a :class:`FusedCall` for the
     fused kernel or a :data:`Tile` of :func:`row_tiles` for the pure-torch fallback.
@@ -233,8 +244,10 @@ def block_pieces(
     before it) are fused calls: a diagonal block of the load-balanced layout is one causal call, an off-diagonal one
     a full call per step of its staircase. What the fused kernel cannot express falls back to the tiles: every block
     when not ``fused`` (no fused kernel for the device or dtype, or soft-capping), and the rows of a sliding window's
-    band or of short documents (under :data:`MIN_FUSED_ROWS`). Rows packed differently in each batch row are
-    planned one batch row at a time.
+    band or of short documents (under :data:`MIN_FUSED_ROWS`). With ``masked`` (the kernel takes a mask,
+    :func:`~.fused.takes_masks`) those tiles are fused calls too, each with its tile's mask, so no block of an
+    unsoft-capped attention is left to pure torch. Rows packed differently in each batch row are planned one batch
+    row at a time.
     """
     if not fused:
         return [(slice(None), tile) for tile in row_tiles(block, query_tile, batch_heads)]
@@ -243,6 +256,7 @@ def block_pieces(
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     pieces: list[tuple[slice, FusedCall | Tile]] = []
+    waste = _MASKED_WASTE if masked else _DOCUMENT_WASTE
     with unset_fake_temporarily():  # positions are real tensors, also in the planner's dry run
         planned = [(batch, sub, _fused_calls(sub)) for batch, sub in _batch_blocks(block)]
     for batch, sub, (calls, tile_rows) in planned:
@@ -250,8 +264,10 @@ def block_pieces(
         for call in calls:
             pieces.append((batch, call._replace(cols=_shifted(call.cols, shift))))
         for start, stop in tile_rows:
-            for rows, cols, mask in row_tiles(sub._replace(row_start=start, row_end=stop), query_tile, batch_heads):
-                pieces.append((batch, (rows, _shifted(cols, shift), mask)))
+            sub_rows = sub._replace(row_start=start, row_end=stop)
+            for rows, cols, mask in row_tiles(sub_rows, query_tile, batch_heads, waste):
+                cols = _shifted(cols, shift)
+                pieces.append((batch, FusedCall(rows, cols, False, mask) if masked else (rows, cols, mask)))
     return pieces
 
 
