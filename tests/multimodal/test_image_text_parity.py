@@ -1,6 +1,6 @@
-"""An image-text model (tiny Qwen2.5-VL) under FSDP2 and TP through `parallelize` trains exactly as in one process.
+"""An image-text model (tiny Qwen2.5-VL) under FSDP2, TP and both, through `parallelize`, trains as one process does.
 
-fp32, gloo, 2 ranks, SGD with momentum (a wrong gradient scale shows in the weights), 3 optimizer steps of 2
+fp32, gloo, SGD with momentum (a wrong gradient scale shows in the weights), 3 optimizer steps of 2
 micro-batches, clipping that triggers, rows of different lengths, image sizes and image positions (under FSDP2 each
 rank's rows carry their own images: ranks hold different numbers of image patches and of valid tokens). What is
 trained: every weight; the vision tower frozen before `parallelize` and the projector trained with the language model
@@ -8,8 +8,8 @@ trained: every weight; the vision tower frozen before `parallelize` and the proj
 and pre-clip gradient norms, every trained weight (gathered) against the reference, each trained part moved (vision
 blocks, projector, language model), frozen weights bit-identical and never given a gradient; under FSDP2 each vision
 block and the projector sharded as its own unit, under TP the language model's projections split and the vision tower
-and projector replicated, identical on both ranks after training. One world runs every case; the reference runs on
-each rank.
+and projector replicated, identical on the tensor-parallel ranks after training. One world of 2 ranks runs the FSDP2
+and TP cases; one of 4 (slow) runs TP x FSDP2; the reference runs on each rank.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from lightning_plugins.testing.world import run_world
 from tiny_vlm import collate, image_sample, tiny_vlm
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_plugins import ParallelLayout, parallelize
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora, trainable_parameters
@@ -38,15 +38,32 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is d
 
 STEPS, ACCUM, BATCH, SEQ, MAX_NORM, LR = 3, 2, 4, 20, 0.05, 0.5
 TOL = 1e-5
-#: name -> (layout sizes, what is trained: "full", "frozen vision" or "lora").
-CASES = {
-    "fsdp2 full": ({"dp_shard_size": 2}, "full"),
-    "fsdp2 frozen vision": ({"dp_shard_size": 2}, "frozen vision"),
-    "fsdp2 lora": ({"dp_shard_size": 2}, "lora"),
-    # The language model split, the vision tower replicated (and the loss computed on vocab shards).
-    "tp2 full": ({"tp_size": 2}, "full"),
-    "tp2 frozen vision": ({"tp_size": 2}, "frozen vision"),
-    "tp2 lora": ({"tp_size": 2}, "lora"),
+#: world size -> name -> (layout sizes, what is trained: "full", "frozen vision" or "lora").
+CASES: dict[int, dict[str, tuple[dict, str]]] = {
+    2: {
+        "fsdp2 full": ({"dp_shard_size": 2}, "full"),
+        "fsdp2 frozen vision": ({"dp_shard_size": 2}, "frozen vision"),
+        "fsdp2 lora": ({"dp_shard_size": 2}, "lora"),
+        # The language model split, the vision tower replicated (and the loss computed on vocab shards).
+        "tp2 full": ({"tp_size": 2}, "full"),
+        "tp2 frozen vision": ({"tp_size": 2}, "frozen vision"),
+        "tp2 lora": ({"tp_size": 2}, "lora"),
+    },
+    4: {
+        "tp2 x fsdp2 full": ({"tp_size": 2, "dp_shard_size": 2}, "full"),
+        "tp2 x fsdp2 lora": ({"tp_size": 2, "dp_shard_size": 2}, "lora"),
+    },
+}
+#: How each part's weights are held: (dp_shard, tp) -> part -> each mesh dimension's placement (FSDP2 over a
+#: tensor-parallel split is torch's _StridedShard, counted as a Shard).
+PLACEMENTS = {
+    (2, 1): {part: ["dp_shard_cp:Shard"] for part in ("projection", "vision", "projector")},
+    (1, 2): {"projection": ["tp:Shard"], "vision": ["tp:Replicate"], "projector": ["tp:Replicate"]},
+    (2, 2): {
+        "projection": ["dp_shard_cp:Shard tp:Shard"],
+        "vision": ["dp_shard_cp:Shard tp:Replicate"],
+        "projector": ["dp_shard_cp:Shard tp:Replicate"],
+    },
 }
 
 
@@ -111,13 +128,13 @@ def _part(name: str, parts) -> str:
     return "vision" if f"{parts.vision_path}." in name else "language"
 
 
-def _run_case(sizes: dict, case: str) -> dict:
+def _run_case(world_size: int, sizes: dict, case: str) -> dict:
     ref_history, expected = _reference(case)
     model = _model(case)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     parts = image_text_parts(inner)
     initial = {name: param.detach().clone() for name, param in model.named_parameters()}
-    assert parallelize(model, ParallelLayout(**sizes).resolve(2)) is model
+    assert parallelize(model, ParallelLayout(**sizes).resolve(world_size)) is model
     dp = mesh_of(model)["dp"]
     rows = BATCH // dp.size()
     history = _train(model, slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows), clip_grad_norm_)
@@ -152,7 +169,11 @@ def _placements(model: nn.Module, parts) -> dict[str, list[str]]:
     seen: dict[str, set[str]] = {}
     for name, param in model.named_parameters():
         part = "projection" if name.endswith(("q_proj.weight", "q_proj.base_layer.weight")) else _part(name, parts)
-        seen.setdefault(part, set()).add(str(param.placements) if isinstance(param, DTensor) else "plain")
+        if not isinstance(param, DTensor):
+            seen.setdefault(part, set()).add("plain")
+            continue
+        kinds = ("Shard" if "Shard" in type(p).__name__ else type(p).__name__ for p in param.placements)
+        seen.setdefault(part, set()).add(" ".join(f"{d}:{k}" for d, k in zip(param.device_mesh.mesh_dim_names, kinds)))
     return {part: sorted(placements) for part, placements in seen.items()}
 
 
@@ -160,33 +181,36 @@ def _tp_spread(model: nn.Module) -> float:
     """The largest difference between tensor-parallel peers' copies of a replicated parameter (must be 0)."""
     spread = 0.0
     for param in model.parameters():
-        if isinstance(param, DTensor) and param.device_mesh.mesh_dim_names == ("tp",) and param.placements == (
-            Replicate(),
-        ):
+        names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
+        if "tp" in names and isinstance(param.placements[names.index("tp")], Replicate):
             local = param.to_local().detach().contiguous()
-            copies = [torch.empty_like(local) for _ in range(param.device_mesh.size())]
-            dist.all_gather(copies, local, group=param.device_mesh.get_group())
+            copies = [torch.empty_like(local) for _ in range(param.device_mesh["tp"].size())]
+            dist.all_gather(copies, local, group=param.device_mesh.get_group("tp"))
             spread = max(spread, max((c - local).abs().max().item() for c in copies))
     return spread
 
 
 def _world(rank: int, world_size: int, out_dir: str) -> None:
-    results = {name: _run_case(*case) for name, case in CASES.items()}
+    results = {name: _run_case(world_size, *case) for name, case in CASES[world_size].items()}
     dist.barrier()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
 @functools.cache
-def _results() -> list[dict]:
+def _results(world_size: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as out_dir:
-        run_world(_world, 2, out_dir)
-        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(2)]
+        run_world(_world, world_size, out_dir)
+        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_image_text_model_matches_one_process(name: str) -> None:
-    sizes, case = CASES[name]
-    for rank, result in enumerate(results[name] for results in _results()):
+@pytest.mark.parametrize(
+    "world_size,name",
+    [pytest.param(w, n, marks=[pytest.mark.slow] if w > 2 else []) for w, cases in CASES.items() for n in cases],
+    ids=str,
+)
+def test_image_text_model_matches_one_process(world_size: int, name: str) -> None:
+    sizes, case = CASES[world_size][name]
+    for rank, result in enumerate(results[name] for results in _results(world_size)):
         where = (name, rank, result)
         assert result["loss_diff"] <= TOL and result["norm_diff"] <= TOL, where
         assert result["trained_diff"] <= TOL, where
@@ -196,14 +220,9 @@ def test_image_text_model_matches_one_process(name: str) -> None:
         assert all(change > 100 * TOL for change in result["moved"].values()), where
         assert (result["frozen"] > 0) == (case != "full"), where
         assert result["adapters_outside_language_model"] == [], where
-        placements = result["placements"]
-        if "dp_shard_size" in sizes:
-            # Each vision block, the projector and each decoder layer is its own FSDP2 unit; every weight is sharded.
-            assert result["units"] == [True] * (result["vision_blocks"] + 1 + 2), where
-            assert all(kinds == ["(Shard(dim=0),)"] for kinds in placements.values()), where
-        else:
-            # The language model's projections split, the vision tower and projector replicated (identical on both
-            # ranks after training).
-            assert placements["projection"] == ["(Shard(dim=0),)"], where
-            assert placements["vision"] == placements["projector"] == ["(Replicate(),)"], where
-            assert result["tp_spread"] == 0.0, where
+        # Under FSDP2 each vision block, the projector and each decoder layer is its own unit; under TP the language
+        # model's projections are split and the vision tower and projector replicated (identical on the tp ranks).
+        assert result["units"] == [bool(sizes.get("dp_shard_size"))] * (result["vision_blocks"] + 1 + 2), where
+        want = PLACEMENTS[(sizes.get("dp_shard_size", 1), sizes.get("tp_size", 1))]
+        assert {part: result["placements"][part] for part in want} == want, where
+        assert result["tp_spread"] == 0.0, where
