@@ -81,6 +81,8 @@ SHARED_WORLDS: dict[tuple[str, int], str] = {
     ("trainer_parity.py", 2): "tests/strategies/test_trainer_parity.py::test_trainer_matches_one_process_and_resumes[2]",
     ("context_trainer.py", 4): "tests/strategies/test_context_trainer.py::test_context_parallel_trainer_matches_one_process",
     ("lora_trainer.py", 4): "tests/strategies/test_lora_trainer.py::test_lora_under_every_strategy[4]",
+    ("preference_trainer.py", 2):
+        "tests/preference/test_preference_trainer.py::test_dpo_in_the_users_module_under_each_strategy",
 }
 #: ``(script, devices) -> its results``, or the failure of the world that ran it, once per session.
 _SHARED_RESULTS: dict[tuple[str, int], Any] = {}

@@ -17,7 +17,7 @@ A mixture of experts whose config has ``output_router_logits`` on also returns i
 :mod:`lightning_plugins.parallel.moe.router_loss`), which the preference loss adds as TRL's ``DPOTrainer`` does.
 
 A model the engine did not parallelize (one process, no :class:`ParallelCausalLMLoss`) gets the same statistics
-from its full logits.
+from its full logits. A model split into pipeline stages is refused (its schedule computes the SFT loss).
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel.loss import IGNORE_INDEX, ParallelCausalLMLoss, next_token_targets, token_losses
 from lightning_plugins.parallel.mesh import mesh_of
+from lightning_plugins.parallel.pipeline.apply import pipeline_of
 
 __all__ = ["SequenceLogps", "context_mesh", "find_parallel_loss", "sequence_logps", "sum_over_context"]
 
@@ -151,6 +153,7 @@ def sequence_logps(model: nn.Module, batch: dict[str, Tensor], *, router_loss: b
         router_loss: ``False``: a mixture of experts computes no router balance loss in this forward (TRL's
             reference forward), whatever its config says.
     """
+    _refuse_pipeline(model)
     inputs = {key: value for key, value in batch.items() if key != "labels"}
     if not router_loss and getattr(model.config, "output_router_logits", False):
         inputs["output_router_logits"] = False
@@ -174,6 +177,18 @@ def sequence_logps(model: nn.Module, batch: dict[str, Tensor], *, router_loss: b
     if collector.result is None:
         raise RuntimeError(f"{type(model).__name__}'s forward did not call its loss function: no log-probabilities.")
     return _with_router_loss(sum_over_context(collector.result, context_mesh(model)), output, model)
+
+
+def _refuse_pipeline(model: nn.Module) -> None:
+    """A pipeline-parallel model's forward runs its schedule with the SFT loss of each micro-batch: no per-row
+    log-probabilities come back (yet)."""
+    for module in model.modules():
+        if pipeline_of(module) is not None:
+            raise OptionsError(
+                f"Preference losses (PreferenceObjective, sequence_logps) do not run under pipeline parallelism yet:"
+                f" {type(module).__name__} is split into pipeline stages, whose schedule computes the SFT loss. Use a"
+                " layout with pp_size=1 (dp_shard_size, tp_size, cp_size or ep_size instead)."
+            )
 
 
 def _with_router_loss(rows: SequenceLogps, output: Any, model: nn.Module) -> SequenceLogps:

@@ -32,8 +32,10 @@ from transformers import AutoModelForCausalLM
 
 from lightning_plugins import ParallelLayout, parallelize
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora, trainable_parameters
+from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of
 from lightning_plugins.parallel.options import with_settings
+from lightning_plugins.parallel.pipeline.apply import _PIPELINE_ATTR
 from lightning_plugins.preference import PreferenceObjective, PreferenceOptions
 from lightning_plugins.preference.logps import find_parallel_loss, sequence_logps
 from lightning_plugins.testing.world import run_world
@@ -192,3 +194,10 @@ def test_the_router_loss_is_added_as_trl_adds_it() -> None:
     torch.testing.assert_close(metrics["aux_loss"], aux, rtol=0, atol=TOL)
     coef = model.config.router_aux_loss_coef
     torch.testing.assert_close(loss.detach(), without.detach() + coef * aux, rtol=0, atol=TOL)
+
+
+def test_a_pipeline_parallel_model_is_refused_by_name() -> None:
+    model = lora_model("llama")
+    setattr(model.base_model.model, _PIPELINE_ATTR, object())  # what parallelize leaves on a model split into stages
+    with pytest.raises(OptionsError, match=r"pipeline parallelism yet: \w+ is split into pipeline stages.* pp_size=1"):
+        PreferenceObjective(OBJECTIVE)(model, _pairs(model.config.vocab_size, 0, 0))

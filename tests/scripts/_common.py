@@ -64,11 +64,14 @@ def dataset(global_batch: int, vocab: int, *, seq: int = SEQ, batches: int = BAT
     return rows
 
 
-def global_batches(data: list[dict], dp: int, local_batch: int, *, epochs: int, shuffle: bool = True) -> list[dict]:
+def global_batches(
+    data: list[dict], dp: int, local_batch: int, *, epochs: int, shuffle: bool = True,
+    collate: Callable = default_collate,
+) -> list[dict]:
     """The batches one process must see to match `dp` ranks under Lightning's DistributedSampler.
 
     Lightning installs a ``DistributedSampler`` (seed 0; shuffling for training) on every loader; global batch k
-    is the union of every data rank's k-th local batch.
+    is the union of every data rank's k-th local batch (collated by ``collate``).
     """
     batches = []
     for epoch in range(epochs):
@@ -79,7 +82,7 @@ def global_batches(data: list[dict], dp: int, local_batch: int, *, epochs: int, 
             per_rank.append(list(sampler))
         for k in range(len(per_rank[0]) // local_batch):
             rows = [data[i] for indices in per_rank for i in indices[k * local_batch : (k + 1) * local_batch]]
-            batches.append(default_collate(rows))
+            batches.append(collate(rows))
     return batches
 
 

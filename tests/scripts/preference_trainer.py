@@ -1,0 +1,157 @@
+"""Run by tests/preference/test_preference_trainer.py: DPO in the user's own LightningModule, under each strategy.
+
+The module is what a user writes (as ``docs/lightning.md`` and ``docs/recipes.md`` tell it): a peft LoRA model in its
+constructor, ``PreferenceObjective`` called in ``training_step`` on batches of ``collate_pairs`` (each micro-batch the
+chosen rows of its pairs, then their rejected rows), TRL's metrics logged with ``log_dict``, an optimizer over the
+trainable parameters. Each strategy shards the pairs over its data ranks (whole pairs), the sequences over its
+context-parallel ranks; the run must match one process that sees the same global batches (Lightning's accumulation
+and clipping). Rank 0 writes the largest differences as JSON.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import torch
+from peft import LoraConfig, get_peft_model
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import (  # noqa: E402
+    ACCUM,
+    LR,
+    MAX_NORM,
+    SEQ,
+    TIMEOUT,
+    full_weights,
+    global_batches,
+    make_trainer,
+    max_diff,
+    max_over_ranks,
+    script_args,
+    step_losses,
+    write_results,
+)
+from tiny_models import make_batch, tiny_model  # noqa: E402
+
+from lightning_plugins.data.packing import collate_pairs  # noqa: E402
+from lightning_plugins.preference import PreferenceObjective, PreferenceOptions  # noqa: E402
+from lightning_plugins.strategies import (  # noqa: E402
+    ContextParallelStrategy,
+    ParallelismStrategy,
+    TensorParallelStrategy,
+)
+
+STEPS, LOCAL_PAIRS, BATCHES = 3, 2, 6  # one epoch: 6 micro-batches, 2 accumulated per step
+DPO = PreferenceOptions(method="dpo", beta=0.5)
+CASES = {  # name: (strategy factory, data-parallel ranks)
+    "fsdp2": (lambda: ParallelismStrategy(dp_shard_size=2, timeout=TIMEOUT), 2),
+    "tp2 sp+lp": (lambda: TensorParallelStrategy(tp_size=2, timeout=TIMEOUT), 1),
+    "cp2 ring": (lambda: ContextParallelStrategy(cp_size=2, cp_backend="ring", timeout=TIMEOUT), 1),
+}
+
+
+class DPOFineTune(L.LightningModule):
+    """The user's module: DPO on a LoRA model, the reference being its base (the adapters disabled)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.dpo = PreferenceObjective(DPO)
+        self.micro_losses: list[float] = []
+        self.micro_metrics: list[dict[str, float]] = []
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        loss, metrics = self.dpo(self.model, batch)
+        self.log("train/loss", loss)
+        self.log_dict({f"train/{name}": value for name, value in metrics.items()})
+        self.micro_losses.append(loss.item())
+        self.micro_metrics.append({name: value.item() for name, value in metrics.items()})
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LR, momentum=0.9)
+
+
+def lora_model() -> torch.nn.Module:
+    torch.manual_seed(1)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    return get_peft_model(tiny_model("llama"), config)  # random non-zero lora_B: policy and reference differ
+
+
+def pairs(count: int, vocab: int) -> list[dict]:
+    """``count`` pairs as ``encode_preference`` makes them (token ids, labels with the prompt masked), of
+    different lengths."""
+    rows = make_batch(2 * count, SEQ, vocab, seed=7)
+    lengths = rows["attention_mask"].sum(dim=1).tolist()
+    side = {name: [rows[key][i, : lengths[i]].tolist() for i in range(2 * count)]
+            for name, key in (("input_ids", "input_ids"), ("labels", "labels"))}  # fmt: skip
+    return [{f"{which}_{name}": side[name][i + offset] for which, offset in (("chosen", 0), ("rejected", count))
+             for name in ("input_ids", "labels")} for i in range(count)]  # fmt: skip
+
+
+def reference_fit(model: torch.nn.Module, batches: list[dict]) -> tuple[list[float], list[dict], bool]:
+    """One process over the global batches: the step losses, each micro-batch's metrics, whether every step clipped."""
+    objective, params = PreferenceObjective(DPO), [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
+    losses, metrics, clipped = [], [], True
+    for step in range(STEPS):
+        step_loss = 0.0
+        for micro in range(ACCUM):
+            loss, logged = objective(model, batches[step * ACCUM + micro])
+            (loss / ACCUM).backward()
+            step_loss += loss.item() / ACCUM
+            metrics.append({name: value.item() for name, value in logged.items()})
+        clipped &= bool(torch.nn.utils.clip_grad_norm_(params, MAX_NORM) > MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(step_loss)
+    return losses, metrics, clipped
+
+
+def _relative(got: float, want: float) -> float:
+    """The difference relative to the value's size past 1: the sequence log-probabilities are sums of tens, which fp32
+    holds to ~4e-6."""
+    return abs(got - want) / max(1.0, abs(want))
+
+
+def _adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value for name, value in full_weights(model).items() if "lora_" in name}
+
+
+def main() -> None:
+    args = script_args()
+    results = {}
+    for name, (make_strategy, dp) in CASES.items():
+        reference = lora_model()
+        start = _adapters(reference)
+        data = pairs(LOCAL_PAIRS * dp * BATCHES, reference.config.vocab_size)
+        collate = partial(collate_pairs, pad_token_id=0)
+        module = DPOFineTune(copy.deepcopy(reference))
+        trainer = make_trainer(make_strategy(), args.devices, STEPS, enable_checkpointing=False)
+        trainer.fit(module, DataLoader(data, batch_size=LOCAL_PAIRS, shuffle=False, collate_fn=collate))
+        batches = global_batches(data, dp, LOCAL_PAIRS, epochs=1, collate=collate)
+        want_losses, want_metrics, clipped = reference_fit(reference, batches)
+        got, want = _adapters(module.model), _adapters(reference)
+        metrics = list(zip(module.micro_metrics, want_metrics, strict=True))
+        logged = trainer.callback_metrics["train/rewards/margins"].item()
+        results[name] = {
+            "steps": trainer.global_step,
+            "clipped": clipped,
+            "loss_diff": max_diff(step_losses(module.micro_losses), want_losses),
+            "metrics_diff": max_over_ranks(max(_relative(g[key], w[key]) for g, w in metrics for key in w)),
+            "metric_names_match": all(g.keys() == w.keys() for g, w in metrics),
+            "logged_diff": max_over_ranks(abs(logged - module.micro_metrics[-1]["rewards/margins"])),
+            "adapter_diff": max_over_ranks(max((got[k] - want[k]).abs().max().item() for k in want)),
+            "adapters_moved": max((want[k] - start[k]).abs().max().item() for k in start),
+        }
+    write_results(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
