@@ -129,6 +129,8 @@ CONFIGS = {
     "qwen3_next": lambda: Qwen3NextConfig(
         **_QWEN3_5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
     ),
+    # Four key heads serving eight value heads: Ulysses splits them over cp under tp=2 (cp x tp x linear attention).
+    "qwen3_5_h4": lambda: Qwen3_5TextConfig(**{**_QWEN3_5, "linear_num_key_heads": 4, "linear_num_value_heads": 8}),
     # Four layers, Qwen3.5's own pattern (three linear-attention layers, then a full-attention one), for pipeline
     # stages: 2 stages hold [lin, lin] and [lin, full], 4 hold one layer each (three of them linear attention only).
     "qwen3_5_4l": lambda: Qwen3_5TextConfig(**_QWEN3_5_4L),

@@ -91,6 +91,11 @@ CASES = {
         # Experts split over dp_shard x cp (2 x 2 = 4 ranks), or over the data ranks while cp x tp splits the rest.
         "qwen2_moe cp2 x fsdp2 ep4 ring seq15": ("qwen2_moe", {**CP2, "dp_shard_size": 2, "ep_size": 4}, 15, R),
         "mixtral cp2 x tp2 ep2 ulysses seq13": ("mixtral", {**CP2, "tp_size": 2, "ep_size": 2}, 13, U),
+        # Gated DeltaNet under cp x tp: its heads split over tp, each tp rank's part context parallel inside the split
+        # (the ring passes those heads' state along the cp ranks; Ulysses splits them over cp again).
+        "qwen3_5 cp2 x tp2 ring seq13": ("qwen3_5", {**CP2, "tp_size": 2}, 13, R),
+        "qwen3_5 cp2 x tp2 ring seq13 packed": ("qwen3_5", {**CP2, "tp_size": 2}, 13, {**R, "data": "packed"}),
+        "qwen3_5_h4 cp2 x tp2 ulysses seq16 packed": ("qwen3_5_h4", {**CP2, "tp_size": 2}, 16, {**U, "data": "packed"}),
     },
 }
 

@@ -55,6 +55,16 @@ SLOW_CASES = {
     "qwen3_next cp2 ring seq13 packed": ("qwen3_next", CP2, 13, {**R, "data": "packed"}),
     "qwen3_next cp2 ulysses seq16 packed": ("qwen3_next", CP2, 16, {**U, "data": "packed"}),
 }
+#: CP x TP (4 ranks): the other families, recomputation, sequence parallelism off, rows over several segments.
+SLOW_CASES_4 = {
+    "qwen3_next cp2 x tp2 ring seq13 packed": ("qwen3_next", {**CP2, "tp_size": 2}, 13, {**R, "data": "packed"}),
+    "qwen3_5_moe cp2 x tp2 ring seq15": ("qwen3_5_moe", {**CP2, "tp_size": 2}, 15, R),
+    "qwen3_5 cp2 x tp2 ring seq13 no-sp full-ac": (
+        "qwen3_5", {**CP2, "tp_size": 2}, 13, {**R, "sequence_parallel": False, "activation_checkpointing": "full"}
+    ),
+    "qwen3_5 cp2 x tp2 ring seq150 packed": ("qwen3_5", {**CP2, "tp_size": 2}, 150, {**R, "data": "packed"}),
+    "qwen3_5_h4 cp2 x tp2 ulysses seq13": ("qwen3_5_h4", {**CP2, "tp_size": 2}, 13, U),
+}
 KERNEL_LENGTHS = (24, 520)  # one segment of the load-balanced layout; 520 > 2 * 4 * 64: several, the last one short
 
 
@@ -234,11 +244,12 @@ def _parity_world(rank: int, world_size: int, out_dir: str, cases: dict) -> None
 
 
 @pytest.mark.slow
-def test_linear_attention_context_parallel_wider_matrix() -> None:
+@pytest.mark.parametrize("world_size,cases", [(2, SLOW_CASES), (4, SLOW_CASES_4)], ids=["cp2", "cp2xtp2"])
+def test_linear_attention_context_parallel_wider_matrix(world_size: int, cases: dict) -> None:
     with tempfile.TemporaryDirectory() as out_dir:
-        run_world(_parity_world, 2, out_dir, SLOW_CASES)
-        per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(2)]
-    for name in SLOW_CASES:
+        run_world(_parity_world, world_size, out_dir, cases)
+        per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
+    for name in cases:
         diffs = {key: max(r[name][key] for r in per_rank) for key in per_rank[0][name]}
         assert diffs["weight_change"] > 100 * TOL, (name, diffs)
         for key in ("loss_diff", "norm_diff", "weight_diff"):
@@ -248,7 +259,7 @@ def test_linear_attention_context_parallel_wider_matrix() -> None:
 @pytest.mark.parametrize(
     "sizes,backend,match",
     [
-        ({"cp_size": 2, "tp_size": 2}, "ring", "tensor parallelism"),
+        ({"cp_size": 2, "tp_size": 2}, "ulysses", r"linear_num_key_heads=1 \(2 / tp_size=2 per tensor-parallel rank"),
         ({"cp_size": 4}, "ulysses", "linear_num_key_heads=2"),
     ],
 )

@@ -56,8 +56,8 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, backend:
         backend: ``"ulysses"`` or ``"ring"``.
 
     Raises:
-        LayoutError: when Ulysses cannot split the heads (softmax or linear attention) over ``cp_size`` ranks, or
-            a model with linear attention asks for context and tensor parallelism together.
+        LayoutError: when Ulysses cannot split the heads (softmax or linear attention, per tensor-parallel rank) over
+            ``cp_size`` ranks.
         OptionsError: for an unknown backend, or ring attention with attention dropout; both name a setting that works.
     """
     if backend not in BACKENDS:
@@ -91,27 +91,23 @@ def check_context_parallel(config: Any, cp_size: int, tp_size: int = 1, backend:
 
 def _check_linear_attention(config: Any, cp_size: int, tp_size: int, backend: str) -> None:
     """Gated DeltaNet layers (``layer_types`` with ``linear_attention``: Qwen3.5, Qwen3-Next) under context parallelism:
-    not with tensor parallelism; Ulysses splits their key and value heads over cp, which must divide both."""
+    Ulysses splits their key and value heads over cp (those of each tensor-parallel rank), which must divide both."""
     text = getattr(config, "text_config", None) or config
     layer_types = list(getattr(text, "layer_types", None) or ())
-    if "linear_attention" not in layer_types:
+    if "linear_attention" not in layer_types or backend != "ulysses":
         return
     index = layer_types.index("linear_attention")
-    if tp_size > 1:
-        raise LayoutError(
-            f"Decoder layer {index} is Gated DeltaNet linear attention, which context parallelism (cp_size={cp_size})"
-            f" does not combine with tensor parallelism (tp_size={tp_size}) yet. Use tp_size=1 with cp_size={cp_size},"
-            f" or tp_size={tp_size} with cp_size=1."
-        )
-    if backend != "ulysses":
-        return
     for name in ("linear_num_key_heads", "linear_num_value_heads"):
         heads = getattr(text, name, None)
-        if heads is not None and heads % cp_size:
-            good = [c for c in range(1, heads + 1) if heads % c == 0]
+        if heads is None or heads % tp_size:
+            continue  # tensor parallelism's own check names it
+        if (heads // tp_size) % cp_size:
+            local = heads // tp_size
+            good = [c for c in range(1, local + 1) if local % c == 0]
+            where = f" ({heads} / tp_size={tp_size} per tensor-parallel rank)" if tp_size > 1 else ""
             raise LayoutError(
                 f"Decoder layer {index} is Gated DeltaNet linear attention, whose heads Ulysses context parallelism"
-                f" splits over cp_size={cp_size}, but {name}={heads} is not divisible by it. Use cp_size in"
+                f" splits over cp_size={cp_size}, but {name}={local}{where} is not divisible by it. Use cp_size in"
                 f" {good}, or cp_backend='ring' (the recurrent state passed along the cp ranks; no head constraint)."
             )
 

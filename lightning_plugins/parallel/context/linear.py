@@ -108,29 +108,40 @@ def apply_linear_context_parallel(
 ) -> None:
     """Make decoder layer ``index``'s Gated DeltaNet context parallel over ``cp_mesh`` (``"ulysses"`` or ``"ring"``).
 
+    Under tensor parallelism (applied first) the context-parallel forward runs inside the head split: each tp rank runs
+    its heads' part over cp (Ulysses splits its local heads over cp again; the ring passes its heads' state along its
+    cp ranks), on the parameters the split hands it.
+
     Raises:
-        LayoutError: when the layer's linear attention is already split by tensor parallelism, or Ulysses cannot split
-            its heads over cp; the message names the layer and the dimension.
+        LayoutError: when the layer's linear attention is already context parallel, or Ulysses cannot split its (local)
+            heads over cp; the message names the layer and the dimension.
     """
     module = linear_attention_of(layer)
     if module is None:
         raise LayoutError(f"Decoder layer {index} ({type(layer).__name__}) has no Gated DeltaNet `linear_attn`.")
     size = cp_mesh.size()
-    if isinstance(module.forward, (HeadSplitLinearAttention, LinearContextParallel)):
+    outer = module.forward if isinstance(module.forward, HeadSplitLinearAttention) else None
+    if isinstance(module.forward if outer is None else outer.forward, LinearContextParallel):
         raise LayoutError(
-            f"Decoder layer {index}'s linear attention ({type(module).__name__}) is already split (tensor or context"
-            f" parallel); context parallelism (cp_size={size}) does not compose with tensor parallelism for linear"
-            " attention yet. Use tp_size=1 with cp_size > 1."
+            f"Decoder layer {index}'s linear attention ({type(module).__name__}) is already context parallel; apply"
+            f" context parallelism (cp_size={size}) once, to a fresh model."
         )
     if backend == "ulysses":
         problem = linear_attention_problem(module, size)
         if problem is not None:
+            where = " (its heads per tensor-parallel rank)" if outer is not None else ""
             raise LayoutError(
                 f"Ulysses context parallelism splits decoder layer {index}'s linear-attention heads"
-                f" ({type(module).__name__}) over cp_size={size}, but {problem}. Use cp_backend='ring'."
+                f" ({type(module).__name__}){where} over cp_size={size}, but {problem}. Use cp_backend='ring'."
             )
-    wrapper = LinearContextParallel(module, cp_mesh, backend, documents or DocumentPositions())
-    module.forward = wrapper  # type: ignore[method-assign]
+    inner = module.forward if outer is None else outer.forward
+    if isinstance(inner, DocumentLinearAttention):  # the one-process document split: done here instead
+        inner = inner.forward
+    wrapper = LinearContextParallel(module, cp_mesh, backend, documents or DocumentPositions(), inner)
+    if outer is None:
+        module.forward = wrapper  # type: ignore[method-assign]
+    else:
+        outer.forward = wrapper  # the heads split over tp outside, the sequence over cp inside
     layer.register_forward_pre_hook(wrapper.note_positions, with_kwargs=True)
 
 
@@ -142,12 +153,14 @@ class LinearContextParallel:
         cp_mesh: The 1-D context-parallel mesh (its group is looked up at each call).
         backend: ``"ulysses"`` (heads split over cp) or ``"ring"`` (state passed along the ranks).
         documents: The model's shared reader of the rows' documents (packed rows).
+        forward: The forward it runs (the module's own).
     """
 
-    def __init__(self, module: nn.Module, cp_mesh: Any, backend: str, documents: DocumentPositions) -> None:
+    def __init__(
+        self, module: nn.Module, cp_mesh: Any, backend: str, documents: DocumentPositions, forward: Any
+    ) -> None:
         self.module, self.mesh, self.backend, self.documents = module, cp_mesh, backend, documents
-        forward = module.forward  # the one-process document split (prepare_model_for_packing) is done here instead
-        self.forward = forward.forward if isinstance(forward, DocumentLinearAttention) else forward
+        self.forward = forward
         self.positions: Optional[Tensor] = None
 
     def note_positions(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
