@@ -103,3 +103,47 @@ def test_dpo_under_context_parallelism_evaluates_as_under_fsdp2(tmp_path: Path) 
     want, got = _validation(tmp_path / "fsdp2"), _validation(tmp_path / "cp2")
     assert len(want) == len(got) == 2 and all(row.keys() == want[0].keys() for row in want + got)
     assert max(abs(row[key] - other[key]) for row, other in zip(got, want) for key in row) <= 1e-5, (got, want)
+
+
+def _moe_dpo_recipe(root: Path) -> Path:
+    """The tiny DPO recipe on a tiny Qwen3-MoE (the tiny tokenizer, 4 experts, top-2, its router's balance loss on
+    with a large coefficient), LoRA on attention and on the routed experts' fused weights."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    base = json.loads((TINY / "model" / "config.json").read_text())
+    shared = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**{key: base[key] for key in shared}, num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, output_router_logits=True, router_aux_loss_coef=0.5)  # fmt: skip
+    Qwen3MoeForCausalLM(config).save_pretrained(root / "model", save_original_format=False)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(TINY / "model" / name, root / "model" / name)
+    raw = yaml.safe_load(RECIPE.read_text())
+    raw["model"]["path"] = str(root / "model")
+    raw["data"].update(train=str(TINY / "data/preference_train.jsonl"), eval=str(TINY / "data/preference_eval.jsonl"))
+    raw["lora"]["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    (root / "moe_dpo.yaml").write_text(yaml.safe_dump(raw))
+    return root / "moe_dpo.yaml"
+
+
+@pytest.mark.slow
+def test_dpo_under_expert_parallelism_evaluates_as_under_fsdp2(tmp_path: Path) -> None:
+    """The DPO recipe on a tiny mixture of experts through ``lightning-plugins finetune``, its experts split over EP=2
+    (the data ranks) and under FSDP2=2 alone: the same held-out metrics after the same steps, the router's balance
+    loss in the loss and logged (``aux_loss``, as TRL logs it)."""
+    recipe = _moe_dpo_recipe(tmp_path)
+    for name, overrides in {"fsdp2": [], "ep2": ["--layout.ep_size=2"]}.items():
+        command = [sys.executable, "-m", "lightning_plugins", "finetune", str(recipe),
+                   f"--train.output_dir={tmp_path / name}", "--train.max_steps=6", "--train.eval_every=3",
+                   *overrides]  # fmt: skip
+        result = run_command(command, cwd=tmp_path)
+        assert "Warning" not in result.stdout + result.stderr
+    want, got = _validation(tmp_path / "fsdp2"), _validation(tmp_path / "ep2")
+    assert len(want) == len(got) == 2 and all(row.keys() == want[0].keys() for row in want + got)
+    assert "val/aux_loss" in want[0], want[0]
+    assert max(abs(row[key] - other[key]) for row, other in zip(got, want) for key in row) <= 1e-5, (got, want)
