@@ -1,10 +1,10 @@
 """Packed vs unpacked rows under context parallelism: attention time against the query-key pairs attended.
 
 A gloo world of ``cp`` CPU processes times forward + backward of :func:`ring_attention` and
-:func:`ulysses_attention` (SDPA inside, run per document) on one row of ``S`` tokens, sharded in the
-load-balanced layout as shipped (``segmented``: every segment of ``2 * cp`` chunks of ``BALANCE_CHUNK`` tokens
-split head-tail) and, for ring attention, as it was before (``head-tail``: one segment, the whole row split
-head-tail; Ulysses does the same work in any layout), in two ways:
+:func:`ulysses_attention` (packed rows through its fused document pieces on CPU, :func:`local_attention`) on one row
+of ``S`` tokens, sharded in the load-balanced layout as shipped (``segmented``: every segment of ``2 * cp`` chunks
+of ``BALANCE_CHUNK`` tokens split head-tail) and, for ring attention, as it was before (``head-tail``: one segment,
+the whole row split head-tail; Ulysses does the same work in any layout), in two ways:
 
 * **unpacked**: the row is one sequence, causal;
 * **packed**: the row holds documents whose lengths are drawn from a length mix (below) until they fill
@@ -16,8 +16,8 @@ machine is shared, so ratios are taken within a round and the median ratio is ke
 
 * ``pairs``: attended query-key pairs of the packed row over those of the unpacked row,
   ``sum L_i (L_i + 1) / 2`` over ``S (S + 1) / 2``: what the packed row should cost if cost follows the pairs;
-* ``ring computed``: the score entries ring attention really computes (its blocks and query-row tiles, counted
-  with the kernel's own ``active_block`` / ``row_tiles``), packed over unpacked, and their excess over the
+* ``ring computed``: the score entries ring attention really computes (its blocks' pieces, counted with its own
+  ``active_block`` / ``block_pieces``), packed over unpacked, and their excess over the
   attended pairs (tile granularity); also for the slowest rank alone (packed over unpacked), which a step waits for;
 * ``time ratio``: median over rounds of time(packed) / time(unpacked), per kernel and layout;
 * the busiest rank's attended pairs of the packed row over the mean: the load balance under packing;
@@ -86,8 +86,9 @@ def attended_pairs(q_pos: torch.Tensor, starts: torch.Tensor | None) -> int:
 
 
 def ring_computed(seq: int, cp: int, rank: int, starts: torch.Tensor | None, batch_heads: int) -> int:
-    """Score entries (per head) that ring attention computes on ``rank``: its blocks' query-row tiles."""
-    from lightning_plugins.parallel.context.tiles import active_block, row_tiles
+    """Score entries (per head) that ring attention computes on ``rank``: its blocks' pieces as the CPU kernel takes
+    them (:func:`block_pieces`: a box or a masked box whole, a causal square's lower triangle)."""
+    from lightning_plugins.parallel.context.tiles import FusedCall, active_block, block_pieces
     from lightning_plugins.parallel.context.sharding import sequence_positions
 
     q_pos = sequence_positions(seq, rank, cp, load_balanced=True)
@@ -96,8 +97,11 @@ def ring_computed(seq: int, cp: int, rank: int, starts: torch.Tensor | None, bat
     for source in range(cp):
         k_pos = sequence_positions(seq, source, cp, load_balanced=True)
         block = active_block(q_pos, k_pos, True, None, local_starts)
-        if block is not None:
-            total += sum((r.stop - r.start) * (c.stop - c.start) for r, c, _ in row_tiles(block, None, batch_heads))
+        for _, piece in [] if block is None else block_pieces(block, None, batch_heads, True, True):
+            rows, cols = (piece.rows, piece.cols) if isinstance(piece, FusedCall) else piece[:2]
+            height, width = rows.stop - rows.start, cols.stop - cols.start
+            causal = isinstance(piece, FusedCall) and piece.causal
+            total += height * (height + 1) // 2 if causal else height * width
     return total
 
 

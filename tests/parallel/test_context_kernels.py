@@ -2,8 +2,9 @@
 
 Ring attention (on its fused kernels, and on its pure-torch tiles in the ``-tiled`` cases) and Ulysses, forward and
 gradients (dq, dk, dv), causal and not, MHA/GQA/MQA, the load-balanced and the contiguous layout, padded sequences,
-packed rows (attention within each document, against SDPA with a block-diagonal causal mask), in fp64 (exact up to
-rounding) and fp32.
+packed rows (attention within each document, against SDPA with a block-diagonal causal mask; Ulysses through its fused
+document pieces and, in the ``-per-document`` cases, one SDPA call per document), in fp64 (exact up to rounding) and
+fp32.
 Starting ranks is the slow part (seconds each), so a single gloo world of 4 ranks runs every case at
 every cp size: cp=4 on the world, cp=2 on the two sub-groups {0, 1} and {2, 3} (whose group ranks differ
 from their global ranks, as in a real cp sub-mesh), cp=1 on one-rank groups. Each rank writes its
@@ -66,6 +67,7 @@ class Case:
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
     sinks: bool = False  # one sink logit per head in the softmax denominator (gpt-oss), its gradient checked
     scale: float | None = None  # the model's own scaling (Gemma 2's query_pre_attn_scalar)
+    packed_kernel: bool = True  # Ulysses only: False runs attn_fn per document instead of the fused document pieces
 
 
 def _cases() -> list[Case]:
@@ -96,6 +98,9 @@ def _packed_cases() -> list[Case]:
         cases.append(Case(f"{kernel}-packed-contiguous", kernel, True, 2, load_balanced=False, packed=True))
         cases.append(Case(f"{kernel}-packed-fp32", kernel, True, 2, dtype="float32", packed=True))
     cases.append(Case("ring-packed-tiled", "ring", True, 2, query_tile=2, packed=True, fused=False))
+    cases.append(Case("ulysses-packed-per-document", "ulysses", True, 2, packed=True, packed_kernel=False))
+    cases.append(Case("ulysses-packed-long-per-document", "ulysses", True, 2, packed=True, seq=LONG_SEQ,
+                      packed_kernel=False))
     for kernel in ("ring", "ulysses"):
         cases.append(Case(f"{kernel}-causal-long", kernel, True, 2, seq=LONG_SEQ))
         cases.append(Case(f"{kernel}-packed-long", kernel, True, 2, packed=True, seq=LONG_SEQ))
@@ -132,6 +137,7 @@ def _variant_cases() -> list[Case]:
     masked = dict(window=WINDOW, sinks=True, scale=0.4)
     cases.append(Case("ring-window-sinks-packed-masked", "ring", True, 2, packed=True, **masked))
     cases.append(Case("ring-window-mqa-masked", "ring", True, 1, window=WINDOW))
+    cases.append(Case("ulysses-window-sinks-packed", "ulysses", True, 2, packed=True, **masked))
     cases.append(Case("ring-window-long-packed-masked-fp32", "ring", True, 2, "float32", seq=LONG_SEQ, packed=True,
                       window=LONG_WINDOW, sinks=True))
     return cases
@@ -251,7 +257,7 @@ def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
     if case.kernel == "ring":
         kernel = functools.partial(ring_attention, query_tile=case.query_tile, fused=case.fused)
     else:
-        kernel = ulysses_attention
+        kernel = functools.partial(ulysses_attention, packed_kernel=case.packed_kernel)
     valid_len = valid if case.pass_valid_len else None
     if starts is not None:
         kernel = functools.partial(kernel, document_starts=shard(starts[:, None])[:, 0])

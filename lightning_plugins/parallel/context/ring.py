@@ -75,6 +75,11 @@ def _ring_shift(tensor: Tensor, group: dist.ProcessGroup, tag: int) -> tuple[lis
     return dist.batch_isend_irecv(ops), received
 
 
+def _rank_and_size(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    """This rank and the ring's size; no group: one rank alone (:func:`~.local.local_attention`), no communication."""
+    return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
+
+
 def _wait(works: list[Any]) -> None:
     for work in works:
         work.wait()
@@ -132,8 +137,8 @@ def _attend_block_backward(
     return grad_q, grad_k, grad_v
 
 
-class _RingAttention(torch.autograd.Function):
-    """Ring attention over grouped queries; see :func:`ring_attention`."""
+class RingAttention(torch.autograd.Function):
+    """Ring attention over grouped queries; see :func:`ring_attention` (a ``None`` group: one rank, no ring)."""
 
     @staticmethod
     def forward(
@@ -153,7 +158,7 @@ class _RingAttention(torch.autograd.Function):
         softcap: Optional[float],
         fused: bool,
     ) -> Tensor:
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        rank, size = _rank_and_size(group)
         b, hq, s, d = q.shape
         hkv = k.shape[1]
         acc = _accumulation_dtype(q.dtype)
@@ -195,7 +200,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Optional[Tensor], ...]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
         group = ctx.group
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        rank, size = _rank_and_size(group)
         b, hq, s, d = q.shape
         hkv = k.shape[1]
         acc = lse.dtype
@@ -415,18 +420,18 @@ def ring_attention(
         This rank's attention output, shaped like ``q``.
     """
     group = group if group is not None else dist.group.WORLD
-    _check_ring_inputs(q, k, v, causal, load_balanced, valid_len, query_tile, window, softcap)
-    document_starts = _document_starts(document_starts, q, causal)
+    check_ring_inputs(q, k, v, causal, load_balanced, valid_len, query_tile, window, softcap)
+    document_starts = host_document_starts(document_starts, q, causal)
     if sinks is not None:
         sinks = local_sinks(sinks, q.shape[1])
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(
+    return RingAttention.apply(
         q, k, v, sinks, group, causal, scale, load_balanced, valid_len, query_tile, document_starts, window, softcap,
         fused,
     )
 
 
-def _check_ring_inputs(
+def check_ring_inputs(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -462,7 +467,7 @@ def _check_ring_inputs(
         raise ValueError(f"softcap must be positive, got {softcap}.")
 
 
-def _document_starts(document_starts: Optional[Tensor], q: Tensor, causal: bool) -> Optional[Tensor]:
+def host_document_starts(document_starts: Optional[Tensor], q: Tensor, causal: bool) -> Optional[Tensor]:
     """Packed rows' document starts on the CPU as ``long`` (the tiles are chosen there), ``None`` for one document
     a row; checked against the local queries."""
     if document_starts is None:

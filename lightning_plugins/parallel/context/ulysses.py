@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_plugins.parallel.context.checks import check_ulysses_heads, local_sinks
+from lightning_plugins.parallel.context.fused import fused_kernel_for, takes_masks
+from lightning_plugins.parallel.context.local import local_attention
 from lightning_plugins.parallel.context.sharding import reorder_sequence_load_balanced, unshard_sequence_load_balanced
 
 AttentionFn = Callable[..., Tensor]
@@ -166,19 +168,23 @@ def _attend_documents(
     k: Tensor,
     v: Tensor,
     starts: Tensor,
+    fused: bool,
     *,
     is_causal: bool,
     scale: Optional[float],
     **variants: Any,
 ) -> Tensor:
-    """``attn_fn`` on each document of each row (natural order): no query attends another document's keys.
+    """Attention of packed rows (natural order): no query attends another document's keys.
 
-    ``starts[b, i]`` is where token ``i``'s document begins; rows of one document each take one call.
+    ``starts[b, i]`` is where token ``i``'s document begins. ``fused``: by :func:`~.local.local_attention` (a few fused
+    calls for the whole row); else ``attn_fn`` on each document of each row, one call each.
     """
     seq_len = q.shape[2]
-    bounds = [torch.unique_consecutive(row).tolist() + [seq_len] for row in starts[:, :seq_len]]
-    if all(row == [0, seq_len] for row in bounds):
+    if not bool(starts[:, :seq_len].any()):
         return attn_fn(q, k, v, is_causal=is_causal, scale=scale, **variants)
+    if fused:
+        return local_attention(q, k, v, document_starts=starts[:, :seq_len], scale=scale, **variants)
+    bounds = [torch.unique_consecutive(row).tolist() + [seq_len] for row in starts[:, :seq_len]]
     rows = []
     for b in range(q.shape[0]):
         row_bounds = bounds[min(b, len(bounds) - 1)]
@@ -197,6 +203,17 @@ def _attend_documents(
     return torch.cat(rows, dim=0)
 
 
+def _variants(
+    window: Optional[int], softcap: Optional[float], sinks: Optional[Tensor], heads: int, group: dist.ProcessGroup
+) -> dict[str, Any]:
+    """The attention variants in use, as ``attn_fn`` takes them on this rank's heads (its slice of the sinks)."""
+    variants: dict[str, Any] = {"window": window, "softcap": softcap}
+    if sinks is not None:
+        local = heads // dist.get_world_size(group)
+        variants["sinks"] = local_sinks(sinks, heads)[dist.get_rank(group) * local : (dist.get_rank(group) + 1) * local]
+    return {name: value for name, value in variants.items() if value is not None}
+
+
 def ulysses_attention(
     q: Tensor,
     k: Tensor,
@@ -212,6 +229,7 @@ def ulysses_attention(
     window: Optional[int] = None,
     softcap: Optional[float] = None,
     sinks: Optional[Tensor] = None,
+    packed_kernel: bool = True,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the context-parallel group, by all-to-all over heads.
 
@@ -235,12 +253,14 @@ def ulysses_attention(
         attn_fn: ``attn_fn(q, k, v, *, is_causal, scale)`` on natural-order ``[b, h, S, d]`` tensors;
             default :func:`torch.nn.functional.scaled_dot_product_attention`.
         document_starts: Packed rows: ``[batch or 1, local_seq]``, the global position where each local
-            token's document begins. Gathered over the group (every rank must pass them, or none), then
-            ``attn_fn`` runs on each document separately: the boundaries pass to the attention it wraps.
+            token's document begins. Gathered over the group (every rank must pass them, or none); see
+            ``packed_kernel``, else ``attn_fn`` runs on each document separately.
         window: Sliding window (query ``i`` sees keys ``i - window < j <= i``), passed to ``attn_fn``.
         softcap: Attention logit soft-capping (Gemma 2), passed to ``attn_fn``.
         sinks: Attention sinks ``[heads]`` (gpt-oss); ``attn_fn`` gets this rank's heads' slice.
         With any of the three, ``attn_fn`` defaults to :func:`eager_attention` (SDPA has none of them).
+        packed_kernel: Whether causal packed rows go to :func:`~.local.local_attention` (fused calls, not
+            ``attn_fn``) where the kernel takes a mask (CPU); ``False`` when ``attn_fn`` applies dropout.
 
     Returns:
         This rank's attention output, shaped like ``q``.
@@ -248,12 +268,7 @@ def ulysses_attention(
     group = group if group is not None else dist.group.WORLD
     size = dist.get_world_size(group)
     check_ulysses_heads(q.shape[1], k.shape[1], size)
-    variants: dict[str, Any] = {"window": window, "softcap": softcap}
-    if sinks is not None:
-        sinks = local_sinks(sinks, q.shape[1])
-        heads = q.shape[1] // size
-        variants["sinks"] = sinks[dist.get_rank(group) * heads : (dist.get_rank(group) + 1) * heads]
-    variants = {name: value for name, value in variants.items() if value is not None}
+    variants = _variants(window, softcap, sinks, q.shape[1], group)
     attn_fn = attn_fn if attn_fn is not None else (eager_attention if variants else _sdpa)
     starts = None
     if document_starts is not None:
@@ -271,7 +286,8 @@ def ulysses_attention(
     if starts is None:
         out = attn_fn(q, k, v, is_causal=causal, scale=scale, **variants)
     else:
-        out = _attend_documents(attn_fn, q, k, v, starts, is_causal=causal, scale=scale, **variants)
+        fused = causal and packed_kernel and takes_masks(fused_kernel_for(q))
+        out = _attend_documents(attn_fn, q, k, v, starts, fused, is_causal=causal, scale=scale, **variants)
     if out.shape[2] < seq_len:
         out = F.pad(out, (0, 0, 0, seq_len - out.shape[2]))
     if reorder:

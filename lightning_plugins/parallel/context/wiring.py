@@ -153,8 +153,10 @@ def context_parallel_attention(
         )
     else:
         inner = functools.partial(_inner_attention, module, state, dropout)
+        # Packed rows go to the fused kernel's document pieces, which apply no dropout: with dropout, attn_fn's.
         out = ulysses_attention(
-            query, key, value, group, causal=causal, scale=scaling, attn_fn=inner, document_starts=starts, **variants
+            query, key, value, group, causal=causal, scale=scaling, attn_fn=inner, document_starts=starts,
+            packed_kernel=dropout == 0.0, **variants
         )
     return out.transpose(1, 2).contiguous(), None
 
