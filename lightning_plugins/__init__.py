@@ -35,6 +35,14 @@ if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
     os.environ["DS_ACCELERATOR"] = "cpu"
 # The engine slices the flattened mesh dimensions it builds (`dp`, `dp_cp`, ...) from the root mesh on purpose.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+# An image-text model's output holds the vision tower's per-image embeddings as views of one tensor (Qwen2.5-VL's
+# `image_outputs.pooler_output`); FSDP2 warns that an in-place op on such a view would skip its root's pre-backward
+# hook, which the loss and logits (no views) trigger anyway.
+warnings.filterwarnings(
+    "ignore",
+    message=r"FSDP2-wrapped module \(FSDP\w+ForConditionalGeneration\) returned a view tensor",
+    category=UserWarning,
+)
 
 from lightning_plugins.errors import LayoutError, LightningPluginsError, OptionsError  # noqa: E402
 from lightning_plugins.parallel import parallelize  # noqa: E402

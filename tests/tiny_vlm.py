@@ -1,28 +1,39 @@
-"""A tiny Qwen2.5-VL built from transformers' own config classes, and batches of generated images with their tokens.
+"""Tiny image-text models built from transformers' own config classes, and batches of generated images with tokens.
 
-The vision tower is 2 blocks of width 16 (patches of 2x2 pixels, merged 2x2 into one image token), the language
-model 2 layers of width 32: an image of 8x8 pixels is 16 patches and 4 image tokens. Widths differ on purpose, so
-the projector (merger) is the only module that maps one width to the other.
+Qwen2.5-VL: a vision tower of 2 blocks of width 16 (patches of 2x2 pixels, merged 2x2 into one image token) and a
+language model of 2 layers of width 32: an image of 8x8 pixels is 16 patches and 4 image tokens; images come in three
+sizes. Gemma 3: a SigLIP tower of 2 layers of width 16 on 8x8 images (patches of 2x2), pooled to 4 image tokens by
+the projector, and a Gemma 3 language model of 2 layers (one sliding-window, one global). Widths differ on purpose, so
+the projector is the only module that maps one width to the other.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForImageTextToText, Qwen2_5_VLConfig
+from transformers import AutoModelForImageTextToText, Gemma3Config, Qwen2_5_VLConfig
 
 VOCAB = 96
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 92, 93, 94, 95
 PATCH, MERGE = 2, 2
+#: The language models' sizes (Gemma 3 needs its head_dim given; its sliding window is shorter than the rows).
+_TEXT = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+)  # fmt: skip
 
 
-def tiny_vlm_config() -> Qwen2_5_VLConfig:
-    """Qwen2.5-VL with a 2-block vision tower and a 2-layer language model (multimodal RoPE sections of 8 dims)."""
+def tiny_vlm_config(family: str = "qwen2_5_vl") -> Qwen2_5_VLConfig | Gemma3Config:
+    """The tiny config of ``family`` (``qwen2_5_vl`` or ``gemma3``)."""
+    if family == "gemma3":
+        return Gemma3Config(
+            text_config=dict(_TEXT, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+            vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               image_size=8, patch_size=PATCH),
+            mm_tokens_per_image=4, image_token_index=IMAGE_TOKEN, boi_token_index=VISION_START,
+            eoi_token_index=VISION_END, attn_implementation="sdpa",
+        )  # fmt: skip
     return Qwen2_5_VLConfig(
-        text_config=dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=VOCAB, max_position_embeddings=256, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
-            bos_token_id=0, eos_token_id=1, pad_token_id=2,
-        ),
+        text_config=dict(_TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
         vision_config=dict(
             depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=PATCH,
             spatial_merge_size=MERGE, temporal_patch_size=1, window_size=8, fullatt_block_indexes=[1],
@@ -32,28 +43,38 @@ def tiny_vlm_config() -> Qwen2_5_VLConfig:
     )  # fmt: skip
 
 
-def tiny_vlm(seed: int = 0) -> torch.nn.Module:
-    """The tiny Qwen2_5_VLForConditionalGeneration with seeded random weights (no cache: training only)."""
+def tiny_vlm(family: str = "qwen2_5_vl", seed: int = 0) -> torch.nn.Module:
+    """The tiny ``...ForConditionalGeneration`` of ``family`` with seeded random weights (no cache: training only)."""
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(tiny_vlm_config())
+    model = AutoModelForImageTextToText.from_config(tiny_vlm_config(family))
     model.config.use_cache = False
+    if family == "gemma3":
+        # transformers starts Gemma 3's projection at zero (a checkpoint's is trained): small random values, so the
+        # images reach the language model and the projection's gradient is of the other weights' size.
+        weight = model.model.multi_modal_projector.mm_input_projection_weight
+        with torch.no_grad():
+            weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed + 1)) * 0.02)
     return model
 
 
-#: Image sizes in patches (height, width), each a multiple of the merge size: 4, 6 and 6 image tokens.
+#: Qwen2.5-VL's image sizes in patches (height, width), each a multiple of the merge size: 4, 6 and 6 image tokens.
 GRIDS = ((4, 4), (4, 6), (6, 4))
 
 
-def image_sample(seq: int, seed: int) -> dict[str, torch.Tensor]:
-    """One row: a generated image (random pixels, as patches) and its tokens inside random text, padded on the right.
+def image_sample(seq: int, seed: int, family: str = "qwen2_5_vl") -> dict[str, torch.Tensor]:
+    """One row: a generated image (random pixels) and its tokens inside random text, padded on the right.
 
     Labels are ``-100`` on the vision tokens, on the first text tokens (the prompt) and on the padding; the row's
-    length, its image's size and where the image sits depend on ``seed``.
+    length, where the image sits and (Qwen2.5-VL) its size depend on ``seed``.
     """
     gen = torch.Generator().manual_seed(seed)
-    height, width = GRIDS[seed % len(GRIDS)]
+    height, width = GRIDS[seed % len(GRIDS)] if family == "qwen2_5_vl" else (4, 4)
     image_tokens = height * width // MERGE**2
-    pixels = torch.randn(height * width, 3 * PATCH * PATCH, generator=gen)
+    if family == "qwen2_5_vl":  # the processor's layout: one row of flattened pixels per patch
+        image = {"pixel_values": torch.randn(height * width, 3 * PATCH * PATCH, generator=gen)}
+        image["image_grid_thw"] = torch.tensor([1, height, width])
+    else:
+        image = {"pixel_values": torch.randn(1, 3, height * PATCH, width * PATCH, generator=gen)}
     ids = torch.randint(3, IMAGE_TOKEN, (seq,), generator=gen)
     start = 1 + seed % 3
     ids[start] = VISION_START
@@ -66,13 +87,15 @@ def image_sample(seq: int, seed: int) -> dict[str, torch.Tensor]:
     labels = ids.clone()
     labels[: start + 2 + image_tokens] = -100
     labels[length:] = -100
-    grid = torch.tensor([1, height, width])
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels, "image_grid_thw": grid}
+    sample = {"input_ids": ids, "attention_mask": mask, "labels": labels, **image}
+    if family == "gemma3":  # its image tokens attend to each other both ways
+        sample["token_type_ids"] = (ids == IMAGE_TOKEN).long()
+    return sample
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """A batch as Qwen2.5-VL's processor gives it: rows stacked, every image's patches concatenated in row order."""
-    batch = {key: torch.stack([s[key] for s in samples]) for key in ("input_ids", "attention_mask", "labels")}
+    """A batch as the models' processors give it: rows stacked, every image's pixels concatenated in row order."""
+    stacked = ("input_ids", "attention_mask", "labels", "token_type_ids", "image_grid_thw")
+    batch = {key: torch.stack([s[key] for s in samples]) for key in stacked if key in samples[0]}
     batch["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
-    batch["image_grid_thw"] = torch.stack([s["image_grid_thw"] for s in samples])
     return batch

@@ -39,6 +39,7 @@ from lightning_plugins.parallel.pipeline.apply import attach_pipeline, retie_emb
 from lightning_plugins.parallel.pipeline.split import StageCut, build_stages, keep_stage_layers
 from lightning_plugins.parallel.plan import ParallelPlan, layout_of_mesh, resolve
 from lightning_plugins.parallel.quantized import check_quantized
+from lightning_plugins.parallel.replicated_tower import replicate_image_path
 from lightning_plugins.parallel.save_pretrained import install_save_pretrained
 from lightning_plugins.parallel.tensor import apply_tensor_parallel
 from lightning_plugins.parallel.tensor_checks import check_tensor_parallel
@@ -148,6 +149,8 @@ def _parallelize_part(model: nn.Module, family: ModelFamily, plan: ParallelPlan)
         apply_float8(model, fsdp=plan.fsdp is not None)
     apply_expert_parallel(layers, plan.experts)  # before tensor parallelism, which replicates what is left over tp
     if plan.tp_size > 1:
+        if (parts := image_text_parts(model)) is not None:  # before the rest is replicated module by module
+            replicate_image_path(model, parts, plan.mesh("tp"))
         apply_tensor_parallel(
             model,
             family,

@@ -38,20 +38,25 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is d
 
 STEPS, ACCUM, BATCH, SEQ, MAX_NORM, LR = 3, 2, 4, 20, 0.05, 0.5
 TOL = 1e-5
-#: world size -> name -> (layout sizes, what is trained: "full", "frozen vision" or "lora").
-CASES: dict[int, dict[str, tuple[dict, str]]] = {
+#: world size -> name -> (family, layout sizes, what is trained: "full", "frozen vision" or "lora").
+CASES: dict[int, dict[str, tuple[str, dict, str]]] = {
     2: {
-        "fsdp2 full": ({"dp_shard_size": 2}, "full"),
-        "fsdp2 frozen vision": ({"dp_shard_size": 2}, "frozen vision"),
-        "fsdp2 lora": ({"dp_shard_size": 2}, "lora"),
+        "qwen2_5_vl fsdp2 full": ("qwen2_5_vl", {"dp_shard_size": 2}, "full"),
+        "qwen2_5_vl fsdp2 frozen vision": ("qwen2_5_vl", {"dp_shard_size": 2}, "frozen vision"),
+        "qwen2_5_vl fsdp2 lora": ("qwen2_5_vl", {"dp_shard_size": 2}, "lora"),
         # The language model split, the vision tower replicated (and the loss computed on vocab shards).
-        "tp2 full": ({"tp_size": 2}, "full"),
-        "tp2 frozen vision": ({"tp_size": 2}, "frozen vision"),
-        "tp2 lora": ({"tp_size": 2}, "lora"),
+        "qwen2_5_vl tp2 full": ("qwen2_5_vl", {"tp_size": 2}, "full"),
+        "qwen2_5_vl tp2 frozen vision": ("qwen2_5_vl", {"tp_size": 2}, "frozen vision"),
+        "qwen2_5_vl tp2 lora": ("qwen2_5_vl", {"tp_size": 2}, "lora"),
+        # SigLIP tower, a projector next to it (pooling, a projection weight of its own), bidirectional image tokens.
+        "gemma3 fsdp2 full": ("gemma3", {"dp_shard_size": 2}, "full"),
+        "gemma3 fsdp2 lora": ("gemma3", {"dp_shard_size": 2}, "lora"),
+        "gemma3 tp2 full": ("gemma3", {"tp_size": 2}, "full"),
+        "gemma3 tp2 frozen vision": ("gemma3", {"tp_size": 2}, "frozen vision"),
     },
     4: {
-        "tp2 x fsdp2 full": ({"tp_size": 2, "dp_shard_size": 2}, "full"),
-        "tp2 x fsdp2 lora": ({"tp_size": 2, "dp_shard_size": 2}, "lora"),
+        "qwen2_5_vl tp2 x fsdp2 full": ("qwen2_5_vl", {"tp_size": 2, "dp_shard_size": 2}, "full"),
+        "qwen2_5_vl tp2 x fsdp2 lora": ("qwen2_5_vl", {"tp_size": 2, "dp_shard_size": 2}, "lora"),
     },
 }
 #: How each part's weights are held: (dp_shard, tp) -> part -> each mesh dimension's placement (FSDP2 over a
@@ -67,10 +72,10 @@ PLACEMENTS = {
 }
 
 
-def _model(case: str) -> nn.Module:
+def _model(family: str, case: str) -> nn.Module:
     """The tiny VLM as the case trains it: whole, its vision tower frozen but for the projector, or under LoRA (with
     random non-zero ``lora_B``, so every adapter half gets a gradient)."""
-    model = tiny_vlm()
+    model = tiny_vlm(family)
     parts = image_text_parts(model)
     if case == "frozen vision":
         projector = tuple(f"{path}." for path in parts.projector_paths)
@@ -88,7 +93,7 @@ def _model(case: str) -> nn.Module:
     return model
 
 
-def _train(model: nn.Module, rows: slice, clip) -> list[float]:
+def _train(model: nn.Module, family: str, rows: slice, clip) -> list[float]:
     """STEPS optimizer steps of ACCUM micro-batches of ``rows`` of each batch; per-step losses then pre-clip norms."""
     params = trainable_parameters(model)
     optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
@@ -97,7 +102,7 @@ def _train(model: nn.Module, rows: slice, clip) -> list[float]:
     for step in range(STEPS):
         step_loss = 0.0
         for micro in range(ACCUM):
-            samples = [image_sample(SEQ, 1000 * step + 10 * micro + row) for row in range(BATCH)]
+            samples = [image_sample(SEQ, 1000 * step + 10 * micro + row, family) for row in range(BATCH)]
             loss = model(**collate(samples[rows])).loss / ACCUM
             loss.backward()
             step_loss += loss.item()
@@ -112,9 +117,9 @@ def _train(model: nn.Module, rows: slice, clip) -> list[float]:
 
 
 @functools.cache
-def _reference(case: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = _model(case)
-    history = _train(model, slice(None), torch.nn.utils.clip_grad_norm_)
+def _reference(family: str, case: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = _model(family, case)
+    history = _train(model, family, slice(None), torch.nn.utils.clip_grad_norm_)
     return history, {name: param.detach() for name, param in model.named_parameters()}
 
 
@@ -128,16 +133,17 @@ def _part(name: str, parts) -> str:
     return "vision" if f"{parts.vision_path}." in name else "language"
 
 
-def _run_case(world_size: int, sizes: dict, case: str) -> dict:
-    ref_history, expected = _reference(case)
-    model = _model(case)
+def _run_case(world_size: int, family: str, sizes: dict, case: str) -> dict:
+    ref_history, expected = _reference(family, case)
+    model = _model(family, case)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     parts = image_text_parts(inner)
     initial = {name: param.detach().clone() for name, param in model.named_parameters()}
     assert parallelize(model, ParallelLayout(**sizes).resolve(world_size)) is model
     dp = mesh_of(model)["dp"]
     rows = BATCH // dp.size()
-    history = _train(model, slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows), clip_grad_norm_)
+    local = slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows)
+    history = _train(model, family, local, clip_grad_norm_)
     trained_diff, frozen_moved, moved = 0.0, 0.0, {}
     for name, param in model.named_parameters():
         full = _full(param)
@@ -168,7 +174,9 @@ def _placements(model: nn.Module, parts) -> dict[str, list[str]]:
     """Each part's parameters' placements (``plain`` for a tensor that is not a DTensor), each once."""
     seen: dict[str, set[str]] = {}
     for name, param in model.named_parameters():
-        part = "projection" if name.endswith(("q_proj.weight", "q_proj.base_layer.weight")) else _part(name, parts)
+        part = _part(name, parts)
+        if part == "language" and name.endswith(("q_proj.weight", "q_proj.base_layer.weight")):
+            part = "projection"
         if not isinstance(param, DTensor):
             seen.setdefault(part, set()).add("plain")
             continue
@@ -209,7 +217,7 @@ def _results(world_size: int) -> list[dict]:
     ids=str,
 )
 def test_image_text_model_matches_one_process(world_size: int, name: str) -> None:
-    sizes, case = CASES[world_size][name]
+    _, sizes, case = CASES[world_size][name]
     for rank, result in enumerate(results[name] for results in _results(world_size)):
         where = (name, rank, result)
         assert result["loss_diff"] <= TOL and result["norm_diff"] <= TOL, where
@@ -217,7 +225,8 @@ def test_image_text_model_matches_one_process(world_size: int, name: str) -> Non
         assert result["frozen_moved"] == 0.0, where
         trained = {"full": {"vision", "projector", "language"}, "frozen vision": {"projector", "language"}}
         assert set(result["moved"]) == trained.get(case, {"language"}), where
-        assert all(change > 100 * TOL for change in result["moved"].values()), where
+        # Parity means something only if each trained part moved (Gemma 3's SigLIP weights move ~6e-4 here).
+        assert all(change > 10 * TOL for change in result["moved"].values()), where
         assert (result["frozen"] > 0) == (case != "full"), where
         assert result["adapters_outside_language_model"] == [], where
         # Under FSDP2 each vision block, the projector and each decoder layer is its own unit; under TP the language
