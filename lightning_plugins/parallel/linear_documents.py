@@ -93,7 +93,7 @@ class _Segment(NamedTuple):
 def run_documents(
     forward: Callable[..., Tensor],
     hidden: Tensor,
-    starts: Tensor,
+    starts: Tensor | None,
     module: nn.Module,
     carry: tuple[Tensor, Tensor | None] | None = None,
     final: bool = False,
@@ -105,7 +105,7 @@ def run_documents(
     Args:
         forward: The module's forward (``hidden_states``, ``cache=``, ``attention_mask=``, ...).
         hidden: The rows.
-        starts: Where documents begin.
+        starts: Where documents begin; ``None``: nowhere (each row continues ``carry``).
         module: The Gated DeltaNet (its conv's width and channels, as the forward sees them).
         carry: The conv inputs ``[b, channels, kernel - 1]`` and recurrent state (or ``None``: zeros) before the rows.
         final: Return the conv inputs and state after each row's last document.
@@ -114,12 +114,13 @@ def run_documents(
     Returns:
         The output ``[b, L, h_out]``, and with ``final`` the conv inputs and state after the rows (else ``None``).
     """
+    if starts is None or not bool(starts[:, 1:].any()):
+        fresh = None if starts is None or carry is None else starts[:, 0]
+        return _whole_rows(forward, hidden, fresh, module, carry, final, kwargs)
     rows, length = starts.shape
     if carry is None:
         starts = starts.clone()
         starts[:, 0] = True
-    if not bool(starts[:, 1:].any()):
-        return _whole_rows(forward, hidden, starts[:, 0], module, carry, final, kwargs)
     segments = []
     for row in range(rows):
         cuts = [*starts[row].nonzero().flatten().tolist(), length]
@@ -163,17 +164,18 @@ class _Join(torch.autograd.Function):
 def _whole_rows(
     forward: Callable[..., Tensor],
     hidden: Tensor,
-    fresh: Tensor,
+    fresh: Tensor | None,
     module: nn.Module,
     carry: tuple[Tensor, Tensor | None] | None,
     final: bool,
     kwargs: dict,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Rows of one document each: one call (the carry dropped on rows that start a document at column 0)."""
+    """Rows of one document each: one call (the carry dropped on the rows ``fresh`` marks, which start a document at
+    column 0)."""
     if carry is None and not final:
         return forward(hidden, **kwargs), None, None
     tail, state = carry if carry is not None else (_zeros_tail(hidden, module, hidden.shape[0]), None)
-    if carry is not None and bool(fresh.any()):
+    if carry is not None and fresh is not None and bool(fresh.any()):
         keep = (~fresh).to(tail.device)
         tail = tail * keep.to(tail.dtype)[:, None, None]
         state = None if state is None else state * keep.to(state.dtype)[:, None, None, None]

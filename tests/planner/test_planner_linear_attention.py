@@ -88,3 +88,24 @@ def test_dry_run_of_linear_attention_predicts_a_real_run() -> None:
             assert guess["total"] == pytest.approx(truth["total"], rel=0.10), where
             distance = sum(abs(guess[k] - truth[k]) for k in rank_memory.PEAK_CATEGORIES)
             assert distance <= 0.15 * truth["total"], where
+
+
+@pytest.mark.slow  # forked fake-process-group dry runs of the torch reference kernels: about a minute on 2 cores
+@pytest.mark.parametrize(
+    "sizes,backend,key_heads",
+    [({"cp_size": 2}, "ring", 2), ({"cp_size": 2, "tp_size": 2}, "ring", 2), ({"cp_size": 2, "tp_size": 2}, "ulysses", 4)],
+    ids=["cp2-ring", "cp2xtp2-ring", "cp2xtp2-ulysses"],
+)
+def test_dry_run_of_linear_attention_under_context_parallelism(sizes: dict, backend: str, key_heads: int) -> None:
+    """The linear attention's context-parallel paths run on fake tensors too (the documents of the rows are read only
+    from real position ids; the dry run plans unpacked rows), alone and inside the tensor-parallel head split."""
+    from lightning_plugins import ParallelOptions
+
+    config = _config()
+    config.linear_num_key_heads, config.linear_num_value_heads = key_heads, 2 * key_heads
+    layout = ParallelLayout(**sizes).resolve(sizes["cp_size"] * sizes.get("tp_size", 1))
+    workload = Workload(
+        config, layout, ParallelOptions(cp_backend=backend), dtype="fp32", seq_len=SEQ_LEN, micro_batch_size=ROWS
+    )
+    [predicted] = dry_run(workload)
+    assert LINEAR_ATTENTION_NOTE in predicted.notes and predicted.intervals[0]["total"] > 0

@@ -214,7 +214,7 @@ class LinearContextParallel:
                     token = hidden.new_zeros((), requires_grad=torch.is_grad_enabled())
                 carry = _Receive.apply(token, before, group, tail_spec, state_spec)
                 token = None
-            starts = _run_starts(positions, lo, hi, hidden.shape[0])
+            starts = _run_starts(positions, lo, hi)
             out, tail, state = run_documents(
                 self.forward, hidden[:, lo:hi], starts, module, carry, after is not None, **kwargs
             )
@@ -225,12 +225,12 @@ class LinearContextParallel:
         return out if token is None else out + token.to(out.dtype)  # the last send's backward must run too
 
 
-def _run_starts(positions: Optional[Tensor], lo: int, hi: int, rows: int) -> Tensor:
-    """Where documents begin in the run ``[lo, hi)`` of this rank's positions (host booleans). Column 0: whether the
-    row starts a document at the run (its position id is 0; ``context_parallel_batch`` checked that documents count up
-    from 0), else it continues the state received."""
+def _run_starts(positions: Optional[Tensor], lo: int, hi: int) -> Optional[Tensor]:
+    """Where documents begin in the run ``[lo, hi)`` of this rank's positions (host booleans; ``None`` without
+    positions: nowhere). Column 0: whether the row starts a document at the run (its position id is 0;
+    ``context_parallel_batch`` checked that documents count up from 0), else it continues the state received."""
     if positions is None:
-        return torch.zeros((rows, hi - lo), dtype=torch.bool)
+        return None
     run = positions[:, lo:hi]
     starts = document_starts(run)
     starts[:, 0] = run[:, 0] == 0
