@@ -138,6 +138,8 @@ def _variant_cases() -> list[Case]:
     cases.append(Case("ring-window-sinks-packed-masked", "ring", True, 2, packed=True, **masked))
     cases.append(Case("ring-window-mqa-masked", "ring", True, 1, window=WINDOW))
     cases.append(Case("ulysses-window-sinks-packed", "ulysses", True, 2, packed=True, **masked))
+    # A window wider than MIN_FUSED_ROWS keys: its band rows are reversed and plain causal squares and boxes, no mask.
+    cases.append(Case("ring-window-long-bands", "ring", True, 2, seq=LONG_SEQ, window=LONG_WINDOW, sinks=True))
     cases.append(Case("ring-window-long-packed-masked-fp32", "ring", True, 2, "float32", seq=LONG_SEQ, packed=True,
                       window=LONG_WINDOW, sinks=True))
     return cases

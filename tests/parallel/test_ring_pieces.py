@@ -66,7 +66,10 @@ def _coverage(
                     if piece.mask is not None:
                         assert masked and not piece.causal, piece
                         box = piece.mask.reshape(-1, height, width).long()
-                    cov[:, rows, cols] += box.tril() if piece.causal else box
+                    if piece.reverse:
+                        assert piece.causal and height == width, piece
+                        box = box.triu()  # row i attends keys i..: a causal square reversed
+                    cov[:, rows, cols] += box.tril() if piece.causal and not piece.reverse else box
                 else:
                     tiles += 1
                     rows, cols, mask = piece
@@ -101,9 +104,12 @@ def test_pieces_cover_every_variant_exactly(cp: int) -> None:
     seq = 2 * cp * 64 * 2 + 2 * cp * 10  # two segments and a shorter one
     assert _coverage(seq, cp, valid_len=seq - 7)[1] == 0
     assert _coverage(seq, cp, causal=False, valid_len=seq - 7)[1] == 0
-    # A window narrower than a block: its band rows take the tiles, the rows wholly inside it the kernel.
+    # A window narrower than a block: its band rows are fused calls (reversed and plain causal squares, full boxes),
+    # short runs of them (where the layout's chunks cut the band) tiles,
     calls, tiles = _coverage(seq, cp, window=40)
-    assert tiles > 0 and calls > 0
+    assert calls > 2 * tiles
+    # and a window narrower than MIN_FUSED_ROWS keys (a call per few rows) mostly tiles.
+    assert _coverage(seq, cp, window=3)[1] > 0
     _coverage(seq, cp, window=3 * seq)  # wider than the sequence: plain causal
     # Packed rows, packed alike and differently per batch row: long documents fused, short ones tiled.
     long_and_short = [[seq // 2, 1, 5, seq - seq // 2 - 6]] * 2

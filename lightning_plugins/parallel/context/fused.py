@@ -130,15 +130,26 @@ def _kernel_inputs(q5: Tensor, k: Tensor, v: Tensor, per_head: bool) -> tuple[Te
 
 
 def fused_forward(
-    kernel: str, q5: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Optional[Tensor] = None
+    kernel: str,
+    q5: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    scale: float,
+    mask: Optional[Tensor] = None,
+    reverse: bool = False,
 ) -> tuple[Tensor, Tensor, Any]:
     """One fused piece: grouped queries ``[b, kv_heads, group, rows, d]`` against keys/values ``[b, kv_heads, cols, d]``.
 
     ``mask`` (a masked piece, not causal; only where :func:`takes_masks`): which (row, key) pairs attend, boolean
     ``[rows, cols]`` or ``[batch, 1, 1, rows, cols]``. Returns the output ``[b, kv_heads, group, rows, d]``
     (normalised over this piece's keys), its log-sum-exp ``[b, kv_heads, group, rows]`` (``-inf`` for a row that
-    attends none of them), and what the kernel's backward needs besides (``None`` on CPU).
+    attends none of them), and what the kernel's backward needs besides (``None`` on CPU). ``reverse`` (causal
+    only): row ``i`` attends keys ``i..`` instead, computed as a causal square with its rows and keys reversed.
     """
+    if reverse:
+        out, lse, aux = fused_forward(kernel, q5.flip(-2), k.flip(-2), v.flip(-2), causal, scale)
+        return out.flip(-2), lse.flip(-1), aux
     q, k, v = _kernel_inputs(q5, k, v, causal or mask is not None)
     if mask is None:
         out, lse, aux = _FORWARD[kernel](q, k, v, causal, scale)
@@ -162,14 +173,19 @@ def fused_backward(
     scale: float,
     aux: Any,
     mask: Optional[Tensor] = None,
+    reverse: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (dq ``[b, kv_heads, group, rows, d]``, dk, dv ``[b, kv_heads, cols, d]``) of one fused piece
-    (``mask``: a masked piece's, as in :func:`fused_forward`).
+    (``mask``, ``reverse``: as in :func:`fused_forward`).
 
     ``out5`` and ``lse5`` are the *final* output and log-sum-exp of these rows (merged over every block, sinks
     included): the kernel recomputes the piece's probabilities as ``exp(score - lse)`` and the softmax Jacobian's
     ``rowsum(dO * O)`` from them, which is the piece's share of the whole softmax's gradient.
     """
+    if reverse:
+        flipped = (t.flip(-2) for t in (grad5, q5, k, v, out5))
+        grads = fused_backward(kernel, *flipped, lse5.flip(-1), causal, scale, aux)
+        return grads[0].flip(-2), grads[1].flip(-2), grads[2].flip(-2)
     b, hkv, group = q5.shape[:3]
     per_head = causal or mask is not None
     q, k, v = _kernel_inputs(q5, k, v, per_head)

@@ -7,11 +7,12 @@ while K/V and the dK/dV accumulators travel the ring again, so no rank ever hold
 
 Each block is computed in pieces (:func:`~.tiles.block_pieces` says which path each takes):
 
-* **fused** (:mod:`.fused`): fully visible boxes and causal squares go to an SDPA kernel that returns the
+* **fused** (:mod:`.fused`): fully visible boxes and causal squares (a sliding window's band: reversed and plain
+  causal squares and boxes between them) go to an SDPA kernel that returns the
   log-sum-exp (on CPU ``aten._scaled_dot_product_flash_attention_for_cpu``, on CUDA the flash kernel), and backward
   through the kernel's own backward op, given the merged output and log-sum-exp; no scores are materialised;
-* **masked fused** (where the kernel takes a mask, :func:`~.fused.takes_masks`: on CPU): what a box and a causal
-  square do not express, the band rows of a sliding window that cuts through a block and short packed documents,
+* **masked fused** (where the kernel takes a mask, :func:`~.fused.takes_masks`: on CPU): what those do not express,
+  short runs of a window's band rows (where the layout's chunks cut it) and short packed documents,
   goes to the same kernel with the additive mask of a tile of query rows (a tile takes many short documents);
 * **tiles**, the pure-torch fallback (matmul + exp, a tile of query rows at a time, each with its own small mask):
   what no kernel here computes: soft-capped scores (``softcap * tanh`` is no mask; ``flex_attention`` has no CPU
@@ -263,7 +264,7 @@ def _attend_pieces(
             k_blk, v_blk = kv_blk[0, batch, :, cols], kv_blk[1, batch, :, cols]
             assert kernel is not None
             block_out, block_lse, extra = fused_forward(
-                kernel, q5[batch][..., rows, :], k_blk, v_blk, piece.causal, scale, piece.mask
+                kernel, q5[batch][..., rows, :], k_blk, v_blk, piece.causal, scale, piece.mask, piece.reverse
             )
             if extra is not None:
                 aux.append(extra)
@@ -317,6 +318,7 @@ def _attend_pieces_backward(
                 ctx.scale,
                 next(saved.aux, None),
                 piece.mask,
+                piece.reverse,
             )
         else:
             rows, cols, mask = piece

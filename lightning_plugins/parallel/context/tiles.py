@@ -215,12 +215,14 @@ def _document_tiles(
 class FusedCall(NamedTuple):
     """A piece of a block that one call of a fused kernel computes (:mod:`.fused`): query rows x keys (relative to the
     block's first key) where every pair attends, or, ``causal``, a square whose ``i``-th row attends its keys ``0..i``,
-    or, with a ``mask`` (a tile's, see :func:`row_tiles`), the box's pairs the mask allows."""
+    or, with a ``mask`` (a tile's, see :func:`row_tiles`), the box's pairs the mask allows, or, ``causal`` and
+    ``reverse``, a square whose ``i``-th row attends its keys ``i..`` (a causal square with rows and keys reversed)."""
 
     rows: slice
     cols: slice
     causal: bool
     mask: Optional[Tensor] = None
+    reverse: bool = False
 
 
 #: A tile of the pure-torch fallback: (rows, keys relative to the block's first key, mask or ``None``).
@@ -311,11 +313,13 @@ def _key_ranges(block: _Block) -> tuple[Tensor, Tensor]:
 
 def _staircase(first: Tensor, last: Tensor) -> list[tuple[int, int, int]]:
     """Runs ``[a, b)`` of rows (relative to the first) with one first key and a last key that stays put (kind 0), moves
-    one key a row (kind 1), or neither (kind -1; a single row is kind 0)."""
+    one key a row (kind 1), a band whose first and last keys both move one key a row (kind 2: a sliding window), or
+    none of these (kind -1; a single row is kind 0)."""
     if len(first) == 1:
         return [(0, 1, 0)]
-    step = last[1:] - last[:-1]
-    code = torch.where((first[1:] == first[:-1]) & (step <= 1), step, -1)
+    step, first_step = last[1:] - last[:-1], first[1:] - first[:-1]
+    code = torch.where((first_step == 0) & (step <= 1), step, -1)
+    code = torch.where((first_step == 1) & (step == 1), 2, code)
     values, counts = torch.unique_consecutive(code, return_counts=True)
     runs: list[tuple[int, int, int]] = []
     start, row, kind = 0, 0, 0  # the open run: rows [start, row]; kind of its steps (0 while it has none)
@@ -340,13 +344,17 @@ def _fused_calls(block: _Block) -> tuple[list[FusedCall], list[tuple[int, int]]]
     first, last = first_t.tolist(), last_t.tolist()
     calls, tile_rows = [], []
     for a, b, kind in _staircase(first_t, last_t):
-        if kind < 0 or (block.documents is not None and b - a < MIN_FUSED_ROWS):
+        narrow = kind == 2 and last[a] - first[a] < MIN_FUSED_ROWS  # e.g. one-token documents: a call per row
+        if kind < 0 or narrow or (block.documents is not None and b - a < MIN_FUSED_ROWS):
             if tile_rows and tile_rows[-1][1] == block.row_start + a:
                 tile_rows[-1] = (tile_rows[-1][0], block.row_start + b)
             else:
                 tile_rows.append((block.row_start + a, block.row_start + b))
             continue
         lo = first[a]
+        if kind == 2:
+            calls += _band_calls(block.row_start + a, b - a, lo, last[a] - lo)
+            continue
         if kind == 1 and last[a] <= lo:
             a += 1  # its first row attends nothing; the rest each attend one key more
         if a >= b or last[a] <= lo:
@@ -360,3 +368,20 @@ def _fused_calls(block: _Block) -> tuple[list[FusedCall], list[tuple[int, int]]]
             calls.append(FusedCall(rows, slice(lo, diagonal), False))
         calls.append(FusedCall(rows, slice(diagonal, diagonal + b - a), True))
     return calls, tile_rows
+
+
+def _band_calls(row: int, count: int, first: int, width: int) -> list[FusedCall]:
+    """Fused calls of a band: rows ``[row, row + count)`` where row ``row + i`` attends keys ``[first + i, first + i +
+    width)``. Each chunk of at most ``width`` rows is a reversed causal square (row ``i`` attends the chunk's first
+    keys from ``i`` on), a full box, and a causal square one key to the right of its diagonal: exactly the band's
+    pairs, no mask."""
+    calls = []
+    for start in range(0, count, width):
+        n, lo = min(width, count - start), first + start
+        rows = slice(row + start, row + start + n)
+        calls.append(FusedCall(rows, slice(lo, lo + n), True, reverse=True))
+        if width > n:
+            calls.append(FusedCall(rows, slice(lo + n, lo + width), False))
+        if n > 1:
+            calls.append(FusedCall(slice(rows.start + 1, rows.stop), slice(lo + width, lo + width + n - 1), True))
+    return calls
