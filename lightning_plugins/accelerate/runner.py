@@ -3,7 +3,8 @@
 Same data order (a ``DistributedSampler`` over the data-parallel ranks, seeded by ``train.seed``, as Lightning
 installs), same accumulation, clipping and per-step schedule, same metric names, loggers (``train.loggers``
 as Accelerate's trackers) and CSV layout (``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
-``train/mfu`` on GPUs, ``val/loss``), the same ``output_dir/run.json``,
+``train/mfu`` on GPUs, ``val/loss``; under a preference method TRL's metrics as ``train/rewards/chosen``, ...,
+``val/logits/rejected``), the same ``output_dir/run.json``,
 checkpoints ``output_dir/checkpoints/step=N.ckpt`` resumed automatically, the same non-finite guard
 (``train.on_nonfinite``) and the same exports. Only the launcher differs: ``accelerate launch`` decides the world,
 the recipe the rest.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -25,11 +27,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_plugins.accelerate.accelerator import ParallelAccelerator
 from lightning_plugins.accelerate.metrics import recipe_trackers
+from lightning_plugins.accelerate.settings import builtin_path, describe_launch
 from lightning_plugins.accelerate.state import broadcast_from_first
 from lightning_plugins.checkpoint import resume_choice
 from lightning_plugins.checkpoint.checks import CHECKPOINT_NAME
 from lightning_plugins.checkpoint.resume_choice import LATEST, agreed_resume
 from lightning_plugins.parallel.optim.optim_in_backward import StepInBackward, step_in_backward
+from lightning_plugins.preference import PreferenceObjective
 from lightning_plugins.recipe.build import build_loaders, build_model, make_optimizer
 from lightning_plugins.recipe.diff import reset_optimizer
 from lightning_plugins.recipe.finish import check_exportable, export_dir, export_trained, write_results
@@ -57,12 +61,30 @@ class Progress:
         self.step = state["step"]
 
 
+#: ``loss, metrics = objective(model, batch)``: the recipe's loss of a micro-batch and what it logs with it.
+Objective = Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def _model_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, Any]]:
+    return model(**batch).loss, {}
+
+
+def objective_of(recipe: Recipe) -> Objective:
+    """The recipe's objective, as the Lightning door's ``RecipeModule`` has it: the model's own loss (SFT), or the
+    preference loss of each batch of pairs with TRL's metrics (global means on every rank)."""
+    return PreferenceObjective(recipe.objective) if recipe.objective.paired else _model_loss
+
+
 def make_accelerator(recipe: Recipe) -> ParallelAccelerator:
     """The recipe's layout and settings; the scheduler is stepped by the loop, once per optimizer step."""
-    if recipe.objective.paired:  # before any model is built
+    builtin = builtin_path()  # the launch config's: a recipe passes no plugin
+    if recipe.objective.paired and builtin:  # before any process group or model
         raise OptionsError(
-            f"objective.method={recipe.objective.method}: preference methods run through the Lightning door"
-            " (`lightning-plugins finetune RECIPE`) for now; the Accelerate door's loop does not call them yet."
+            f"objective.method={recipe.objective.method}: preference methods run on the engine's layouts (FSDP2, TP,"
+            f" CP, EP), not under Accelerate's own {builtin} ({describe_launch()}), whose wrapped model computes"
+            " neither the means over the data ranks nor the reference with the adapters disabled. Launch with a"
+            " config that selects neither DeepSpeed nor FSDP (e.g. accelerate_configs/cpu_2proc.yaml, or"
+            " 1node_8gpu.yaml) and set the recipe's layout."
         )
     return ParallelAccelerator(
         layout=recipe.layout, options=recipe.parallel, memory=recipe.memory,
@@ -111,6 +133,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     preemption, guard = _guards(accelerator, recipe, out)
     set_seed(train.seed)
     model, tokenizer = build_model(recipe, on_meta=accelerator.builtin is None)
+    objective = objective_of(recipe)
     num_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
     train_loader, eval_loader = _loaders(recipe, tokenizer, accelerator)
     per_epoch = math.ceil(len(train_loader) / recipe.accumulation)
@@ -137,23 +160,22 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
             epoch = train_loader.iteration
             for batch in train_loader:
                 meter.count(batch)
-                loss, norm = _train_step(accelerator, model, batch, optimizer, schedule, recipe, guard, fused, progress,
-                                         norm)  # fmt: skip
+                loss, metrics, norm = _train_step(accelerator, model, objective, batch, optimizer, schedule, recipe,
+                                                  guard, fused, progress, norm)  # fmt: skip
                 if not accelerator.sync_gradients:
                     continue
                 progress.step += 1
                 sampled = perf.step_end(progress.step)  # every rank
-                last["train/loss"] = loss.item()
-                bar.update(1)
-                bar.set_postfix({k.split("/")[0] + " loss": f"{v:.3f}" for k, v in last.items() if k.endswith("loss")})
+                last.update(row := {"train/loss": loss.item(), **{f"train/{k}": float(v) for k, v in metrics.items()}})
+                _advance(bar, last)
                 if progress.step % train.log_every == 0:
-                    _log_step(accelerator, optimizer, meter, norm, last["train/loss"], sampled, epoch, progress.step)
+                    _log_step(accelerator, optimizer, meter, norm, row, sampled, epoch, progress.step)
                 end_of_epoch = accelerator.gradient_state.end_of_dataloader
                 if eval_loader is not None and (
                     progress.step % train.eval_every == 0 if train.eval_every else end_of_epoch
                 ):
-                    last["val/loss"] = _evaluate(accelerator, model, eval_loader)
-                    accelerator.log({"val/loss": last["val/loss"], "epoch": epoch}, step=progress.step - 1)
+                    last.update(_evaluate(accelerator, model, objective, eval_loader))
+                    accelerator.log({**_held_out(last), "epoch": epoch}, step=progress.step - 1)
                 _save_or_stop(accelerator, model, optimizer, out, progress.step, train, preemption, bar)
                 if progress.step >= total:
                     break
@@ -207,13 +229,13 @@ def _resume(
 
 
 def _train_step(
-    accelerator: ParallelAccelerator, model: torch.nn.Module, batch: Any, optimizer: Any, schedule: Any,
-    recipe: Recipe, guard: NonFiniteGuard, fused: StepInBackward | None, progress: Progress, norm: Any,
-) -> tuple[torch.Tensor, Any]:  # fmt: skip
+    accelerator: ParallelAccelerator, model: torch.nn.Module, objective: Objective, batch: Any, optimizer: Any,
+    schedule: Any, recipe: Recipe, guard: NonFiniteGuard, fused: StepInBackward | None, progress: Progress, norm: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], Any]:  # fmt: skip
     """One micro-batch's forward and backward, and at the end of an accumulation the clipped optimizer step: the
-    loss, and the gradient norm (``norm`` as it was between optimizer steps)."""
+    loss, the objective's metrics, and the gradient norm (``norm`` as it was between optimizer steps)."""
     with accelerator.accumulate(model):
-        loss = model(**batch).loss
+        loss, metrics = objective(model, batch)
         guard.observe_loss(loss)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
@@ -226,17 +248,27 @@ def _train_step(
         if accelerator.sync_gradients:
             schedule.step()
         optimizer.zero_grad()
-    return loss, norm
+    return loss, metrics, norm
+
+
+def _advance(bar: Any, last: dict[str, float]) -> None:
+    """One optimizer step more on the progress bar, with the latest training and held-out losses."""
+    bar.update(1)
+    bar.set_postfix({k.split("/")[0] + " loss": f"{last[k]:.3f}" for k in ("train/loss", "val/loss") if k in last})
+
+
+def _held_out(last: dict[str, float]) -> dict[str, float]:
+    return {key: value for key, value in last.items() if key.startswith("val/")}
 
 
 def _log_step(
-    accelerator: ParallelAccelerator, optimizer: Any, meter: ThroughputMeter, norm: Any, loss: float,
+    accelerator: ParallelAccelerator, optimizer: Any, meter: ThroughputMeter, norm: Any, metrics: dict[str, float],
     sampled: dict[str, Any], epoch: int, step: int,
 ) -> None:  # fmt: skip
-    """Log the step's loss and ``sampled`` perf figures with the learning rate, gradient norm, throughput and the
-    experts' balance."""
+    """Log the step's loss and metrics and ``sampled`` perf figures with the learning rate, gradient norm, throughput
+    and the experts' balance."""
     lr, world = optimizer.param_groups[0]["lr"], dist.get_world_size()
-    row = {"train/loss": loss, **meter.row(lr, norm, world, accelerator.device)}
+    row = {**metrics, **meter.row(lr, norm, world, accelerator.device)}
     row.update(sampled)
     row.update(accelerator.moe_balance())  # every rank: one all-reduce
     accelerator.log({**row, "epoch": epoch}, step=step - 1)  # on the main process
@@ -270,18 +302,24 @@ def _save(
 
 
 @torch.no_grad()
-def _evaluate(accelerator: ParallelAccelerator, model: torch.nn.Module, loader: Any) -> float:
-    """The held-out loss as Lightning's ``sync_dist`` epoch mean computes it (row-weighted, averaged over ranks)."""
+def _evaluate(
+    accelerator: ParallelAccelerator, model: torch.nn.Module, objective: Objective, loader: Any
+) -> dict[str, float]:
+    """The held-out loss and metrics (``val/...``) as Lightning's ``sync_dist`` epoch means compute them (row-weighted,
+    averaged over ranks)."""
     model.eval()
-    total, rows = torch.zeros((), dtype=torch.float64, device=accelerator.device), 0
+    totals: dict[str, torch.Tensor] = {"loss": torch.zeros((), dtype=torch.float64, device=accelerator.device)}
+    rows = 0
     for batch in loader:
         count = batch["input_ids"].shape[0]
-        total += model(**batch).loss.double() * count
+        loss, metrics = objective(model, batch)
+        for name, value in {"loss": loss, **metrics}.items():
+            totals[name] = totals.get(name, 0) + value.detach().double() * count
         rows += count
     model.train()
-    mean = total / max(1, rows)
-    dist.all_reduce(mean)
-    return (mean / dist.get_world_size()).item()
+    means = torch.stack(list(totals.values())) / max(1, rows)
+    dist.all_reduce(means)
+    return {f"val/{name}": value for name, value in zip(totals, (means / dist.get_world_size()).tolist())}
 
 
 def _finish(

@@ -155,3 +155,17 @@ def test_model_parallel_sizes_under_a_builtin_sharding_config(
     with pytest.raises(LayoutError, match=rf"{name}={value} under Accelerate's built-in {path} path.*1node_8gpu.yaml"):
         ParallelAccelerator(**sizes, cpu=True)
 
+
+
+@pytest.mark.parametrize("variable", ["ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"])
+def test_preference_recipe_under_a_builtin_sharding_config(monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    """A DPO recipe needs the engine's layouts (global means over the data ranks, the reference with the adapters
+    disabled): under Accelerate's own DeepSpeed or FSDP it is refused before any process group or model."""
+    from lightning_plugins.accelerate.runner import make_accelerator
+    from lightning_plugins.errors import OptionsError
+    from lightning_plugins.recipe.schema import load_recipe
+
+    _world(monkeypatch, 8)
+    monkeypatch.setenv(variable, "true")
+    with pytest.raises(OptionsError, match=r"objective\.method=dpo: preference methods run on the engine's layouts"):
+        make_accelerator(load_recipe(TINY / "dpo_lora_fsdp2.yaml"))

@@ -1,7 +1,7 @@
 """The real ``accelerate launch`` with the shipped CPU config runs the tiny recipes through the Accelerate door,
 and every step equals the Lightning door's on the same recipe and seed (loss, learning rate, gradient norm,
-held-out loss): same data order, same schedule, same engine. A run stopped after a checkpoint resumes on
-the same trajectory, under another layout (PP=2 -> TP=2)."""
+held-out loss): same data order, same schedule, same engine. The tiny DPO recipe logs TRL's metrics alike in both
+doors. A run stopped after a checkpoint resumes on the same trajectory, under another layout (PP=2 -> TP=2)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ SHORT = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_ever
 #: The tiny recipes each door runs, compared step by step.
 COMPARED = ["full_tp2.yaml", "full_pp2.yaml", "full_cp2.yaml"]
 COLUMNS = ("train/loss", "train/lr", "train/grad_norm", "val/loss")
+#: DPO with LoRA under FSDP2=2: both doors log TRL's metrics of every step and held-out evaluation.
+DPO = "dpo_lora_fsdp2.yaml"
+DPO_COLUMNS = tuple(f"{split}/{name}" for split in ("train", "val") for name in (
+    "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
+    "logits/chosen", "logits/rejected"))  # fmt: skip
 #: A tiny Mixtral under expert parallelism (written by the `recipes` fixture): both doors log its routing balance.
 MOE = "moe_ep2.yaml"
 MOE_COLUMNS = ("moe/load_max_over_mean", "moe/router_entropy")
@@ -56,7 +61,7 @@ def _moe_recipe(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def recipes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``recipe name -> path`` of every recipe both doors run."""
-    return {**{recipe: TINY / recipe for recipe in COMPARED}, MOE: _moe_recipe(tmp_path_factory.mktemp("moe"))}
+    return {**{recipe: TINY / recipe for recipe in [*COMPARED, DPO]}, MOE: _moe_recipe(tmp_path_factory.mktemp("moe"))}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +70,7 @@ def lightning(
 ) -> dict[str, Path]:
     """``recipe -> output directory`` of the Lightning door's run of each compared recipe this session runs, one after
     another in one launched world (``tests/scripts/finetune_chain.py``); the default suite leaves out the recipes whose
-    tests are slow (2 of the 4 runs)."""
+    tests are slow (3 of the 5 runs)."""
     root = tmp_path_factory.mktemp("lightning")
     wanted = {params["recipe"] for params in collected(request, "test_accelerate_launch_matches_the_lightning_door")}
     recipes = {recipe: path for recipe, path in recipes.items() if recipe in wanted}
@@ -78,7 +83,8 @@ def lightning(
 def _metrics(out: Path) -> dict[str, list[tuple[int, float]]]:
     with open(out / "metrics.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
-    return {key: [(int(r["step"]), float(r[key])) for r in rows if r.get(key)] for key in COLUMNS + MOE_COLUMNS}
+    keys = COLUMNS + MOE_COLUMNS + DPO_COLUMNS
+    return {key: [(int(r["step"]), float(r[key])) for r in rows if r.get(key)] for key in keys}
 
 
 def _same(accelerate: Path, lightning: Path, columns: tuple[str, ...] = COLUMNS) -> None:
@@ -105,17 +111,20 @@ def _exports_like(checkpoint: Path, reference: Path, out: Path) -> None:
 
 @pytest.mark.parametrize(
     "recipe",
-    [pytest.param(COMPARED[0], marks=pytest.mark.slow), COMPARED[1], pytest.param(COMPARED[2], marks=pytest.mark.slow), MOE],
-)
+    [pytest.param(COMPARED[0], marks=pytest.mark.slow), COMPARED[1], pytest.param(COMPARED[2], marks=pytest.mark.slow),
+     MOE, pytest.param(DPO, marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_accelerate_launch_matches_the_lightning_door(
     recipes: dict[str, Path], lightning: dict[str, Path], tmp_path: Path, recipe: str
 ) -> None:
     out = tmp_path / "accelerate"
     stdout = clean_stdout(accelerate_launch(recipes[recipe], out, *SHORT))
-    assert f"model: {out / 'hf'}" in stdout and (out / "loss_curve.png").stat().st_size > 1000
+    exported = out / ("adapter" if recipe == DPO else "hf")
+    assert f"model: {exported}" in stdout and (out / "loss_curve.png").stat().st_size > 1000
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
-    _exports_like(out / "checkpoints" / "step=6.ckpt", out / "hf", tmp_path / "export")
-    _same(out, lightning[recipe])
+    if recipe != DPO:  # a LoRA run exports its adapter (tests/adapters check those exports)
+        _exports_like(out / "checkpoints" / "step=6.ckpt", exported, tmp_path / "export")
+    _same(out, lightning[recipe], COLUMNS + DPO_COLUMNS if recipe == DPO else COLUMNS)
     if recipe == MOE:  # every step's routing balance, over both ranks, in both doors' metrics.csv
         got, want = _metrics(out), _metrics(lightning[recipe])
         for key in MOE_COLUMNS:
