@@ -381,6 +381,7 @@ def _run_step(
     optimizer: torch.optim.Optimizer,
     batch: dict[str, Tensor],
     after_backward: Callable[[], None] | None = None,
+    loss_fn: Callable[[nn.Module, dict[str, Tensor]], Tensor] | None = None,
 ) -> None:
     """One training step: forward and backward (through the schedule under pipelining), optimizer step."""
     from lightning_plugins.parallel import pipeline_of
@@ -388,7 +389,7 @@ def _run_step(
     if pipeline_of(model) is not None:
         model(**batch)  # runs forward and backward of every micro-batch; the loss comes back detached
     else:
-        model(**batch).loss.backward()
+        (model(**batch).loss if loss_fn is None else loss_fn(model, batch)).backward()
     if after_backward is not None:
         after_backward()
     optimizer.step()
@@ -402,6 +403,7 @@ def measure_step_memory(
     *,
     steps_before: int = 1,
     device: torch.device | str = "cpu",
+    loss_fn: Callable[[nn.Module, dict[str, Tensor]], Tensor] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Peak memory of one real training step on this rank, by category, and the resident training state.
 
@@ -418,6 +420,8 @@ def measure_step_memory(
             with :func:`lightning_plugins.parallel.context_parallel_batch`.
         steps_before: Untracked steps first; at least 1 so that the optimizer state exists.
         device: The device whose memory is reported.
+        loss_fn: ``loss_fn(model, batch)``, the loss backpropagated in place of ``model(**batch).loss`` (a
+            preference objective's: :func:`~lightning_plugins.planner.objective_step.step_loss`).
 
     Returns:
         ``{"peak": {category: bytes, ..., "total": bytes}, "intervals": [...], "state": {"parameters", "gradients",
@@ -437,7 +441,7 @@ def measure_step_memory(
             " counted at global shape. Use steps_before=1."
         )
     for _ in range(steps_before):
-        _run_step(model, optimizer, batch)
+        _run_step(model, optimizer, batch, loss_fn=loss_fn)
     tracker = StepMemTracker(model)
     tracker.track_external(model, optimizer, *batch.values(), *_pipeline_buffers(model))
     result: dict[str, Any] = {}
@@ -449,7 +453,7 @@ def measure_step_memory(
         mark()
 
     with tracker:
-        _run_step(model, optimizer, batch, after_backward=after_backward)
+        _run_step(model, optimizer, batch, after_backward=after_backward, loss_fn=loss_fn)
         mark()
     for handle in handles:
         handle.remove()

@@ -44,6 +44,7 @@ class RankWork:
         attn_fwd: Seconds per token of one layer's attention forward.
         compute: Seconds of model FLOPs (forward and backward).
         recompute: Seconds of recomputation.
+        ref: Forwards of the reference per micro-batch (DPO: 1, no backward; else 0), counted in ``compute``.
     """
 
     layers: int
@@ -56,6 +57,7 @@ class RankWork:
     attn_fwd: float
     compute: float
     recompute: float
+    ref: float = 0.0
 
     @property
     def busy(self) -> float:
@@ -92,11 +94,13 @@ def rank_work(
     layer_time = mm_factor * mm_fwd + 3.0 * attn_fwd + 6.0 * lora_layer / rate
     head_time = mm_factor * 2.0 * stats.vocab_size * stats.hidden_size / rate if last else 0.0
     compute = tokens / t * (layers * layer_time + head_time) * slowdown
+    ref = 1.0 if shape.reference_forward else 0.0  # the reference's forward: the base's matmuls, attention, head
+    compute += ref * tokens / t * (layers * (mm_fwd + attn_fwd) + head_time / mm_factor) * slowdown
     rec = _recompute_share(memory, layers, recompute_fraction)
     tiled = 2.0 * _mlp_matmul_params(stats) / rate if memory.mlp_chunk_tokens else 0.0  # each tile's forward again
     recompute = tokens / t * layers * (rec * (mm_fwd + attn_fwd) + tiled) * slowdown
     act = tokens * stats.hidden_size * 2.0  # bf16 activations of this rank's tokens, one layer boundary, per step
-    return RankWork(layers, first, last, forwards, tokens, act, rec, attn_fwd, compute, recompute)
+    return RankWork(layers, first, last, forwards, tokens, act, rec, attn_fwd, compute, recompute, ref)
 
 
 def tensor_comm(
@@ -114,8 +118,8 @@ def tensor_comm(
     op_level = recompute_fraction is None and memory.activation_checkpointing == "selective"
     rec_comm = 1.0 if op_level and memory.every_n_layers is None else work.rec
     # The vocab-parallel embedding output and the lm_head input: one collective each way per end.
-    ends = 2 * (t - 1) / t * act * (int(work.first) + int(work.last))
-    comm = (work.layers * (fwd + bwd + rec_comm * fwd) + ends) / bw
+    ends = 2 * (t - 1) / t * act * (int(work.first) + int(work.last)) * (1 + work.ref / 2)
+    comm = (work.layers * (fwd + bwd + (rec_comm + work.ref) * fwd) + ends) / bw
     return comm, comm * (1 - ASYNC_TP_HIDDEN if async_tp else 1.0)
 
 
@@ -123,7 +127,7 @@ def context_comm(work: RankWork, stats: ModelStats, shape: StepShape, cluster: C
     """Context parallelism's seconds: (all, exposed). Ring attention hides its passes behind the attention."""
     t, c = shape.layout.tp_size, shape.layout.cp_size
     _, bw = cluster.link(c * t)
-    tokens, layers, rec = work.tokens, work.layers, work.rec
+    tokens, layers, rec = work.tokens, work.layers, work.rec + work.ref  # the reference's forward: as recomputed
     kv = 2 * tokens * stats.num_kv_heads * stats.head_dim * 2.0 / t  # this rank's K and V, per layer
     if shape.cp_backend == "ring":
         per_layer = (c - 1) * kv * (1 + 2 + rec)  # forward passes, backward K/V + dK/dV, recompute
@@ -142,7 +146,7 @@ def expert_comm(work: RankWork, stats: ModelStats, shape: StepShape, cluster: Cl
     _, bw = cluster.link(t * e)
     rows = work.tokens / t * stats.experts_per_token  # routed (token, expert) rows of this rank, per step
     per_layer = 2 * (e - 1) / e * rows * stats.hidden_size * 2.0  # dispatch + combine, bf16
-    return work.layers * per_layer * (2 + work.rec) / bw  # forward, backward (the same bytes), recomputation
+    return work.layers * per_layer * (2 + work.rec + work.ref) / bw  # forward, backward, recomputation, reference
 
 
 def pipeline_comm(work: RankWork, shape: StepShape, cluster: Cluster) -> tuple[float, float]:
@@ -211,7 +215,8 @@ def rank_bytes(
         regather = memory.reshard_after_forward and not shape.split_backward
         gathers = shape.accumulation * (2 * shape.microbatches if regather else 1)
     else:
-        gathers = shape.accumulation * (2 if memory.reshard_after_forward else 1)
+        # The reference's forward gathers once more, unless the policy's forward keeps the parameters gathered.
+        gathers = shape.accumulation * ((2 + int(work.ref)) if memory.reshard_after_forward else 1)
     return RankBytes(params, routed, stored, gathered, trainable, grad_bytes, gathers, reductions)
 
 

@@ -87,8 +87,9 @@ class Plan:
             full = replace(workload, memory=replace(memory, activation_checkpointing="full"))
             keeps = korthikanti_activations(full, 1) / max(1, korthikanti_activations(workload, 1))
             levers.append((int(worst.peak["activations"] * (1 - keeps)), "memory.activation_checkpointing: full"))
-        if workload.micro_batch_size > 1:
-            levers.append((worst.peak["activations"] // 2, f"train.micro_batch_size: {workload.micro_batch_size // 2}"))
+        samples = workload.micro_batch_size // workload.rows_per_sample  # the recipe's count: pairs, or rows
+        if samples > 1:
+            levers.append((worst.peak["activations"] // 2, f"train.micro_batch_size: {samples // 2}"))
         if not memory.cpu_offload and layout.fsdp_size > 1:
             state = worst.peak["parameters"] + worst.peak["gradients"] + worst.peak["optimizer"]
             levers.append((min(state, sum(worst.state.values())), "memory.cpu_offload: true"))
@@ -108,6 +109,7 @@ class Plan:
         return {
             "model": getattr(self.workload.config, "_name_or_path", "") or self.workload.config.model_type,
             "method": self.workload.method,
+            "objective": self.workload.objective.method,
             "layout": {
                 "pp": layout.pp_size,
                 "dp_replicate": layout.dp_replicate_size,
@@ -137,10 +139,10 @@ class Plan:
         w, layout = self.workload, self.workload.layout
         unit, size = ("GiB", GIB) if self.peak >= GIB else ("MiB", 2**20)
         lines = [
-            f"{w.method} fine-tune, layout pp={layout.pp_size} dp_replicate={layout.dp_replicate_size}"
+            f"{w.method} fine-tune{_objective(w)}, layout pp={layout.pp_size} dp_replicate={layout.dp_replicate_size}"
             f" dp_shard={layout.dp_shard_size} cp={layout.cp_size} tp={layout.tp_size}"
             f" ({layout.world_size} x {self.cluster.gpu.name} {self.cluster.memory / GIB:.0f} GiB),"
-            f" seq {w.seq_len}, micro-batch {w.micro_batch_size}, AC {w.memory.activation_checkpointing}"
+            f" seq {w.seq_len}, micro-batch {w.micro_batch_size}{_pairs(w)}, AC {w.memory.activation_checkpointing}"
             + (", CPU offload" if w.memory.cpu_offload else ""),
             "",
             f"{unit} per GPU at the step's peak (dry run on a fake process group; activations measured):",
@@ -183,6 +185,16 @@ class Plan:
         return "\n".join(lines)
 
 
+def _objective(workload: Workload) -> str:
+    method = workload.objective.method
+    reference = ", reference: the base, adapters off" if workload.objective.needs_reference else ""
+    return "" if method == "sft" else f" ({method}{reference})"
+
+
+def _pairs(workload: Workload) -> str:
+    return f" rows ({workload.micro_batch_size // 2} pairs)" if workload.objective.paired else ""
+
+
 def step_time(workload: Workload, cluster: Cluster) -> StepTime:
     """The step-time model's estimate for ``workload`` on ``cluster``."""
     return estimate_step_time(
@@ -196,6 +208,7 @@ def step_time(workload: Workload, cluster: Cluster) -> StepTime:
         global_batch_size=workload.global_batch_size,
         method=workload.method,
         lora=workload.lora,
+        reference_forward=workload.objective.needs_reference,
     )
 
 

@@ -167,6 +167,7 @@ def estimate_step_time(
     async_tp: bool | None = None,
     recompute_fraction: float | None = None,
     float8_tp: bool = False,
+    reference_forward: bool = False,
 ) -> StepTime:
     """Estimate one optimizer step of ``layout`` on ``cluster``.
 
@@ -177,13 +178,11 @@ def estimate_step_time(
         memory: Activation checkpointing, FSDP2 dtypes, CPU or optimizer offload, ``reshard_after_forward``.
         cluster: The GPUs and links.
         seq_len: Tokens per row.
-        micro_batch_size: Rows per data rank per forward (under PP: the batch the pipeline splits into
-            ``pp_microbatches`` micro-batches), as in a recipe.
+        micro_batch_size: Rows per data rank per forward (under PP: what it splits into ``pp_microbatches``).
         global_batch_size: Rows per optimizer step over all data ranks (``dp_replicate x dp_shard``); a data
             rank accumulates ``global_batch_size // (micro_batch_size x data ranks)`` forwards.
         method: ``"full"``, ``"lora"`` or ``"qlora"``.
-        lora: The :class:`~lightning_plugins.adapters.lora.LoraOptions` (rank, targets) for LoRA/QLoRA; ``None`` takes
-            their defaults.
+        lora: The :class:`~lightning_plugins.adapters.lora.LoraOptions` for LoRA/QLoRA; ``None``: their defaults.
         kernels: A key of :data:`KERNELS` (or a :class:`Kernels`): the calibrated efficiency class; ``None``
             follows ``options`` (:func:`kernels_for`). ``cluster.mfu`` overrides its efficiency.
         async_tp: Whether tensor-parallel collectives are micro-pipelined with the matmuls (hides
@@ -193,6 +192,7 @@ def estimate_step_time(
         float8_tp: With float8 kernels, whether the sequence-parallel all-gathers carry float8 activations
             (torchao's ``Float8ColwiseParallel``/``PrepareFloat8ModuleInput``, as torchtitan's calibrating runs use);
             ``False``: this engine's TP plans, which gather bf16 activations (the float8 cast follows the gather).
+        reference_forward: DPO's reference: one more forward of every micro-batch, no backward (rows: a pair's two).
 
     Raises:
         PlannerError: for an unresolved layout, a world size that is not the cluster's, an unknown method or
@@ -201,7 +201,8 @@ def estimate_step_time(
     stats = model_stats(config_or_stats)
     kern = _kernels(kernels_for(options) if kernels is None else kernels)
     async_tp = options.async_tp if async_tp is None else async_tp
-    shape = StepShape.of(stats, layout, options, cluster, seq_len, micro_batch_size, global_batch_size)
+    sizes = (seq_len, micro_batch_size, global_batch_size, reference_forward)
+    shape = StepShape.of(stats, layout, options, cluster, *sizes)
     method, lora = _method(method, lora)
     efficiency, attention_efficiency = _efficiencies(cluster, kern)
     lora_layer = stats.lora_params_per_layer(lora.target_modules, lora.r) if lora is not None else 0

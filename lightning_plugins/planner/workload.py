@@ -15,6 +15,7 @@ from lightning_plugins.parallel.checks import check_settings
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.errors import PlannerError
+from lightning_plugins.preference.options import PreferenceOptions
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class Workload:
         global_batch_size: Rows per optimizer step over all data ranks.
         attn_implementation: transformers' attention implementation the run uses.
         optimizer: ``optim.name`` of the recipe: ``adamw`` (fp32 moments) or ``adamw8bit`` (8-bit moments).
+        objective: What the step optimizes (the recipe's ``objective:``): SFT, or a preference method, whose step
+            runs :class:`~lightning_plugins.preference.PreferenceObjective` (DPO: a no-grad forward of the reference,
+            the base with the adapters disabled, before the policy's). ``micro_batch_size`` and
+            ``global_batch_size`` count rows then: a pair is two (:meth:`from_recipe` doubles the recipe's pairs).
     """
 
     config: Any
@@ -47,6 +52,7 @@ class Workload:
     global_batch_size: int | None = None
     attn_implementation: str = "sdpa"
     optimizer: str = "adamw"
+    objective: PreferenceOptions = field(default_factory=PreferenceOptions)
 
     def __post_init__(self) -> None:
         if self.layout.dp_shard_size == -1:
@@ -64,6 +70,11 @@ class Workload:
         if self.lora is None:
             return "full"
         return "qlora" if self.lora.quantize == "nf4" else "lora"
+
+    @property
+    def rows_per_sample(self) -> int:
+        """Rows one sample of a recipe's batch sizes becomes: 2 for a preference pair (chosen, rejected), else 1."""
+        return 2 if self.objective.paired else 1
 
     @property
     def world_size(self) -> int:
@@ -93,6 +104,7 @@ class Workload:
             from lightning_plugins.planner.model_stats import load_model_config
 
             config = load_model_config(recipe.model.path)
+        rows = 2 if recipe.objective.paired else 1  # a preference pair is its chosen row and its rejected row
         return cls(
             config=config,
             layout=recipe.layout.resolve(recipe.hardware.world_size),
@@ -101,8 +113,9 @@ class Workload:
             lora=recipe.lora,
             dtype=recipe.model.dtype,
             seq_len=recipe.data.max_seq_len,
-            micro_batch_size=recipe.train.micro_batch_size,
-            global_batch_size=recipe.samples_per_step,
+            micro_batch_size=recipe.train.micro_batch_size * rows,
+            global_batch_size=recipe.samples_per_step * rows,
             attn_implementation=recipe.model.attn_implementation,
             optimizer=recipe.optim.name,
+            objective=recipe.objective,
         )

@@ -199,8 +199,6 @@ def _write_model(config: Any, directory: Path, seed: int) -> None:
 
 def _tiny_settings(recipe: Recipe, layout: ParallelLayout, steps: int, out: Path) -> dict[str, Any]:
     """Dotted keys and the values the tiny twin sets (everything else is the original's)."""
-    assets = tiny_assets()
-    chat = recipe.data.format == "chat"
     world = layout.tp_size * layout.pp_size * layout.cp_size * max(1, layout.dp_shard_size) * layout.dp_replicate_size
     micro = max(recipe.train.micro_batch_size, TINY_MICRO_BATCH)  # a few rows: a loss that falls step on step
     if layout.pp_size > 1:  # what the pipeline splits: a multiple of its micro-batches
@@ -212,8 +210,8 @@ def _tiny_settings(recipe: Recipe, layout: ParallelLayout, steps: int, out: Path
         "model.dtype": "fp32",
         # eager stays eager (gpt-oss: attention sinks, no SDPA in transformers); a GPU kernel becomes SDPA on CPU
         "model.attn_implementation": "eager" if recipe.model.attn_implementation == "eager" else "sdpa",
-        "data.train": str(_head(assets.chat_train_file if chat else assets.train_file, out, "train")),
-        "data.eval": str(_head(assets.chat_eval_file if chat else assets.eval_file, out, "eval")),
+        "data.train": str(_head(_tiny_data(recipe, "train"), out, "train")),
+        "data.eval": str(_head(_tiny_data(recipe, "eval"), out, "eval")),
         "data.eval_fraction": 0.0,
         "data.max_seq_len": TINY_SEQ_LEN,
         "layout": {
@@ -241,6 +239,17 @@ def _tiny_settings(recipe: Recipe, layout: ParallelLayout, steps: int, out: Path
         "hardware": {"accelerator": "cpu", "devices": world, "nodes": 1},
     }
     return settings
+
+
+def _tiny_data(recipe: Recipe, split: str) -> Path:
+    """The shipped tiny data a twin trains on: reversal pairs for a preference method, chat records for chat, else
+    prompt/completion records."""
+    assets = tiny_assets()
+    if recipe.objective.paired:
+        return assets.root / "data" / f"preference_{split}.jsonl"
+    if recipe.data.format == "chat":
+        return assets.chat_train_file if split == "train" else assets.chat_eval_file
+    return assets.train_file if split == "train" else assets.eval_file
 
 
 def _head(source: Path, out: Path, split: str) -> Path:

@@ -32,6 +32,7 @@ import torch
 
 from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions, parallelize
 from lightning_plugins.adapters.lora import LoraOptions
+from lightning_plugins.preference.options import PreferenceOptions
 from lightning_plugins.testing.world import run_world
 
 #: The model: 4 layers, GQA (8 heads, 4 kv heads), SwiGLU; ~2.9M parameters (11.4 MiB in fp32).
@@ -62,7 +63,10 @@ class MemoryLayout:
         options: How the dimensions are applied.
         memory: Activation checkpointing and the FSDP2 levers.
         lora: LoRA adapters (applied before ``parallelize``), or ``None`` for a full fine-tune.
-        rows: Batch rows each data rank trains per step (under pipelining split into ``pp_microbatches``).
+        rows: Batch rows each data rank trains per step (under pipelining split into ``pp_microbatches``); under a
+            preference objective the chosen rows then the rejected (two per pair).
+        objective: SFT (the model's own loss), or a preference method run through its objective
+            (:func:`~lightning_plugins.planner.objective_step.step_loss`).
     """
 
     world_size: int
@@ -71,10 +75,12 @@ class MemoryLayout:
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     lora: LoraOptions | None = None
     rows: int = 2
+    objective: PreferenceOptions = field(default_factory=PreferenceOptions)
 
 
 _SP = ParallelOptions(sequence_parallel=True, loss_parallel=True)
-#: The layouts, by name. 2 ranks: TP, FSDP2, PP 1F1B, CP (Ulysses, ring), LoRA, LoRA with the tiled MLP; 4 ranks: TP x FSDP2 with and without AC.
+#: The layouts, by name. 2 ranks: TP, FSDP2, PP 1F1B, CP (Ulysses, ring), LoRA, LoRA with the tiled MLP, DPO
+#: with LoRA; 4 ranks: TP x FSDP2 with and without AC.
 LAYOUTS: dict[str, MemoryLayout] = {
     "tp2": MemoryLayout(2, ParallelLayout(tp_size=2), _SP),
     "fsdp2": MemoryLayout(2, ParallelLayout(dp_shard_size=2)),
@@ -88,6 +94,10 @@ LAYOUTS: dict[str, MemoryLayout] = {
         ParallelLayout(dp_shard_size=2),
         memory=MemoryOptions(activation_checkpointing="full", mlp_chunk_tokens=64),
         lora=LoraOptions(r=8, alpha=16),
+    ),
+    # DPO: 2 pairs (4 rows), the reference a no-grad forward with the adapters disabled, then the policy's.
+    "dpo_lora_fsdp2": MemoryLayout(
+        2, ParallelLayout(dp_shard_size=2), lora=LoraOptions(r=8, alpha=16), rows=4, objective=PreferenceOptions("dpo")
     ),
     # The chunked default, with the embedding and the norm + head as FSDP2 units of their own. The dry run is compared
     # with the real run interval by interval (test_planner_dryrun.py): the fake process group holds a few MB more
@@ -133,6 +143,7 @@ def measure_layout(spec: MemoryLayout) -> dict[str, Any]:
     from lightning_plugins.adapters.lora import trainable_parameters
     from lightning_plugins.parallel import context_parallel_batch, mesh_of
     from lightning_plugins.planner.measure import measure_step_memory
+    from lightning_plugins.planner.objective_step import step_loss
 
     model = parallelize(make_model(spec.lora), spec.layout, spec.options, spec.memory)
     mesh = mesh_of(model)
@@ -140,7 +151,8 @@ def measure_layout(spec: MemoryLayout) -> dict[str, Any]:
     if mesh["cp"].size() > 1:
         batch = context_parallel_batch(batch, mesh)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=LR)
-    result: dict[str, Any] = measure_step_memory(model, optimizer, batch)
+    loss_fn = functools.partial(step_loss, spec.objective) if spec.objective.paired else None
+    result: dict[str, Any] = measure_step_memory(model, optimizer, batch, loss_fn=loss_fn)
     result["coords"] = {dim: mesh[dim].get_local_rank() for dim in ("pp", "dp", "cp", "tp")}
     result["tokens"] = list(batch["input_ids"].shape)
     del model, optimizer, batch

@@ -167,6 +167,7 @@ def test_dry_run_predicts_the_peak_of_real_runs() -> None:
             dtype="fp32",
             seq_len=SEQ_LEN,
             micro_batch_size=spec.rows,
+            objective=spec.objective,
         )
         for predicted in dry_run(workload):
             truths = [dict(interval) for interval in real[name][f"rank{predicted.rank}"]["intervals"]]

@@ -1,0 +1,27 @@
+"""The loss one measured step backpropagates: the model's own (SFT) or the recipe's preference objective's.
+
+A dry run and the real runs it is checked against call :func:`step_loss`, so a preference step is measured as it
+runs, not modelled: :class:`~lightning_plugins.preference.PreferenceObjective` on a batch of chosen rows then rejected
+rows (a recipe's ``micro_batch_size`` pairs are twice as many rows: :meth:`Workload.from_recipe
+<lightning_plugins.planner.workload.Workload.from_recipe>`), DPO's reference forward first (the base with the
+adapters disabled, under ``no_grad``: its transient activations, none kept), then the policy's forward through the
+per-token loss path. SimPO and ORPO have no reference forward.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from lightning_plugins.preference.options import PreferenceOptions
+
+__all__ = ["step_loss"]
+
+
+def step_loss(objective: PreferenceOptions, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """The loss of one forward of ``model`` on ``batch``, as the run with this ``objective`` computes it."""
+    if not objective.paired:
+        return model(**batch).loss
+    from lightning_plugins.preference.objective import PreferenceObjective
+
+    loss, _ = PreferenceObjective(objective)(model, batch)
+    return loss
