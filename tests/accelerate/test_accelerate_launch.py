@@ -1,7 +1,8 @@
 """The real ``accelerate launch`` with the shipped CPU config runs the tiny recipes through the Accelerate door,
 and every step equals the Lightning door's on the same recipe and seed (loss, learning rate, gradient norm,
 held-out loss): same data order, same schedule, same engine. The tiny DPO recipe logs TRL's metrics alike in both
-doors. A run stopped after a checkpoint resumes on the same trajectory, under another layout (PP=2 -> TP=2)."""
+doors. A run stopped after a checkpoint resumes on the same trajectory, under another layout (PP=2 -> TP=2), and a DPO
+run under the same one."""
 
 from __future__ import annotations
 
@@ -125,6 +126,12 @@ def test_accelerate_launch_matches_the_lightning_door(
     if recipe != DPO:  # a LoRA run exports its adapter (tests/adapters check those exports)
         _exports_like(out / "checkpoints" / "step=6.ckpt", exported, tmp_path / "export")
     _same(out, lightning[recipe], COLUMNS + DPO_COLUMNS if recipe == DPO else COLUMNS)
+    if recipe == DPO:  # interrupted after step 4: the same command resumes on the uninterrupted trajectory
+        shutil.rmtree(out / "checkpoints" / "step=6.ckpt")
+        stdout = clean_stdout(accelerate_launch(recipes[recipe], out, *SHORT))
+        assert f"resumed_from: {out / 'checkpoints' / 'step=4.ckpt'}" in stdout, stdout
+        assert (out / "logs" / "version_1" / "metrics.csv").is_file()
+        _same(out, lightning[recipe], COLUMNS + DPO_COLUMNS)
     if recipe == MOE:  # every step's routing balance, over both ranks, in both doors' metrics.csv
         got, want = _metrics(out), _metrics(lightning[recipe])
         for key in MOE_COLUMNS:
