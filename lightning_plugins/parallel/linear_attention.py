@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 __all__ = [
@@ -174,8 +173,7 @@ class HeadSplitLinearAttention:
         each row's gradient back to the rank whose shard holds it)."""
         local = param.to_local()
         send = local.index_select(0, self.send_index.to(local.device)).contiguous()
-        out = send.new_empty((sum(self.receive_splits), *local.shape[1:]))
-        return all_to_all_single(out, send, self.receive_splits, self.send_splits, group=self.mesh.get_group())
+        return all_to_all_single_autograd(send, self.receive_splits, self.send_splits, self.mesh.get_group())
 
     def install(self) -> None:
         self.module.forward = self  # type: ignore[method-assign]
