@@ -72,11 +72,12 @@ def unpacked_rows() -> Iterator[None]:
 
 @contextlib.contextmanager
 def one_row_tile_only() -> Iterator[None]:
-    """Ring attention's pure-torch fallback (soft-capping, a window's band rows, short packed documents:
-    :func:`lightning_plugins.parallel.context.tiles.block_pieces`; the rest runs fused kernels) computes a K/V block a
-    tile of query rows at a time, each tile's temporaries freed before the next: under fake tensors the widest tile
-    alone has the same peak. At 64K tokens over cp=4 a block has thousands of tiles, and running them all made a 70B
-    dry run take over half an hour. The widest is the last full tile: causal tiles stop at the last key their last
+    """Ring attention's tiles (the pure-torch fallback for soft-capping; on CPU also the masked kernel calls of a
+    window's short band runs and of short packed documents; the rest runs unmasked fused calls:
+    :func:`lightning_plugins.parallel.context.tiles.block_pieces`) compute a K/V block a tile of query rows at a
+    time, each tile's temporaries (scores, or the kernel's mask) freed before the next: under fake tensors the widest
+    tile alone has the same peak. At 64K tokens over cp=4 a block has thousands of tiles, and running them all made a
+    70B dry run take over half an hour. The widest is the last full tile: causal tiles stop at the last key their last
     query attends, which grows with the rows (the dry run plans unpacked rows, :func:`unpacked_rows`: no document
     boxes). A sliding window's tiles are boxed like documents': the one with the largest box alone."""
     from lightning_plugins.parallel.context import tiles
