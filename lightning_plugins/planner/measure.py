@@ -177,6 +177,7 @@ class StepMemTracker(MemTracker):
         super().__init__()
         self._left_out = [reftype for reftype, name in _NAMES.items() if name in left_out]
         self._mod_tracker = _NestedBackwardModTracker()
+        self._model = model
         self._fsdp_groups = list(_fsdp_param_groups(model)) if model is not None else []
         #: Storages whose category is fixed (FSDP2's gathered parameters): modules re-file them as parameters.
         self._fixed: dict[_WeakRefInfo, _MemRefType] = {}
@@ -186,6 +187,10 @@ class StepMemTracker(MemTracker):
 
     def __enter__(self) -> Self:
         if self._depth == 0:
+            if self._model is not None:
+                # The sharded parameters, hooked before any forward: a module first entered with FSDP2's parameters
+                # gathered lists the gathered copies (a step whose first forward is DPO's no-grad reference one).
+                self._hook_gradients(self._model)
             for group in self._fsdp_groups:
                 for fsdp_param in group.fsdp_params:
                     for tensor in getattr(fsdp_param, "all_gather_outputs", ()):
@@ -254,13 +259,16 @@ class StepMemTracker(MemTracker):
             warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
             memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
         if install_grad_hooks:
-            for param in module.parameters():
-                if param.requires_grad and param.is_leaf and self._param_to_grad_hook_handles.get(param) is None:
-                    self._param_to_grad_hook_handles[param] = (
-                        param.register_hook(self._file_gradient),
-                        param.register_post_accumulate_grad_hook(lambda p: self._file_gradient(p.grad)),
-                    )
+            self._hook_gradients(module)
         return memory
+
+    def _hook_gradients(self, module: nn.Module) -> None:
+        for param in module.parameters():
+            if param.requires_grad and param.is_leaf and self._param_to_grad_hook_handles.get(param) is None:
+                self._param_to_grad_hook_handles[param] = (
+                    param.register_hook(self._file_gradient),
+                    param.register_post_accumulate_grad_hook(lambda p: self._file_gradient(p.grad)),
+                )
 
     def _file_gradient(self, grad: Tensor) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
