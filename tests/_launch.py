@@ -12,7 +12,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
-from lightning_plugins.testing.world import free_port, run_command
+from lightning_plugins.testing.world import free_port, run_command, run_world
 
 ROOT = Path(__file__).parents[1]
 TINY = ROOT / "recipes" / "tiny"
@@ -131,3 +131,13 @@ def shared_run(tmp_path_factory, command: list[str], timeout: int = 300) -> Path
         run_command([*command, f"--train.output_dir={out}"], cwd=ROOT, timeout=timeout)
         _SHARED_RUNS[key] = out
     return _SHARED_RUNS[key]
+
+
+def world_json(world: Any, world_size: int) -> list[dict]:
+    """Launch ``world(rank, world_size, out_dir)`` on ``world_size`` ranks; each rank writes ``rank{r}.json`` into
+    ``out_dir``: what they wrote, by rank."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        run_world(world, world_size, out_dir)
+        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]

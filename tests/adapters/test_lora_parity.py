@@ -22,13 +22,12 @@ import copy
 import functools
 import json
 import logging
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from lightning_plugins.testing.world import run_world
+from _launch import world_json
 from peft import LoraConfig, PeftModel, get_peft_model
 from tiny_models import make_batch, tiny_model
 from torch import nn
@@ -372,9 +371,7 @@ def _world(rank: int, world_size: int, out_dir: str) -> None:
 
 @functools.cache
 def _results(world_size: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out_dir:
-        run_world(_world, world_size, out_dir)
-        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
+    return world_json(_world, world_size)
 
 
 @pytest.mark.parametrize("world_size,name", [(w, n) for w, cases in CASES.items() for n in cases], ids=str)

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import functools
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from lightning_plugins.testing.world import run_world
+from _launch import world_json
 from tiny_vlm import collate, image_sample, tiny_vlm
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -206,9 +205,7 @@ def _world(rank: int, world_size: int, out_dir: str) -> None:
 
 @functools.cache
 def _results(world_size: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out_dir:
-        run_world(_world, world_size, out_dir)
-        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
+    return world_json(_world, world_size)
 
 
 @pytest.mark.parametrize(

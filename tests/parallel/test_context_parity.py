@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import functools
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from lightning_plugins.testing.world import run_world
+from _launch import world_json
 from tiny_models import make_batch, tiny_model
 from torch.distributed.tensor import DTensor
 
@@ -206,9 +205,7 @@ def _world(rank: int, world_size: int, out_dir: str) -> None:
 @functools.cache
 def _results(world_size: int) -> dict[str, dict]:
     """Every case's differences, the worst over all ranks."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        run_world(_world, world_size, out_dir)
-        per_rank = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
+    per_rank = world_json(_world, world_size)
     worst = {}
     for name, case in per_rank[0].items():
         worst[name] = {key: max(r[name][key] for r in per_rank) for key in case}

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import functools
 import json
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from _launch import world_json
 from tiny_models import CONFIGS, make_batch, tiny_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -38,7 +38,6 @@ from lightning_plugins.parallel.options import with_settings
 from lightning_plugins.parallel.pipeline.apply import _PIPELINE_ATTR
 from lightning_plugins.preference import PreferenceObjective, PreferenceOptions
 from lightning_plugins.preference.logps import find_parallel_loss, sequence_logps
-from lightning_plugins.testing.world import run_world
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
@@ -155,9 +154,7 @@ def _world(rank: int, world_size: int, out_dir: str) -> None:
 
 @functools.cache
 def _results(world_size: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out_dir:
-        run_world(_world, world_size, out_dir)
-        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
+    return world_json(_world, world_size)
 
 
 @pytest.mark.parametrize(
