@@ -6,9 +6,10 @@ micro-batch on the same data rank. The loss is the mean over every pair of the g
 sum by the global number of pairs, as the SFT loss does with tokens: :func:`global_mean`), and the metrics
 are global means, so they read as one process's, and as TRL's.
 
-The reference of DPO is the policy's own base: the forward runs with the peft adapters disabled (peft's
-``disable_adapter()``) and without gradients; no second copy of the model exists. A full fine-tune has no such
-base: it is refused (:meth:`PreferenceObjective.check_model`).
+The reference of DPO, under LoRA, is the policy's own base: the forward runs with the peft adapters disabled (peft's
+``disable_adapter()``) and without gradients; no second copy of the model exists. A full fine-tune has no such base:
+its reference is a frozen copy of the starting checkpoint laid out exactly like the policy
+(:func:`~lightning_plugins.preference.reference.frozen_reference`, built at the first call unless one is given).
 
 A mixture of experts whose config turns ``output_router_logits`` on adds its router's load-balancing loss, weighted by
 the config's ``router_aux_loss_coef``, as TRL's ``DPOTrainer`` adds it (the policy's forward only; logged as
@@ -42,10 +43,10 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     disable = getattr(model, "disable_adapter", None)
     if disable is None:
         raise OptionsError(
-            f"objective.method=dpo needs a reference model, and {type(model).__name__} is not a peft model whose"
-            " adapters could be disabled. Add a `lora:` section (the reference is then the base model), or use a"
-            " reference-free method (objective.method: simpo or orpo); a frozen reference copy for a full fine-tune"
-            " is not built yet."
+            f"objective.method=dpo: {type(model).__name__} is not a peft model whose adapters could be disabled, so"
+            " its own base cannot be the reference. Give PreferenceObjective a reference model (`reference=` or"
+            " `checkpoint_dir=`: a frozen copy of the starting checkpoint), add a `lora:` section, or use a"
+            " reference-free method (objective.method: simpo or orpo)."
         )
     with disable():
         yield
@@ -78,28 +79,42 @@ class PreferenceObjective:
 
     Args:
         options: The method and its settings (the recipe's ``objective:`` section).
+        reference: DPO's reference for a full fine-tune (a model laid out like the policy, frozen); ``None``: the
+            policy's base with its adapters disabled under LoRA, else a frozen copy built at the first call
+            (:func:`~lightning_plugins.preference.reference.frozen_reference`).
+        checkpoint_dir: The checkpoint that frozen copy is read from (default: the policy config's ``name_or_path``).
     """
 
-    def __init__(self, options: PreferenceOptions) -> None:
+    def __init__(
+        self, options: PreferenceOptions, reference: nn.Module | None = None, checkpoint_dir: str | None = None
+    ) -> None:
         if not options.paired:
             raise OptionsError(f"PreferenceObjective trains on pairs; objective.method={options.method!r} does not.")
         self.options = options
-
-    def check_model(self, model: nn.Module) -> None:
-        """Refuse, before training, a model this method cannot train (DPO without adapters to disable)."""
-        if self.options.needs_reference:
-            with adapters_disabled(model):
-                pass
+        self.reference = reference
+        self.checkpoint_dir = checkpoint_dir
 
     def __call__(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         rows = batch["input_ids"].shape[0]
         if rows % 2:
             raise ValueError(f"a preference batch holds chosen rows then rejected rows; got {rows} rows (odd).")
-        reference = None
-        if self.options.needs_reference:
-            with torch.no_grad(), adapters_disabled(model):
-                reference = sequence_logps(model, batch, router_loss=False)
+        reference = self.reference_logps(model, batch) if self.options.needs_reference else None
         return self.from_logps(sequence_logps(model, batch), reference)
+
+    def reference_logps(self, model: nn.Module, batch: dict[str, Tensor]) -> SequenceLogps:
+        """The reference's log-probabilities of ``batch`` (no gradient): the base with the adapters off, or the
+        frozen copy (built on the first call, by every rank at once: its loading is collective)."""
+        with torch.no_grad():
+            if self.reference is None and getattr(model, "disable_adapter", None) is not None:
+                with adapters_disabled(model):
+                    return sequence_logps(model, batch, router_loss=False)
+            from lightning_plugins.preference.reference import frozen_reference, reshard
+
+            if self.reference is None:
+                self.reference = frozen_reference(model, self.checkpoint_dir)
+            logps = sequence_logps(self.reference, batch, router_loss=False)
+            reshard(self.reference)
+            return logps
 
     def from_logps(
         self, policy: SequenceLogps, reference: SequenceLogps | None = None
@@ -122,7 +137,9 @@ class PreferenceObjective:
             metrics["aux_loss"] = policy.aux_loss.detach()
         return loss, metrics
 
-    def _pair_losses(self, policy: SequenceLogps, reference: SequenceLogps | None) -> tuple[PairLosses, dict[str, Tensor]]:
+    def _pair_losses(
+        self, policy: SequenceLogps, reference: SequenceLogps | None
+    ) -> tuple[PairLosses, dict[str, Tensor]]:
         options = self.options
         chosen, rejected = policy.logps.chunk(2)
         chosen_tokens, rejected_tokens = policy.tokens.chunk(2)
@@ -136,7 +153,9 @@ class PreferenceObjective:
         chosen_mean, rejected_mean = chosen / chosen_tokens, rejected / rejected_tokens
         nll = global_mean(-chosen.sum(), chosen_tokens.sum(), policy.data_mesh)
         if options.method == "simpo":
-            losses = simpo_losses(chosen_mean, rejected_mean, options.beta, options.simpo_gamma, options.label_smoothing)
+            losses = simpo_losses(
+                chosen_mean, rejected_mean, options.beta, options.simpo_gamma, options.label_smoothing
+            )
             return losses, ({"nll_loss": nll} if options.sft_weight else {})
         losses, log_odds = orpo_losses(chosen_mean, rejected_mean, options.beta)
         return losses, {"nll_loss": nll, "log_odds_ratio": losses.losses / options.beta, "log_odds_chosen": log_odds}

@@ -17,6 +17,7 @@ adapters, to 1e-5.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from dataclasses import replace
@@ -31,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from lightning_plugins import ParallelLayout, parallelize
-from lightning_plugins.adapters.lora import LoraOptions, apply_lora, trainable_parameters
+from lightning_plugins.adapters.lora import LoraOptions, apply_lora
 from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of
 from lightning_plugins.parallel.options import with_settings
@@ -55,6 +56,10 @@ CASES = {
         "cp2 ring chunked": ("llama", CP2, {"cp_backend": "ring", "loss_chunk_tokens": 7}),
         "cp2 ulysses logits": ("llama", CP2, {"cp_backend": "ulysses", "loss_chunk_tokens": None}),
         "qwen3_moe ep2 router loss": ("qwen3_moe", {"ep_size": 2}, {"loss_chunk_tokens": 7}),
+        # A full fine-tune: the reference is a frozen copy of the starting checkpoint, built on meta, laid out like
+        # the policy and loaded sharded (frozen_reference); one process's is a plain copy of the model.
+        "fsdp2 full ft frozen reference": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
+        "tp2 sp+lp full ft frozen reference": ("llama", TP2, {"loss_chunk_tokens": None}),
     },
     # Compositions (slow): a row's log-probability summed over cp shards of vocab-sharded chunks, and the experts
     # split over 2 ranks and FSDP2-sharded over the other 2 (ep2 inside dp_shard 4), one pair a data rank.
@@ -63,6 +68,16 @@ CASES = {
         "qwen3_moe ep2 x fsdp4 router loss": ("qwen3_moe", {"ep_size": 2, "dp_shard_size": 4}, {}),
     },
 }
+
+#: Cases that train every weight (no LoRA) against a frozen reference copy.
+FULL = {name for cases in CASES.values() for name in cases if "full ft" in name}
+
+
+def full_model(family: str) -> torch.nn.Module:
+    model = tiny_model(family)
+    model.config.use_cache = False
+    return model
+
 
 def lora_model(family: str) -> torch.nn.Module:
     if family == "qwen3_moe":  # the router's balance loss on, weighted enough that a wrong reduction shows
@@ -89,9 +104,9 @@ def _pairs(vocab: int, step: int, micro: int) -> dict[str, torch.Tensor]:
     return make_batch(2 * PAIRS, SEQ, vocab, seed=100 * step + micro)
 
 
-def _train(model, take, clip) -> tuple[list[float], list[dict[str, float]]]:
-    objective = PreferenceObjective(OBJECTIVE)
-    params = trainable_parameters(model)
+def _train(model, take, clip, objective=None) -> tuple[list[float], list[dict[str, float]]]:
+    objective = objective or PreferenceObjective(OBJECTIVE)
+    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
     history, metrics = [], []
     for step in range(STEPS):
@@ -110,9 +125,12 @@ def _train(model, take, clip) -> tuple[list[float], list[dict[str, float]]]:
 
 
 @functools.cache
-def _reference(family: str):
-    model = lora_model(family)
-    history, metrics = _train(model, lambda batch: batch, torch.nn.utils.clip_grad_norm_)
+def _reference(family: str, full: bool = False):
+    model = full_model(family) if full else lora_model(family)
+    objective = None
+    if full:  # one process: the reference is a plain frozen copy of the starting model
+        objective = PreferenceObjective(OBJECTIVE, reference=copy.deepcopy(model).requires_grad_(False).eval())
+    history, metrics = _train(model, lambda batch: batch, torch.nn.utils.clip_grad_norm_, objective)
     return history, metrics, {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -127,15 +145,18 @@ def _rows_of_rank(model):
     return lambda batch: context_parallel_batch({key: value[rows] for key, value in batch.items()}, mesh)
 
 
-def _run_case(family: str, sizes: dict, settings: dict) -> dict:
-    want_history, want_metrics, want_adapters = _reference(family)
-    model = lora_model(family)
+def _run_case(family: str, sizes: dict, settings: dict, checkpoint: Path | None = None) -> dict:
+    build = full_model if checkpoint is not None else lora_model
+    want_history, want_metrics, want_adapters = _reference(family, checkpoint is not None)
+    model = build(family)
     parallelize(model, ParallelLayout(**sizes).resolve(dist.get_world_size()), *with_settings("test", **settings))
     chunked = find_parallel_loss(model).chunked is not None
-    history, metrics = _train(model, _rows_of_rank(model), clip_grad_norm_)
+    objective = PreferenceObjective(OBJECTIVE, checkpoint_dir=checkpoint) if checkpoint is not None else None
+    history, metrics = _train(model, _rows_of_rank(model), clip_grad_norm_, objective)
+    layout = _reference_layout(objective, model) if objective is not None else {}
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in adapters.items()}
-    start = {n: p.detach() for n, p in lora_model(family).named_parameters() if p.requires_grad}
+    start = {n: p.detach() for n, p in build(family).named_parameters() if p.requires_grad}
     return {
         "chunked": chunked,
         "history_diff": max(abs(a - b) for a, b in zip(history, want_history)),
@@ -144,11 +165,42 @@ def _run_case(family: str, sizes: dict, settings: dict) -> dict:
         "names_match": [sorted(got) for got in metrics] == [sorted(want) for want in want_metrics],
         "adapter_diff": max((full[n] - want_adapters[n]).abs().max().item() for n in want_adapters),
         "adapter_change": max((want_adapters[n] - start[n]).abs().max().item() for n in start),
+        **layout,
     }
 
 
+def _reference_layout(objective: PreferenceObjective, model: torch.nn.Module) -> dict:
+    """How the frozen reference sits next to the policy: same placements and local shapes, nothing trainable, its
+    weights still the starting ones."""
+    reference, start = objective.reference, dict(full_model("llama").named_parameters())
+    policy = dict(model.named_parameters())
+    mine = dict(reference.named_parameters())
+    differ = [
+        n for n in policy
+        if n not in mine or type(mine[n]) is not type(policy[n]) or _local(mine[n]).shape != _local(policy[n]).shape
+        or getattr(mine[n], "placements", None) != getattr(policy[n], "placements", None)
+    ]  # fmt: skip
+    return {
+        "layout_differs": differ + sorted(set(mine) - set(policy)),
+        "frozen": not any(p.requires_grad for p in mine.values()) and not reference.training,
+        "reference_diff": max((_full(mine[n]) - start[n].detach()).abs().max().item() for n in start),
+    }
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
 def _world(rank: int, world_size: int, out_dir: str) -> None:
-    results = {name: _run_case(*case) for name, case in CASES[world_size].items()}
+    checkpoint = Path(out_dir, "starting_checkpoint")
+    if rank == 0:  # the full fine-tune's starting checkpoint, which its frozen reference is read from
+        full_model("llama").save_pretrained(checkpoint)
+    dist.barrier()
+    results = {name: _run_case(*case, checkpoint if name in FULL else None) for name, case in CASES[world_size].items()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -173,6 +225,9 @@ def test_dpo_matches_one_process(world_size: int, name: str) -> None:
         assert result[name]["names_match"], where  # every micro-batch logged what one process logged
         # The mixture of experts' router loss is in the loss and logged (TRL's aux_loss); dense models log none.
         assert ("aux_loss" in result[name]["metric_names"]) == (family == "qwen3_moe"), where
+        if name in FULL:  # the reference: laid out like the policy, frozen, still the starting weights
+            assert result[name]["layout_differs"] == [] and result[name]["frozen"], where
+            assert result[name]["reference_diff"] == 0.0, where
 
 
 def test_the_router_loss_is_added_as_trl_adds_it() -> None:
@@ -193,8 +248,10 @@ def test_the_router_loss_is_added_as_trl_adds_it() -> None:
     torch.testing.assert_close(loss.detach(), without.detach() + coef * aux, rtol=0, atol=TOL)
 
 
-def test_a_pipeline_parallel_model_is_refused_by_name() -> None:
+def test_sequence_logps_refuses_a_pipeline_by_name() -> None:
+    """A model split into stages has no whole forward: PreferenceObjective runs it through its schedule instead
+    (tests/preference/test_dpo_pipeline.py)."""
     model = lora_model("llama")
     setattr(model.base_model.model, _PIPELINE_ATTR, object())  # what parallelize leaves on a model split into stages
-    with pytest.raises(OptionsError, match=r"pipeline parallelism yet: \w+ is split into pipeline stages.* pp_size=1"):
-        PreferenceObjective(OBJECTIVE)(model, _pairs(model.config.vocab_size, 0, 0))
+    with pytest.raises(OptionsError, match=r"but \w+ is split into pipeline stages.*Call PreferenceObjective"):
+        sequence_logps(model, _pairs(model.config.vocab_size, 0, 0))

@@ -1,0 +1,71 @@
+"""A full fine-tune's DPO reference: a frozen copy of the policy's starting weights, laid out exactly like the policy.
+
+Under LoRA the reference is the policy's own base with the adapters disabled (no copy). A full fine-tune changes every
+weight, so DPO needs the starting model kept apart: :func:`frozen_reference` builds it on the meta device from the
+policy's config, applies the policy's own plan to it (its mesh, options and memory levers: FSDP2 shards, TP/SP/loss
+parallel, CP, EP, as the policy has them) and fills each rank's slices from the starting checkpoint
+(:func:`~lightning_plugins.checkpoint.load.load_sharded_safetensors`): no rank ever holds the whole model, and each
+holds the copy's shard of the parameters only (no gradients, no optimizer state). It runs in eval mode (TRL prepares
+its reference model for evaluation: dropout off) and under ``no_grad``.
+
+FSDP2 leaves the root's parameters (embeddings, final norm, head) gathered after a forward, expecting the backward to
+use them; a reference never runs backward, so :func:`reshard` frees them after each reference forward (otherwise the
+whole embedding and head stayed on every rank for the run).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightning_plugins.checkpoint.load import checkpoint_dir_of, load_sharded_safetensors
+from lightning_plugins.parallel.hf_model import hf_model_of
+from lightning_plugins.parallel.mesh import mesh_of
+
+__all__ = ["frozen_reference", "reshard"]
+
+
+def frozen_reference(policy: nn.Module, checkpoint_dir: str | Path | None = None) -> nn.Module:
+    """A frozen copy of ``policy`` as it starts: built on meta, parallelized like ``policy``, loaded sharded.
+
+    Args:
+        policy: The transformers causal LM being trained (after the engine's ``parallelize``, or one process's).
+        checkpoint_dir: The HF checkpoint the policy started from (default: its config's ``name_or_path``, which is
+            the recipe's ``model.path`` for a model built by the recipe, also when the run resumes).
+
+    Raises:
+        LayoutError: when no local checkpoint directory is known, naming the fix.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from lightning_plugins.parallel.api import SETTINGS_ATTR, parallelize
+
+    policy = hf_model_of(policy)
+    source = checkpoint_dir_of(policy, checkpoint_dir, "the DPO reference (objective.reference: model)")
+    first = next(policy.parameters())
+    config = copy.deepcopy(policy.config)
+    config.use_cache = False
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(
+            config, dtype=first.dtype, attn_implementation=policy.config._attn_implementation
+        )
+    mesh = mesh_of(policy)
+    if mesh is not None:
+        options, memory = getattr(policy, SETTINGS_ATTR, (None, None))
+        parallelize(reference, mesh, options, memory)  # the policy's mesh, options and memory levers
+    device = None if mesh is not None else first.device
+    load_sharded_safetensors(reference, source, device)
+    reference.requires_grad_(False)
+    return reference.eval()
+
+
+def reshard(model: nn.Module) -> None:
+    """Free what FSDP2 still holds gathered after a forward with no backward (the root's parameters)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
