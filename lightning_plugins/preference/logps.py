@@ -17,7 +17,8 @@ A mixture of experts whose config has ``output_router_logits`` on also returns i
 :mod:`lightning_plugins.parallel.moe.router_loss`), which the preference loss adds as TRL's ``DPOTrainer`` does.
 
 A model the engine did not parallelize (one process, no :class:`ParallelCausalLMLoss`) gets the same statistics
-from its full logits. A model split into pipeline stages is refused (its schedule computes the SFT loss).
+from its full logits. A model split into pipeline stages is refused: its schedule runs the whole batch, and
+:mod:`lightning_plugins.preference.pipeline` computes the rows' log-probabilities on its last stage instead.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from lightning_plugins.parallel.loss import IGNORE_INDEX, ParallelCausalLMLoss, 
 from lightning_plugins.parallel.mesh import mesh_of
 from lightning_plugins.parallel.pipeline.apply import pipeline_of
 
-__all__ = ["SequenceLogps", "context_mesh", "find_parallel_loss", "sequence_logps", "sum_over_context"]
+__all__ = ["SequenceLogps", "context_mesh", "find_parallel_loss", "head_logps", "sequence_logps", "sum_over_context"]
 
 
 @dataclass(frozen=True)
@@ -86,14 +87,27 @@ class _Collector:
         self.result: SequenceLogps | None = None
 
     def __call__(self, logits: Tensor, targets: Tensor, chunked: Any) -> Tensor:
-        taken = None if chunked is None else chunked.take_tokens()
-        if taken is None:
-            losses, means = token_losses(logits, targets), _mean_logits(logits)
-        else:
-            losses, sums = taken
-            means = sums / chunked.lm_head.weight.shape[0]  # the whole vocabulary's rows (a DTensor's global shape)
-        self.result = _per_row(losses, means, targets, self.data_mesh)
+        self.result = head_logps(logits, targets, chunked, self.data_mesh)
         return -self.result.logps.sum()
+
+
+def head_logps(logits: Tensor, targets: Tensor, chunked: Any, data_mesh: DeviceMesh | None = None) -> SequenceLogps:
+    """Each row's statistics from what a causal LM's head computed: each token's loss and logit sum from the chunked
+    head in per-token mode (``chunked.take_tokens()``), or else from the ``logits`` (whole, or vocab-sharded).
+
+    Args:
+        logits: The head's output, after the model's logit transforms (empty when the chunked head computed).
+        targets: The next-token targets (``-100``: not counted).
+        chunked: The model's chunked head, or ``None``.
+        data_mesh: The ranks holding other rows (kept on the result).
+    """
+    taken = None if chunked is None else chunked.take_tokens()
+    if taken is None:
+        losses, means = token_losses(logits, targets), _mean_logits(logits)
+    else:
+        losses, sums = taken
+        means = sums / chunked.lm_head.weight.shape[0]  # the whole vocabulary's rows (a DTensor's global shape)
+    return _per_row(losses, means, targets, data_mesh)
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -180,14 +194,15 @@ def sequence_logps(model: nn.Module, batch: dict[str, Tensor], *, router_loss: b
 
 
 def _refuse_pipeline(model: nn.Module) -> None:
-    """A pipeline-parallel model's forward runs its schedule with the SFT loss of each micro-batch: no per-row
-    log-probabilities come back (yet)."""
+    """A pipeline-parallel model's forward runs its schedule over the whole batch: only the last stage sees logits,
+    one micro-batch at a time, so no per-row log-probabilities come back from one forward."""
     for module in model.modules():
         if pipeline_of(module) is not None:
             raise OptionsError(
-                f"Preference losses (PreferenceObjective, sequence_logps) do not run under pipeline parallelism yet:"
-                f" {type(module).__name__} is split into pipeline stages, whose schedule computes the SFT loss. Use a"
-                " layout with pp_size=1 (dp_shard_size, tp_size, cp_size or ep_size instead)."
+                f"sequence_logps needs one forward of the whole model, but {type(module).__name__} is split into"
+                " pipeline stages (its last stage sees the logits one micro-batch at a time). Call PreferenceObjective"
+                " (objective(model, batch)), which runs a preference loss through the pipeline's schedule"
+                " (lightning_plugins.preference.pipeline)."
             )
 
 

@@ -31,6 +31,7 @@ from lightning_plugins.errors import OptionsError
 from lightning_plugins.preference.logps import SequenceLogps, sequence_logps
 from lightning_plugins.preference.losses import PairLosses, dpo_losses, orpo_losses, simpo_losses
 from lightning_plugins.preference.options import PreferenceOptions
+from lightning_plugins.preference.pipeline import find_pipeline, pipeline_objective
 
 #: TRL's metric names, in the order they are reduced.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -98,6 +99,8 @@ class PreferenceObjective:
         rows = batch["input_ids"].shape[0]
         if rows % 2:
             raise ValueError(f"a preference batch holds chosen rows then rejected rows; got {rows} rows (odd).")
+        if find_pipeline(model) is not None:  # split into stages: forward and backward through the schedule
+            return pipeline_objective(self, model, batch, adapters_disabled)
         reference = self.reference_logps(model, batch) if self.options.needs_reference else None
         return self.from_logps(sequence_logps(model, batch), reference)
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_plugins.parallel.loss import IGNORE_INDEX
+from lightning_plugins.parallel.loss import IGNORE_INDEX, next_token_targets
 from lightning_plugins.parallel.pipeline.options import PipelineOptions
 from lightning_plugins.parallel.pipeline.runtime import Pipeline, TiedEmbedding
 from lightning_plugins.parallel.pipeline.split import tied_pair_group
@@ -84,7 +84,9 @@ class _PipelinedCausalLM:
     In training mode with gradients enabled, a call runs forward *and* backward of every micro-batch
     (the schedule interleaves them) and returns the loss detached: do not call ``backward`` on it. In
     eval mode or under ``no_grad`` it runs forward only. Either way the loss is the global mean token
-    loss of the batch, identical on every rank; logits are not returned.
+    loss of the batch, identical on every rank; logits are not returned. With ``pipeline_head=`` (a loss of whole
+    rows, :meth:`Pipeline.run_sequences`) the head computes each micro-batch's loss and keeps what it needs; the
+    output's loss is ``None``.
     """
 
     def forward(
@@ -120,6 +122,12 @@ class _PipelinedCausalLM:
                 shift_labels = shift_labels.masked_fill(shift_labels == ignore_index, IGNORE_INDEX)
         pipeline = pipeline_of(self)  # type: ignore[arg-type]
         assert pipeline is not None
+        train = self.training and torch.is_grad_enabled()  # type: ignore[attr-defined]
+        head = kwargs.get("pipeline_head")
+        if head is not None:  # a loss of whole rows (a preference loss): see Pipeline.run_sequences
+            targets = next_token_targets(labels) if shift_labels is None else shift_labels
+            pipeline.run_sequences(head, input_ids, attention_mask, position_ids, targets, train=train)
+            return CausalLMOutputWithPast(loss=None)
         if self.training and torch.is_grad_enabled():  # type: ignore[attr-defined]
             loss = pipeline.step(input_ids, attention_mask, position_ids, labels, shift_labels=shift_labels)
         else:

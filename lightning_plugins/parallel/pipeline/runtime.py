@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,18 +161,7 @@ class Pipeline:
             )
             labels, shift_labels = None, F.pad(targets, (0, 0, 0, extra), value=IGNORE_INDEX)
             batch += extra
-        if batch % m:
-            good = [d for d in range(1, batch + 1) if batch % d == 0]
-            raise LayoutError(
-                f"The batch of {batch} rows on this data rank does not split into pp_microbatches={m} equal"
-                f" micro-batches. Use a per-rank batch size that is a multiple of {m}, or pp_microbatches in {good}"
-                " (respecting the schedule's own constraint)."
-            )
-        if self._sequence_shards > 1 and seq % self._sequence_shards:
-            raise LayoutError(
-                f"Sequence length {seq} is not divisible by tp_size={self._sequence_shards}, which sequence"
-                f" parallelism needs at the stage boundaries. Pad batches to a multiple of {self._sequence_shards}."
-            )
+        self._check_split(batch, seq)
         # Shift on whole rows before the schedule splits them into micro-batches (rows, never positions).
         targets = next_token_targets(labels) if shift_labels is None else shift_labels
         count = (targets != IGNORE_INDEX).sum()
@@ -184,20 +174,7 @@ class Pipeline:
             stage.loss_factor = factor
             stage.loss_sums.clear()
 
-        kwargs: dict[str, Tensor] = {"targets": targets}
-        if attention_mask is not None:
-            kwargs["attention_mask"] = attention_mask
-        if position_ids is not None:
-            kwargs["position_ids"] = position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
-        schedule = self._schedule_for(input_ids, batch // m, seq, train)
-        if train:
-            before = self._tied_grad()
-            before = None if before is None else before.clone()  # the step accumulates into the same storage
-            schedule.step(input_ids, target=targets, return_outputs=False, **kwargs)
-            self._sum_tied_grads(before)
-        else:
-            schedule.eval(input_ids, target=targets, return_outputs=False, **kwargs)
-
+        self._execute(train, input_ids, attention_mask, position_ids, targets)
         loss_sum = torch.zeros((), dtype=torch.float32, device=input_ids.device)
         for stage in self.stages.values():
             if stage.is_last:
@@ -207,6 +184,83 @@ class Pipeline:
         if self._data_mesh is not None:
             dist.all_reduce(loss_sum, group=self._data_mesh.get_group())
         return loss_sum / count.clamp(min=1)
+
+    def run_sequences(
+        self,
+        head: Callable[[Tensor, Tensor, Any, Tensor], Tensor],
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        position_ids: Tensor | None,
+        targets: Tensor,
+        *,
+        train: bool,
+    ) -> None:
+        """Run the whole batch with ``head`` in place of the last stage's token loss: for each micro-batch,
+        ``head(logits, targets, chunked, rows)`` gets the logits (an empty tensor when the chunked head computed each
+        token's loss: :meth:`~lightning_plugins.parallel.memory.chunked_loss.ChunkedHead.take_tokens`), the
+        next-token targets, the chunked head (or ``None``) and the micro-batch's row indices in this batch, and
+        returns the micro-batch's differentiable loss (a preference loss per pair needs the logits of whole rows,
+        which only the last stage has). ``train``: forward and backward (the returned losses times
+        :attr:`loss_scale` are differentiated; gradients accumulate), else forward only under ``no_grad``.
+
+        Rows are never split: whatever must stay together (a preference pair) must be in one micro-batch, which
+        holds ``batch / pp_microbatches`` consecutive rows.
+        """
+        batch, seq = input_ids.shape
+        self._check_split(batch, seq)
+        rows = torch.arange(batch, device=input_ids.device)
+        for stage in self.stages.values():
+            stage.loss_factor, stage.sequences = self.loss_scale if train else 1.0, head
+        try:
+            with contextlib.nullcontext() if train else torch.no_grad():
+                self._execute(train, input_ids, attention_mask, position_ids, targets, rows=rows)
+        finally:
+            for stage in self.stages.values():
+                stage.sequences = None
+                stage.loss_sums.clear()
+
+    def _check_split(self, batch: int, seq: int) -> None:
+        m = self.options.microbatches or 1
+        if batch % m:
+            good = [d for d in range(1, batch + 1) if batch % d == 0]
+            raise LayoutError(
+                f"The batch of {batch} rows on this data rank does not split into pp_microbatches={m} equal"
+                f" micro-batches. Use a per-rank batch size that is a multiple of {m}, or pp_microbatches in {good}"
+                " (respecting the schedule's own constraint)."
+            )
+        if self._sequence_shards > 1 and seq % self._sequence_shards:
+            raise LayoutError(
+                f"Sequence length {seq} is not divisible by tp_size={self._sequence_shards}, which sequence"
+                f" parallelism needs at the stage boundaries. Pad batches to a multiple of {self._sequence_shards}."
+            )
+
+    def _execute(
+        self,
+        train: bool,
+        input_ids: Tensor,
+        attention_mask: Tensor | None,
+        position_ids: Tensor | None,
+        targets: Tensor,
+        rows: Tensor | None = None,
+    ) -> None:
+        """The schedule over the whole batch: ``step`` (forward and backward, a tied weight's copies kept equal) or
+        ``eval``; every tensor is split into micro-batches along its rows."""
+        batch, seq = input_ids.shape
+        kwargs: dict[str, Tensor] = {"targets": targets}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
+        if rows is not None:
+            kwargs["rows"] = rows
+        schedule = self._schedule_for(input_ids, batch // (self.options.microbatches or 1), seq, train)
+        if train:
+            before = self._tied_grad()
+            before = None if before is None else before.clone()  # the step accumulates into the same storage
+            schedule.step(input_ids, target=targets, return_outputs=False, **kwargs)
+            self._sum_tied_grads(before)
+        else:
+            schedule.eval(input_ids, target=targets, return_outputs=False, **kwargs)
 
     def _schedule_for(self, input_ids: Tensor, micro: int, seq: int, train: bool) -> Any:
         # Fresh stages for every new shape and every switch between training and evaluation: the
@@ -365,4 +419,3 @@ class GradHandOff:
                 else:
                     param.grad += grad
         return True
-

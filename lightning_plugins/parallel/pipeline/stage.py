@@ -9,7 +9,9 @@
 * **Loss.** The last stage turns each micro-batch's token-loss *sum* into its share of the global
   token mean: ``sum x data_ranks x loss_scale / valid tokens of the whole batch over all data ranks``.
   Schedules run with ``scale_grads=False``, so the accumulated gradient is exactly the one process
-  averaging over the whole batch would get (FSDP2 then averages over the data ranks).
+  averaging over the whole batch would get (FSDP2 then averages over the data ranks). Under a sequence loss
+  (:meth:`~lightning_plugins.parallel.pipeline.runtime.Pipeline.run_sequences`: a preference loss, per pair) the
+  last stage hands each micro-batch's token losses (or logits) to it instead and returns its loss.
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ class StageModule(nn.Module):
         self.boundary_dtype: torch.dtype | None = None
         #: The last stage's chunked head (:mod:`lightning_plugins.parallel.memory.chunked_loss`), or ``None``: full logits.
         self.chunked: Any = None
+        #: Set by :meth:`~lightning_plugins.parallel.pipeline.runtime.Pipeline.run_sequences` for one batch: the last
+        #: stage returns ``sequences(logits, targets, chunked, rows) * loss_factor`` instead of the token loss.
+        self.sequences: Any = None
 
     @property
     def is_last(self) -> bool:
@@ -85,6 +90,7 @@ class StageModule(nn.Module):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         targets: Tensor | None = None,
+        rows: Tensor | None = None,
     ) -> Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -121,6 +127,8 @@ class StageModule(nn.Module):
             return out if self.boundary_dtype in (None, out.dtype) else out.to(self.boundary_dtype)
         if targets is None:
             raise ValueError("The last pipeline stage needs the next-token `targets` to compute the loss.")
+        if self.sequences is not None:
+            return self._sequences_loss(hidden, targets, rows)
         if self.chunked is not None and torch.is_grad_enabled():
             self.chunked.arm(targets)  # the head computes the token-loss sum in chunks, never the logits
         logits = self.lm_head(self.norm(hidden))
@@ -129,6 +137,25 @@ class StageModule(nn.Module):
             loss_sum = token_losses(self.anatomy.logits(logits), targets).sum()
         self.loss_sums.append(loss_sum.detach())
         return loss_sum * self.loss_factor
+
+    def _sequences_loss(self, hidden: Tensor, targets: Tensor, rows: Tensor | None) -> Tensor:
+        """The last stage under :attr:`sequences`: each token's loss from the chunked head (in per-token mode, with or
+        without gradients: never the logits) or from the transformed logits, handed over with the micro-batch's rows."""
+        if rows is None:
+            raise ValueError(
+                "The last pipeline stage needs the micro-batch's `rows` to hand them to its sequence loss."
+            )
+        chunked = self.chunked
+        if chunked is not None:
+            chunked.per_sequence = True
+            chunked.arm(targets)
+        try:
+            logits = self.anatomy.logits(self.lm_head(self.norm(hidden)))
+        finally:
+            if chunked is not None:
+                chunked.per_sequence = False
+        loss = self.sequences(logits, targets, chunked, rows)
+        return loss * self.loss_factor
 
 
 def recurrent_padding_mask(

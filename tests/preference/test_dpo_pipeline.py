@@ -1,0 +1,188 @@
+"""Preference losses under pipeline parallelism train exactly as one process: DPO with LoRA under 1F1B and interleaved
+1F1B (default), and under GPipe, with FSDP2, tensor parallelism (sequence parallel, loss parallel), ring context
+parallelism, and ORPO / SimPO's NLL terms (slow, 4 ranks).
+
+fp32, gloo, a 4-layer tiny Llama. Each training batch holds PAIRS chosen rows then their PAIRS rejected rows; the
+pipeline path (:mod:`lightning_plugins.preference.pipeline`) puts the two rows of a pair in one pipeline micro-batch,
+computes the reference's log-probabilities (adapters disabled) through the forward-only schedule and the policy's
+loss per micro-batch on the last stage. SGD with momentum, two batches accumulated (the pipeline's ``loss_scale``),
+clipping that triggers over all stages, random non-zero ``lora_B``. Compared with one process (a plain peft model,
+full logits): per-step losses and pre-clip gradient norms, TRL's metrics of every batch, an evaluation batch whose
+pairs do not split into the micro-batches (padded), and every rank's adapters, to 1e-5.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _launch import world_json
+from tiny_models import make_batch, tiny_model
+from torch.distributed.tensor import DTensor
+
+from lightning_plugins import ParallelLayout, parallelize
+from lightning_plugins.adapters.lora import LoraOptions, apply_lora
+from lightning_plugins.errors import OptionsError
+from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch
+from lightning_plugins.parallel.options import with_settings
+from lightning_plugins.parallel.pipeline.apply import _PIPELINE_ATTR
+from lightning_plugins.preference import PreferenceObjective, PreferenceOptions
+from lightning_plugins.preference.pipeline import find_pipeline
+
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+STEPS, ACCUM, PAIRS, EVAL_PAIRS, SEQ, MAX_NORM, LR, TOL = 3, 2, 4, 3, 13, 0.05, 1.0, 1e-5
+DPO = PreferenceOptions(method="dpo", beta=0.5)
+OBJECTIVES = {
+    "dpo": DPO,
+    "orpo": PreferenceOptions(method="orpo", beta=0.5),
+    "simpo": PreferenceOptions(method="simpo", beta=2.0, simpo_gamma=0.3, sft_weight=0.7),
+}
+PP2 = {"pp_size": 2}
+ONE_F_ONE_B = {"pp_schedule": "1f1b", "pp_microbatches": 2}
+INTERLEAVED = {"pp_schedule": "interleaved_1f1b", "pp_microbatches": 4}  # one pair a micro-batch
+GPIPE, RING = {"pp_schedule": "gpipe", "pp_microbatches": 2}, {"cp_backend": "ring"}
+# world size -> name -> (objective, layout sizes, parallel/memory settings)
+CASES = {
+    2: {
+        "pp2 1f1b chunked": ("dpo", PP2, {**ONE_F_ONE_B, "loss_chunk_tokens": 7}),
+        "pp2 interleaved logits": ("dpo", PP2, {**INTERLEAVED, "loss_chunk_tokens": None}),
+    },
+    4: {
+        "pp2 x fsdp2 gpipe chunked": ("dpo", {**PP2, "dp_shard_size": 2}, {**GPIPE, "loss_chunk_tokens": 7}),
+        "pp2 x tp2 sp+lp 1f1b logits": ("dpo", {**PP2, "tp_size": 2}, {**ONE_F_ONE_B, "loss_chunk_tokens": None}),
+        "pp2 x tp2 sp+lp interleaved chunked": ("dpo", {**PP2, "tp_size": 2}, {**INTERLEAVED, "loss_chunk_tokens": 7}),
+        "pp2 x cp2 ring 1f1b chunked": ("dpo", {**PP2, "cp_size": 2}, {**ONE_F_ONE_B, **RING, "loss_chunk_tokens": 7}),
+        "pp2 x fsdp2 orpo interleaved": ("orpo", {**PP2, "dp_shard_size": 2}, {**INTERLEAVED, "pp_microbatches": 2}),
+        "pp2 x fsdp2 simpo 1f1b": ("simpo", {**PP2, "dp_shard_size": 2}, ONE_F_ONE_B),
+    },
+}
+
+
+def lora_model() -> torch.nn.Module:
+    model = tiny_model("llama_4l")
+    model.config.use_cache = False
+    torch.manual_seed(1)
+    model = apply_lora(model, LoraOptions(r=4, alpha=8))
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    return model
+
+
+def _pairs(vocab: int, step: int, micro: int, pairs: int = PAIRS) -> dict[str, torch.Tensor]:
+    """``pairs`` chosen rows, then their rejected rows (rows of different lengths and prompt masks)."""
+    return make_batch(2 * pairs, SEQ, vocab, seed=100 * step + micro)
+
+
+def _train(model, objective, take, clip, backward: bool) -> dict:
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
+    history, metrics = [], []
+    for step in range(STEPS):
+        step_loss = 0.0
+        for micro in range(ACCUM):
+            loss, logged = objective(model, take(_pairs(model.config.vocab_size, step, micro)))
+            if backward:
+                (loss / ACCUM).backward()
+            step_loss += loss.item() / ACCUM
+            metrics.append({key: value.item() for key, value in logged.items()})
+        norm = clip(params, MAX_NORM)
+        assert norm > MAX_NORM, "the test must exercise clipping"
+        optimizer.step()
+        optimizer.zero_grad()
+        history += [step_loss, float(norm)]
+    model.eval()
+    with torch.no_grad():
+        loss, logged = objective(model, take(_pairs(model.config.vocab_size, STEPS, 0, EVAL_PAIRS)))
+    evaluation = {"loss": loss.item(), **{key: value.item() for key, value in logged.items()}}
+    return {"history": history, "metrics": metrics, "eval": evaluation}
+
+
+@functools.cache
+def _reference(method: str):
+    model = lora_model()
+    run = _train(model, PreferenceObjective(OBJECTIVES[method]), lambda batch: batch, torch.nn.utils.clip_grad_norm_,
+                 backward=True)  # fmt: skip
+    return run, {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _rows_of_rank(mesh):
+    """This data rank's pairs (both halves), and this context-parallel rank's shard of each row."""
+    dp = mesh["dp"]
+
+    def take(batch):
+        pairs = batch["input_ids"].shape[0] // 2
+        share = -(-pairs // dp.size())
+        first = min(dp.get_local_rank() * share, pairs)
+        mine = range(first, min(first + share, pairs))
+        rows = list(mine) + [pairs + i for i in mine]
+        return context_parallel_batch({key: value[rows] for key, value in batch.items()}, mesh)
+
+    return take
+
+
+def _run_case(method: str, sizes: dict, settings: dict) -> dict:
+    want, want_adapters = _reference(method)
+    model = lora_model()
+    parallelize(model, ParallelLayout(**sizes).resolve(dist.get_world_size()), *with_settings("test", **settings))
+    _, pipeline = find_pipeline(model)
+    pipeline.loss_scale = 1.0 / ACCUM  # the doors set it so (the schedule differentiates inside the model call)
+    got = _train(model, PreferenceObjective(OBJECTIVES[method]), _rows_of_rank(pipeline.mesh),
+                 functools.partial(clip_grad_norm_, pipeline=pipeline), backward=False)  # fmt: skip
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in adapters.items()}
+    start = {n: p.detach() for n, p in lora_model().named_parameters() if p.requires_grad}
+    return {
+        "history_diff": max(abs(a - b) for a, b in zip(got["history"], want["history"])),
+        "metrics_diff": max(abs(g[key] - w[key]) for g, w in zip(got["metrics"], want["metrics"]) for key in w),
+        "names_match": [sorted(g) for g in got["metrics"]] == [sorted(w) for w in want["metrics"]],
+        "eval_diff": max(abs(got["eval"][key] - want["eval"][key]) for key in want["eval"]),
+        "eval_names_match": sorted(got["eval"]) == sorted(want["eval"]),
+        "adapters": sorted(full),
+        "adapter_diff": max((full[n] - want_adapters[n]).abs().max().item() for n in full),
+        "adapter_change": max((want_adapters[n] - start[n]).abs().max().item() for n in start),
+        "all_adapters": sorted(want_adapters),
+    }
+
+
+def _world(rank: int, world_size: int, out_dir: str) -> None:
+    results = {name: _run_case(*case) for name, case in CASES[world_size].items()}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+@functools.cache
+def _results(world_size: int) -> list[dict]:
+    return world_json(_world, world_size)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "name"),
+    [pytest.param(size, name, marks=[pytest.mark.slow] if size > 2 else []) for size in CASES for name in CASES[size]],
+    ids=str,
+)
+def test_preference_under_pipeline_matches_one_process(world_size: int, name: str) -> None:
+    results = [result[name] for result in _results(world_size)]
+    for rank, result in enumerate(results):
+        where = (name, rank, result)
+        assert result["history_diff"] <= TOL and result["metrics_diff"] <= TOL, where
+        assert result["eval_diff"] <= TOL, where
+        assert result["adapter_diff"] <= TOL, where
+        assert result["adapter_change"] > 100 * TOL, where  # the adapters moved: parity means something
+        assert result["names_match"] and result["eval_names_match"], where  # TRL's metrics, as one process logs
+    # Every adapter of the model is trained on some pipeline rank (each holds its stages' layers only).
+    assert sorted({n for result in results for n in result["adapters"]}) == results[0]["all_adapters"]
+
+
+def test_dpo_without_adapters_under_a_pipeline_is_refused_by_name() -> None:
+    """A full fine-tune's frozen reference copy is not split into stages: DPO on a pipeline needs LoRA's base."""
+    model = tiny_model("llama_4l")
+    setattr(model, _PIPELINE_ATTR, object())  # what parallelize leaves on a model split into stages
+    with pytest.raises(OptionsError, match=r"under pipeline parallelism .* LlamaForCausalLM has none to disable"):
+        PreferenceObjective(DPO)(model, _pairs(model.config.vocab_size, 0, 0))
