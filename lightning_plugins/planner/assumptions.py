@@ -52,8 +52,11 @@ def step_assumptions(
     lines += _model_parallel_lines(shape, cluster, async_tp)
     lines += _offload_lines(memory, cluster)
     if shape.reference_forward:
-        lines.append("DPO: each micro-batch's rows are its pairs' chosen and rejected sequences, and the reference (the"
-                     " base, adapters off) runs one more forward of them without backward: its FLOPs and collectives")
+        reference = "the base, adapters off" if method in ("lora", "qlora") else "a frozen copy laid out like the model"
+        lines.append(
+            f"DPO: each micro-batch's rows are its pairs' chosen and rejected sequences, and the reference"
+            f" ({reference}) runs one more forward of them without backward: its FLOPs and collectives"
+        )
     step_on_gpu = "" if memory.cpu_offload or memory.optimizer_offload else "optimizer step on the GPU, "
     lines.append(f"{step_on_gpu}data loading and logging: not counted")
     return tuple(lines)

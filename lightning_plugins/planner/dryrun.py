@@ -252,6 +252,11 @@ def build_parallel_model(workload: Workload) -> nn.Module:
     return parallelize(model, workload.layout, workload.options, workload.memory)
 
 
+def _frozen_copy(workload: Workload) -> bool:
+    """Whether the run holds a frozen copy of the model as its DPO reference (a full fine-tune)."""
+    return workload.objective.frozen_copy(workload.lora)
+
+
 def count_state(workload: Workload, rank: int) -> dict[str, int]:
     """Resident parameter, gradient and AdamW bytes of ``rank``, from the engine's sharded tensors (:func:`_state_of`)."""
     with fake_world(rank, workload.world_size):
@@ -275,14 +280,15 @@ def _state_of(model: nn.Module, workload: Workload) -> dict[str, Any]:
     from lightning_plugins.parallel.quantized import is_nf4
     from lightning_plugins.parallel.optim.optimizers import state_nbytes
 
+    copies = 2 if _frozen_copy(workload) else 1  # a full fine-tune's DPO reference: the parameters again, frozen
     params = grads = moments = largest = 0
     rounding = {"parameters": 0, "gradients": 0}
     for param in model.parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
         nbytes = local.numel() * local.element_size()
         held = nf4_nbytes(local) if is_nf4(local) else nbytes
-        params += held
-        rounding["parameters"] += pinned_rounding(held)
+        params += copies * held
+        rounding["parameters"] += copies * pinned_rounding(held)
         if param.requires_grad:
             grads += nbytes
             rounding["gradients"] += pinned_rounding(nbytes)
@@ -340,6 +346,8 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
         reference_kernels_quietly(),
     ):
         model = build_parallel_model(workload)
+        # A full fine-tune's DPO reference: a frozen copy laid out like the policy, its parameters held all along.
+        reference = build_parallel_model(workload).requires_grad_(False).eval() if _frozen_copy(workload) else None
         counted = {}
         if count:
             counted["state"] = _state_of(model, workload)
@@ -347,6 +355,8 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
             # torchao's NF4 all-gather checks its output's storage by data pointer, which fake tensors warn about.
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor", category=UserWarning)
             model.to_empty(device="cpu")
+            if reference is not None:
+                reference.to_empty(device="cpu")
             optimizer = _warmed_up(model)
             batch = _batch(workload, mesh_of(model), workload.seq_len)
             # The peak's moment is chosen without what the modelled run does not hold on the GPU then: CPU offload's
@@ -356,7 +366,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
             left_out = ("parameters", "gradients", "optimizer") if memory.cpu_offload else ()
             left_out += ("gradients",) if memory.optimizer_in_backward else ()
             tracker = StepMemTracker(model, left_out=left_out)
-            tracker.track_external(model, optimizer, *batch.values())
+            tracker.track_external(model, optimizer, *batch.values(), *([reference] if reference is not None else []))
             intervals, mark, _ = mark_intervals(
                 tracker, model, lambda: {**tracker.by_category("peak"), "host": tracker.by_category("peak", "meta")["total"]}
             )
@@ -369,7 +379,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
                     "ignore", message="FSDP2-wrapped module .* returned a view", category=UserWarning
                 )
                 if pipeline_of(model) is None:  # the run's own loss: SFT's, or the preference objective's
-                    step_loss(workload.objective, model, batch).backward()
+                    step_loss(workload.objective, model, batch, reference).backward()
                 else:  # a pipeline's forward runs backward too
                     model(**batch)
                 mark()

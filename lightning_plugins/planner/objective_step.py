@@ -5,7 +5,9 @@ runs, not modelled: :class:`~lightning_plugins.preference.PreferenceObjective` o
 rows (a recipe's ``micro_batch_size`` pairs are twice as many rows: :meth:`Workload.from_recipe
 <lightning_plugins.planner.workload.Workload.from_recipe>`), DPO's reference forward first (the base with the
 adapters disabled, under ``no_grad``: its transient activations, none kept), then the policy's forward through the
-per-token loss path. SimPO and ORPO have no reference forward.
+per-token loss path. SimPO and ORPO have no reference forward. A full fine-tune's DPO reference is a frozen copy of the
+model laid out like it (:func:`~lightning_plugins.preference.reference.frozen_reference`): the dry run builds it
+as it builds the policy and tracks its parameters, and its forward is the reference forward measured.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from lightning_plugins.preference.options import PreferenceOptions
 __all__ = ["step_loss"]
 
 
-def step_loss(objective: PreferenceOptions, model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
-    """The loss of one forward of ``model`` on ``batch``, as the run with this ``objective`` computes it."""
+def step_loss(
+    objective: PreferenceOptions, model: nn.Module, batch: dict[str, Tensor], reference: nn.Module | None = None
+) -> Tensor:
+    """The loss of one forward of ``model`` on ``batch``, as the run with this ``objective`` computes it
+    (``reference``: a full fine-tune's frozen DPO reference)."""
     if not objective.paired:
         return model(**batch).loss
     from lightning_plugins.preference.objective import PreferenceObjective
 
-    loss, _ = PreferenceObjective(objective)(model, batch)
+    loss, _ = PreferenceObjective(objective, reference=reference)(model, batch)
     return loss

@@ -187,7 +187,10 @@ class Plan:
 
 def _objective(workload: Workload) -> str:
     method = workload.objective.method
-    reference = ", reference: the base, adapters off" if workload.objective.needs_reference else ""
+    reference = ""
+    if workload.objective.needs_reference:
+        frozen = workload.objective.frozen_copy(workload.lora)
+        reference = ", reference: " + ("a frozen copy, sharded like the model" if frozen else "the base, adapters off")
     return "" if method == "sft" else f" ({method}{reference})"
 
 

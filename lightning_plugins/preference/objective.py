@@ -114,7 +114,8 @@ class PreferenceObjective:
             from lightning_plugins.preference.reference import frozen_reference, reshard
 
             if self.reference is None:
-                self.reference = frozen_reference(model, self.checkpoint_dir)
+                with torch.inference_mode(False):  # a door may first call it in validation's inference mode
+                    self.reference = frozen_reference(model, self.checkpoint_dir)
             logps = sequence_logps(self.reference, batch, router_loss=False)
             reshard(self.reference)
             return logps

@@ -32,6 +32,11 @@ class PreferenceOptions:
     """``robust`` DPO: the flip probability, in [0, 0.5); SimPO: conservative label smoothing, in [0, 0.5)."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin (TRL's ``simpo_gamma``)."""
+    reference: Literal["model"] = "model"
+    """DPO's reference. ``model``: with ``lora`` the base with the adapters disabled (no copy); for a full fine-tune a
+    frozen copy of ``model.path`` laid out exactly like the policy (FSDP2, TP, CP, EP shards; its parameters only, no
+    gradients or optimizer state), built on meta and loaded sharded
+    (:func:`~lightning_plugins.preference.reference.frozen_reference`)."""
     sft_weight: float = 0.0
     """SimPO: weight of the chosen completions' token-mean NLL added to the loss (TRL CPO's ``cpo_alpha``, whose default
     there is 1.0; SimPO's paper uses none). ORPO always adds that NLL with weight 1."""
@@ -45,6 +50,8 @@ class PreferenceOptions:
             raise OptionsError(f"objective.loss_type={self.loss_type!r} is not one of sigmoid, robust, ipo.")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise OptionsError(f"objective.label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}.")
+        if self.reference not in ("model",):
+            raise OptionsError(f"objective.reference={self.reference!r} is not one of model.")
         if self.sft_weight < 0:
             raise OptionsError(f"objective.sft_weight must be >= 0, got {self.sft_weight!r}.")
 
@@ -57,3 +64,7 @@ class PreferenceOptions:
     def needs_reference(self) -> bool:
         """Whether the method's loss needs a reference model."""
         return self.method in NEEDS_REFERENCE
+
+    def frozen_copy(self, lora: object | None) -> bool:
+        """Whether the reference is a frozen copy of the model (DPO without ``lora``), which costs its parameters."""
+        return self.needs_reference and lora is None and self.reference == "model"

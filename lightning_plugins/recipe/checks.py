@@ -80,8 +80,8 @@ def check_recipe(recipe: Recipe, path: Path) -> Recipe:
 
 def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None:
     """A preference method on what this slice of it covers: pairs in padded batches, layouts whose sequence
-    log-probabilities are summed exactly (FSDP2, HSDP, TP with SP and loss parallel, CP ring and Ulysses, EP), a
-    reference where DPO needs one."""
+    log-probabilities are summed exactly (FSDP2, HSDP, TP with SP and loss parallel, CP ring and Ulysses, EP). DPO's
+    reference is the base with the adapters disabled under LoRA, else a frozen copy of the model laid out like it."""
     objective = recipe.objective
     if not objective.paired:
         if recipe.data.format == "preference":
@@ -98,12 +98,6 @@ def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None
             f"{path}: {key} under pipeline parallelism (layout.pp_size={layout.pp_size}) is not supported yet: its"
             " sequence log-probabilities are summed exactly under FSDP2/HSDP, tensor, context and expert parallelism."
             " Set layout.pp_size: 1 (use dp_shard_size / tp_size / cp_size)."
-        )
-    if objective.needs_reference and recipe.lora is None:
-        raise RecipeError(
-            f"{path}: {key} needs a reference model: with a `lora:` section it is the base model with the adapters"
-            " disabled (no copy); a frozen reference copy for a full fine-tune is not built yet. Add a `lora:` section,"
-            " or use a reference-free method (objective.method: simpo or orpo)."
         )
 
 

@@ -41,7 +41,7 @@ def test_the_shipped_recipe_is_one_typed_object() -> None:
 @pytest.mark.parametrize(
     ("drop", "changes", "match"),
     [
-        (("lora",), {}, r"objective\.method=dpo needs a reference model: .*not built yet. Add a `lora:` section"),
+        ((), {"objective": {"reference": "copy"}}, r"objective\.reference: .*'model'"),
         ((), {"layout": {"dp_shard_size": 1, "pp_size": 2}}, r"under pipeline parallelism \(layout\.pp_size=2\)"),
         ((), {"data": {"packing": True}}, r"preference pairs are not packed yet; set data\.packing: false"),
         ((), {"data": {"format": "chat"}}, r"objective\.method=dpo trains on chosen/rejected pairs; set data\.format"),
@@ -65,6 +65,23 @@ def test_context_parallel_layouts_are_taken(tmp_path: Path) -> None:
 
 def test_reference_free_methods_need_no_adapters(tmp_path: Path) -> None:
     assert load_recipe(_recipe(tmp_path, ("lora",), objective={"method": "orpo"})).objective.method == "orpo"
+
+
+def test_a_full_fine_tunes_frozen_reference_is_planned_as_the_parameters_again(tmp_path: Path) -> None:
+    """DPO without ``lora:``: the reference is a frozen copy sharded like the model, so each rank holds its parameters
+    twice (no second gradient or optimizer state); with LoRA the reference is the base itself (no copy)."""
+    from lightning_plugins.planner.dryrun import resident_state
+    from lightning_plugins.planner.workload import Workload
+
+    full = load_recipe(_recipe(tmp_path, ("lora",)))
+    sft = load_recipe(_recipe(tmp_path, ("lora",), objective={"method": "simpo"}))  # the same model, no reference
+    assert full.objective.frozen_copy(full.lora) and not load_recipe(RECIPE).objective.frozen_copy(
+        load_recipe(RECIPE).lora
+    )
+    (_, _, dpo_state), *_ = resident_state(Workload.from_recipe(full))
+    (_, _, free_state), *_ = resident_state(Workload.from_recipe(sft))
+    assert dpo_state["parameters"] == 2 * free_state["parameters"] > 0
+    assert dpo_state["gradients"] == free_state["gradients"] and dpo_state["optimizer"] == free_state["optimizer"]
 
 
 @pytest.mark.slow
