@@ -11,6 +11,7 @@ rows of the experts it holds.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -75,7 +76,7 @@ def hub_source(model: nn.Module, name: str, shape: torch.Size) -> str | StackedE
     """
     from transformers.core_model_loading import revert_weight_conversion
 
-    pieces = revert_weight_conversion(model, {name: torch.empty(shape, device="meta")})
+    pieces = revert_weight_conversion(_unsharded_twin(model), {name: torch.empty(shape, device="meta")})
     if len(pieces) == 1:
         return next(iter(pieces))
     experts = shape[0]
@@ -90,6 +91,25 @@ def hub_source(model: nn.Module, name: str, shape: torch.Size) -> str | StackedE
     if not consistent:
         raise CheckpointError(_unsupported(name, shape, pieces))
     return StackedExperts(leaves, rows)
+
+
+_TWINS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
+
+
+def _unsharded_twin(model: nn.Module) -> nn.Module:
+    """``model``, or for one under FSDP2 a meta-device model of its own class: transformers finds a model's renamings
+    by its modules' class names (Gemma 3's ``language_model.model`` on disk), which ``fully_shard`` changes to
+    ``FSDP<name>``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not any(isinstance(module, FSDPModule) for module in model.modules()) or not hasattr(model, "config"):
+        return model
+    if model not in _TWINS:
+        cls = type(model)
+        original = next((base for base in cls.__bases__ if base is not FSDPModule), cls) if issubclass(cls, FSDPModule) else cls
+        with torch.device("meta"):
+            _TWINS[model] = original._from_config(model.config)
+    return _TWINS[model]
 
 
 def _unsupported(name: str, shape: torch.Size, pieces: dict[str, Tensor]) -> str:

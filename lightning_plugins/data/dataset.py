@@ -16,6 +16,11 @@ from lightning_plugins.data.prepared import DATA_FILE, cache_root, entry_name, f
 
 def _detect_format(config: DataConfig, source: Source) -> str:
     columns = set(source.dataset.column_names)
+    if config.format == "image_text" or (config.format == "auto" and "images" in columns):
+        raise DataError(
+            f"data.{source.key}: {source.path} holds image-text records (an 'images' column): they are processed by"
+            " the model's processor, through lightning_plugins.data.build_image_text_dataset (recipes do this)."
+        )
     if config.format != "auto":
         needed = {"chat": {"messages"}, "prompt_completion": {"prompt", "completion"},
                   "preference": {"chosen", "rejected"}}[config.format]  # fmt: skip
@@ -88,7 +93,7 @@ def _tokenize(
     fmt = _detect_format(config, source)
     dataset, indices = source.dataset, None
     if config.eval is None and config.eval_fraction > 0:
-        indices = _held_out(dataset.num_rows, config, source)[split == "eval"]
+        indices = held_out(dataset.num_rows, config, source)[split == "eval"]
         dataset = dataset.select(indices, keep_in_memory=True)  # the row numbers only: the records stay mapped
     pairs = fmt == "preference"
     if pairs and config.packing:
@@ -141,7 +146,7 @@ def _tokenize(
             "config": repr(config)}  # fmt: skip
 
 
-def _held_out(n: int, config: DataConfig, source: Source) -> tuple[list[int], list[int]]:
+def held_out(n: int, config: DataConfig, source: Source) -> tuple[list[int], list[int]]:
     """(train, eval) row indices: a seeded random ``eval_fraction`` held out, each part in file order."""
     k = max(1, round(n * config.eval_fraction))
     if k >= n:

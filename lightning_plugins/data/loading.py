@@ -99,6 +99,12 @@ def read_jsonl(path: PathLike) -> list[Record]:
     return records
 
 
+def read_first_record(path: PathLike) -> Record:
+    """The first record of a JSON-lines (or JSON array) file, ``{}`` when it has none or it is not an object."""
+    record = next((record for _, record in _scan_json(Path(path))), {})
+    return record if isinstance(record, dict) else {}
+
+
 def _where(path: Path, line_no: int, index: int) -> str:
     return f"{path}:{line_no}" if line_no else f"{path} record {index + 1}"
 

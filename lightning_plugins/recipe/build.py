@@ -73,13 +73,19 @@ def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Modul
     from lightning_plugins.checkpoint.text_tower import is_multimodal, text_config
     from lightning_plugins.data import prepare_model_for_packing
 
+    from lightning_plugins.data.image_dataset import is_image_text_data
+
     spec = recipe.model
     remote = {"trust_remote_code": spec.trust_remote_code}  # off unless the recipe says so
     path = local_checkpoint(spec.path, **remote)
+    kwargs = {"dtype": DTYPES[spec.dtype], "attn_implementation": spec.attn_implementation}
+    if is_image_text_data(recipe.data):  # the whole image-text model and its processor (in place of a tokenizer)
+        from lightning_plugins.recipe.image_text import build_image_text_model
+
+        return build_image_text_model(recipe, path, kwargs, on_meta)
     tokenizer = AutoTokenizer.from_pretrained(path, **remote)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    kwargs = {"dtype": DTYPES[spec.dtype], "attn_implementation": spec.attn_implementation}
     config = AutoConfig.from_pretrained(path, **remote)
     if on_meta or is_multimodal(config):  # Gemma 3 27B: train the text decoder, read from the multimodal checkpoint
         with torch.device("meta"):
@@ -110,15 +116,19 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, 
     their own generators, never from the global random state (see :mod:`lightning_plugins.checkpoint.resume`).
     """
     from lightning_plugins.data import build_dataset, make_collator
+    from lightning_plugins.data.image_dataset import build_image_text_dataset, image_text_collator, is_image_text_data
 
     fixed = recipe.data.max_seq_len if recipe.layout.pp_size > 1 else None
-    collate = make_collator(recipe.data, tokenizer.pad_token_id, pad_to_multiple_of=fixed)
+    build, collate = build_dataset, None
+    if is_image_text_data(recipe.data):  # `tokenizer` is the model's processor
+        build, collate = build_image_text_dataset, image_text_collator(tokenizer)
+    collate = collate or make_collator(recipe.data, tokenizer.pad_token_id, pad_to_multiple_of=fixed)
     size = recipe.train.micro_batch_size
     # A pipeline splits every batch into its micro-batches: a short last training batch would not split, so it is
     # dropped; evaluation takes every sample (the pipeline tops a short batch up with rows that hold no target).
     drop = recipe.layout.pp_size > 1
     seed = recipe.train.seed
-    dataset = build_dataset(recipe.data, tokenizer, "train")
+    dataset = build(recipe.data, tokenizer, "train")
     check_objective_data(recipe, dataset.column_names)
     check_global_batch(recipe, dataset.num_rows)
     train = ResumableDataLoader(
@@ -127,7 +137,7 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, 
     if not recipe.data.has_eval:
         return train, None
     return train, DataLoader(
-        build_dataset(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate,
+        build(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate,
         generator=loader_generator(seed),
     )  # fmt: skip
 

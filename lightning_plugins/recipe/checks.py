@@ -75,6 +75,9 @@ def check_recipe(recipe: Recipe, path: Path) -> Recipe:
             raise RecipeError(f"{path}: model.attn_implementation with data.packing: {err}") from None
     _check_merged_export(recipe, path)
     _check_objective(recipe, layout, path)
+    from lightning_plugins.recipe.image_text import check_image_text_recipe
+
+    check_image_text_recipe(recipe, path)
     return recipe
 
 

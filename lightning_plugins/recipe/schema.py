@@ -27,6 +27,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError
 
 from lightning_plugins.adapters.lora import LoraOptions
+from lightning_plugins.adapters.vision import VisionOptions
 from lightning_plugins.data import DataConfig
 from lightning_plugins.errors import RecipeError
 from lightning_plugins.parallel.layout import ParallelLayout
@@ -47,6 +48,7 @@ class Recipe(Section):
     parallel: ParallelOptions = Field(default_factory=ParallelOptions)
     memory: MemoryOptions = Field(default_factory=MemoryOptions)
     lora: LoraOptions | None = None
+    vision: VisionOptions = Field(default_factory=VisionOptions)
     optim: OptimSection = Field(default_factory=OptimSection)
     train: TrainSection
     objective: PreferenceOptions = Field(default_factory=PreferenceOptions)

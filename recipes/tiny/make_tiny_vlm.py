@@ -34,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from make_tiny import BOS, EOS, PAD, SEED, build_tokenizer, write_jsonl  # noqa: E402
+from make_tiny import BOS, EOS, PAD, SEED, build_tokenizer, write_jsonl
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 200, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40)}
 SHAPES = ("square", "circle", "cross", "bar")
@@ -88,13 +88,14 @@ def build_model(tokenizer):
 
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKENS.items()}
     config = Gemma3Config(
-        text_config=dict(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=-(-len(tokenizer) // 8) * 8, max_position_embeddings=256, bos_token_id=BOS,
-            eos_token_id=EOS, pad_token_id=PAD, sliding_window=32, layer_types=["sliding_attention", "full_attention"],
-        ),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           image_size=IMAGE_SIZE, patch_size=PATCH),
+        text_config={
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": -(-len(tokenizer) // 8) * 8,
+            "max_position_embeddings": 256, "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD,
+            "sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"],
+        },
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "image_size": IMAGE_SIZE, "patch_size": PATCH},
         mm_tokens_per_image=IMAGE_TOKENS, image_token_index=ids["image_token"], boi_token_index=ids["boi_token"],
         eoi_token_index=ids["eoi_token"], tie_word_embeddings=False, dtype="float32",
     )  # fmt: skip
