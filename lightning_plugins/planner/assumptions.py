@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_plugins.parallel.options import MemoryOptions
+from lightning_plugins.planner.attention_kernels import attention_lines
 from lightning_plugins.planner.hardware import Cluster
+from lightning_plugins.planner.model_stats import ModelStats
 from lightning_plugins.planner.step_shape import StepShape
 
 if TYPE_CHECKING:
@@ -45,11 +47,13 @@ def step_assumptions(
     method: str,
     async_tp: bool,
     recompute_fraction: float | None,
+    stats: ModelStats,
 ) -> tuple[str, ...]:
     """What :func:`lightning_plugins.planner.timing.estimate_step_time` assumed for this step, one line each."""
     lines = _compute_lines(memory, cluster, kern, efficiency, method, recompute_fraction)
     lines += _data_parallel_lines(shape, memory, cluster)
     lines += _model_parallel_lines(shape, cluster, async_tp)
+    lines += attention_lines(stats, shape.cp_backend, shape.layout.cp_size)
     lines += _offload_lines(memory, cluster)
     if shape.reference_forward:
         reference = "the base, adapters off" if method in ("lora", "qlora") else "a frozen copy laid out like the model"

@@ -101,6 +101,9 @@ class ModelStats:
             DeepSeek-V3's dense and MoE layers; :mod:`.layer_kinds`), each with its count: the counts and FLOPs
             then sum over them, and the per-layer fields above are the stack's mean layer (``linears``: every
             kind's). Empty when all layers are alike.
+        attention_variants: What changes which kernel attention runs on (:mod:`.attention_kernels`):
+            ``"softcap"`` (logit soft-capping), ``"sinks"`` (gpt-oss), ``"linear"`` (some layers are linear
+            attention; see :func:`attention_variants`).
     """
 
     hidden_size: int
@@ -124,6 +127,7 @@ class ModelStats:
     expert_matmul_params: int = 0
     attention_windows: tuple[int, ...] = ()
     layer_kinds: tuple[LayerKind, ...] = field(default=(), compare=False)
+    attention_variants: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -293,6 +297,19 @@ def attention_windows(config: Any) -> tuple[int, ...]:
     return windows if any(windows) else ()
 
 
+def attention_variants(config: Any) -> tuple[str, ...]:
+    """The model's attention variants that decide its kernel: soft-capping (Gemma 2's ``attn_logit_softcapping``),
+    sinks (gpt-oss), linear-attention layers (``layer_types``)."""
+    variants = []
+    if getattr(config, "attn_logit_softcapping", None):
+        variants.append("softcap")
+    if getattr(config, "model_type", "") == "gpt_oss":
+        variants.append("sinks")
+    if "linear_attention" in (getattr(config, "layer_types", None) or ()):
+        variants.append("linear")
+    return tuple(variants)
+
+
 def _stats(config: Any, **counts: Any) -> ModelStats:
     """:class:`ModelStats` with the shape read from ``config`` and the parameter ``counts`` found either way."""
     h, layers, heads, kv_heads, head_dim, ffn, vocab = _shape(config)
@@ -306,6 +323,7 @@ def _stats(config: Any, **counts: Any) -> ModelStats:
         vocab_size=vocab,
         model_type=str(config.model_type),
         attention_windows=attention_windows(config),
+        attention_variants=attention_variants(config),
         **counts,
     )
 

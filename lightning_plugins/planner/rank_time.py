@@ -19,6 +19,7 @@ from lightning_plugins.planner.assumptions import (
     QLORA_SLOWDOWN,
     SELECTIVE_RECOMPUTE,
 )
+from lightning_plugins.planner.attention_kernels import attention_seconds_per_token
 from lightning_plugins.planner.hardware import Cluster
 from lightning_plugins.planner.model_stats import NF4_BYTES_PER_PARAM, ModelStats
 from lightning_plugins.planner.step_shape import StepShape
@@ -86,9 +87,10 @@ def rank_work(
     slowdown = QLORA_SLOWDOWN if method == "qlora" else 1.0
 
     # Seconds per token of one layer's forward, matmuls and attention; training runs the matmuls 3x (full) or
-    # 2x (frozen base: no weight gradients), attention 3x. Attention is the layers' mean (sliding windows count their
-    # band, see ModelStats.attention_flops_per_token).
-    attn_fwd = stats.attention_flops_per_token(shape.seq_len) / stats.num_layers / attn_rate
+    # 2x (frozen base: no weight gradients), attention 3x. Attention is the layers' mean, each layer on the kernel its
+    # CP backend runs it on (attention_kernels: sliding windows count their band where the kernel skips the rest).
+    attn_fwd = attention_seconds_per_token(stats, shape.seq_len, shape.cp_backend, shape.layout.cp_size, attn_rate)
+    attn_fwd /= stats.num_layers
     mm_fwd = 2.0 * stats.layer_active_matmul_params / rate
     mm_factor = 3.0 if method == "full" else 2.0
     layer_time = mm_factor * mm_fwd + 3.0 * attn_fwd + 6.0 * lora_layer / rate

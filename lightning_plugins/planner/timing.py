@@ -201,10 +201,9 @@ def estimate_step_time(
     stats = model_stats(config_or_stats)
     kern = _kernels(kernels_for(options) if kernels is None else kernels)
     async_tp = options.async_tp if async_tp is None else async_tp
-    sizes = (seq_len, micro_batch_size, global_batch_size, reference_forward)
-    shape = StepShape.of(stats, layout, options, cluster, *sizes)
-    method, lora = _method(method, lora)
-    efficiency, attention_efficiency = _efficiencies(cluster, kern)
+    shape = StepShape.of(stats, layout, options, cluster, seq_len, micro_batch_size, global_batch_size,
+                         reference_forward)  # fmt: skip
+    (method, lora), (efficiency, attention_efficiency) = _method(method, lora), _efficiencies(cluster, kern)
     lora_layer = stats.lora_params_per_layer(lora.target_modules, lora.r) if lora is not None else 0
     ranks = [
         rank_time(stats, shape, memory, cluster, kern.float8, (efficiency, attention_efficiency), method, lora_layer,
@@ -225,7 +224,8 @@ def estimate_step_time(
         bubble=rank["bubble_s"] / rank["step"],
         tokens_per_s_per_gpu=tokens_per_s_per_gpu,
         mfu=tokens_per_s_per_gpu * model_flops / cluster.gpu.peak_flops,
-        assumptions=step_assumptions(shape, memory, cluster, kern, efficiency, method, async_tp, recompute_fraction),
+        assumptions=step_assumptions(shape, memory, cluster, kern, efficiency, method, async_tp, recompute_fraction,
+                                     stats),  # fmt: skip
         efficiency=efficiency,
         exposed_s=rank["exposed"],
         bottleneck_pp_rank=worst,

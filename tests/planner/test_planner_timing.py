@@ -399,3 +399,45 @@ def test_float8_tp_gathers_bf16_activations_in_this_engine_float8_only_in_torcht
     assert engine.comm_s["tp"] == bf16.comm_s["tp"]
     assert titan.comm_s["tp"] < engine.comm_s["tp"]
     assert engine.comm_s["fsdp"] == titan.comm_s["fsdp"] < bf16.comm_s["fsdp"]
+
+
+def test_attention_kernel_follows_the_cp_backend():
+    """Each layer's attention is charged on the kernel its CP backend runs it on (planner/attention_kernels.py): the
+    flash kernel without CP, under Ulysses for plain layers and for ring blocks (a window's band only); eager attention
+    (the whole square) under Ulysses for layers with a window, soft-capping or sinks; pure-torch fp32 tiles for ring
+    attention with soft-capping."""
+    from transformers import Gemma2Config
+
+    from lightning_plugins.planner.attention_kernels import (
+        EAGER,
+        FLASH,
+        KERNEL_SPEED,
+        RING_TILES,
+        attention_seconds_per_token,
+        layer_kernels,
+    )
+
+    plain = {backend: _step(layout=ParallelLayout(cp_size=4), options=ParallelOptions(cp_backend=backend),
+                            seq_len=32768) for backend in ("ring", "ulysses")}  # fmt: skip
+    assert plain["ring"].compute_s == pytest.approx(plain["ulysses"].compute_s, rel=1e-12)
+    for backend, step in plain.items():
+        assert any(line.startswith(f"attention ({backend} CP): 32 layer(s) on flash") for line in step.assumptions)
+
+    gpt_oss = model_stats(load_model_config("gpt-oss-120b"))  # windows of 128 on every second layer, sinks
+    assert gpt_oss.attention_variants == ("sinks",)
+    per_key, seq, rate = 4 * 64 * 64, 8192, 1e15
+    ring = attention_seconds_per_token(gpt_oss, seq, "ring", 4, rate)
+    assert ring == pytest.approx(per_key * 18 * (128 + seq) / rate, rel=1e-12)
+    assert attention_seconds_per_token(gpt_oss, seq, "ring", 1, rate) == pytest.approx(ring, rel=1e-12)
+    ulysses = attention_seconds_per_token(gpt_oss, seq, "ulysses", 4, rate)
+    assert set(layer_kernels(gpt_oss, "ulysses", 4)) == {(EAGER, 0)}
+    assert ulysses == pytest.approx(per_key * 36 * seq / (rate * KERNEL_SPEED[EAGER]), rel=1e-12)
+
+    gemma2 = model_stats(Gemma2Config(num_hidden_layers=4, sliding_window=1024))  # soft-capping, every 2nd windowed
+    assert gemma2.attention_variants == ("softcap",)
+    assert layer_kernels(gemma2, "ring", 2) == ((RING_TILES, 1024), (RING_TILES, 0)) * 2
+    assert layer_kernels(gemma2, "ring", 1) == ((FLASH, 1024), (FLASH, 0)) * 2
+    gemma_ring = attention_seconds_per_token(gemma2, seq, "ring", 2, rate)
+    assert gemma_ring == pytest.approx(
+        attention_seconds_per_token(gemma2, seq, "ring", 1, rate) / KERNEL_SPEED[RING_TILES], rel=1e-12
+    )
