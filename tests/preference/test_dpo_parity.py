@@ -37,6 +37,7 @@ from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of
 from lightning_plugins.parallel.options import with_settings
 from lightning_plugins.parallel.pipeline.apply import _PIPELINE_ATTR
+from lightning_plugins.parallel.quantized import is_nf4
 from lightning_plugins.preference import PreferenceObjective, PreferenceOptions
 from lightning_plugins.preference.logps import find_parallel_loss, sequence_logps
 
@@ -60,6 +61,8 @@ CASES = {
         # the policy and loaded sharded (frozen_reference); one process's is a plain copy of the model.
         "fsdp2 full ft frozen reference": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
         "tp2 sp+lp full ft frozen reference": ("llama", TP2, {"loss_chunk_tokens": None}),
+        # QLoRA: the reference is the NF4 base with the adapters disabled; one process trains the same NF4 model.
+        "fsdp2 qlora nf4 chunked": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
     },
     # Compositions (slow): a row's log-probability summed over cp shards of vocab-sharded chunks, and the experts
     # split over 2 ranks and FSDP2-sharded over the other 2 (ep2 inside dp_shard 4), one pair a data rank.
@@ -71,6 +74,8 @@ CASES = {
 
 #: Cases that train every weight (no LoRA) against a frozen reference copy.
 FULL = {name for cases in CASES.values() for name in cases if "full ft" in name}
+#: Cases whose base is NF4 (QLoRA, torchao).
+QLORA = {name for cases in CASES.values() for name in cases if "qlora" in name}
 
 
 def full_model(family: str) -> torch.nn.Module:
@@ -79,7 +84,7 @@ def full_model(family: str) -> torch.nn.Module:
     return model
 
 
-def lora_model(family: str) -> torch.nn.Module:
+def lora_model(family: str, quantize: bool = False) -> torch.nn.Module:
     if family == "qwen3_moe":  # the router's balance loss on, weighted enough that a wrong reduction shows
         torch.manual_seed(0)
         config = CONFIGS[family]()
@@ -87,7 +92,7 @@ def lora_model(family: str) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         options = LoraOptions(r=4, alpha=8, target_modules=("q_proj", "v_proj"), target_parameters=EXPERT_WEIGHTS)
     else:
-        model, options = tiny_model(family), LoraOptions(r=4, alpha=8)
+        model, options = tiny_model(family), LoraOptions(r=4, alpha=8, quantize="nf4" if quantize else "none")
     model.config.use_cache = False
     torch.manual_seed(1)
     model = apply_lora(model, options)
@@ -125,8 +130,8 @@ def _train(model, take, clip, objective=None) -> tuple[list[float], list[dict[st
 
 
 @functools.cache
-def _reference(family: str, full: bool = False):
-    model = full_model(family) if full else lora_model(family)
+def _reference(family: str, full: bool = False, quantize: bool = False):
+    model = full_model(family) if full else lora_model(family, quantize)
     objective = None
     if full:  # one process: the reference is a plain frozen copy of the starting model
         objective = PreferenceObjective(OBJECTIVE, reference=copy.deepcopy(model).requires_grad_(False).eval())
@@ -145,9 +150,11 @@ def _rows_of_rank(model):
     return lambda batch: context_parallel_batch({key: value[rows] for key, value in batch.items()}, mesh)
 
 
-def _run_case(family: str, sizes: dict, settings: dict, checkpoint: Path | None = None) -> dict:
-    build = full_model if checkpoint is not None else lora_model
-    want_history, want_metrics, want_adapters = _reference(family, checkpoint is not None)
+def _run_case(
+    family: str, sizes: dict, settings: dict, checkpoint: Path | None = None, quantize: bool = False
+) -> dict:
+    build = full_model if checkpoint is not None else functools.partial(lora_model, quantize=quantize)
+    want_history, want_metrics, want_adapters = _reference(family, checkpoint is not None, quantize)
     model = build(family)
     parallelize(model, ParallelLayout(**sizes).resolve(dist.get_world_size()), *with_settings("test", **settings))
     chunked = find_parallel_loss(model).chunked is not None
@@ -166,6 +173,7 @@ def _run_case(family: str, sizes: dict, settings: dict, checkpoint: Path | None 
         "adapter_diff": max((full[n] - want_adapters[n]).abs().max().item() for n in want_adapters),
         "adapter_change": max((want_adapters[n] - start[n]).abs().max().item() for n in start),
         **layout,
+        "nf4_weights": sum(is_nf4(p) for p in model.parameters()),
     }
 
 
@@ -200,7 +208,10 @@ def _world(rank: int, world_size: int, out_dir: str) -> None:
     if rank == 0:  # the full fine-tune's starting checkpoint, which its frozen reference is read from
         full_model("llama").save_pretrained(checkpoint)
     dist.barrier()
-    results = {name: _run_case(*case, checkpoint if name in FULL else None) for name, case in CASES[world_size].items()}
+    results = {
+        name: _run_case(*case, checkpoint if name in FULL else None, name in QLORA)
+        for name, case in CASES[world_size].items()
+    }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -228,6 +239,8 @@ def test_dpo_matches_one_process(world_size: int, name: str) -> None:
         if name in FULL:  # the reference: laid out like the policy, frozen, still the starting weights
             assert result[name]["layout_differs"] == [] and result[name]["frozen"], where
             assert result[name]["reference_diff"] == 0.0, where
+        if name in QLORA:  # the base stayed 4-bit under FSDP2
+            assert result[name]["nf4_weights"] > 0, where
 
 
 def test_the_router_loss_is_added_as_trl_adds_it() -> None:
