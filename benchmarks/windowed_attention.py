@@ -9,7 +9,9 @@ in the load-balanced layout, full causal and with a sliding window of ``W`` keys
 * ``computed``: the score entries ring attention really computes (its blocks' pieces, counted with its own
   :func:`active_block` / :func:`block_pieces`), windowed over causal, and the windowed run's excess over its pairs;
 * ``time ratio``: median over rounds of time(windowed) / time(causal), the two interleaved round by round (the
-  machine is shared, so ratios are taken within a round).
+  machine is shared, so ratios are taken within a round);
+* ``CPU-time ratio``: the same for rank 0's process CPU time (one thread per rank: what the rank computed, less moved
+  by other processes' load than the wall clock).
 
 Every block still travels the ring (the kernel skips the compute of a block outside every local query's window,
 not its transfer).
@@ -36,9 +38,11 @@ from lightning_plugins.testing.world import world_rows  # noqa: E402
 
 def computed_entries(seq: int, cp: int, window: int | None, batch_heads: int) -> int:
     """Score entries (per head) that ring attention computes over all ranks: its blocks' pieces as the CPU kernel
-    takes them (:func:`block_pieces`: a box or a masked box whole, a causal square's lower triangle)."""
+    takes them (:func:`block_pieces`: a box or a masked box whole, a band's masked boxes whole, a causal square's lower
+    triangle)."""
     from lightning_plugins.parallel.context.ring import _first_keys
     from lightning_plugins.parallel.context.sharding import sequence_positions
+    from lightning_plugins.parallel.context.bands import BandCall
     from lightning_plugins.parallel.context.tiles import FusedCall, active_block, block_pieces
 
     total = 0
@@ -49,6 +53,9 @@ def computed_entries(seq: int, cp: int, window: int | None, batch_heads: int) ->
             k_pos = sequence_positions(seq, source, cp, load_balanced=True)
             block = active_block(q_pos, k_pos, True, None, starts)
             for _, piece in [] if block is None else block_pieces(block, None, batch_heads, True, True):
+                if isinstance(piece, BandCall):
+                    total += piece.count * piece.chunk * piece.span
+                    continue
                 rows, cols = (piece.rows, piece.cols) if isinstance(piece, FusedCall) else piece[:2]
                 height, width = rows.stop - rows.start, cols.stop - cols.start
                 causal = isinstance(piece, FusedCall) and piece.causal
@@ -61,16 +68,20 @@ def attended_pairs(seq: int, window: int | None) -> int:
     return sum(min(i + 1, window or seq) for i in range(seq))
 
 
-def _timed(window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> float:
-    """Seconds of one forward + backward, between barriers (the slowest rank's time, seen by all)."""
+def _timed(
+    window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor
+) -> tuple[float, float]:
+    """Seconds of one forward + backward, between barriers (the slowest rank's time, seen by all), and the CPU seconds
+    of this rank's process in it (less moved by other processes' load on a shared machine than the wall clock)."""
     from lightning_plugins.parallel.context import ring_attention
 
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     ring_attention(q, k, v, window=window).backward(grad)
+    cpu = time.process_time() - cpu
     dist.barrier()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, cpu
 
 
 def _measure(args: argparse.Namespace, seq: int, window: int) -> dict[str, Any]:
@@ -88,6 +99,8 @@ def _measure(args: argparse.Namespace, seq: int, window: int) -> dict[str, Any]:
         order = variants if index % 2 == 0 else variants[::-1]
         rounds.append({variant: _timed(variant, *local) for variant in order})
     windowed, causal = (computed_entries(seq, cp, w, args.heads) for w in (window, None))
+    cpu = [{variant: seconds[1] for variant, seconds in r.items()} for r in rounds]
+    rounds = [{variant: seconds[0] for variant, seconds in r.items()} for r in rounds]
     return {
         "seq": seq,
         "window": window,
@@ -98,6 +111,7 @@ def _measure(args: argparse.Namespace, seq: int, window: int) -> dict[str, Any]:
         "causal_s": statistics.median(r[None] for r in rounds),
         "windowed_s": statistics.median(r[window] for r in rounds),
         "time_ratio": statistics.median(r[window] / r[None] for r in rounds),
+        "cpu_ratio": statistics.median(r[window] / r[None] for r in cpu),
     }
 
 
@@ -109,14 +123,15 @@ def _rank(rank: int, args: argparse.Namespace, out: str) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| S | W | cp | pairs W/causal | computed W/causal (computed/attended) | time causal / W (s) | time ratio |",
-        "|---:|---:|---:|---:|---:|---|---:|",
+        "| S | W | cp | pairs W/causal | computed W/causal (computed/attended) | time causal / W (s) | time ratio"
+        " | CPU-time ratio (rank 0) |",
+        "|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['seq']} | {r['window']} | {r['cp']} | {r['pairs_ratio']:.4f} | {r['computed_ratio']:.4f}"
             f" ({r['computed_over_pairs']:.2f}) | {r['causal_s']:.3f} / {r['windowed_s']:.3f}"
-            f" | **{r['time_ratio']:.3f}** |"
+            f" | **{r['time_ratio']:.3f}** | **{r['cpu_ratio']:.3f}** |"
         )
     return "\n".join(lines)
 

@@ -142,11 +142,15 @@ def _variant_cases() -> list[Case]:
     cases.append(Case("ring-window-long-bands", "ring", True, 2, seq=LONG_SEQ, window=LONG_WINDOW, sinks=True))
     cases.append(Case("ring-window-long-packed-masked-fp32", "ring", True, 2, "float32", seq=LONG_SEQ, packed=True,
                       window=LONG_WINDOW, sinks=True))
+    # On CPU a band's whole 64-row chunks are one masked call (bands.BandCall, cp 1 and 2) and a window's staircase
+    # of equal boxes off the diagonal one call without a mask (cp 4): see test_ring_pieces.py.
+    cases.append(Case("ring-window-band-calls", "ring", True, 2, seq=BAND_SEQ, window=BAND_WINDOW, sinks=True))
     return cases
 
 
 WINDOW = 5  # shorter than every shard at cp 1 and 2, longer than a load-balanced chunk at cp 4: crosses ranks
 LONG_WINDOW = 90  # across chunks of the segmented load-balanced layout
+BAND_SEQ, BAND_WINDOW = 1024, 200  # band runs of 64+ rows at cp 1 and 2, a staircase of equal boxes at cp 4
 CASES = _cases() + _packed_cases() + _variant_cases()
 BF16_CASES = [Case(f"{kernel}-causal-gqa-bf16", kernel, True, 2, dtype="bfloat16") for kernel in ("ring", "ulysses")]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_plugins.parallel.context.bands import BandCall
 from lightning_plugins.parallel.context.fused import CPU_KERNEL, CUDA_KERNEL, fused_kernel_for, takes_masks
 from lightning_plugins.parallel.context.ring import _first_keys
 from lightning_plugins.parallel.context.sharding import sequence_positions
@@ -58,7 +59,12 @@ def _coverage(
             block = active_block(q_pos, k_pos, causal, valid_len, first)
             for rows_of, piece in [] if block is None else block_pieces(block, None, 1, fused, masked):
                 cov = covered[rows_of]
-                if isinstance(piece, FusedCall):
+                if isinstance(piece, BandCall):
+                    assert masked, piece  # one masked call for the band's chunks: only where the kernel takes masks
+                    calls += 1
+                    for rows, cols, mask in piece.chunks():
+                        cov[:, rows, _offset(cols, block.col_start)] += mask.long()
+                elif isinstance(piece, FusedCall):
                     calls += 1
                     rows, cols = piece.rows, _offset(piece.cols, block.col_start)
                     height, width = rows.stop - rows.start, cols.stop - cols.start
@@ -147,6 +153,31 @@ def test_masked_kernel_leaves_nothing_to_the_tiles(cp: int) -> None:
             assert calls > 0 and tiles == 0
     # fused=False (no kernel) still tiles everything, whatever `masked` says.
     assert _coverage(seq, cp, window=40, fused=False, masked=True)[0] == 0
+
+
+def _band_calls(seq: int, cp: int, window: int) -> tuple[int, int]:
+    """Over all ranks and blocks, the masked band calls and the unmasked staircase calls (:class:`BandCall` s)."""
+    bands = staircases = 0
+    for rank in range(cp):
+        q_pos = sequence_positions(seq, rank, cp, True)
+        starts = _first_keys(q_pos, None, window)
+        for source in range(cp):
+            block = active_block(q_pos, sequence_positions(seq, source, cp, True), True, None, starts)
+            for _, piece in [] if block is None else block_pieces(block, None, 1, True, True):
+                bands += isinstance(piece, BandCall) and piece.width is not None
+                staircases += isinstance(piece, BandCall) and piece.width is None
+    return bands, staircases
+
+
+@pytest.mark.parametrize("cp", (1, 2, 4))
+def test_window_bands_are_batched_calls_where_the_kernel_takes_masks(cp: int) -> None:
+    """The kernel parity world's ``ring-window-band-calls`` case (S 1024, W 200) runs a band's whole chunks as one masked
+    call (cp 1, 2) and a staircase of equal boxes as one call (cp 4), covering the window's pairs exactly."""
+    bands, staircases = _band_calls(1024, cp, 200)
+    assert (bands > 0, staircases > 0) == ((True, False) if cp < 4 else (False, True))
+    assert _coverage(1024, cp, window=200, masked=True)[1] == 0
+    # Without masks (CUDA's flash op) the band is reversed and plain causal squares, never a BandCall.
+    assert _coverage(1024, cp, window=200)[0] > 0
 
 
 @pytest.mark.slow

@@ -54,14 +54,16 @@ def takes_masks(kernel: Optional[str]) -> bool:
     return kernel == CPU_KERNEL
 
 
-def _cpu_forward(
+def cpu_forward(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Optional[Tensor] = None
 ) -> tuple[Tensor, Tensor, Any]:
+    """The CPU kernel on ``[b, heads, rows, d]`` (an additive ``mask`` ``[.., rows, cols]``): output, log-sum-exp,
+    and ``None`` (its backward needs nothing more)."""
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     return out, lse, None
 
 
-def _cpu_backward(
+def cpu_backward(
     grad: Tensor,
     q: Tensor,
     k: Tensor,
@@ -95,8 +97,8 @@ def _cuda_backward(
     )
 
 
-_FORWARD = {CPU_KERNEL: _cpu_forward, CUDA_KERNEL: _cuda_forward}
-_BACKWARD = {CPU_KERNEL: _cpu_backward, CUDA_KERNEL: _cuda_backward}
+_FORWARD = {CPU_KERNEL: cpu_forward, CUDA_KERNEL: _cuda_forward}
+_BACKWARD = {CPU_KERNEL: cpu_backward, CUDA_KERNEL: _cuda_backward}
 
 
 def _repeat_heads(t: Tensor, group: int) -> Tensor:
@@ -154,7 +156,7 @@ def fused_forward(
     if mask is None:
         out, lse, aux = _FORWARD[kernel](q, k, v, causal, scale)
         return out.reshape(q5.shape), lse.reshape(q5.shape[:-1]), aux
-    out, lse, aux = _cpu_forward(q, k, v, False, scale, _kernel_mask(mask, q.dtype))
+    out, lse, aux = cpu_forward(q, k, v, False, scale, _kernel_mask(mask, q.dtype))
     lse = lse.reshape(q5.shape[:-1])
     # The kernel returns log-sum-exp 0 for a row its mask hides wholly: -inf gives it no weight in the merge.
     lse = lse.masked_fill(~mask.reshape(-1, 1, 1, *mask.shape[-2:]).any(-1), float("-inf"))
@@ -195,7 +197,7 @@ def fused_backward(
         grad_q, grad_k, grad_v = _BACKWARD[kernel](grad.contiguous(), q, k, v, out, lse, causal, scale, aux)
     else:
         additive = _kernel_mask(mask, q.dtype)
-        grad_q, grad_k, grad_v = _cpu_backward(grad.contiguous(), q, k, v, out, lse, False, scale, aux, additive)
+        grad_q, grad_k, grad_v = cpu_backward(grad.contiguous(), q, k, v, out, lse, False, scale, aux, additive)
     if per_head and group > 1:
         grad_k, grad_v = (t.reshape(b, hkv, group, *t.shape[2:]).sum(2) for t in (grad_k, grad_v))
     return grad_q.reshape(q5.shape), grad_k, grad_v

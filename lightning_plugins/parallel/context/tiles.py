@@ -11,10 +11,12 @@ documents cost what they attend, not a tile's square.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
+
+from lightning_plugins.parallel.context.bands import BandCall, band_mask
 
 
 class _Documents(NamedTuple):
@@ -37,6 +39,10 @@ class _Block(NamedTuple):
     # it would be 4 GiB).
     causal: Optional[tuple[Tensor, Tensor]]
     documents: Optional[_Documents] = None  # packed rows: each tile is boxed and masked by document
+
+
+#: The box of one query block against one key block that :func:`active_block` returns.
+ActiveBlock = _Block
 
 
 def active_block(
@@ -228,6 +234,9 @@ class FusedCall(NamedTuple):
 #: A tile of the pure-torch fallback: (rows, keys relative to the block's first key, mask or ``None``).
 Tile = tuple[slice, slice, Optional[Tensor]]
 
+#: How ring attention computes a part of a block: a fused call, a band's masked call, or a pure-torch tile.
+Piece = Union[FusedCall, BandCall, Tile]
+
 #: Packed rows: a run of rows goes to the fused kernel when at least this many rows share their first key (one
 #: document's rows); shorter runs (short documents, a sliding window's band, whose first key moves every row) go to the
 #: pure-torch tiles, which take many of them in one tile instead of one kernel call each.
@@ -236,7 +245,7 @@ MIN_FUSED_ROWS = 32
 
 def block_pieces(
     block: _Block, query_tile: Optional[int], batch_heads: int, fused: bool, masked: bool = False
-) -> list[tuple[slice, FusedCall | Tile]]:
+) -> list[tuple[slice, Piece]]:
     """How ring attention computes one active block: (batch rows, piece), each piece a :class:`FusedCall` for the
     fused kernel or a :data:`Tile` of :func:`row_tiles` for the pure-torch fallback.
 
@@ -257,10 +266,10 @@ def block_pieces(
         return [(slice(None), FusedCall(slice(block.row_start, block.row_end), slice(0, _width(block)), False))]
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    pieces: list[tuple[slice, FusedCall | Tile]] = []
+    pieces: list[tuple[slice, Piece]] = []
     waste = _MASKED_WASTE if masked else _DOCUMENT_WASTE
     with unset_fake_temporarily():  # positions are real tensors, also in the planner's dry run
-        planned = [(batch, sub, _fused_calls(sub)) for batch, sub in _batch_blocks(block)]
+        planned = [(batch, sub, _fused_calls(sub, masked)) for batch, sub in _batch_blocks(block)]
     for batch, sub, (calls, tile_rows) in planned:
         shift = sub.col_start - block.col_start  # the sub-block's keys relative to the block's first key
         for call in calls:
@@ -338,7 +347,7 @@ def _staircase(first: Tensor, last: Tensor) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _fused_calls(block: _Block) -> tuple[list[FusedCall], list[tuple[int, int]]]:
+def _fused_calls(block: _Block, masked: bool = False) -> tuple[list[FusedCall | BandCall], list[tuple[int, int]]]:
     """The block's fused calls, and the row ranges (absolute) left to the tiles: see :func:`block_pieces`."""
     first_t, last_t = _key_ranges(block)
     first, last = first_t.tolist(), last_t.tolist()
@@ -353,7 +362,8 @@ def _fused_calls(block: _Block) -> tuple[list[FusedCall], list[tuple[int, int]]]
             continue
         lo = first[a]
         if kind == 2:
-            calls += _band_calls(block.row_start + a, b - a, lo, last[a] - lo)
+            band = _masked_band_calls if masked else _band_calls
+            calls += band(block.row_start + a, b - a, lo, last[a] - lo)
             continue
         if kind == 1 and last[a] <= lo:
             a += 1  # its first row attends nothing; the rest each attend one key more
@@ -367,7 +377,7 @@ def _fused_calls(block: _Block) -> tuple[list[FusedCall], list[tuple[int, int]]]
         if diagonal > lo:
             calls.append(FusedCall(rows, slice(lo, diagonal), False))
         calls.append(FusedCall(rows, slice(diagonal, diagonal + b - a), True))
-    return calls, tile_rows
+    return (_strided_boxes(calls) if masked else calls), tile_rows
 
 
 def _band_calls(row: int, count: int, first: int, width: int) -> list[FusedCall]:
@@ -385,3 +395,66 @@ def _band_calls(row: int, count: int, first: int, width: int) -> list[FusedCall]
         if n > 1:
             calls.append(FusedCall(slice(rows.start + 1, rows.stop), slice(lo + width, lo + width + n - 1), True))
     return calls
+
+
+
+#: Rows of a chunk of a sliding window's band in its masked call (:mod:`.bands`): the box a row computes is
+#: ``width + BAND_ROWS - 1`` keys; 32-128 measured alike at a 256-512-key window (RESULTS.md, issue 48).
+BAND_ROWS = 64
+
+
+def _masked_band_calls(row: int, count: int, first: int, width: int) -> list[FusedCall | BandCall]:
+    """A band (rows as in :func:`_band_calls`) for a kernel that takes masks: its whole chunks of :data:`BAND_ROWS`
+    rows in one :class:`~.bands.BandCall`, the rest in one masked call."""
+    whole = count // BAND_ROWS * BAND_ROWS
+    calls: list[FusedCall | BandCall] = []
+    if whole:
+        cols = slice(first, first + whole + width - 1)
+        calls.append(BandCall(slice(row, row + whole), cols, BAND_ROWS, BAND_ROWS, BAND_ROWS + width - 1, width))
+    if count > whole:
+        n, lo = count - whole, first + whole
+        calls.append(FusedCall(slice(row + whole, row + count), slice(lo, lo + n + width - 1), False, band_mask(n, width)))
+    return calls
+
+
+def _strided_boxes(calls: list[FusedCall | BandCall]) -> list[FusedCall | BandCall]:
+    """Consecutive fully visible calls of one shape, rows adjoining and keys a constant step apart (a window's
+    staircase off the diagonal), as one :class:`~.bands.BandCall` without a mask: one kernel call for them all."""
+    out: list[FusedCall | BandCall] = []
+    run: list[FusedCall] = []
+
+    def close() -> None:
+        if len(run) > 1:
+            head = run[0]
+            chunk, span = head.rows.stop - head.rows.start, head.cols.stop - head.cols.start
+            step = run[1].cols.start - head.cols.start
+            rows, cols = slice(head.rows.start, run[-1].rows.stop), slice(head.cols.start, run[-1].cols.stop)
+            out.append(BandCall(rows, cols, chunk, step, span))
+        else:
+            out.extend(run)
+        run.clear()
+
+    for call in calls:
+        if isinstance(call, FusedCall) and not call.causal and call.mask is None:
+            if run and _continues(run, call):
+                run.append(call)
+                continue
+            close()
+            run.append(call)
+            continue
+        close()
+        out.append(call)
+    close()
+    return out
+
+
+def _continues(run: list[FusedCall], call: FusedCall) -> bool:
+    """Whether ``call`` extends ``run``: same shape, rows right after, keys one more step on (a positive step)."""
+    last = run[-1]
+    same = (call.rows.stop - call.rows.start, call.cols.stop - call.cols.start) == (
+        last.rows.stop - last.rows.start,
+        last.cols.stop - last.cols.start,
+    )
+    step = call.cols.start - last.cols.start
+    steady = step > 0 and (len(run) == 1 or step == last.cols.start - run[-2].cols.start)
+    return same and call.rows.start == last.rows.stop and steady
