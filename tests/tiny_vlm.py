@@ -4,13 +4,16 @@ Qwen2.5-VL: a vision tower of 2 blocks of width 16 (patches of 2x2 pixels, merge
 language model of 2 layers of width 32: an image of 8x8 pixels is 16 patches and 4 image tokens; images come in three
 sizes. Gemma 3: a SigLIP tower of 2 layers of width 16 on 8x8 images (patches of 2x2), pooled to 4 image tokens by
 the projector, and a Gemma 3 language model of 2 layers (one sliding-window, one global). Widths differ on purpose, so
-the projector is the only module that maps one width to the other.
+the projector is the only module that maps one width to the other. Qwen3-VL-MoE: a tower like Qwen2.5-VL's (learned
+position embeddings, one deepstack merger after its first block, whose features are added after the first decoder
+layer) and a language model of 2 mixture-of-experts layers (4 experts, top 2). Qwen rows carry ``mm_token_type_ids``
+(1 on image tokens), as their processors give them, so the model computes its 3-D multimodal RoPE positions.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForImageTextToText, Gemma3Config, Qwen2_5_VLConfig
+from transformers import AutoModelForImageTextToText, Gemma3Config, Qwen2_5_VLConfig, Qwen3VLMoeConfig
 
 VOCAB = 96
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 92, 93, 94, 95
@@ -22,8 +25,22 @@ _TEXT = dict(
 )  # fmt: skip
 
 
-def tiny_vlm_config(family: str = "qwen2_5_vl") -> Qwen2_5_VLConfig | Gemma3Config:
-    """The tiny config of ``family`` (``qwen2_5_vl`` or ``gemma3``)."""
+def tiny_vlm_config(family: str = "qwen2_5_vl") -> Qwen2_5_VLConfig | Gemma3Config | Qwen3VLMoeConfig:
+    """The tiny config of ``family`` (``qwen2_5_vl``, ``gemma3`` or ``qwen3_vl_moe``)."""
+    if family == "qwen3_vl_moe":
+        return Qwen3VLMoeConfig(
+            text_config=dict(
+                _TEXT, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+            ),
+            vision_config=dict(
+                depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=PATCH,
+                spatial_merge_size=MERGE, temporal_patch_size=1, num_position_embeddings=16,
+                deepstack_visual_indexes=[0],
+            ),
+            image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+            vision_end_token_id=VISION_END, attn_implementation="sdpa",
+        )  # fmt: skip
     if family == "gemma3":
         return Gemma3Config(
             text_config=dict(_TEXT, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
@@ -62,15 +79,17 @@ GRIDS = ((4, 4), (4, 6), (6, 4))
 
 
 def image_sample(seq: int, seed: int, family: str = "qwen2_5_vl") -> dict[str, torch.Tensor]:
-    """One row: a generated image (random pixels) and its tokens inside random text, padded on the right.
+    """One row: a generated image (random pixels) and its tokens inside random text, padded on the right (on the left
+    for every fourth seed).
 
     Labels are ``-100`` on the vision tokens, on the first text tokens (the prompt) and on the padding; the row's
     length, where the image sits and (Qwen2.5-VL) its size depend on ``seed``.
     """
     gen = torch.Generator().manual_seed(seed)
-    height, width = GRIDS[seed % len(GRIDS)] if family == "qwen2_5_vl" else (4, 4)
+    qwen = family.startswith("qwen")
+    height, width = GRIDS[seed % len(GRIDS)] if qwen else (4, 4)
     image_tokens = height * width // MERGE**2
-    if family == "qwen2_5_vl":  # the processor's layout: one row of flattened pixels per patch
+    if qwen:  # the processor's layout: one row of flattened pixels per patch
         image = {"pixel_values": torch.randn(height * width, 3 * PATCH * PATCH, generator=gen)}
         image["image_grid_thw"] = torch.tensor([1, height, width])
     else:
@@ -87,15 +106,19 @@ def image_sample(seq: int, seed: int, family: str = "qwen2_5_vl") -> dict[str, t
     labels = ids.clone()
     labels[: start + 2 + image_tokens] = -100
     labels[length:] = -100
-    sample = {"input_ids": ids, "attention_mask": mask, "labels": labels, **image}
+    sample = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if family == "gemma3":  # its image tokens attend to each other both ways
         sample["token_type_ids"] = (ids == IMAGE_TOKEN).long()
-    return sample
+    else:  # which tokens are an image's: the 3-D positions of multimodal RoPE
+        sample["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
+    if seed % 4 == 3:  # padded on the left
+        sample = {key: value.roll(seq - length) for key, value in sample.items()}
+    return sample | image
 
 
 def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """A batch as the models' processors give it: rows stacked, every image's pixels concatenated in row order."""
-    stacked = ("input_ids", "attention_mask", "labels", "token_type_ids", "image_grid_thw")
+    stacked = ("input_ids", "attention_mask", "labels", "token_type_ids", "mm_token_type_ids", "image_grid_thw")
     batch = {key: torch.stack([s[key] for s in samples]) for key in stacked if key in samples[0]}
     batch["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
     return batch

@@ -22,6 +22,7 @@ from lightning_plugins.parallel.families import ModelFamily, check_supported, de
 from lightning_plugins.parallel.fsdp import apply_fsdp, mixed_precision_policy, offload_policy
 from lightning_plugins.parallel.hf_model import hf_model_of
 from lightning_plugins.parallel.image_text import image_text_parts
+from lightning_plugins.parallel.image_text_context import ShardAfterImages, check_image_text_context
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.loss import ParallelCausalLMLoss, gather_logits_without_labels
 from lightning_plugins.parallel.memory.activation import apply_activation_checkpointing
@@ -163,6 +164,8 @@ def _parallelize_part(model: nn.Module, family: ModelFamily, plan: ParallelPlan)
             model.register_forward_hook(gather_logits_without_labels, with_kwargs=True)
     if plan.cp_size > 1:
         apply_context_parallel(model, layers, plan.mesh("cp"), options.cp_backend)
+        if (parts := image_text_parts(model)) is not None:  # its images placed into the whole sequence first
+            ShardAfterImages(plan.mesh("cp")).install(model, parts)
         _refuse_generate(model, "context parallelism (each rank holds only a shard of the sequence)")
     apply_activation_checkpointing(
         layers, memory.activation_checkpointing, memory.every_n_layers, offload=memory.activation_offload
@@ -289,7 +292,8 @@ def check_parallelizable(
 
 def _check_model(model: nn.Module, plan: ParallelPlan) -> None:
     """The checks that need the model itself, not only its config."""
-    image_text_parts(model)  # an image-text model's parts are found, or the one that is not is named
+    if image_text_parts(model) is not None and plan.cp_size > 1:  # parts found, or the one that is not is named
+        check_image_text_context(model)
     if plan.pipeline is not None:
         decoder_anatomy(model, plan.pp_size)  # a forward a stage cannot reproduce is refused here
     check_quantized(model, plan.layout, float8=plan.options.float8)

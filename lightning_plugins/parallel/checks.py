@@ -97,5 +97,5 @@ def check_model_fit(
             pipeline = check_pipeline_layout(layout, config, pipeline)
         else:
             pipeline = pipeline.resolve(layout.pp_size)
-    check_context_parallel(config, layout.cp_size, layout.tp_size, options.cp_backend)
+    check_context_parallel(language_config(config), layout.cp_size, layout.tp_size, options.cp_backend)
     return pipeline

@@ -86,6 +86,10 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen3_5_moe_text": replace(QWEN3_5, name="qwen3_5_moe_text"),
     # Qwen3-Next: the same layers; its Gated DeltaNet fuses q/k/v/z and b/a per key head.
     "qwen3_next": replace(QWEN3_5, name="qwen3_next"),
+    # Qwen3-VL's language models (the image-text model's text config): Qwen3's layers, whose per-head q/k norms their
+    # configs' tensor-parallel plans leave out (the dense one's plan names no layer at all).
+    "qwen3_vl_text": replace(QWEN3, name="qwen3_vl_text"),
+    "qwen3_vl_moe_text": replace(QWEN3, name="qwen3_vl_moe_text"),
 }
 
 #: HF ``base_model_tp_plan`` styles this engine can translate for the generic fallback.

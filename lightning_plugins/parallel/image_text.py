@@ -148,29 +148,31 @@ def _head_path(model: nn.Module) -> str | None:
 
 
 def check_image_text_layout(layout: Any, config: Any | None) -> None:
-    """Refuse, for an image-text model's config, the layouts that would not carry its images: only the data
-    dimensions do yet.
+    """Refuse, for an image-text model's config, the layouts that would not carry its images: pipeline parallelism.
 
     Tensor parallelism splits the language model and replicates the vision tower (its input and output whole on every
-    rank; sequence parallelism stays off, the image embeddings are placed into a whole sequence). Pipeline, context and
-    expert parallelism apply to the decoder layers alone: a pipeline stage, a sequence shard or an expert dispatch would
-    not see the image embeddings the vision tower places into the sequence. (Training the text decoder of a multimodal
-    checkpoint alone, :mod:`lightning_plugins.checkpoint.text_tower`, builds it from the text config, not refused.)
+    rank; sequence parallelism stays off, the image embeddings are placed into a whole sequence). Context parallelism
+    places the images into the whole sequence before it is sharded
+    (:mod:`lightning_plugins.parallel.image_text_context`); expert parallelism splits the language model's experts,
+    every token staying where it is. A pipeline stage would not see the image embeddings the vision tower places into
+    the sequence. (Training the text decoder of a multimodal checkpoint alone,
+    :mod:`lightning_plugins.checkpoint.text_tower`, builds it from the text config, not refused.)
 
     Raises:
         LayoutError: naming the model type, the sizes that split it and the layout that runs.
     """
     if getattr(config, "vision_config", None) is None:
         return
-    split = {name: getattr(layout, name, 1) for name in ("pp_size", "cp_size", "ep_size")}
+    split = {name: getattr(layout, name, 1) for name in ("pp_size",)}
     split = {name: size for name, size in split.items() if size > 1}
     if split:
         sizes = ", ".join(f"{name}={size}" for name, size in split.items())
         kind = getattr(config, "model_type", type(config).__name__)
         raise LayoutError(
             f"{sizes} is not supported for image-text models yet (model type '{kind}'): the vision tower's image"
-            " embeddings would not reach the split decoder. Use FSDP2 (dp_shard_size, dp_replicate_size) and tensor"
-            " parallelism (tp_size), or train the text decoder alone (AutoModelForCausalLM on its text_config)."
+            " embeddings would not reach the later pipeline stages. Use FSDP2 (dp_shard_size, dp_replicate_size),"
+            " tensor (tp_size), context (cp_size) or expert (ep_size) parallelism, or train the text decoder alone"
+            " (AutoModelForCausalLM on its text_config)."
         )
 
 

@@ -1,15 +1,20 @@
-"""An image-text model (tiny Qwen2.5-VL) under FSDP2, TP and both, through `parallelize`, trains as one process does.
+"""Image-text models (tiny Qwen2.5-VL, Gemma 3, Qwen3-VL-MoE) under FSDP2, TP, CP, EP and their combinations, through
+`parallelize`, train as one process does.
 
 fp32, gloo, SGD with momentum (a wrong gradient scale shows in the weights), 3 optimizer steps of 2
-micro-batches, clipping that triggers, rows of different lengths, image sizes and image positions (under FSDP2 each
-rank's rows carry their own images: ranks hold different numbers of image patches and of valid tokens). What is
-trained: every weight; the vision tower frozen before `parallelize` and the projector trained with the language model
-(the common recipe); LoRA with the default targets (the language model's projections only). Per case: per-step losses
-and pre-clip gradient norms, every trained weight (gathered) against the reference, each trained part moved (vision
-blocks, projector, language model), frozen weights bit-identical and never given a gradient; under FSDP2 each vision
-block and the projector sharded as its own unit, under TP the language model's projections split and the vision tower
-and projector replicated, identical on the tensor-parallel ranks after training. One world of 2 ranks runs the FSDP2
-and TP cases; one of 4 (slow) runs TP x FSDP2; the reference runs on each rank.
+micro-batches, clipping that triggers, rows of different lengths, image sizes and image positions, right and left
+padding, Qwen's 3-D multimodal RoPE positions (under FSDP2 each rank's rows carry their own images: ranks hold different
+numbers of image patches and of valid tokens). What is trained: every weight; the vision tower frozen before
+`parallelize` and the projector trained with the language model (the common recipe); LoRA with the default targets (the
+language model's projections only); every weight with the MoE router's balance loss on. Per case: per-step losses and
+pre-clip gradient norms, every trained weight (gathered) against the reference, each trained part moved (vision blocks,
+projector, language model), frozen weights bit-identical and never given a gradient; under FSDP2 each vision block and
+each projector module sharded as its own unit, under TP the language model's projections split and the vision tower
+and projector replicated, identical on the tensor-parallel ranks after training; under EP the experts split; under CP
+(batches through `context_parallel_batch`) the decoder layers see this rank's shard of each row, whose image tokens
+straddle the shards (each 20-token row's image lies within tokens 2-9, once left padding is rolled to the end; the
+first of 2 load-balanced shards holds tokens 0-4 and 15-19). One world of 2 ranks runs the default cases; one of 2 and one of 4 (slow) the others; the reference runs
+on each rank.
 """
 
 from __future__ import annotations
@@ -29,17 +34,19 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_plugins import ParallelLayout, parallelize
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora, trainable_parameters
-from lightning_plugins.parallel import clip_grad_norm_, mesh_of
+from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of
 from lightning_plugins.parallel.image_text import image_text_parts
+from lightning_plugins.parallel.options import ParallelOptions
 
 # peft's get_peft_model reads a transformers attribute deprecated in 5.x: third-party noise.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 STEPS, ACCUM, BATCH, SEQ, MAX_NORM, LR = 3, 2, 4, 20, 0.05, 0.5
 TOL = 1e-5
-#: world size -> name -> (family, layout sizes, what is trained: "full", "frozen vision" or "lora").
-CASES: dict[int, dict[str, tuple[str, dict, str]]] = {
-    2: {
+#: world (its number of ranks, "slow" for -m slow) -> name -> (family, layout sizes (and the cp backend), what is
+#: trained: "full", "frozen vision", "lora" or "router loss" (full, the router's balance loss on)).
+CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
+    "2": {
         "qwen2_5_vl fsdp2 full": ("qwen2_5_vl", {"dp_shard_size": 2}, "full"),
         "qwen2_5_vl fsdp2 frozen vision": ("qwen2_5_vl", {"dp_shard_size": 2}, "frozen vision"),
         "qwen2_5_vl fsdp2 lora": ("qwen2_5_vl", {"dp_shard_size": 2}, "lora"),
@@ -52,16 +59,48 @@ CASES: dict[int, dict[str, tuple[str, dict, str]]] = {
         "gemma3 fsdp2 lora": ("gemma3", {"dp_shard_size": 2}, "lora"),
         "gemma3 tp2 full": ("gemma3", {"tp_size": 2}, "full"),
         "gemma3 tp2 frozen vision": ("gemma3", {"tp_size": 2}, "frozen vision"),
+        # The MoE language model's experts split over the ranks; the images placed into the whole sequence, then it
+        # is sharded (image tokens straddle the shards; Qwen3-VL's deepstack features follow their tokens).
+        "qwen3_vl_moe ep2 full": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2}, "full"),
+        "qwen2_5_vl cp2 ring full": ("qwen2_5_vl", {"cp_size": 2, "cp_backend": "ring"}, "full"),
+        "qwen3_vl_moe cp2 ulysses x ep2 full": ("qwen3_vl_moe", {"cp_size": 2, "ep_size": 2}, "full"),
     },
-    4: {
+    "2 slow": {
+        # Qwen3-VL's q/k norms (one per head), which its text config's tensor-parallel plan leaves out.
+        "qwen3_vl_moe tp2 full": ("qwen3_vl_moe", {"tp_size": 2}, "full"),
+        "qwen3_vl_moe ep2 frozen vision": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2}, "frozen vision"),
+        "qwen3_vl_moe ep2 lora": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2}, "lora"),
+        "qwen3_vl_moe ep2 router loss": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2}, "router loss"),
+        "qwen2_5_vl cp2 ulysses full": ("qwen2_5_vl", {"cp_size": 2}, "full"),
+        "qwen2_5_vl cp2 ulysses frozen vision": ("qwen2_5_vl", {"cp_size": 2}, "frozen vision"),
+        "qwen2_5_vl cp2 ring lora": ("qwen2_5_vl", {"cp_size": 2, "cp_backend": "ring"}, "lora"),
+        "qwen3_vl_moe cp2 ring x ep2 lora": (
+            "qwen3_vl_moe",
+            {"cp_size": 2, "ep_size": 2, "cp_backend": "ring"},
+            "lora",
+        ),
+    },
+    "4 slow": {
         "qwen2_5_vl tp2 x fsdp2 full": ("qwen2_5_vl", {"tp_size": 2, "dp_shard_size": 2}, "full"),
         "qwen2_5_vl tp2 x fsdp2 lora": ("qwen2_5_vl", {"tp_size": 2, "dp_shard_size": 2}, "lora"),
+        "qwen2_5_vl cp2 ring x fsdp2 full": (
+            "qwen2_5_vl",
+            {"cp_size": 2, "dp_shard_size": 2, "cp_backend": "ring"},
+            "full",
+        ),
+        "qwen2_5_vl cp2 ulysses x tp2 full": ("qwen2_5_vl", {"cp_size": 2, "tp_size": 2}, "full"),
+        "qwen3_vl_moe ep2 x tp2 full": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2, "tp_size": 2}, "full"),
+        "qwen3_vl_moe cp2 x fsdp2 x ep4 full": (
+            "qwen3_vl_moe",
+            {"cp_size": 2, "dp_shard_size": 2, "ep_size": 4},
+            "full",
+        ),
     },
 }
-#: How each part's weights are held: (dp_shard, tp) -> part -> each mesh dimension's placement (FSDP2 over a
+#: How each part's weights are held: (FSDP2's ranks: dp_shard x cp, tp) -> part -> each mesh dimension's placement (FSDP2 over a
 #: tensor-parallel split is torch's _StridedShard, counted as a Shard).
 PLACEMENTS = {
-    (2, 1): {part: ["dp_shard_cp:Shard"] for part in ("projection", "vision", "projector")},
+    **{(n, 1): {part: ["dp_shard_cp:Shard"] for part in ("projection", "vision", "projector")} for n in (2, 4)},
     (1, 2): {"projection": ["tp:Shard"], "vision": ["tp:Replicate"], "projector": ["tp:Replicate"]},
     (2, 2): {
         "projection": ["dp_shard_cp:Shard tp:Shard"],
@@ -81,6 +120,9 @@ def _model(family: str, case: str) -> nn.Module:
         for name, param in model.named_parameters():
             if name.startswith(f"{parts.vision_path}.") and not name.startswith(projector):
                 param.requires_grad_(False)
+    if case == "router loss":  # the router's balance loss over the global batch, weighed so that it matters
+        model.config.text_config.output_router_logits = True
+        model.config.text_config.router_aux_loss_coef = 0.5
     if case == "lora":
         torch.manual_seed(1)
         model = apply_lora(model, LoraOptions(r=4, alpha=8))
@@ -92,8 +134,9 @@ def _model(family: str, case: str) -> nn.Module:
     return model
 
 
-def _train(model: nn.Module, family: str, rows: slice, clip) -> list[float]:
-    """STEPS optimizer steps of ACCUM micro-batches of ``rows`` of each batch; per-step losses then pre-clip norms."""
+def _train(model: nn.Module, family: str, rows: slice, clip, prepare=dict) -> list[float]:
+    """STEPS optimizer steps of ACCUM micro-batches of ``rows`` of each batch (each ``prepare``d: sharded for context
+    parallelism); per-step losses then pre-clip norms."""
     params = trainable_parameters(model)
     optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
     model.train()
@@ -102,7 +145,7 @@ def _train(model: nn.Module, family: str, rows: slice, clip) -> list[float]:
         step_loss = 0.0
         for micro in range(ACCUM):
             samples = [image_sample(SEQ, 1000 * step + 10 * micro + row, family) for row in range(BATCH)]
-            loss = model(**collate(samples[rows])).loss / ACCUM
+            loss = model(**prepare(collate(samples[rows]))).loss / ACCUM
             loss.backward()
             step_loss += loss.item()
         assert all(p.grad is None for p in model.parameters() if not p.requires_grad), "a frozen weight got a gradient"
@@ -138,11 +181,18 @@ def _run_case(world_size: int, family: str, sizes: dict, case: str) -> dict:
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     parts = image_text_parts(inner)
     initial = {name: param.detach().clone() for name, param in model.named_parameters()}
-    assert parallelize(model, ParallelLayout(**sizes).resolve(world_size)) is model
-    dp = mesh_of(model)["dp"]
+    sizes = dict(sizes)
+    options = ParallelOptions(cp_backend=sizes.pop("cp_backend", "ulysses"))
+    assert parallelize(model, ParallelLayout(**sizes).resolve(world_size), options) is model
+    mesh = mesh_of(model)
+    dp = mesh["dp"]
     rows = BATCH // dp.size()
     local = slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows)
-    history = _train(model, family, local, clip_grad_norm_)
+    tokens: set[int] = set()  # the sequence lengths the first decoder layer sees
+    first = inner.get_submodule(f"{parts.language_path}.layers")[0]
+    first.register_forward_pre_hook(lambda _, args, kwargs: tokens.add((args or [kwargs["hidden_states"]])[0].shape[1]),
+                                    with_kwargs=True)  # fmt: skip
+    history = _train(model, family, local, clip_grad_norm_, functools.partial(context_parallel_batch, mesh=mesh))
     trained_diff, frozen_moved, moved = 0.0, 0.0, {}
     for name, param in model.named_parameters():
         full = _full(param)
@@ -160,10 +210,13 @@ def _run_case(world_size: int, family: str, sizes: dict, case: str) -> dict:
         "frozen_moved": frozen_moved,
         "moved": moved,
         "frozen": sum(not p.requires_grad for p in model.parameters()),
-        "adapters_outside_language_model": [n for n, _ in model.named_parameters() if "lora_" in n and
-                                            f"{parts.language_path}." not in n],  # fmt: skip
+        "adapters_outside_language_model": [
+            n for n, _ in model.named_parameters() if "lora_" in n and f"{parts.language_path}." not in n
+        ],
         "units": [isinstance(unit, FSDPModule) for unit in units],
         "vision_blocks": len(inner.get_submodule(parts.blocks_path)),
+        "projector_units": len(parts.projector_paths),
+        "layer_tokens": sorted(tokens),
         "placements": _placements(model, parts),
         "tp_spread": _tp_spread(model),
     }
@@ -176,6 +229,8 @@ def _placements(model: nn.Module, parts) -> dict[str, list[str]]:
         part = _part(name, parts)
         if part == "language" and name.endswith(("q_proj.weight", "q_proj.base_layer.weight")):
             part = "projection"
+        if part == "language" and ".experts." in name:
+            part = "experts"
         if not isinstance(param, DTensor):
             seen.setdefault(part, set()).add("plain")
             continue
@@ -197,38 +252,44 @@ def _tp_spread(model: nn.Module) -> float:
     return spread
 
 
-def _world(rank: int, world_size: int, out_dir: str) -> None:
-    results = {name: _run_case(world_size, *case) for name, case in CASES[world_size].items()}
+def _world(world: str, rank: int, world_size: int, out_dir: str) -> None:
+    results = {name: _run_case(world_size, *case) for name, case in CASES[world].items()}
     dist.barrier()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
 @functools.cache
-def _results(world_size: int) -> list[dict]:
-    return world_json(_world, world_size)
+def _results(world: str) -> list[dict]:
+    return world_json(functools.partial(_world, world), int(world.split()[0]))
 
 
 @pytest.mark.parametrize(
-    "world_size,name",
-    [pytest.param(w, n, marks=[pytest.mark.slow] if w > 2 else []) for w, cases in CASES.items() for n in cases],
+    "world,name",
+    [pytest.param(w, n, marks=[pytest.mark.slow] if "slow" in w else []) for w, cases in CASES.items() for n in cases],
     ids=str,
 )
-def test_image_text_model_matches_one_process(world_size: int, name: str) -> None:
-    _, sizes, case = CASES[world_size][name]
-    for rank, result in enumerate(results[name] for results in _results(world_size)):
+def test_image_text_model_matches_one_process(world: str, name: str) -> None:
+    _, sizes, case = CASES[world][name]
+    for rank, result in enumerate(results[name] for results in _results(world)):
         where = (name, rank, result)
         assert result["loss_diff"] <= TOL and result["norm_diff"] <= TOL, where
         assert result["trained_diff"] <= TOL, where
         assert result["frozen_moved"] == 0.0, where
-        trained = {"full": {"vision", "projector", "language"}, "frozen vision": {"projector", "language"}}
+        everything = {"vision", "projector", "language"}
+        trained = {"full": everything, "router loss": everything, "frozen vision": everything - {"vision"}}
         assert set(result["moved"]) == trained.get(case, {"language"}), where
         # Parity means something only if each trained part moved (Gemma 3's SigLIP weights move ~6e-4 here).
         assert all(change > 10 * TOL for change in result["moved"].values()), where
-        assert (result["frozen"] > 0) == (case != "full"), where
+        assert (result["frozen"] > 0) == (case not in ("full", "router loss")), where
         assert result["adapters_outside_language_model"] == [], where
         # Under FSDP2 each vision block, the projector and each decoder layer is its own unit; under TP the language
         # model's projections are split and the vision tower and projector replicated (identical on the tp ranks).
-        assert result["units"] == [bool(sizes.get("dp_shard_size"))] * (result["vision_blocks"] + 1 + 2), where
-        want = PLACEMENTS[(sizes.get("dp_shard_size", 1), sizes.get("tp_size", 1))]
+        fsdp, cp = sizes.get("dp_shard_size", 1) * sizes.get("cp_size", 1), sizes.get("cp_size", 1)
+        assert result["units"] == [fsdp > 1] * (result["vision_blocks"] + result["projector_units"] + 2), where
+        want = PLACEMENTS[(fsdp, sizes.get("tp_size", 1))]
         assert {part: result["placements"][part] for part in want} == want, where
         assert result["tp_spread"] == 0.0, where
+        # Under EP each rank holds its experts; under CP the decoder layers see this rank's shard of each row.
+        assert all(("ep:Shard" in p) == ("ep_size" in sizes) for p in result["placements"].get("experts", [])), where
+        multiple = 2 * cp * sizes.get("tp_size", 1)  # a sharded row is padded for context (and sequence) parallelism
+        assert result["layer_tokens"] == [SEQ if cp == 1 else -(-SEQ // multiple) * multiple // cp], where

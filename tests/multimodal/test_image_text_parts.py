@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import tiny_model
-from tiny_vlm import tiny_vlm
+from tiny_vlm import collate, image_sample, tiny_vlm, tiny_vlm_config
 from torch import nn
 from transformers import AutoModelForImageTextToText, Gemma3Config, Qwen3VLMoeConfig
 
 from lightning_plugins import LayoutError, ParallelLayout
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora, lora_layers
 from lightning_plugins.parallel.api import check_parallelizable
+from lightning_plugins.parallel.context import shard_batch_for_context_parallel
 from lightning_plugins.parallel.families import decoder_layers, family_for
 from lightning_plugins.parallel.image_text import image_text_parts
 
@@ -66,12 +67,43 @@ def test_missing_part_is_named() -> None:
         image_text_parts(model)
 
 
-@pytest.mark.parametrize("sizes", [{"pp_size": 2}, {"cp_size": 2}], ids=str)
-def test_layouts_that_split_the_sequence_or_the_layers_are_refused(sizes: dict) -> None:
-    name, size = next(iter(sizes.items()))
-    refused = rf"{name}={size} is not supported for image-text models yet \(model type 'qwen2_5_vl'\)"
+def test_pipeline_parallelism_is_refused() -> None:
+    refused = r"pp_size=2 is not supported for image-text models yet \(model type 'qwen2_5_vl'\)"
     with pytest.raises(LayoutError, match=refused):
-        check_parallelizable(tiny_vlm(), ParallelLayout(**sizes).resolve(2))
+        check_parallelizable(tiny_vlm(), ParallelLayout(pp_size=2).resolve(2))
+
+
+def test_context_parallelism_is_refused_where_image_tokens_attend_both_ways() -> None:
+    check_parallelizable(tiny_vlm(), ParallelLayout(cp_size=2).resolve(2))
+    with pytest.raises(LayoutError, match="Gemma3ForConditionalGeneration: its image tokens attend each other both"):
+        check_parallelizable(tiny_vlm("gemma3"), ParallelLayout(cp_size=2).resolve(2))
+    # Ulysses splits the language model's heads (4 here), whatever the vision tower's.
+    with pytest.raises(LayoutError, match="Ulysses context parallelism splits each rank's 4 attention heads"):
+        check_parallelizable(tiny_vlm(), ParallelLayout(cp_size=8).resolve(8))
+
+
+def test_an_image_text_batch_keeps_its_tokens_whole_and_shards_its_targets() -> None:
+    """Under context parallelism the model places the images into the whole row and shards it (see the parity
+    test); the batch keeps the per-token inputs whole (left padding rolled to the end, padded to 2 * cp) and shards the
+    targets as a text batch's."""
+    samples = [image_sample(18, seed) for seed in (3, 4)]  # seed 3: left padding
+    batch = collate(samples)
+    sharded = shard_batch_for_context_parallel(batch, 1, 2, pad_to_multiple_of=8)
+    text = shard_batch_for_context_parallel(
+        {key: batch[key] for key in ("input_ids", "attention_mask", "labels")}, 1, 2, pad_to_multiple_of=8
+    )
+    assert torch.equal(sharded["shift_labels"], text["shift_labels"]) and torch.equal(sharded["labels"], text["labels"])
+    assert (
+        sharded["input_ids"].shape == sharded["mm_token_type_ids"].shape == sharded["attention_mask"].shape == (2, 24)
+    )
+    keep = batch["attention_mask"].bool()
+    for key in ("input_ids", "mm_token_type_ids", "attention_mask"):
+        for row in range(2):  # real tokens first, in order
+            assert torch.equal(sharded[key][row, : int(keep[row].sum())], batch[key][row][keep[row]]), key
+    assert sharded["pixel_values"] is batch["pixel_values"] and sharded["image_grid_thw"] is batch["image_grid_thw"]
+    for key, why in (("position_ids", "packed image-text rows"), ("token_type_ids", "attend each other both ways")):
+        with pytest.raises(ValueError, match=f"cannot hold `{key}`: .*{why}"):
+            shard_batch_for_context_parallel(batch | {key: batch["input_ids"]}, 0, 2)
 
 
 def test_tensor_parallelism_is_checked_against_the_language_model() -> None:
@@ -80,14 +112,8 @@ def test_tensor_parallelism_is_checked_against_the_language_model() -> None:
         check_parallelizable(tiny_vlm(), ParallelLayout(tp_size=4).resolve(4))  # 2 kv heads do not split in 4
 
 
-def test_expert_parallelism_is_refused_for_a_mixture_of_experts_image_text_model() -> None:
-    config = Qwen3VLMoeConfig(
-        text_config=dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                         vocab_size=64, head_dim=8),
-        vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                           deepstack_visual_indexes=[0]),
-    )  # fmt: skip
-    refused = r"ep_size=2 is not supported for image-text models yet \(model type 'qwen3_vl_moe'\)"
-    with pytest.raises(LayoutError, match=refused):
-        check_parallelizable(_on_meta(config), ParallelLayout(ep_size=2).resolve(2))
+def test_expert_parallelism_is_checked_against_the_language_model() -> None:
+    config = tiny_vlm_config("qwen3_vl_moe")
+    check_parallelizable(_on_meta(config), ParallelLayout(ep_size=2).resolve(2))  # 4 experts split over 2 ranks
+    with pytest.raises(LayoutError, match="ep_size"):
+        check_parallelizable(_on_meta(config), ParallelLayout(ep_size=8).resolve(8))

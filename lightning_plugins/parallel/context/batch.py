@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_plugins.parallel.loss import IGNORE_INDEX
+from lightning_plugins.parallel.context.padding import check_padding, real_tokens_first
 from lightning_plugins.parallel.context.sharding import shard_sequence_load_balanced
+from lightning_plugins.parallel.image_text_context import holds_images, shard_image_text_batch
+from lightning_plugins.parallel.loss import IGNORE_INDEX
 
 # Keys of a batch that hold one entry per sequence position and that sharding knows how to split.
 _SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
@@ -72,6 +74,8 @@ def shard_batch_for_context_parallel(
     multiple = pad_to_multiple_of or 2 * cp_size
     if multiple % (2 * cp_size):
         raise ValueError(f"pad_to_multiple_of={multiple} must be a multiple of 2 * cp_size = {2 * cp_size}.")
+    if holds_images(batch):  # an image-text model shards it once its images are placed (image_text_context)
+        return shard_image_text_batch(batch, cp_rank, cp_size, multiple, pad_token_id, ignore_index)
     input_ids = _checked_input_ids(batch)
     rows, seq_len = input_ids.shape
     labels, shift_labels = batch.get("labels"), batch.get("shift_labels")
@@ -81,10 +85,10 @@ def shard_batch_for_context_parallel(
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     mask = batch.get("attention_mask")
     if mask is not None:
-        keep = _check_padding(mask, labels, None if derived else shift_labels, rows, seq_len, ignore_index)
+        keep = check_padding(mask, labels, None if derived else shift_labels, rows, seq_len, ignore_index)
         if derived:  # a pad predicts nothing (the last left pad would predict the first real token)
             shift_labels = shift_labels.masked_fill(~keep, ignore_index)
-        order, positions = _real_tokens_first(keep, positions)
+        order, positions = real_tokens_first(keep, positions)
         input_ids, labels, shift_labels = (
             None if x is None else x.gather(1, order) for x in (input_ids, labels, shift_labels)
         )
@@ -177,54 +181,6 @@ def _check_documents(positions: Tensor) -> None:
             " (as data.packing and transformers' DataCollatorWithFlattening make them); only a row's first"
             " document may start elsewhere."
         )
-
-
-def _check_padding(
-    mask: Tensor,
-    labels: Optional[Tensor],
-    shift_labels: Optional[Tensor],
-    rows: int,
-    seq_len: int,
-    ignore_index: int,
-) -> Tensor:
-    """The mask as booleans, after checking that each row is pads, real tokens, pads (either side may be empty)."""
-    if mask.shape != (rows, seq_len):
-        raise ValueError(
-            f"Context parallelism takes a 2-D `attention_mask` [batch, seq] = {(rows, seq_len)}, got"
-            f" {tuple(mask.shape)}; custom 4-D masks are not supported."
-        )
-    keep = mask.bool()
-    index = torch.arange(seq_len, device=keep.device)
-    lead = (keep.cumsum(1) == 0).sum(1, keepdim=True)
-    if not torch.equal(keep, (index >= lead) & (index < lead + keep.sum(1, keepdim=True))):
-        raise ValueError(
-            "Context parallelism takes left or right padding (each row's `attention_mask` is zeros, ones, zeros):"
-            " this mask has holes (zeros between ones). Put each row's real tokens together, or pack documents"
-            " with `position_ids` that restart at 0 for each."
-        )
-    for name, targets in (("labels", labels), ("shift_labels", shift_labels)):
-        if targets is not None and bool((targets[~keep] != ignore_index).any()):
-            raise ValueError(
-                f"`{name}` hold targets at padded positions (attention_mask == 0). One process would mask those"
-                f" positions out of attention; context parallelism drops the mask, so their targets must be"
-                f" {ignore_index} (e.g. `labels[attention_mask == 0] = {ignore_index}`)."
-            )
-    return keep
-
-
-def _real_tokens_first(keep: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-    """The gather order that rolls each row's leading pads to its end, and the positions in that order.
-
-    Real tokens keep their position ids; the pads after them count on from the last real one.
-    """
-    rows, seq_len = keep.shape
-    index = torch.arange(seq_len, device=keep.device)
-    lead = (keep.cumsum(1) == 0).sum(1, keepdim=True)
-    real = keep.sum(1, keepdim=True)
-    order = (index + lead) % seq_len
-    positions = positions.gather(1, order)
-    last = torch.where(real > 0, positions.gather(1, (real - 1).clamp(min=0)), -1)
-    return order, torch.where(index >= real, last + 1 + index - real, positions)
 
 
 def context_parallel_batch(batch: Mapping[str, Any], mesh: Any, *, pad_token_id: int = 0) -> dict[str, Any]:

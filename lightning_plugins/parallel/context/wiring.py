@@ -27,6 +27,7 @@ from lightning_plugins.parallel.context.linear import (
 from lightning_plugins.parallel.context.sharding import sequence_positions
 from lightning_plugins.parallel.context.ring import ring_attention
 from lightning_plugins.parallel.context.ulysses import eager_attention, ulysses_attention
+from lightning_plugins.parallel.image_text import image_text_parts
 
 #: The name under which the context-parallel attention is registered in transformers' ``AttentionInterface``.
 #: It has no mask function on purpose: transformers then builds no mask (a mask for the local length
@@ -91,7 +92,10 @@ def apply_context_parallel(model: Any, layers: Any, cp_mesh: Any, backend: str =
             )
         setattr(attention, _STATE_ATTR, state)
     AttentionInterface.register(ATTENTION_IMPLEMENTATION, context_parallel_attention)
-    model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
+    parts = image_text_parts(model)  # an image-text model's vision tower keeps its own attention on its own tokens
+    (model if parts is None else model.get_submodule(parts.language_path)).set_attn_implementation(
+        ATTENTION_IMPLEMENTATION
+    )
 
 
 def context_parallel_attention(

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.errors import OptionsError
+from lightning_plugins.parallel.image_text import language_config
 
 __all__ = ["check_router_loss", "global_balance_loss", "install_global_balance_loss"]
 
@@ -32,6 +33,7 @@ def check_router_loss(config: Any, splits_tokens: bool) -> None:
     Raises:
         OptionsError: naming the config key and the layouts that take it.
     """
+    config = language_config(config)  # an image-text model's router is its language model's
     if splits_tokens and getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
         raise OptionsError(
             "The router's load-balancing loss (config.output_router_logits=True, router_aux_loss_coef="
@@ -90,9 +92,10 @@ class _GlobalBalance:
         if local is None or not logits:
             return output
         mask = kwargs.get("attention_mask")
-        _, share = global_balance_loss(tuple(logits), model.config.num_experts_per_tok, mask, self.data)
+        config = language_config(model.config)
+        _, share = global_balance_loss(tuple(logits), config.num_experts_per_tok, mask, self.data)
         if output.loss is not None:
-            coef = model.config.router_aux_loss_coef
+            coef = config.router_aux_loss_coef
             output.loss = output.loss - coef * local + coef * share
         output.aux_loss = share  # the global value; differentiable as this rank's share (a preference loss adds it)
         return output
