@@ -65,7 +65,7 @@ from lightning_plugins.planner.forked import forked
 from lightning_plugins.planner.host_memory import largest_read, pinned_rounding
 from lightning_plugins.planner.intervals import mark_intervals
 from lightning_plugins.planner.measure import StepMemTracker
-from lightning_plugins.planner.objective_step import step_loss
+from lightning_plugins.planner.objective_step import run_step
 from lightning_plugins.planner.reference_kernels import LINEAR_ATTENTION_NOTE, reference_kernels_quietly
 from lightning_plugins.planner.rank_memory import RankMemory, with_offload, with_optimizer_offload, worst_interval
 from lightning_plugins.planner.workload import Workload
@@ -332,7 +332,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lightning_plugins.parallel.optim.offload import host_device
-    from lightning_plugins.parallel import mesh_of, pipeline_of
+    from lightning_plugins.parallel import mesh_of
 
     with (
         fake_world(rank, workload.world_size),
@@ -378,10 +378,8 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
                 warnings.filterwarnings(
                     "ignore", message="FSDP2-wrapped module .* returned a view", category=UserWarning
                 )
-                if pipeline_of(model) is None:  # the run's own loss: SFT's, or the preference objective's
-                    step_loss(workload.objective, model, batch, reference).backward()
-                else:  # a pipeline's forward runs backward too
-                    model(**batch)
+                # The run's own loss (SFT's, or the preference objective's); a pipeline's call runs backward too.
+                run_step(workload.objective, model, batch, reference)
                 mark()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

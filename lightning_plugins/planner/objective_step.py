@@ -1,6 +1,6 @@
 """The loss one measured step backpropagates: the model's own (SFT) or the recipe's preference objective's.
 
-A dry run and the real runs it is checked against call :func:`step_loss`, so a preference step is measured as it
+A dry run and the real runs it is checked against call :func:`step_loss` (:func:`run_step`), so a preference step is measured as it
 runs, not modelled: :class:`~lightning_plugins.preference.PreferenceObjective` on a batch of chosen rows then rejected
 rows (a recipe's ``micro_batch_size`` pairs are twice as many rows: :meth:`Workload.from_recipe
 <lightning_plugins.planner.workload.Workload.from_recipe>`), DPO's reference forward first (the base with the
@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from lightning_plugins.preference.options import PreferenceOptions
 
-__all__ = ["step_loss"]
+__all__ = ["run_step", "step_loss"]
 
 
 def step_loss(
@@ -30,3 +30,21 @@ def step_loss(
 
     loss, _ = PreferenceObjective(objective, reference=reference)(model, batch)
     return loss
+
+
+def run_step(
+    objective: PreferenceOptions, model: nn.Module, batch: dict[str, Tensor], reference: nn.Module | None = None
+) -> None:
+    """Forward and backward of one step on ``batch``, as the run computes it. A model split into pipeline stages runs
+    backward inside its call: its own SFT loss, or the preference objective through the schedule (the reference's
+    forward-only pass, then the policy's training pass: :mod:`lightning_plugins.preference.pipeline`)."""
+    from lightning_plugins.parallel import pipeline_of
+
+    if pipeline_of(model) is None:
+        step_loss(objective, model, batch, reference).backward()
+    elif objective.paired:
+        from lightning_plugins.preference.objective import PreferenceObjective
+
+        PreferenceObjective(objective, reference=reference)(model, batch)
+    else:
+        model(**batch)

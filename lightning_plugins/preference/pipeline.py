@@ -107,13 +107,14 @@ class _LastStageHead:
         return self.loss(part, rows).float()
 
     def rows(self, count: int, data_mesh: DeviceMesh | None) -> SequenceLogps:
-        """The ``count`` rows of the given batch, in its order (padding dropped)."""
+        """The ``count`` rows of the given batch, in its order (padding dropped; no shape depends on the values, so
+        the planner's fake tensors take it too)."""
         rows = torch.cat([r for r, _ in self.parts])
-        keep = (rows >= 0).nonzero().squeeze(-1)
-        where = torch.empty(count, dtype=torch.long, device=rows.device)
-        where[rows[keep]] = keep
-        stats = [torch.cat([getattr(part, name) for _, part in self.parts])[where]
-                 for name in ("logps", "tokens", "logit_sums")]  # fmt: skip
+        slots = torch.where(rows < 0, count, rows)  # padding goes to one extra slot, cut off
+        stats = []
+        for name in ("logps", "tokens", "logit_sums"):
+            values = torch.cat([getattr(part, name) for _, part in self.parts])
+            stats.append(values.new_zeros(count + 1).index_copy(0, slots, values)[:count])
         return SequenceLogps(*stats, data_mesh=data_mesh)
 
 

@@ -35,7 +35,7 @@ from lightning_plugins.preference.pipeline import find_pipeline
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
-STEPS, ACCUM, PAIRS, EVAL_PAIRS, SEQ, MAX_NORM, LR, TOL = 3, 2, 4, 3, 13, 0.05, 1.0, 1e-5
+STEPS, ACCUM, PAIRS, EVAL_PAIRS, SEQ, MAX_NORM, LR, TOL = 3, 2, 4, 3, 16, 0.05, 1.0, 1e-5
 DPO = PreferenceOptions(method="dpo", beta=0.5)
 OBJECTIVES = {
     "dpo": DPO,

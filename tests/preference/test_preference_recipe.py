@@ -42,7 +42,8 @@ def test_the_shipped_recipe_is_one_typed_object() -> None:
     ("drop", "changes", "match"),
     [
         ((), {"objective": {"reference": "copy"}}, r"objective\.reference: .*'model'"),
-        ((), {"layout": {"dp_shard_size": 1, "pp_size": 2}}, r"under pipeline parallelism \(layout\.pp_size=2\)"),
+        (("lora",), {"layout": {"dp_shard_size": 1, "pp_size": 2}},
+         r"objective\.method=dpo under pipeline parallelism \(layout\.pp_size=2\) takes its reference from the base"),
         ((), {"data": {"packing": True}}, r"preference pairs are not packed yet; set data\.packing: false"),
         ((), {"data": {"format": "chat"}}, r"objective\.method=dpo trains on chosen/rejected pairs; set data\.format"),
         ((), {"objective": {"method": "sft"}}, r"data\.format: preference trains a preference method"),
@@ -105,19 +106,27 @@ def _validation(out: Path) -> list[dict[str, float]]:
 
 
 @pytest.mark.slow
-def test_dpo_under_context_parallelism_evaluates_as_under_fsdp2(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        ("cp2", ["--layout.dp_shard_size=1", "--layout.cp_size=2", "--parallel.cp_backend=ring"]),
+        ("pp2", ["--layout.dp_shard_size=1", "--layout.pp_size=2", "--parallel.pp_microbatches=2"]),
+    ],
+)
+def test_dpo_under_context_or_pipeline_parallelism_evaluates_as_under_fsdp2(
+    tmp_path: Path, name: str, overrides: list[str]
+) -> None:
     """The tiny DPO recipe through ``lightning-plugins finetune`` under CP=2 (ring: every rank holds a shard of every
-    row) and under FSDP2=2: the same held-out metrics after the same steps. FSDP2's micro-batches hold 2 pairs a rank,
-    so each global micro-batch holds the 4 pairs CP's does (epoch means of per-batch means depend on the grouping)."""
+    row), under PP=2 (1F1B, each pair's two rows in one of 2 pipeline micro-batches, the loss on the last stage) and
+    under FSDP2=2: the same held-out metrics after the same steps. FSDP2's micro-batches hold 2 pairs a rank, so each
+    global micro-batch holds the 4 pairs CP's and PP's do (epoch means of per-batch means depend on the grouping)."""
     short = ["--train.max_steps=6", "--train.eval_every=3"]
-    layouts = {"fsdp2": ["--train.micro_batch_size=2"],
-               "cp2": ["--layout.dp_shard_size=1", "--layout.cp_size=2", "--parallel.cp_backend=ring"]}  # fmt: skip
-    for name, overrides in layouts.items():
+    for run, extra in {"fsdp2": ["--train.micro_batch_size=2"], name: overrides}.items():
         command = [sys.executable, "-m", "lightning_plugins", "finetune", str(RECIPE),
-                   f"--train.output_dir={tmp_path / name}", *short, *overrides]  # fmt: skip
+                   f"--train.output_dir={tmp_path / run}", *short, *extra]  # fmt: skip
         result = run_command(command, cwd=tmp_path)
         assert "Warning" not in result.stdout + result.stderr
-    want, got = _validation(tmp_path / "fsdp2"), _validation(tmp_path / "cp2")
+    want, got = _validation(tmp_path / "fsdp2"), _validation(tmp_path / name)
     assert len(want) == len(got) == 2 and all(row.keys() == want[0].keys() for row in want + got)
     assert max(abs(row[key] - other[key]) for row, other in zip(got, want) for key in row) <= 1e-5, (got, want)
 

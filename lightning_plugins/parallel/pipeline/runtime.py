@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining.schedules import (
     _Action,
@@ -79,6 +80,7 @@ class Pipeline:
         self._sequence_shards = mesh["tp"].size() if any(s.sequence_mesh is not None for s in stages.values()) else 1
         self._schedule: Any = None
         self._schedule_key: tuple | None = None
+        self._schedules: dict[bool, tuple[tuple, Any]] = {}  # the last training and evaluation schedules, by mode
 
     def step(
         self,
@@ -253,24 +255,61 @@ class Pipeline:
             kwargs["position_ids"] = position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
         if rows is not None:
             kwargs["rows"] = rows
-        schedule = self._schedule_for(input_ids, batch // (self.options.microbatches or 1), seq, train)
-        if train:
-            before = self._tied_grad()
-            before = None if before is None else before.clone()  # the step accumulates into the same storage
-            schedule.step(input_ids, target=targets, return_outputs=False, **kwargs)
-            self._sum_tied_grads(before)
-        else:
-            schedule.eval(input_ids, target=targets, return_outputs=False, **kwargs)
+        fresh = self._fresh_schedule(input_ids, batch // (self.options.microbatches or 1), seq, train)
+        held = self._hold_grads() if fresh else None
+        try:
+            if train:
+                before = self._tied_grad()
+                before = None if before is None else before.clone()  # the step accumulates into the same storage
+                self._schedule.step(input_ids, target=targets, return_outputs=False, **kwargs)
+                self._sum_tied_grads(before)
+            else:
+                self._schedule.eval(input_ids, target=targets, return_outputs=False, **kwargs)
+                self._reshard()
+        finally:
+            if held is not None:
+                _add_grads(held)
 
-    def _schedule_for(self, input_ids: Tensor, micro: int, seq: int, train: bool) -> Any:
-        # Fresh stages for every new shape and every switch between training and evaluation: the
-        # stages' receive buffers and send/receive plans belong to one schedule.
+    def _hold_grads(self) -> list[tuple[Tensor, Tensor | None]]:
+        """Set the stages' gradients aside (now ``None``) around a new schedule's first run: torch sets up its stages
+        then and drops every gradient an FSDP2 stage module holds (``_post_metadata_inference_cleanup``), which would
+        lose the gradients accumulated so far (a DPO step's reference pass between two accumulated micro-batches, a
+        new batch shape)."""
+        held = []
+        for stage in self.stages.values():
+            for param in stage.parameters():
+                if param.requires_grad:
+                    held.append((param, param.grad))
+                    param.grad = None
+        return held
+
+    def _reshard(self) -> None:
+        """Free what FSDP2 still holds gathered after forward-only micro-batches (each stage is an FSDP2 root, which
+        keeps its parameters after forward for a backward that never comes). Left gathered, the next training step
+        starts from them and its gradients are not reduce-scattered into the shards (a DPO step's reference pass
+        right before its policy pass trained wrong weights under PP x FSDP2 and PP x CP)."""
+        for stage in self.stages.values():
+            for module in stage.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def _fresh_schedule(self, input_ids: Tensor, micro: int, seq: int, train: bool) -> bool:
+        """Make :attr:`_schedule` the one for this shape and mode; whether it was built now.
+
+        Stages of their own for every shape and for training and evaluation: the stages' receive buffers and
+        send/receive plans belong to one schedule. The last training and the last evaluation schedule are kept, so
+        a preference step (a forward-only reference pass, then the policy's training pass) builds none after its
+        first.
+        """
         dtype = self._activation_dtype()
         key = (micro, seq, input_ids.dtype, dtype, train)
-        if key != self._schedule_key:
-            self._schedule = self._build_schedule(micro, seq, input_ids.dtype, dtype, input_ids.device, train)
-            self._schedule_key = key
-        return self._schedule
+        kept = self._schedules.get(train)
+        fresh = kept is None or kept[0] != key
+        if fresh:
+            kept = self._schedules[train] = (key, self._build_schedule(micro, seq, input_ids.dtype, dtype,
+                                                                       input_ids.device, train))  # fmt: skip
+        self._schedule_key, self._schedule = kept
+        return fresh
 
     def _activation_dtype(self) -> torch.dtype:
         if self.param_dtype is not None:
@@ -370,6 +409,13 @@ class _ForwardOnlyMulti(_PipelineScheduleRuntime):
         # earlier releases waited for sends themselves and have no such pass.
         add_wait_send = getattr(schedules, "_add_wait_send", None)
         self.pipeline_order_with_comms = plan if add_wait_send is None else add_wait_send(plan)
+
+
+def _add_grads(held: list[tuple[Tensor, Tensor | None]]) -> None:
+    """Put held gradients back, adding what was computed meanwhile."""
+    for param, grad in held:
+        if grad is not None:
+            param.grad = grad if param.grad is None else param.grad + grad
 
 
 def _with_copies_of_last_row(x: Tensor, copies: int) -> Tensor:
