@@ -9,8 +9,10 @@ from lightning_plugins.errors import OptionsError
 
 #: Methods that train on chosen/rejected pairs.
 PAIRED = ("dpo", "simpo", "orpo")
+#: Methods that train on unpaired examples (a completion and whether it is desirable).
+UNPAIRED = ("kto",)
 #: Methods whose loss compares the policy with a reference model.
-NEEDS_REFERENCE = ("dpo",)
+NEEDS_REFERENCE = ("dpo", "kto")
 
 
 @dataclass(frozen=True)
@@ -19,9 +21,10 @@ class PreferenceOptions:
     preference methods train on chosen/rejected pairs (TRL's ``prompt``/``chosen``/``rejected`` records), with TRL's
     losses and logged metrics (:mod:`lightning_plugins.preference.losses`)."""
 
-    method: Literal["sft", "dpo", "simpo", "orpo"] = "sft"
+    method: Literal["sft", "dpo", "simpo", "orpo", "kto"] = "sft"
     """``sft``; ``dpo`` (against a reference: with ``lora``, the base model with the adapters disabled); ``simpo``
-    or ``orpo`` (reference-free, on length-averaged log-probabilities)."""
+    or ``orpo`` (reference-free, on length-averaged log-probabilities); ``kto`` (unpaired examples against a
+    reference: :class:`~lightning_plugins.preference.kto.KTOObjective`; not through recipes yet)."""
     beta: float = 0.1
     """The methods' temperature: DPO's KL coefficient (IPO's tau), SimPO's reward scale, ORPO's odds-ratio weight
     (TRL's ``beta``; TRL's ORPO default is 0.1, SimPO's paper uses 2.0 to 10.0)."""
@@ -37,13 +40,22 @@ class PreferenceOptions:
     frozen copy of ``model.path`` laid out exactly like the policy (FSDP2, TP, CP, EP shards; its parameters only, no
     gradients or optimizer state), built on meta and loaded sharded
     (:func:`~lightning_plugins.preference.reference.frozen_reference`)."""
+    desirable_weight: float = 1.0
+    """KTO: the weight of the desirable examples' losses (TRL's ``desirable_weight``)."""
+    undesirable_weight: float = 1.0
+    """KTO: the weight of the undesirable examples' losses (TRL's ``undesirable_weight``)."""
     sft_weight: float = 0.0
     """SimPO: weight of the chosen completions' token-mean NLL added to the loss (TRL CPO's ``cpo_alpha``, whose default
     there is 1.0; SimPO's paper uses none). ORPO always adds that NLL with weight 1."""
 
     def __post_init__(self) -> None:
-        if self.method not in ("sft", *PAIRED):
-            raise OptionsError(f"objective.method={self.method!r} is not one of sft, {', '.join(PAIRED)}.")
+        if self.method not in ("sft", *PAIRED, *UNPAIRED):
+            raise OptionsError(f"objective.method={self.method!r} is not one of sft, {', '.join(PAIRED + UNPAIRED)}.")
+        if not (self.desirable_weight > 0 and self.undesirable_weight > 0):
+            raise OptionsError(
+                f"objective.desirable_weight and undesirable_weight must be > 0, got {self.desirable_weight!r},"
+                f" {self.undesirable_weight!r}."
+            )
         if not self.beta > 0:
             raise OptionsError(f"objective.beta must be > 0, got {self.beta!r}.")
         if self.loss_type not in ("sigmoid", "robust", "ipo"):
@@ -59,6 +71,11 @@ class PreferenceOptions:
     def paired(self) -> bool:
         """Whether the method trains on chosen/rejected pairs."""
         return self.method in PAIRED
+
+    @property
+    def unpaired(self) -> bool:
+        """Whether the method trains on unpaired examples (KTO)."""
+        return self.method in UNPAIRED
 
     @property
     def needs_reference(self) -> bool:

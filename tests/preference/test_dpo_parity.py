@@ -38,7 +38,7 @@ from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, 
 from lightning_plugins.parallel.options import with_settings
 from lightning_plugins.parallel.pipeline.apply import _PIPELINE_ATTR
 from lightning_plugins.parallel.quantized import is_nf4
-from lightning_plugins.preference import PreferenceObjective, PreferenceOptions
+from lightning_plugins.preference import KTOObjective, PreferenceObjective, PreferenceOptions
 from lightning_plugins.preference.logps import find_parallel_loss, sequence_logps
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -63,6 +63,8 @@ CASES = {
         "tp2 sp+lp full ft frozen reference": ("llama", TP2, {"loss_chunk_tokens": None}),
         # QLoRA: the reference is the NF4 base with the adapters disabled; one process trains the same NF4 model.
         "fsdp2 qlora nf4 chunked": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
+        # KTO (unpaired rows, their KL rows, desirable or not) with LoRA: its KL estimate and loss are global means.
+        "fsdp2 kto chunked": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
     },
     # Compositions (slow): a row's log-probability summed over cp shards of vocab-sharded chunks, and the experts
     # split over 2 ranks and FSDP2-sharded over the other 2 (ep2 inside dp_shard 4), one pair a data rank.
@@ -74,6 +76,9 @@ CASES = {
 
 #: Cases that train every weight (no LoRA) against a frozen reference copy.
 FULL = {name for cases in CASES.values() for name in cases if "full ft" in name}
+#: Cases that train KTO on unpaired examples instead of DPO on pairs.
+KTO_CASES = {name for cases in CASES.values() for name in cases if "kto" in name}
+KTO = PreferenceOptions(method="kto", beta=0.5, desirable_weight=1.3, undesirable_weight=0.7)
 #: Cases whose base is NF4 (QLoRA, torchao).
 QLORA = {name for cases in CASES.values() for name in cases if "qlora" in name}
 
@@ -109,6 +114,13 @@ def _pairs(vocab: int, step: int, micro: int) -> dict[str, torch.Tensor]:
     return make_batch(2 * PAIRS, SEQ, vocab, seed=100 * step + micro)
 
 
+def _unpaired(vocab: int, step: int, micro: int) -> dict[str, torch.Tensor]:
+    """2 * PAIRS unpaired rows with their KL rows (as collate_unpaired lays them out) and labels, mixed."""
+    rows, kl = make_batch(2 * PAIRS, SEQ, vocab, seed=100 * step + micro), make_batch(2 * PAIRS, SEQ, vocab, seed=7)
+    label = torch.tensor([i % 3 != 1 for i in range(2 * PAIRS)])
+    return {**rows, **{f"kl_{key}": value for key, value in kl.items()}, "label": label}
+
+
 def _train(model, take, clip, objective=None) -> tuple[list[float], list[dict[str, float]]]:
     objective = objective or PreferenceObjective(OBJECTIVE)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -117,7 +129,8 @@ def _train(model, take, clip, objective=None) -> tuple[list[float], list[dict[st
     for step in range(STEPS):
         step_loss = 0.0
         for micro in range(ACCUM):
-            loss, logged = objective(model, take(_pairs(model.config.vocab_size, step, micro)))
+            batches = _unpaired if isinstance(objective, KTOObjective) else _pairs
+            loss, logged = objective(model, take(batches(model.config.vocab_size, step, micro)))
             (loss / ACCUM).backward()
             step_loss += loss.item() / ACCUM
             metrics.append({key: value.item() for key, value in logged.items()})
@@ -130,9 +143,9 @@ def _train(model, take, clip, objective=None) -> tuple[list[float], list[dict[st
 
 
 @functools.cache
-def _reference(family: str, full: bool = False, quantize: bool = False):
+def _reference(family: str, full: bool = False, quantize: bool = False, kto: bool = False):
     model = full_model(family) if full else lora_model(family, quantize)
-    objective = None
+    objective = KTOObjective(KTO) if kto else None
     if full:  # one process: the reference is a plain frozen copy of the starting model
         objective = PreferenceObjective(OBJECTIVE, reference=copy.deepcopy(model).requires_grad_(False).eval())
     history, metrics = _train(model, lambda batch: batch, torch.nn.utils.clip_grad_norm_, objective)
@@ -151,16 +164,17 @@ def _rows_of_rank(model):
 
 
 def _run_case(
-    family: str, sizes: dict, settings: dict, checkpoint: Path | None = None, quantize: bool = False
+    family: str, sizes: dict, settings: dict, checkpoint: Path | None = None, quantize: bool = False, kto: bool = False
 ) -> dict:
     build = full_model if checkpoint is not None else functools.partial(lora_model, quantize=quantize)
-    want_history, want_metrics, want_adapters = _reference(family, checkpoint is not None, quantize)
+    want_history, want_metrics, want_adapters = _reference(family, checkpoint is not None, quantize, kto)
     model = build(family)
     parallelize(model, ParallelLayout(**sizes).resolve(dist.get_world_size()), *with_settings("test", **settings))
     chunked = find_parallel_loss(model).chunked is not None
     objective = PreferenceObjective(OBJECTIVE, checkpoint_dir=checkpoint) if checkpoint is not None else None
+    objective = KTOObjective(KTO) if kto else objective
     history, metrics = _train(model, _rows_of_rank(model), clip_grad_norm_, objective)
-    layout = _reference_layout(objective, model) if objective is not None else {}
+    layout = _reference_layout(objective, model) if checkpoint is not None else {}
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in adapters.items()}
     start = {n: p.detach() for n, p in build(family).named_parameters() if p.requires_grad}
@@ -209,7 +223,7 @@ def _world(rank: int, world_size: int, out_dir: str) -> None:
         full_model("llama").save_pretrained(checkpoint)
     dist.barrier()
     results = {
-        name: _run_case(*case, checkpoint if name in FULL else None, name in QLORA)
+        name: _run_case(*case, checkpoint if name in FULL else None, name in QLORA, name in KTO_CASES)
         for name, case in CASES[world_size].items()
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -239,6 +253,7 @@ def test_dpo_matches_one_process(world_size: int, name: str) -> None:
         if name in FULL:  # the reference: laid out like the policy, frozen, still the starting weights
             assert result[name]["layout_differs"] == [] and result[name]["frozen"], where
             assert result[name]["reference_diff"] == 0.0, where
+        assert ("kl" in result[name]["metric_names"]) == (name in KTO_CASES), where  # KTO logs its KL estimate
         if name in QLORA:  # the base stayed 4-bit under FSDP2
             assert result[name]["nf4_weights"] > 0, where
 
