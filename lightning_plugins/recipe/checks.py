@@ -83,8 +83,9 @@ def check_recipe(recipe: Recipe, path: Path) -> Recipe:
 
 def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None:
     """A preference method on what this slice of it covers: pairs in padded batches, layouts whose sequence
-    log-probabilities are summed exactly (FSDP2, HSDP, TP with SP and loss parallel, CP ring and Ulysses, EP). DPO's
-    reference is the base with the adapters disabled under LoRA, else a frozen copy of the model laid out like it."""
+    log-probabilities are summed exactly (FSDP2, HSDP, TP with SP and loss parallel, CP ring and Ulysses, EP, PP). DPO's
+    reference is the base with the adapters disabled under LoRA, else a frozen copy of the model laid out like it (not
+    under PP)."""
     objective = recipe.objective
     if objective.unpaired:
         raise RecipeError(
@@ -103,11 +104,12 @@ def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None
         raise RecipeError(f"{path}: {key} trains on chosen/rejected pairs; set data.format: preference (or auto).")
     if recipe.data.packing:
         raise RecipeError(f"{path}: {key}: preference pairs are not packed yet; set data.packing: false.")
-    if layout.pp_size > 1:
+    if layout.pp_size > 1 and objective.needs_reference and recipe.lora is None:
         raise RecipeError(
-            f"{path}: {key} under pipeline parallelism (layout.pp_size={layout.pp_size}) is not supported yet: its"
-            " sequence log-probabilities are summed exactly under FSDP2/HSDP, tensor, context and expert parallelism."
-            " Set layout.pp_size: 1 (use dp_shard_size / tp_size / cp_size)."
+            f"{path}: {key} under pipeline parallelism (layout.pp_size={layout.pp_size}) takes its reference from the"
+            " base with the LoRA adapters disabled; a frozen reference copy for a full fine-tune is not split into"
+            " pipeline stages yet. Add a `lora:` section, use objective.method: simpo or orpo, or set"
+            " layout.pp_size: 1."
         )
 
 
