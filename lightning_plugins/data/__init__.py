@@ -35,6 +35,7 @@ from lightning_plugins.data.packing import (
     make_collator,
     pack_examples,
     prepare_model_for_packing,
+    varlen_lengths,
 )
 from lightning_plugins.data.tiny import TINY_DIR, TinyAssets, exact_match, load_prompt_completion, tiny_assets
 
@@ -58,4 +59,5 @@ __all__ = [
     "prepare_model_for_packing",
     "read_jsonl",
     "tiny_assets",
+    "varlen_lengths",
 ]

@@ -10,7 +10,9 @@ token does not predict it: a packed batch trains exactly the per-token loss of i
 Two ways transformers 5.23 silently attends across samples instead, which
 :func:`prepare_model_for_packing` rules out (call it on the model before training packed): it skips the
 detection when a KV cache exists, and a causal LM makes one whenever ``config.use_cache`` is true, even in
-training; and flash attention 2/3 read packed positions only in a batch of one row. A third way for Gated
+training; and flash attention 2/3 read packed positions only in a batch of one row (on CUDA they keep the samples
+apart in any batch when it carries their lengths: ``make_collator(..., varlen=True)`` and
+``prepare_model_for_packing(model, varlen=True)``, :func:`varlen_lengths`). A third way for Gated
 DeltaNet linear attention (Qwen3.5, Qwen3-Next), whose torch kernels take no document boundaries and carry the
 recurrent state and conv from one sample into the next: :func:`prepare_model_for_packing` makes those layers run
 each sample on its own (:mod:`lightning_plugins.parallel.linear_documents`).
@@ -165,12 +167,14 @@ def collate_packed(
     pad_token_id: int,
     max_seq_len: int,
     pad_to_multiple_of: int | None = None,
-) -> dict[str, Tensor]:
+    varlen: bool = False,
+) -> dict[str, Any]:
     """Stacks packed rows into ``input_ids``, ``position_ids`` and ``labels`` of ``max_seq_len`` columns.
 
     The tail of a row that is not full is padding with ``-100`` labels and its own positions
     ``0, 1, ...`` (a sample of its own, attending only to itself). There is no ``attention_mask``: with
-    none, transformers builds the block-diagonal causal mask from ``position_ids``.
+    none, transformers builds the block-diagonal causal mask from ``position_ids``. With ``varlen`` the batch also
+    carries each sample's length for flash attention's variable-length kernel (:func:`varlen_lengths`).
 
     Raises:
         ValueError: if ``examples`` is empty, a row's lengths differ, or a row is longer than ``max_seq_len``.
@@ -185,11 +189,27 @@ def collate_packed(
         used = len(example["position_ids"])
         position_ids[row, :used] = torch.as_tensor(example["position_ids"], dtype=torch.long)
         position_ids[row, used:] = torch.arange(length - used)
-    return {
+    batch: dict[str, Any] = {
         "input_ids": _tensor_rows(examples, "input_ids", length, pad_token_id),
         "position_ids": position_ids,
         "labels": _tensor_rows(examples, "labels", length, IGNORE_INDEX),
     }
+    return {**batch, **varlen_lengths(position_ids)} if varlen else batch
+
+
+def varlen_lengths(position_ids: Tensor) -> dict[str, Any]:
+    """A packed batch's samples as transformers' flash attention takes them for its variable-length kernel
+    (``FlashAttentionKwargs``, ``modeling_flash_attention_utils._flash_attention_forward``): ``cu_seq_lens_q`` and
+    ``cu_seq_lens_k``, where each sample begins in the batch's rows flattened into one (``int32``, its total length
+    last), and ``max_length_q`` / ``max_length_k``, the longest sample. A sample begins where its position is 0: the
+    documents the masked path finds (``masking_utils.find_packed_sequence_indices``), row by row. Given these,
+    transformers runs ``flash_attn_varlen_func`` over any number of rows, with no host sync to find them."""
+    flat = position_ids.reshape(-1)
+    starts = (flat == 0).nonzero().flatten()
+    cu_seq_lens = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+    longest = int(cu_seq_lens.diff().max())
+    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
+            "max_length_k": longest}  # fmt: skip
 
 
 def collate_pairs(
@@ -207,15 +227,16 @@ def collate_pairs(
 
 
 def make_collator(
-    config: DataConfig, pad_token_id: int, pad_to_multiple_of: int | None = None
+    config: DataConfig, pad_token_id: int, pad_to_multiple_of: int | None = None, varlen: bool = False
 ) -> Callable[[Sequence[Mapping[str, Sequence[int]]]], dict[str, Tensor]]:
-    """The ``collate_fn`` for rows of :func:`build_dataset` with this config: padded or packed batches, and for
+    """The ``collate_fn`` for rows of :func:`build_dataset` with this config: padded or packed batches (with
+    ``varlen``, packed batches carry their samples' lengths for flash attention, :func:`varlen_lengths`), and for
     preference pairs (:func:`collate_pairs`) the chosen rows then the rejected."""
     def collate(examples: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, Tensor]:
         if examples and PAIR_KEYS[0] in examples[0]:  # rows of preference pairs (data.format preference, or auto)
             return collate_pairs(examples, pad_token_id, pad_to_multiple_of)
         if config.packing:
-            return collate_packed(examples, pad_token_id, config.max_seq_len, pad_to_multiple_of)
+            return collate_packed(examples, pad_token_id, config.max_seq_len, pad_to_multiple_of, varlen)
         return collate_causal_lm(examples, pad_token_id, pad_to_multiple_of)
 
     return collate
@@ -223,25 +244,41 @@ def make_collator(
 
 #: Attention implementations whose masks transformers builds from packed ``position_ids`` in any batch.
 _PACKING_ATTENTION = ("sdpa", "eager", "flex_attention")
+#: Flash attention, which keeps packed samples apart in any batch given their lengths (:func:`varlen_lengths`).
+_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
-def check_packing_attention(implementation: str | None) -> None:
+def check_packing_attention(implementation: str | None, varlen: bool = False, device: str | None = None) -> None:
     """Refuses an attention implementation that does not keep the samples of packed rows apart.
 
     Call it while validating a recipe (``model.attn_implementation`` with ``data.packing``), before any
     process starts; :func:`prepare_model_for_packing` calls it on the loaded model.
 
+    Args:
+        implementation: The model's attention implementation.
+        varlen: Whether the batches carry their samples' lengths (``make_collator(..., varlen=True)``): then flash
+            attention 2/3 keep the samples apart through their variable-length kernel, on CUDA.
+        device: The model's device type, when known (flash attention runs on CUDA only).
+
     Raises:
-        DataError: for anything but sdpa, eager or flex attention. Flash attention 2/3 find packed samples
-            only in a batch of one row (``modeling_flash_attention_utils._is_packed_sequence``) and attend
-            across them otherwise.
+        DataError: for anything but sdpa, eager or flex attention, or flash attention 2/3 given ``varlen`` on
+            CUDA. Without the lengths flash attention finds packed samples only in a batch of one row
+            (``modeling_flash_attention_utils._is_packed_sequence``) and attends across them otherwise.
     """
-    if implementation in _PACKING_ATTENTION:
+    flash = isinstance(implementation, str) and implementation in _VARLEN_ATTENTION
+    if flash and varlen and device not in (None, "cuda"):
+        raise DataError(
+            f"data.packing with {implementation!r}: flash attention's variable-length kernel runs on CUDA only"
+            f" (flash-attn), and the model is on {device!r}. On CPU load it with attn_implementation='sdpa' (or"
+            " 'eager'): the same samples, kept apart by a block-diagonal mask."
+        )
+    if implementation in _PACKING_ATTENTION or (flash and varlen):
         return
     why = (
         " transformers' flash attention finds packed samples from position_ids only in a batch of one row and"
-        " would attend across the samples of a packed batch."
-        if isinstance(implementation, str) and "flash" in implementation
+        " would attend across the samples of a packed batch; make_collator(..., varlen=True) gives it each"
+        " sample's length (cu_seq_lens) and prepare_model_for_packing(model, varlen=True) accepts it on CUDA."
+        if flash
         else ""
     )
     raise DataError(
@@ -251,21 +288,24 @@ def check_packing_attention(implementation: str | None) -> None:
     )
 
 
-def prepare_model_for_packing(model: Any) -> None:
+def prepare_model_for_packing(model: Any, varlen: bool = False) -> None:
     """Makes a transformers causal LM attend within packed samples only; call it before training packed.
 
     Sets ``config.use_cache = False``: with a cache (which the model creates whenever ``use_cache`` is
     true, in training too), transformers does not look for packed sequences in ``position_ids`` and
     attention silently crosses samples. Gated DeltaNet linear-attention layers (Qwen3.5, Qwen3-Next) restart their
     recurrent state and conv at each sample (``parallel.linear_documents.prepare_linear_attention_for_packing``); call
-    it before ``parallelize`` (context parallelism does the same for those layers itself).
+    it before ``parallelize`` (context parallelism does the same for those layers itself). ``varlen``: the batches
+    carry their samples' lengths (``make_collator(..., varlen=True)``), so flash attention 2/3 on CUDA keep the
+    samples apart through their variable-length kernel.
 
     Raises:
-        DataError: for an attention implementation that does not separate the samples of packed rows
-            (see :func:`check_packing_attention`).
+        DataError: for an attention implementation that does not separate the samples of packed rows, or flash
+            attention on a model that is not on CUDA (see :func:`check_packing_attention`).
     """
     from lightning_plugins.parallel.linear_documents import prepare_linear_attention_for_packing
 
-    check_packing_attention(getattr(model.config, "_attn_implementation", None))
+    device = next((p.device.type for p in model.parameters()), None)
+    check_packing_attention(getattr(model.config, "_attn_implementation", None), varlen, device)
     model.config.use_cache = False
     prepare_linear_attention_for_packing(model)

@@ -165,8 +165,40 @@ def test_prepare_model_for_packing() -> None:
         with pytest.raises(DataError, match=rf"model uses '{re.escape(implementation)}'.*attn_implementation='sdpa'"):
             prepare_model_for_packing(model)
     model.config._attn_implementation = "flash_attention_2"
-    with pytest.raises(DataError, match="only in a batch of one row"):
+    with pytest.raises(DataError, match="only in a batch of one row.*varlen=True"):
         prepare_model_for_packing(model)
+    # Given the samples' lengths flash attention keeps them apart, but on CUDA only: on CPU the fix is sdpa.
+    with pytest.raises(DataError, match="CUDA only.*'cpu'.*attn_implementation='sdpa'"):
+        prepare_model_for_packing(model, varlen=True)
+
+
+def test_varlen_lengths_are_the_masked_paths_documents() -> None:
+    """Flash attention's variable-length path attends within the spans ``cu_seq_lens`` gives over the batch's rows
+    flattened. They are the documents the masked path (sdpa, transformers' block-diagonal mask) finds row by row, and
+    a packed batch's loss is the loss of those spans each run alone (what the varlen kernel computes), on CPU."""
+    _, packed = _batches()
+    model = _model()
+    for batch in packed[:1]:
+        rows = [{"input_ids": ids, "labels": lab, "position_ids": pos} for ids, lab, pos in zip(
+            batch["input_ids"].tolist(), batch["labels"].tolist(), batch["position_ids"].tolist())]  # fmt: skip
+        varlen = collate_packed(rows, pad_token_id=0, max_seq_len=MAX_LEN, varlen=True)
+        assert all(torch.equal(varlen[key], batch[key]) for key in batch)
+        cu = varlen["cu_seq_lens_q"]
+        assert cu.dtype == torch.int32 and torch.equal(cu, varlen["cu_seq_lens_k"])
+        assert varlen["max_length_q"] == varlen["max_length_k"] == int(cu.diff().max())
+        # The masked path's documents: find_packed_sequence_indices numbers them within each row.
+        index = find_packed_sequence_indices(batch["position_ids"])
+        offsets = torch.arange(index.shape[0])[:, None] * (int(index.max()) + 1)
+        documents = torch.unique_consecutive((index + offsets).flatten(), return_counts=True)[1]
+        assert torch.equal(cu.diff().long(), documents)
+        # Loss: the packed batch through sdpa against each span of cu_seq_lens run alone, per token.
+        with torch.no_grad():
+            masked = model(**batch).loss
+            ids, labels = batch["input_ids"].flatten(), batch["labels"].flatten()
+            spans = [(a, b) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()) if (labels[a + 1 : b] >= 0).any()]
+            total = sum(model(input_ids=ids[None, a:b], labels=labels[None, a:b]).loss * (labels[a + 1 : b] >= 0).sum()
+                        for a, b in spans)  # fmt: skip
+        assert abs(float(masked) - float(total) / int((batch["labels"][:, 1:] >= 0).sum())) <= TOL
 
 
 def _check_parallel(rank: int, world_size: int) -> None:
