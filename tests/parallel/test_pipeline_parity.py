@@ -8,6 +8,8 @@ counts). Each launched world checks many cases (starting ranks costs seconds on 
 from __future__ import annotations
 
 import copy
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,7 +249,18 @@ EIGHT_RANKS = [
     ids=["2ranks", "4ranks", "4ranks-more", "8ranks"],
 )
 def test_pipeline_matches_one_process(world_size: int, cases: list, steps: int) -> None:
-    run_world(_check_cases, world_size, cases, steps)
+    run_world(_check_cases_and_preference if world_size == 2 else _check_cases, world_size, cases, steps)
+
+
+def _check_cases_and_preference(rank: int, world_size: int, cases: list[tuple], steps: int = STEPS) -> None:
+    """The cases, then the preference losses' 2-rank pipeline cases (DPO with LoRA under 1F1B and interleaved 1F1B
+    against one process: ``tests/preference/test_dpo_pipeline.py``) in the same world, which saves starting one."""
+    _check_cases(rank, world_size, cases, steps)
+    path = Path(__file__).parents[1] / "preference" / "test_dpo_pipeline.py"
+    spec = importlib.util.spec_from_file_location("dpo_pipeline_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.check_in_rank(rank, world_size)
 
 
 #: Stages that stay sharded (``pp_reshard_per_microbatch``): PP2 x FSDP2 under 1F1B and interleaved 1F1B.

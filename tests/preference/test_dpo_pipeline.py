@@ -9,6 +9,9 @@ loss per micro-batch on the last stage. SGD with momentum, two batches accumulat
 clipping that triggers over all stages, random non-zero ``lora_B``. Compared with one process (a plain peft model,
 full logits): per-step losses and pre-clip gradient norms, TRL's metrics of every batch, an evaluation batch whose
 pairs do not split into the micro-batches (padded), and every rank's adapters, to 1e-5.
+
+The default cases (2 ranks) run inside the 2-rank world of ``tests/parallel/test_pipeline_parity.py``
+(:func:`check_in_rank`), so they start no world of their own; the 4-rank matrix (slow) launches one here.
 """
 
 from __future__ import annotations
@@ -152,6 +155,30 @@ def _run_case(method: str, sizes: dict, settings: dict) -> dict:
     }
 
 
+def _check(name: str, rank: int, result: dict) -> None:
+    where = (name, rank, result)
+    assert result["history_diff"] <= TOL and result["metrics_diff"] <= TOL, where
+    assert result["eval_diff"] <= TOL, where
+    assert result["adapter_diff"] <= TOL, where
+    assert result["adapter_change"] > 100 * TOL, where  # the adapters moved: parity means something
+    assert result["names_match"] and result["eval_names_match"], where  # TRL's metrics, as one process logs them
+
+
+def _check_every_adapter_trained(name: str, results: list[dict]) -> None:
+    """Every adapter of the model is trained on some pipeline rank (each holds its stages' layers only)."""
+    assert sorted({n for result in results for n in result["adapters"]}) == results[0]["all_adapters"], name
+
+
+def check_in_rank(rank: int, world_size: int) -> None:
+    """The 2-rank cases, checked on each rank of a world another test launched (the pipeline parity world)."""
+    for name, case in CASES[world_size].items():
+        result = _run_case(*case)
+        _check(name, rank, result)
+        every: list[dict] = [{}] * world_size
+        dist.all_gather_object(every, {"adapters": result["adapters"], "all_adapters": result["all_adapters"]})
+        _check_every_adapter_trained(name, every)
+
+
 def _world(rank: int, world_size: int, out_dir: str) -> None:
     results = {name: _run_case(*case) for name, case in CASES[world_size].items()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
@@ -162,22 +189,13 @@ def _results(world_size: int) -> list[dict]:
     return world_json(_world, world_size)
 
 
-@pytest.mark.parametrize(
-    ("world_size", "name"),
-    [pytest.param(size, name, marks=[pytest.mark.slow] if size > 2 else []) for size in CASES for name in CASES[size]],
-    ids=str,
-)
-def test_preference_under_pipeline_matches_one_process(world_size: int, name: str) -> None:
-    results = [result[name] for result in _results(world_size)]
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES[4]))
+def test_preference_under_pipeline_matches_one_process(name: str) -> None:
+    results = [result[name] for result in _results(4)]
     for rank, result in enumerate(results):
-        where = (name, rank, result)
-        assert result["history_diff"] <= TOL and result["metrics_diff"] <= TOL, where
-        assert result["eval_diff"] <= TOL, where
-        assert result["adapter_diff"] <= TOL, where
-        assert result["adapter_change"] > 100 * TOL, where  # the adapters moved: parity means something
-        assert result["names_match"] and result["eval_names_match"], where  # TRL's metrics, as one process logs
-    # Every adapter of the model is trained on some pipeline rank (each holds its stages' layers only).
-    assert sorted({n for result in results for n in result["adapters"]}) == results[0]["all_adapters"]
+        _check(name, rank, result)
+    _check_every_adapter_trained(name, results)
 
 
 def test_dpo_without_adapters_under_a_pipeline_is_refused_by_name() -> None:
