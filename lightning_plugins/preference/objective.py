@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,8 @@ from lightning_plugins.preference.losses import PairLosses, dpo_losses, orpo_los
 from lightning_plugins.preference.options import PreferenceOptions
 from lightning_plugins.preference.pipeline import find_pipeline, pipeline_objective
 
+#: The batch key of precomputed reference log-probabilities, one per row (the chosen rows', then the rejected rows').
+REFERENCE_KEY = "ref_logps"
 #: TRL's metric names, in the order they are reduced.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")  # fmt: skip
@@ -99,6 +102,12 @@ class PreferenceObjective:
         rows = batch["input_ids"].shape[0]
         if rows % 2:
             raise ValueError(f"a preference batch holds chosen rows then rejected rows; got {rows} rows (odd).")
+        if REFERENCE_KEY in batch:  # precomputed: the reference's log-probabilities of each row, no forward
+            given = batch[REFERENCE_KEY]
+            policy = sequence_logps(model, {key: value for key, value in batch.items() if key != REFERENCE_KEY})
+            if given.shape != policy.logps.shape:
+                raise ValueError(f"batch[{REFERENCE_KEY!r}] holds {tuple(given.shape)} values for {rows} rows.")
+            return self.from_logps(policy, replace(policy, logps=given.to(policy.logps), aux_loss=None))
         if find_pipeline(model) is not None:  # split into stages: forward and backward through the schedule
             return pipeline_objective(self, model, batch, adapters_disabled)
         reference = self.reference_logps(model, batch) if self.options.needs_reference else None

@@ -35,11 +35,13 @@ class PreferenceOptions:
     """``robust`` DPO: the flip probability, in [0, 0.5); SimPO: conservative label smoothing, in [0, 0.5)."""
     simpo_gamma: float = 0.5
     """SimPO's target reward margin (TRL's ``simpo_gamma``)."""
-    reference: Literal["model"] = "model"
+    reference: Literal["model", "precomputed"] = "model"
     """DPO's reference. ``model``: with ``lora`` the base with the adapters disabled (no copy); for a full fine-tune a
     frozen copy of ``model.path`` laid out exactly like the policy (FSDP2, TP, CP, EP shards; its parameters only, no
     gradients or optimizer state), built on meta and loaded sharded
-    (:func:`~lightning_plugins.preference.reference.frozen_reference`)."""
+    (:func:`~lightning_plugins.preference.reference.frozen_reference`). ``precomputed``: the reference's per-row
+    log-probabilities computed in one pass before training and carried in each batch (``batch["ref_logps"]``,
+    :func:`~lightning_plugins.preference.reference.precompute_reference_logps`); in your own loop only for now."""
     desirable_weight: float = 1.0
     """KTO: the weight of the desirable examples' losses (TRL's ``desirable_weight``)."""
     undesirable_weight: float = 1.0
@@ -62,8 +64,8 @@ class PreferenceOptions:
             raise OptionsError(f"objective.loss_type={self.loss_type!r} is not one of sigmoid, robust, ipo.")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise OptionsError(f"objective.label_smoothing must be in [0, 0.5), got {self.label_smoothing!r}.")
-        if self.reference not in ("model",):
-            raise OptionsError(f"objective.reference={self.reference!r} is not one of model.")
+        if self.reference not in ("model", "precomputed"):
+            raise OptionsError(f"objective.reference={self.reference!r} is not one of model, precomputed.")
         if self.sft_weight < 0:
             raise OptionsError(f"objective.sft_weight must be >= 0, got {self.sft_weight!r}.")
 

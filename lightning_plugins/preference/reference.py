@@ -11,21 +11,27 @@ its reference model for evaluation: dropout off) and under ``no_grad``.
 FSDP2 leaves the root's parameters (embeddings, final norm, head) gathered after a forward, expecting the backward to
 use them; a reference never runs backward, so :func:`reshard` frees them after each reference forward (otherwise the
 whole embedding and head stayed on every rank for the run).
+
+:func:`precompute_reference_logps` takes the other road: one pass of the reference over the data before training,
+its per-row log-probabilities handed back to the objective with each batch (``batch["ref_logps"]``), so that no
+reference is held or run while training (TRL's ``precompute_ref_log_probs``).
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_plugins.checkpoint.load import checkpoint_dir_of, load_sharded_safetensors
 from lightning_plugins.parallel.hf_model import hf_model_of
 from lightning_plugins.parallel.mesh import mesh_of
 
-__all__ = ["frozen_reference", "reshard"]
+__all__ = ["frozen_reference", "precompute_reference_logps", "reshard"]
 
 
 def frozen_reference(policy: nn.Module, checkpoint_dir: str | Path | None = None) -> nn.Module:
@@ -69,3 +75,11 @@ def reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def precompute_reference_logps(objective: Any, model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> list[Tensor]:
+    """The reference's log-probabilities of every row of ``batches`` (one no-grad pass; this rank's batches, as the
+    loader hands them over), one tensor per batch: what ``batch["ref_logps"]`` carries back to
+    :class:`~lightning_plugins.preference.objective.PreferenceObjective` while training. Call it before the first
+    optimizer step: the reference is the base (adapters disabled) or the frozen copy the objective holds."""
+    return [objective.reference_logps(model, batch).logps.detach() for batch in batches]

@@ -94,6 +94,13 @@ def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None
             " lightning_plugins.preference.KTOObjective) for your own LightningModule or Accelerate loop. Use dpo,"
             " simpo or orpo on pairs here."
         )
+    if objective.reference == "precomputed":
+        raise RecipeError(
+            f"{path}: objective.reference: precomputed is not wired into the recipe doors yet (the pass over the data"
+            " before training and the dataset cache that would hold its log-probabilities). Use objective.reference:"
+            " model (the base with the adapters disabled under LoRA, else a frozen copy sharded like the model), or in"
+            " your own loop lightning_plugins.preference.reference.precompute_reference_logps and batch['ref_logps']."
+        )
     if not objective.paired:
         if recipe.data.format == "preference":
             raise RecipeError(f"{path}: data.format: preference trains a preference method; set objective.method (dpo,"

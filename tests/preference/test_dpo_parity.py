@@ -283,3 +283,26 @@ def test_sequence_logps_refuses_a_pipeline_by_name() -> None:
     setattr(model.base_model.model, _PIPELINE_ATTR, object())  # what parallelize leaves on a model split into stages
     with pytest.raises(OptionsError, match=r"but \w+ is split into pipeline stages.*Call PreferenceObjective"):
         sequence_logps(model, _pairs(model.config.vocab_size, 0, 0))
+
+
+def test_precomputed_reference_logps_train_as_the_reference_forward() -> None:
+    """``objective.reference: precomputed`` in one's own loop: the reference's log-probabilities of every batch taken
+    in one pass before training (the base, adapters disabled) and handed back as ``batch["ref_logps"]`` train exactly
+    as the reference forward of each step does (the policy moves, the reference does not)."""
+    from lightning_plugins.preference.reference import precompute_reference_logps
+
+    vocab = CONFIGS["llama"]().vocab_size
+    batches = [_pairs(vocab, step, micro) for step in range(STEPS) for micro in range(ACCUM)]
+    given = precompute_reference_logps(PreferenceObjective(OBJECTIVE), lora_model("llama"), batches)
+    carried = iter(given)
+    model = lora_model("llama")
+    with_given = lambda batch: {**batch, "ref_logps": next(carried)}
+    history, metrics = _train(model, with_given, torch.nn.utils.clip_grad_norm_)
+    want_history, want_metrics, want_adapters = _reference("llama")
+    assert max(abs(a - b) for a, b in zip(history, want_history)) <= TOL
+    assert max(abs(got[key] - want[key]) for got, want in zip(metrics, want_metrics) for key in want) <= TOL
+    assert all(sorted(got) == sorted(want) for got, want in zip(metrics, want_metrics))
+    adapters = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    assert max((adapters[n] - want_adapters[n]).abs().max().item() for n in want_adapters) <= TOL
+    with pytest.raises(ValueError, match=r"batch\['ref_logps'\] holds \(3,\) values for 8 rows"):
+        PreferenceObjective(OBJECTIVE)(model, {**batches[0], "ref_logps": torch.zeros(3)})

@@ -171,3 +171,19 @@ def test_a_kto_recipe_is_refused_naming_the_engine_path(tmp_path) -> None:
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(RecipeError, match=r"objective\.method=kto \(KTO\) does not run through recipes yet.*KTOObjective"):
         load_recipe(path)
+
+
+def test_a_precomputed_reference_is_refused_by_recipes(tmp_path) -> None:
+    import yaml
+
+    from lightning_plugins.errors import RecipeError
+    from lightning_plugins.recipe.schema import load_recipe
+
+    raw = yaml.safe_load((TINY_DIR / "dpo_lora_fsdp2.yaml").read_text())
+    raw["model"]["path"] = str(TINY_DIR / "model")
+    raw["data"].update(train=str(TINY_DIR / "data/preference_train.jsonl"), eval=None)
+    raw["objective"]["reference"] = "precomputed"
+    path = tmp_path / "precomputed.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(RecipeError, match=r"objective\.reference: precomputed is not wired into the recipe doors yet"):
+        load_recipe(path)
