@@ -2,18 +2,19 @@
 
 Qwen2.5-VL: a vision tower of 2 blocks of width 16 (patches of 2x2 pixels, merged 2x2 into one image token) and a
 language model of 2 layers of width 32: an image of 8x8 pixels is 16 patches and 4 image tokens; images come in three
-sizes. Gemma 3: a SigLIP tower of 2 layers of width 16 on 8x8 images (patches of 2x2), pooled to 4 image tokens by
-the projector, and a Gemma 3 language model of 2 layers (one sliding-window, one global). Widths differ on purpose, so
-the projector is the only module that maps one width to the other. Qwen3-VL-MoE: a tower like Qwen2.5-VL's (learned
-position embeddings, one deepstack merger after its first block, whose features are added after the first decoder
-layer) and a language model of 2 mixture-of-experts layers (4 experts, top 2). Qwen rows carry ``mm_token_type_ids``
-(1 on image tokens), as their processors give them, so the model computes its 3-D multimodal RoPE positions.
+sizes. Gemma 3: a SigLIP tower of 2 layers of width 16 on 8x8 images (patches of 2x2), pooled to 4 image tokens by the
+projector, and a Gemma 3 language model of 2 layers (one sliding-window, one global). Widths differ on purpose, so the
+projector is the only module that maps one width to the other. Qwen3-VL-MoE: a tower like Qwen2.5-VL's (learned position
+embeddings, one deepstack merger after its first block, whose features are added after the first decoder layer) and a
+language model of 2 mixture-of-experts layers (4 experts, top 2); Qwen3-VL: the same, with dense layers. Qwen rows carry
+``mm_token_type_ids`` (1 on image tokens), as their processors give them, so the model computes its 3-D multimodal RoPE
+positions.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForImageTextToText, Gemma3Config, Qwen2_5_VLConfig, Qwen3VLMoeConfig
+from transformers import AutoModelForImageTextToText, Gemma3Config, Qwen2_5_VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
 VOCAB = 96
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 92, 93, 94, 95
@@ -25,12 +26,14 @@ _TEXT = dict(
 )  # fmt: skip
 
 
-def tiny_vlm_config(family: str = "qwen2_5_vl") -> Qwen2_5_VLConfig | Gemma3Config | Qwen3VLMoeConfig:
-    """The tiny config of ``family`` (``qwen2_5_vl``, ``gemma3`` or ``qwen3_vl_moe``)."""
-    if family == "qwen3_vl_moe":
-        return Qwen3VLMoeConfig(
+def tiny_vlm_config(family: str = "qwen2_5_vl") -> Qwen2_5_VLConfig | Gemma3Config | Qwen3VLConfig | Qwen3VLMoeConfig:
+    """The tiny config of ``family`` (``qwen2_5_vl``, ``gemma3``, ``qwen3_vl`` or ``qwen3_vl_moe``)."""
+    if family in ("qwen3_vl", "qwen3_vl_moe"):
+        moe = family == "qwen3_vl_moe"
+        experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) if moe else {}
+        return (Qwen3VLMoeConfig if experts else Qwen3VLConfig)(
             text_config=dict(
-                _TEXT, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                _TEXT, head_dim=8, **experts,
                 rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True},
             ),
             vision_config=dict(

@@ -1,20 +1,20 @@
-"""Image-text models (tiny Qwen2.5-VL, Gemma 3, Qwen3-VL-MoE) under FSDP2, TP, CP, EP and their combinations, through
-`parallelize`, train as one process does.
+"""Image-text models (tiny Qwen2.5-VL, Gemma 3, Qwen3-VL, Qwen3-VL-MoE) under FSDP2, TP, CP, EP and their combinations,
+through `parallelize`, train as one process does.
 
-fp32, gloo, SGD with momentum (a wrong gradient scale shows in the weights), 3 optimizer steps of 2
-micro-batches, clipping that triggers, rows of different lengths, image sizes and image positions, right and left
-padding, Qwen's 3-D multimodal RoPE positions (under FSDP2 each rank's rows carry their own images: ranks hold different
-numbers of image patches and of valid tokens). What is trained: every weight; the vision tower frozen before
-`parallelize` and the projector trained with the language model (the common recipe); LoRA with the default targets (the
-language model's projections only); every weight with the MoE router's balance loss on. Per case: per-step losses and
-pre-clip gradient norms, every trained weight (gathered) against the reference, each trained part moved (vision blocks,
-projector, language model), frozen weights bit-identical and never given a gradient; under FSDP2 each vision block and
-each projector module sharded as its own unit, under TP the language model's projections split and the vision tower
-and projector replicated, identical on the tensor-parallel ranks after training; under EP the experts split; under CP
+fp32, gloo, SGD with momentum (a wrong gradient scale shows in the weights), 3 optimizer steps of 2 micro-batches,
+clipping that triggers, rows of different lengths, image sizes and image positions, right and left padding, Qwen's 3-D
+multimodal RoPE positions (under FSDP2 each rank's rows carry their own images: ranks hold different numbers of image
+patches and of valid tokens). What is trained: every weight; the vision tower frozen before `parallelize` and the
+projector trained with the language model (the common recipe); LoRA with the default targets (the language model's
+projections only); every weight with the MoE router's balance loss on. Per case: per-step losses and pre-clip gradient
+norms, every trained weight (gathered) against the reference, each trained part moved (vision blocks, projector,
+language model), frozen weights bit-identical and never given a gradient; under FSDP2 each vision block and each
+projector module sharded as its own unit, under TP the language model's projections split and the vision tower and
+projector replicated, identical on the tensor-parallel ranks after training; under EP the experts split; under CP
 (batches through `context_parallel_batch`) the decoder layers see this rank's shard of each row, whose image tokens
-straddle the shards (each 20-token row's image lies within tokens 2-9, once left padding is rolled to the end; the
-first of 2 load-balanced shards holds tokens 0-4 and 15-19). One world of 2 ranks runs the default cases; one of 2 and one of 4 (slow) the others; the reference runs
-on each rank.
+straddle the shards (each 20-token row's image lies within tokens 2-9, once left padding is rolled to the end; the first
+of 2 load-balanced shards holds tokens 0-4 and 15-19). One world of 2 ranks runs the default cases; one of 2 and one of
+4 (slow) the others; the reference runs on each rank.
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
     "2 slow": {
         # Qwen3-VL's q/k norms (one per head), which its text config's tensor-parallel plan leaves out.
         "qwen3_vl_moe tp2 full": ("qwen3_vl_moe", {"tp_size": 2}, "full"),
+        # Qwen3-VL with dense layers (its text config's plan names no layer: a registered family splits them).
+        "qwen3_vl tp2 full": ("qwen3_vl", {"tp_size": 2}, "full"),
+        "qwen3_vl fsdp2 lora": ("qwen3_vl", {"dp_shard_size": 2}, "lora"),
+        "qwen3_vl cp2 ulysses full": ("qwen3_vl", {"cp_size": 2}, "full"),
         "qwen3_vl_moe ep2 frozen vision": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2}, "frozen vision"),
         "qwen3_vl_moe ep2 lora": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2}, "lora"),
         "qwen3_vl_moe ep2 router loss": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2}, "router loss"),
@@ -97,8 +101,8 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         ),
     },
 }
-#: How each part's weights are held: (FSDP2's ranks: dp_shard x cp, tp) -> part -> each mesh dimension's placement (FSDP2 over a
-#: tensor-parallel split is torch's _StridedShard, counted as a Shard).
+#: How each part's weights are held: (FSDP2's ranks: dp_shard x cp, tp) -> part -> each mesh dimension's placement
+#: (FSDP2 over a tensor-parallel split is torch's _StridedShard, counted as a Shard).
 PLACEMENTS = {
     **{(n, 1): {part: ["dp_shard_cp:Shard"] for part in ("projection", "vision", "projector")} for n in (2, 4)},
     (1, 2): {"projection": ["tp:Shard"], "vision": ["tp:Replicate"], "projector": ["tp:Replicate"]},
