@@ -8,6 +8,8 @@ sequence's log-probability through the engine's loss path (chunked, vocab-sharde
 * :mod:`~lightning_plugins.preference.options`: :class:`PreferenceOptions`, the recipe's ``objective:`` section.
 * :mod:`~lightning_plugins.preference.kto`: :class:`KTOObjective`: KTO on unpaired examples and their KL rows.
 * :mod:`~lightning_plugins.preference.reference`: a full fine-tune's frozen reference, sharded like the policy.
+* :mod:`~lightning_plugins.preference.pipeline`: the paired methods on a model split into pipeline stages (each pair
+  in one pipeline micro-batch, its loss on the last stage).
 
 Framework-free (no Lightning, no Accelerate): both doors, and a user's own ``training_step``, call it.
 """
