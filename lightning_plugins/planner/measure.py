@@ -20,7 +20,8 @@ tracker either fails or files real memory in another category than the one it be
   iteration of a root module (``NotImplementedError: MemTracker does not support memory tracking for
   multiple iterative calls``) and the model's own post-forward then fails (``RuntimeError: The Module
   hierarchy tracking is wrong``). Here the hierarchy is restored to the forwards still running, and a root
-  module entered again within the tracked step is tracked like a re-used submodule.
+  module entered again within the tracked step is accepted like a re-used submodule
+  (:class:`~lightning_plugins.planner.lean_tracker.LeanMemTracker`, which keeps no per-module statistics).
 * **FSDP2 gathered parameters** live in storages that FSDP2 resizes (``all_gather_outputs``) and fills with
   an out-variant copy that returns nothing. ``MemTracker`` only picks them up once a module holding them is
   entered, and then files them as *parameters* (so that ``parameters`` at the peak reads sharded plus
@@ -60,16 +61,13 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from copy import deepcopy
 from functools import wraps
 from typing import TYPE_CHECKING, Any
-from typing_extensions import override
 
 import torch
 from torch import Tensor, nn
 from torch.distributed._tools.mem_tracker import (
     _TOTAL_KEY,
-    MemTracker,
     _MemRefType,
     _ModState,
     _UpdateType,
@@ -81,6 +79,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
 from lightning_plugins.planner.intervals import mark_intervals
+from lightning_plugins.planner.lean_tracker import LeanMemTracker
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -160,7 +159,7 @@ class _NestedBackwardModTracker(ModTracker):
         self._has_callback = True
 
 
-class StepMemTracker(MemTracker):
+class StepMemTracker(LeanMemTracker):
     """``MemTracker`` for one training step of a model made by :func:`lightning_plugins.parallelize`.
 
     Use it as ``MemTracker``: ``track_external(model, optimizer, ...)``, then run the step inside
@@ -212,18 +211,6 @@ class StepMemTracker(MemTracker):
         if self._depth == 0:
             ShardingPropagator._propagate_tensor_meta_non_cached = self._propagate
 
-    @override
-    def _pre_bw_hook(self, module: nn.Module | None, args: Any) -> None:
-        if module is not None:  # a module made for one call is gone by its backward (see _post_bw_hook)
-            super()._pre_bw_hook(module, args)
-
-    @override
-    def _post_bw_hook(self, module: nn.Module | None, args: Any) -> None:
-        # transformers builds some modules afresh at each call (``ACT2FN[name]`` instantiates the activation: Qwen3.5's
-        # gated norm, the causal conv's torch fallback); they hold no state, and MemTracker would warn at each.
-        if module is not None:
-            super()._post_bw_hook(module, args)
-
     def _untracked(self, propagate: Callable[..., Any]) -> Callable[..., Any]:
         """``propagate`` (DTensor's output-shape propagation) run past this tracker (see the module docstring)."""
 
@@ -272,21 +259,6 @@ class StepMemTracker(MemTracker):
 
     def _file_gradient(self, grad: Tensor) -> None:
         self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
-
-    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-        if module not in self.memory_tracking or self._mod_tracker.is_bw:
-            super()._pre_fw_hook(module, inputs)
-            return
-        # A module entered again in forward: ``MemTracker`` refuses this for a root module (it takes it for
-        # the next iteration). A pipeline stage is a root entered once per micro-batch: track it as
-        # ``MemTracker`` tracks a re-used submodule.
-        mod_stats = self.memory_tracking[module]
-        mod_stats.mod_fqn = self._mod_tracker.get_known_fqn(module)
-        mod_stats.input_mem = self._track_inputs_or_outputs(inputs)
-        snapshot = self.get_tracker_snapshot()
-        mod_stats.local_peak = {dev: dev_snap[_TOTAL_KEY] for dev, dev_snap in snapshot.items()}
-        mod_stats.snapshots.setdefault(_ModState.PEAK_FW, []).append(snapshot)
-        mod_stats.snapshots.setdefault(_ModState.PRE_FW, []).append(deepcopy(snapshot))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if self._propagating:
