@@ -16,7 +16,9 @@ an image may straddle shards. So, under context parallelism:
   takes this rank's load-balanced shard of the embeddings, the position ids (all of their rows) and Qwen3-VL's
   deepstack features and their mask before the first decoder layer; the attention mask is dropped, as for text.
 
-The logits, and so the loss, are this rank's shard's, as for a text model. A model whose image tokens attend each other
+A batch without images (a text-only micro-batch of an image-text dataset) is sharded as a text batch, less its
+``mm_token_type_ids`` (all text; the model reads them only with images). The logits, and so the loss, are this
+rank's shard's, as for a text model. A model whose image tokens attend each other
 both ways (Gemma 3 marks them with ``token_type_ids``) is refused: context-parallel attention is causal.
 """
 
@@ -34,7 +36,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.image_text import ImageTextParts
 
-__all__ = ["ShardAfterImages", "check_image_text_context", "holds_images", "shard_image_text_batch"]
+__all__ = [
+    "ShardAfterImages",
+    "check_image_text_context",
+    "holds_images",
+    "shard_image_text_batch",
+    "without_image_types",
+]
 
 #: Batch keys that carry images (or videos): such a batch is sharded by the model, after the images are placed.
 IMAGE_KEYS = ("pixel_values", "pixel_values_videos")
@@ -45,6 +53,14 @@ _WHOLE_KEYS = {"attention_mask": 0, "mm_token_type_ids": 0}
 def holds_images(batch: Any) -> bool:
     """Whether ``batch`` (a mapping) carries images or videos for an image-text model."""
     return isinstance(batch, Mapping) and any(batch.get(key) is not None for key in IMAGE_KEYS)
+
+
+def without_image_types(batch: Any) -> Any:
+    """A batch without images, less its ``mm_token_type_ids`` (all text: the model reads them only with images), so
+    that it is sharded as a text batch; any other batch as it is."""
+    if isinstance(batch, Mapping) and not holds_images(batch) and "mm_token_type_ids" in batch:
+        return {key: value for key, value in batch.items() if key != "mm_token_type_ids"}
+    return batch
 
 
 def check_image_text_context(model: nn.Module) -> None:

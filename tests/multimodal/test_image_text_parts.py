@@ -101,6 +101,10 @@ def test_an_image_text_batch_keeps_its_tokens_whole_and_shards_its_targets() -> 
         for row in range(2):  # real tokens first, in order
             assert torch.equal(sharded[key][row, : int(keep[row].sum())], batch[key][row][keep[row]]), key
     assert sharded["pixel_values"] is batch["pixel_values"] and sharded["image_grid_thw"] is batch["image_grid_thw"]
+    # A batch without images is a text batch (its token types, all text, are not read by the model without images).
+    text_only = {key: value for key, value in batch.items() if key not in ("pixel_values", "image_grid_thw")}
+    sharded = shard_batch_for_context_parallel(text_only, 1, 2, pad_to_multiple_of=8)
+    assert set(sharded) == set(text) and all(torch.equal(sharded[key], text[key]) for key in text)
     for key, why in (("position_ids", "packed image-text rows"), ("token_type_ids", "attend each other both ways")):
         with pytest.raises(ValueError, match=f"cannot hold `{key}`: .*{why}"):
             shard_batch_for_context_parallel(batch | {key: batch["input_ids"]}, 0, 2)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lightning_plugins.parallel.context.padding import check_padding, real_tokens_first
 from lightning_plugins.parallel.context.sharding import shard_sequence_load_balanced
-from lightning_plugins.parallel.image_text_context import holds_images, shard_image_text_batch
+from lightning_plugins.parallel.image_text_context import holds_images, shard_image_text_batch, without_image_types
 from lightning_plugins.parallel.loss import IGNORE_INDEX
 
 # Keys of a batch that hold one entry per sequence position and that sharding knows how to split.
@@ -76,6 +76,7 @@ def shard_batch_for_context_parallel(
         raise ValueError(f"pad_to_multiple_of={multiple} must be a multiple of 2 * cp_size = {2 * cp_size}.")
     if holds_images(batch):  # an image-text model shards it once its images are placed (image_text_context)
         return shard_image_text_batch(batch, cp_rank, cp_size, multiple, pad_token_id, ignore_index)
+    batch = without_image_types(batch)  # an image-text model's batch without images: a text batch
     input_ids = _checked_input_ids(batch)
     rows, seq_len = input_ids.shape
     labels, shift_labels = batch.get("labels"), batch.get("shift_labels")
