@@ -180,6 +180,18 @@ def test_window_bands_are_batched_calls_where_the_kernel_takes_masks(cp: int) ->
     assert _coverage(1024, cp, window=200)[0] > 0
 
 
+def test_batched_calls_keep_their_windows_within_the_key_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run whose windows hold more keys than ``BAND_KEYS`` (and the block) is cut into several batched calls, each
+    within it, still covering every pair once."""
+    from lightning_plugins.parallel.context import tiles
+
+    whole = sum(_band_calls(1024, cp, 200)[0] for cp in (1, 2))
+    monkeypatch.setattr(tiles, "BAND_KEYS", 300)
+    assert sum(_band_calls(1024, cp, 200)[0] for cp in (1, 2)) > whole
+    for cp in (1, 2, 4):
+        assert _coverage(1024, cp, window=200, masked=True)[1] == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", (2, 3, 4, 8))
 @pytest.mark.parametrize("load_balanced", (True, False))

@@ -363,7 +363,7 @@ def _fused_calls(block: _Block, masked: bool = False) -> tuple[list[FusedCall | 
         lo = first[a]
         if kind == 2:
             band = _masked_band_calls if masked else _band_calls
-            calls += band(block.row_start + a, b - a, lo, last[a] - lo)
+            calls += band(block.row_start + a, b - a, lo, last[a] - lo, *([_band_keys(block)] if masked else []))
             continue
         if kind == 1 and last[a] <= lo:
             a += 1  # its first row attends nothing; the rest each attend one key more
@@ -377,7 +377,7 @@ def _fused_calls(block: _Block, masked: bool = False) -> tuple[list[FusedCall | 
         if diagonal > lo:
             calls.append(FusedCall(rows, slice(lo, diagonal), False))
         calls.append(FusedCall(rows, slice(diagonal, diagonal + b - a), True))
-    return (_strided_boxes(calls) if masked else calls), tile_rows
+    return (_strided_boxes(calls, _band_keys(block)) if masked else calls), tile_rows
 
 
 def _band_calls(row: int, count: int, first: int, width: int) -> list[FusedCall]:
@@ -397,29 +397,44 @@ def _band_calls(row: int, count: int, first: int, width: int) -> list[FusedCall]
     return calls
 
 
+#: Keys a batched call's windows may hold together (:class:`~.bands.BandCall`), at least: the kernel's dK/dV of the
+#: windows are that large (16K keys of 8 heads of 128 in bf16: 32 MiB). A block's own key count when larger.
+BAND_KEYS = 1 << 14
+
+
+def _band_keys(block: _Block) -> int:
+    return max(BAND_KEYS, _width(block))
+
 
 #: Rows of a chunk of a sliding window's band in its masked call (:mod:`.bands`): the box a row computes is
 #: ``width + BAND_ROWS - 1`` keys; 32-128 measured alike at a 256-512-key window (RESULTS.md, issue 48).
 BAND_ROWS = 64
 
 
-def _masked_band_calls(row: int, count: int, first: int, width: int) -> list[FusedCall | BandCall]:
+def _masked_band_calls(row: int, count: int, first: int, width: int, keys: int) -> list[FusedCall | BandCall]:
     """A band (rows as in :func:`_band_calls`) for a kernel that takes masks: its whole chunks of :data:`BAND_ROWS`
-    rows in one :class:`~.bands.BandCall`, the rest in one masked call."""
+    rows in :class:`~.bands.BandCall` s of as many chunks as keep their windows' keys within ``keys``
+    (:data:`BAND_KEYS` or the block's: the kernel's dK/dV of the windows stay that small), the rest in one masked
+    call."""
+    span = BAND_ROWS + width - 1
+    per_call = max(1, keys // span) * BAND_ROWS
     whole = count // BAND_ROWS * BAND_ROWS
     calls: list[FusedCall | BandCall] = []
-    if whole:
-        cols = slice(first, first + whole + width - 1)
-        calls.append(BandCall(slice(row, row + whole), cols, BAND_ROWS, BAND_ROWS, BAND_ROWS + width - 1, width))
+    for start in range(0, whole, per_call):
+        rows = slice(row + start, row + min(whole, start + per_call))
+        cols = slice(first + start, first + start + (rows.stop - rows.start) + width - 1)
+        calls.append(BandCall(rows, cols, BAND_ROWS, BAND_ROWS, span, width))
     if count > whole:
         n, lo = count - whole, first + whole
-        calls.append(FusedCall(slice(row + whole, row + count), slice(lo, lo + n + width - 1), False, band_mask(n, width)))
+        rows, cols = slice(row + whole, row + count), slice(lo, lo + n + width - 1)
+        calls.append(FusedCall(rows, cols, False, band_mask(n, width)))
     return calls
 
 
-def _strided_boxes(calls: list[FusedCall | BandCall]) -> list[FusedCall | BandCall]:
+def _strided_boxes(calls: list[FusedCall | BandCall], keys: int) -> list[FusedCall | BandCall]:
     """Consecutive fully visible calls of one shape, rows adjoining and keys a constant step apart (a window's
-    staircase off the diagonal), as one :class:`~.bands.BandCall` without a mask: one kernel call for them all."""
+    staircase off the diagonal), as one :class:`~.bands.BandCall` without a mask: one kernel call for as many as keep
+    their boxes' keys within ``keys`` (as :func:`_masked_band_calls`)."""
     out: list[FusedCall | BandCall] = []
     run: list[FusedCall] = []
 
@@ -436,7 +451,8 @@ def _strided_boxes(calls: list[FusedCall | BandCall]) -> list[FusedCall | BandCa
 
     for call in calls:
         if isinstance(call, FusedCall) and not call.causal and call.mask is None:
-            if run and _continues(run, call):
+            span = call.cols.stop - call.cols.start
+            if run and _continues(run, call) and (len(run) + 1) * span <= keys:
                 run.append(call)
                 continue
             close()
