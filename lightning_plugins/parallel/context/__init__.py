@@ -12,6 +12,8 @@ The other parts:
 * :mod:`.sharding`: the load-balanced layout (rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` of every
   segment of ``2 * cp`` chunks) and padding, on plain tensors.
 * :mod:`.tiles`: which query/key pairs ring attention computes (active blocks, query-row tiles, document tiles).
+* :mod:`.pieces`, :mod:`.fused`, :mod:`.bands`: how ring attention computes a block's pieces: fused kernel calls,
+  a sliding window's band batched in one masked call (CPU), the pure-torch tiles.
 * :mod:`.batch`: a causal-LM batch sharded along the sequence (labels shifted on the full sequence first).
 * :mod:`.wiring`: the attention of a transformers model routed through the two kernels.
 * :mod:`.checks`: errors before any collective when a model or layout cannot run context parallel.
