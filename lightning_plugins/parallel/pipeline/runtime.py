@@ -277,8 +277,8 @@ class Pipeline:
         new batch shape)."""
         held = []
         for stage in self.stages.values():
-            for param in stage.parameters():
-                if param.requires_grad:
+            for param in stage.parameters():  # frozen ones too: peft freezes disabled adapters (DPO's reference pass)
+                if param.grad is not None:
                     held.append((param, param.grad))
                     param.grad = None
         return held
