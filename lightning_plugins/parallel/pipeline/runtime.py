@@ -1,7 +1,9 @@
 """The pipeline runtime (:class:`Pipeline`): this rank's stages, the schedule that runs them, one step per batch.
 
 * **Shapes** are given to ``PipelineStage`` up front (static mode): no metadata-inference pass runs.
-  A new (micro-batch, sequence) shape rebuilds the stages; padding to a fixed length avoids that.
+  A new (micro-batch, sequence) shape rebuilds the stages; padding to a fixed length avoids that. The last training
+  and the last evaluation schedule are kept; a new one's first run would drop the gradients FSDP2 stages hold
+  (torch's set-up cleans them), so they are held aside around it.
 * **Tied embeddings.** When the first and last stage live on different ranks, each keeps a copy of the
   tied weight. After every step the gradient increments of the two copies are summed over the pair of
   ranks, so both copies take identical updates; :meth:`Pipeline.clip_grad_norm_` counts the weight once.
