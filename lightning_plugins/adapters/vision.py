@@ -1,5 +1,6 @@
-"""What of an image-text model trains: the vision tower and the projector, each frozen or trained (:class:`VisionOptions`,
-the recipe's ``vision:`` section), applied by :func:`freeze_vision` before the model is parallelized.
+"""What of an image-text model trains: the vision tower and the projector, each frozen or trained
+(:class:`VisionOptions`, the recipe's ``vision:`` section), applied by :func:`freeze_vision` before the model is
+parallelized.
 
 The defaults are the common recipes' (LLaVA's second stage, Qwen2.5-VL's and Gemma 3's fine-tuning examples): the
 projector and the language model train, the vision tower stays frozen. The parts are found by structure

@@ -83,7 +83,9 @@ def build_image_text_dataset(
             " sample). Set data.packing: false."
         )
     if split == "eval" and not config.has_eval:
-        raise DataError(f"There is no evaluation split of data.train ({config.train}): set data.eval or data.eval_fraction.")
+        raise DataError(
+            f"There is no evaluation split of data.train ({config.train}): set data.eval or data.eval_fraction."
+        )
     key = "eval" if split == "eval" and config.eval is not None else "train"
     value = getattr(config, key)
     local = Path(value).expanduser().exists() or hub_dataset(value) is None

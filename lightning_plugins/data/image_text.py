@@ -60,7 +60,9 @@ def vision_messages(record: Mapping[str, Any]) -> list[dict[str, Any]]:
 def _part(turn: int, k: int, part: Any) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, Mapping) else None
     if kind not in _PART_TYPES:
-        raise DataError(f"messages[{turn}].content[{k}] must be {{'type': 'text', 'text': ...}} or {{'type': 'image'}}.")
+        raise DataError(
+            f"messages[{turn}].content[{k}] must be {{'type': 'text', 'text': ...}} or {{'type': 'image'}}."
+        )
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise DataError(f"messages[{turn}].content[{k}] is a text entry without a string 'text'.")
