@@ -18,6 +18,8 @@ from lightning_plugins.errors import DataError
 from lightning_plugins.data.encoding import messages_field, text_field
 
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+#: Fields a format reads beside its text ones, kept when a JSON file is read in Python.
+OPTIONAL_FIELDS = ("images", "label")
 
 
 @contextlib.contextmanager
@@ -210,6 +212,7 @@ class Source:
             except DataError as bad:
                 raise DataError(f"{self.where(index)}: {bad}") from None
         fields = ("messages",) if "messages" in records[0] else ("prompt", "chosen", "rejected") if pairs else ("prompt", "completion")
+        fields += tuple(key for key in OPTIONAL_FIELDS if key in records[0])  # image-text's images, KTO's labels
         try:
             return datasets.Dataset.from_list([{key: record.get(key) for key in fields} for record in records])
         except Exception:

@@ -162,3 +162,26 @@ def test_the_model_trains_on_a_batch(processor) -> None:
     loss.backward()
     projector = model.model.multi_modal_projector.mm_input_projection_weight
     assert torch.isfinite(loss) and projector.grad is not None and bool(projector.grad.abs().sum() > 0)
+
+
+def test_a_json_file_arrow_cannot_read_keeps_its_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where arrow fails on a JSON file, the records are read in Python and keep the fields a format reads: the image
+    paths of image-text records too (they were dropped, leaving the images' tokens without pixels)."""
+    import datasets
+
+    from lightning_plugins.data.loading import Source
+
+    records = [
+        {"messages": [{"role": "user", "content": "colour?"}, {"role": "assistant", "content": "red"}], "images": ["a.png"]},
+        {"messages": [{"role": "user", "content": "shape?"}, {"role": "assistant", "content": "disc"}], "images": []},
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(record) for record in records) + "\n")
+
+    def arrow_fails(*args, **kwargs):
+        raise ValueError("arrow cannot read this file")
+
+    monkeypatch.setattr(datasets, "load_dataset", arrow_fails)
+    dataset = Source(path, "train").dataset
+    assert dataset["images"] == [["a.png"], []]
+    assert [row["messages"][1]["content"] for row in dataset] == ["red", "disc"]
