@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
+from lightning_plugins.adapters.vision import VisionOptions
 from lightning_plugins.recipe.schema import Recipe
 from lightning_plugins.errors import RecipeError
 from lightning_plugins.errors import ResumeMismatch
@@ -64,6 +65,7 @@ RULES: dict[str, tuple[Kind, str]] = {
     "train.resume_reset_optimizer": ("control", ""),
     "hardware": ("applied", ""),
     "objective": ("refused", "the checkpoint was trained toward this objective"),
+    "vision": ("refused", "the checkpoint's weights and optimizer state hold the parts these settings trained"),
 }
 
 
@@ -105,6 +107,8 @@ def diff_recipes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     objective = new.get("objective")
     if "objective" not in old and isinstance(objective, dict) and objective.get("method", "sft") == "sft":
         old = {**old, "objective": objective}  # a recipe from before the section trained SFT
+    if "vision" not in old and new.get("vision") == asdict(VisionOptions()):
+        old = {**old, "vision": new["vision"]}  # a recipe from before the section trained as its defaults say
     for key, before, after in _differences(old, new):
         kind, why = rule_for(key)
         if kind != "control":

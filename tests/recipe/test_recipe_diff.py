@@ -72,6 +72,15 @@ def test_diff_classifies_each_difference() -> None:
     assert diff_recipes({"train": {"resume_reset_optimizer": False}}, {"train": {"resume_reset_optimizer": True}}) == []
 
 
+def test_a_checkpoint_from_before_a_section_resumes_under_its_defaults(tmp_path: Path) -> None:
+    """A checkpoint whose recipe predates the ``objective`` and ``vision`` sections trained as their defaults say: no
+    difference; a run that sets either differently is refused."""
+    written = yaml.safe_load(_recipe(tmp_path).to_yaml())
+    before = {key: value for key, value in written.items() if key not in ("objective", "vision")}
+    assert diff_recipes(before, written) == []
+    changed = {**written, "vision": {**written["vision"], "train_tower": True}}
+    assert [(c.key, c.kind) for c in diff_recipes(before, changed)] == [("vision", "refused")]
+
 def test_applied_changes_get_one_line_each(tmp_path: Path) -> None:
     checkpoint = _checkpoint(tmp_path, _recipe(tmp_path, "train.max_steps=6"))
     said: list[str] = []
