@@ -138,6 +138,17 @@ class Saved:
         return self._delta
 
 
+def _kernel_inputs(q5: Tensor, kv_blk: Tensor, saved: Saved, batch: slice, rows: slice, cols: slice) -> tuple:
+    """``(grad_out, q, k, v, out, lse)`` of one kernel piece, in the order the kernels' backward takes them."""
+    return (
+        saved.grad_out5[batch][..., rows, :],
+        q5[batch][..., rows, :],
+        kv_blk[0, batch, :, cols],
+        kv_blk[1, batch, :, cols],
+        saved.out5[batch][..., rows, :],
+        saved.lse[batch][..., rows],
+    )
+
 def attend_pieces_backward(
     ctx: Any,
     q5: Tensor,
@@ -152,26 +163,12 @@ def attend_pieces_backward(
     for batch, piece in pieces:
         if isinstance(piece, BandCall):
             rows, cols = piece.rows, piece.cols
-            grads = band_backward(
-                saved.grad_out5[batch][..., rows, :],
-                q5[batch][..., rows, :],
-                kv_blk[0, batch, :, cols],
-                kv_blk[1, batch, :, cols],
-                saved.out5[batch][..., rows, :],
-                saved.lse[batch][..., rows],
-                piece,
-                ctx.scale,
-            )
+            grads = band_backward(*_kernel_inputs(q5, kv_blk, saved, batch, rows, cols), piece, ctx.scale)
         elif isinstance(piece, FusedCall):
             rows, cols = piece.rows, piece.cols
             grads = fused_backward(
                 ctx.kernel,
-                saved.grad_out5[batch][..., rows, :],
-                q5[batch][..., rows, :],
-                kv_blk[0, batch, :, cols],
-                kv_blk[1, batch, :, cols],
-                saved.out5[batch][..., rows, :],
-                saved.lse[batch][..., rows],
+                *_kernel_inputs(q5, kv_blk, saved, batch, rows, cols),
                 piece.causal,
                 ctx.scale,
                 next(saved.aux, None),
