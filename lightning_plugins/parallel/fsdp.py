@@ -147,3 +147,11 @@ def _tied(embedding: nn.Module | None, head: list[nn.Module]) -> bool:
     """Whether the embedding and a head module share their weight (``tie_word_embeddings``): one unit, the root."""
     weight = getattr(embedding, "weight", None)
     return weight is not None and any(getattr(module, "weight", None) is weight for module in head)
+
+
+def reshard_gathered(model: nn.Module) -> None:
+    """Free what FSDP2 still holds gathered after a forward with no backward: a root keeps its parameters after
+    forward for a backward that never comes (a DPO reference pass, forward-only pipeline micro-batches)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_plugins.checkpoint.load import checkpoint_dir_of, load_sharded_safetensors
+from lightning_plugins.parallel.fsdp import reshard_gathered as reshard
 from lightning_plugins.parallel.hf_model import hf_model_of
 from lightning_plugins.parallel.mesh import mesh_of
 
@@ -66,15 +67,6 @@ def frozen_reference(policy: nn.Module, checkpoint_dir: str | Path | None = None
     load_sharded_safetensors(reference, source, device)
     reference.requires_grad_(False)
     return reference.eval()
-
-
-def reshard(model: nn.Module) -> None:
-    """Free what FSDP2 still holds gathered after a forward with no backward (the root's parameters)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 def precompute_reference_logps(objective: Any, model: nn.Module, batches: Iterable[dict[str, Tensor]]) -> list[Tensor]:

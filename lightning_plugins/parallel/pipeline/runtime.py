@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining.schedules import (
     _Action,
@@ -33,6 +32,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from lightning_plugins.errors import LayoutError
+from lightning_plugins.parallel.fsdp import reshard_gathered
 from lightning_plugins.parallel.grad import total_grad_norm
 from lightning_plugins.parallel.loss import IGNORE_INDEX, next_token_targets
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, stages_of_rank
@@ -291,9 +291,7 @@ class Pipeline:
         starts from them and its gradients are not reduce-scattered into the shards (a DPO step's reference pass
         right before its policy pass trained wrong weights under PP x FSDP2 and PP x CP)."""
         for stage in self.stages.values():
-            for module in stage.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
+            reshard_gathered(stage)
 
     def _fresh_schedule(self, input_ids: Tensor, micro: int, seq: int, train: bool) -> bool:
         """Make :attr:`_schedule` the one for this shape and mode; whether it was built now.
