@@ -10,6 +10,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from _launch import in_process
 
 from lightning_plugins.cli import EXAMPLES, _parser, main
 from lightning_plugins.errors import RecipeError
@@ -64,13 +65,14 @@ def test_recipes_lists_every_shipped_id_with_its_hardware(capsys: pytest.Capture
     assert Path(capsys.readouterr().out.strip(), "cpu_2proc.yaml").is_file()
 
 
-def test_version_and_a_recipe_by_id_from_another_directory(tmp_path: Path) -> None:
+def test_version_and_a_recipe_by_id_from_another_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m lightning_plugins`` runs the console script (one interpreter start); the recipe ids are resolved
+    from another directory by the same ``main`` in this process (``_launch.in_process``: no start and imports each)."""
     proc = subprocess.run([sys.executable, "-m", "lightning_plugins", "--version"], capture_output=True, text=True)
     assert proc.stdout.strip() == f"lightning-plugins {version('lightning_plugins')}"
-    proc = subprocess.run([sys.executable, "-m", "lightning_plugins", "finetune", "tiny/full_tp2", "--print-config"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    proc = in_process("lightning_plugins", ["finetune", "tiny/full_tp2", "--print-config"])
     assert proc.returncode == 0, proc.stderr
     assert f"path: {recipes_dir() / 'tiny' / 'model'}" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "lightning_plugins", "plan", "llama-3.1-8b/lora_1gp"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = in_process("lightning_plugins", ["plan", "llama-3.1-8b/lora_1gp"])
     assert proc.returncode == 2 and "llama-3.1-8b/lora_1gpu" in proc.stderr and "lightning-plugins recipes" in proc.stderr
