@@ -33,8 +33,7 @@ from lightning_plugins.checkpoint import resume_choice
 from lightning_plugins.checkpoint.checks import CHECKPOINT_NAME
 from lightning_plugins.checkpoint.resume_choice import LATEST, agreed_resume
 from lightning_plugins.parallel.optim.optim_in_backward import StepInBackward, step_in_backward
-from lightning_plugins.preference import PreferenceObjective
-from lightning_plugins.recipe.build import build_loaders, build_model, make_optimizer
+from lightning_plugins.recipe.build import build_loaders, build_model, make_objective, make_optimizer
 from lightning_plugins.recipe.diff import reset_optimizer
 from lightning_plugins.recipe.finish import check_exportable, export_dir, export_trained, write_results
 from lightning_plugins.recipe.meter import ThroughputMeter
@@ -69,16 +68,17 @@ def _model_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple
     return model(**batch).loss, {}
 
 
-def objective_of(recipe: Recipe) -> Objective:
-    """The recipe's objective, as the Lightning door's ``RecipeModule`` has it: the model's own loss (SFT), or the
-    preference loss of each batch of pairs with TRL's metrics (global means on every rank)."""
-    return PreferenceObjective(recipe.objective) if recipe.objective.paired else _model_loss
+def objective_of(recipe: Recipe, train: DataLoader, held: DataLoader | None) -> Objective:
+    """The recipe's objective, as the Lightning door's ``RecipeModule`` has it (:func:`~lightning_plugins.recipe.build.
+    make_objective`): the model's own loss (SFT), or the preference loss of each batch with TRL's metrics (global means
+    on every rank)."""
+    return make_objective(recipe, train, held) or _model_loss
 
 
 def make_accelerator(recipe: Recipe) -> ParallelAccelerator:
     """The recipe's layout and settings; the scheduler is stepped by the loop, once per optimizer step."""
     builtin = builtin_path()  # the launch config's: a recipe passes no plugin
-    if recipe.objective.paired and builtin:  # before any process group or model
+    if recipe.objective.method != "sft" and builtin:  # before any process group or model
         raise OptionsError(
             f"objective.method={recipe.objective.method}: preference methods run on the engine's layouts (FSDP2, TP,"
             f" CP, EP), not under Accelerate's own {builtin} ({describe_launch()}), whose wrapped model computes"
@@ -133,9 +133,8 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     preemption, guard = _guards(accelerator, recipe, out)
     set_seed(train.seed)
     model, tokenizer = build_model(recipe, on_meta=accelerator.builtin is None)
-    objective = objective_of(recipe)
     num_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
-    train_loader, eval_loader = _loaders(recipe, tokenizer, accelerator)
+    train_loader, eval_loader, objective = _loaders(recipe, tokenizer, accelerator)
     per_epoch = math.ceil(len(train_loader) / recipe.accumulation)
     total = train.max_steps or train.epochs * per_epoch
     optimizer, schedule = make_optimizer(model, recipe, total)
@@ -193,12 +192,16 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     return _finish(accelerator, model, tokenizer, recipe, ckpt, last)
 
 
-def _loaders(recipe: Recipe, tokenizer: Any, accelerator: ParallelAccelerator) -> tuple[DataLoader, DataLoader | None]:
-    """The training and held-out loaders, each sharded over the data-parallel ranks (the held-out one unshuffled)."""
+def _loaders(
+    recipe: Recipe, tokenizer: Any, accelerator: ParallelAccelerator
+) -> tuple[DataLoader, DataLoader | None, Objective]:
+    """The training and held-out loaders, each sharded over the data-parallel ranks (the held-out one unshuffled),
+    and the objective of their batches."""
     train_loader, eval_loader = build_loaders(recipe, tokenizer)
+    objective = objective_of(recipe, train_loader, eval_loader)
     train_loader = _sharded(train_loader, accelerator, True, recipe.train.seed)
     eval_loader = None if eval_loader is None else _sharded(eval_loader, accelerator, False, recipe.train.seed)
-    return train_loader, eval_loader
+    return train_loader, eval_loader, objective
 
 
 def _guards(accelerator: ParallelAccelerator, recipe: Recipe, out: Path) -> tuple[Preemption, NonFiniteGuard]:
@@ -306,18 +309,20 @@ def _evaluate(
     accelerator: ParallelAccelerator, model: torch.nn.Module, objective: Objective, loader: Any
 ) -> dict[str, float]:
     """The held-out loss and metrics (``val/...``) as Lightning's ``sync_dist`` epoch means compute them (row-weighted,
-    averaged over ranks)."""
+    averaged over ranks; a metric a batch does not report, as KTO's ``rewards/chosen`` of a batch without desirable
+    examples, is the mean over the batches that do)."""
     model.eval()
     totals: dict[str, torch.Tensor] = {"loss": torch.zeros((), dtype=torch.float64, device=accelerator.device)}
-    rows = 0
+    rows: dict[str, int] = {}
     for batch in loader:
         count = batch["input_ids"].shape[0]
         loss, metrics = objective(model, batch)
         for name, value in {"loss": loss, **metrics}.items():
             totals[name] = totals.get(name, 0) + value.detach().double() * count
-        rows += count
+            rows[name] = rows.get(name, 0) + count
     model.train()
-    means = torch.stack(list(totals.values())) / max(1, rows)
+    counts = [max(1, rows.get(name, 0)) for name in totals]
+    means = torch.stack(list(totals.values())) / torch.tensor(counts, dtype=torch.float64, device=accelerator.device)
     dist.all_reduce(means)
     return {f"val/{name}": value for name, value in zip(totals, (means / dist.get_world_size()).tolist())}
 

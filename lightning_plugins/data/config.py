@@ -15,7 +15,7 @@ PathLike = Union[str, Path]
 Record = dict[str, Any]
 Example = dict[str, list[int]]
 
-_FORMATS = ("auto", "prompt_completion", "chat", "preference", "image_text")
+_FORMATS = ("auto", "prompt_completion", "chat", "preference", "unpaired", "image_text")
 _TRUNCATIONS = ("truncate", "error")
 
 
@@ -32,11 +32,13 @@ class DataConfig:
     """Held-out records in the same forms; ``None`` to hold out ``eval_fraction`` of ``train``."""
     eval_fraction: float = 0.0
     """Fraction of ``train`` held out for evaluation when ``eval`` is ``None`` (``0`` for no evaluation split)."""
-    format: Literal["auto", "prompt_completion", "chat", "preference", "image_text"] = "auto"
+    format: Literal["auto", "prompt_completion", "chat", "preference", "unpaired", "image_text"] = "auto"
     """``"prompt_completion"``, ``"chat"`` (``messages``), ``"preference"`` (TRL's ``prompt``/``chosen``/``rejected``
-    pairs, strings or conversations, for ``objective.method`` dpo, simpo, orpo), ``"image_text"`` (TRL's vision format:
-    ``messages`` whose contents hold image entries and ``images``, processed by the model's processor; see
-    :mod:`lightning_plugins.data.image_text`), or ``"auto"`` (from the columns: ``images`` means image-text)."""
+    pairs, strings or conversations, for ``objective.method`` dpo, simpo, orpo), ``"unpaired"`` (TRL's unpaired
+    preference records ``prompt``/``completion``/``label``, for ``objective.method: kto``), ``"image_text"`` (TRL's
+    vision format: ``messages`` whose contents hold image entries and ``images``, processed by the model's processor;
+    see :mod:`lightning_plugins.data.image_text`), or ``"auto"`` (from the columns: ``images`` means image-text,
+    ``label`` beside ``prompt``/``completion`` unpaired, as TRL reads them)."""
     max_seq_len: int = 2048
     """Longest sample in tokens; with packing, the length of every packed row."""
     truncation: Literal["truncate", "error"] = "truncate"

@@ -9,10 +9,29 @@ from typing import Any, Literal
 from lightning_plugins.data.config import DataConfig, existing_path, hub_dataset
 from lightning_plugins.errors import DataError
 from lightning_plugins.data.encoding import ENCODERS, fit_to_length
-from lightning_plugins.data.preference import PAIR_KEYS, encode_preference, fit_pair_to_length
+from lightning_plugins.data.preference import (
+    PAIR_KEYS, UNPAIRED_KEYS, encode_preference, encode_unpaired, fit_pair_to_length, fit_unpaired_to_length,
+)
 from lightning_plugins.data.loading import quiet_datasets, Source
 from lightning_plugins.data.packing import write_packed
 from lightning_plugins.data.prepared import DATA_FILE, cache_root, entry_name, file_identity, prepared
+
+#: What each format's records hold, as TRL names the fields.
+NEEDED = {"chat": {"messages"}, "prompt_completion": {"prompt", "completion"}, "preference": {"chosen", "rejected"},
+          "unpaired": {"prompt", "completion", "label"}}  # fmt: skip
+#: How each format's encoder and length fit, and the columns of its rows, are found by format.
+_ROWS = {"preference": (encode_preference, fit_pair_to_length, PAIR_KEYS),
+         "unpaired": (encode_unpaired, fit_unpaired_to_length, UNPAIRED_KEYS)}  # fmt: skip
+
+
+def _kind(columns: set[str]) -> str:
+    """What records with these columns are, in words (for errors)."""
+    if {"chosen", "rejected"} <= columns:
+        return "a chosen/rejected pair (TRL's paired preference format)"
+    if NEEDED["unpaired"] <= columns:
+        return "an unpaired prompt/completion/label record (TRL's KTO format)"
+    return f"a record with fields {sorted(columns)}"
+
 
 def _detect_format(config: DataConfig, source: Source) -> str:
     columns = set(source.dataset.column_names)
@@ -22,18 +41,20 @@ def _detect_format(config: DataConfig, source: Source) -> str:
             " the model's processor, through lightning_plugins.data.build_image_text_dataset (recipes do this)."
         )
     if config.format != "auto":
-        needed = {"chat": {"messages"}, "prompt_completion": {"prompt", "completion"},
-                  "preference": {"chosen", "rejected"}}[config.format]  # fmt: skip
-        if not needed <= columns:
+        needed = NEEDED[config.format]
+        if not needed <= columns or (config.format == "unpaired") == bool({"chosen", "rejected"} & columns):
             raise DataError(
-                f"data.{source.key}: {source.path} has columns {sorted(columns)}, but data.format={config.format!r}"
-                f" needs {sorted(needed)}."
+                f"data.{source.key}: {source.where(0)} is {_kind(columns)}, but data.format={config.format!r} needs"
+                f" {sorted(needed)} in every record. Point data.{source.key} at records of that kind, or change"
+                " data.format (and objective.method: dpo, simpo, orpo train on pairs, kto on unpaired records)."
             )
         return config.format
     if "messages" in columns:
         return "chat"
     if {"chosen", "rejected"} <= columns:
         return "preference"
+    if NEEDED["unpaired"] <= columns:
+        return "unpaired"
     if {"prompt", "completion"} <= columns:
         return "prompt_completion"
     raise DataError(
@@ -95,11 +116,10 @@ def _tokenize(
     if config.eval is None and config.eval_fraction > 0:
         indices = held_out(dataset.num_rows, config, source)[split == "eval"]
         dataset = dataset.select(indices, keep_in_memory=True)  # the row numbers only: the records stay mapped
-    pairs = fmt == "preference"
-    if pairs and config.packing:
-        raise DataError(f"data.{source.key}: preference pairs are not packed yet; set data.packing: false.")
-    encode, fit = (encode_preference, fit_pair_to_length) if pairs else (ENCODERS[fmt], fit_to_length)
-    keys = PAIR_KEYS if pairs else ("input_ids", "labels")
+    if fmt in _ROWS and config.packing:
+        what = "preference pairs" if fmt == "preference" else "unpaired (KTO) records"
+        raise DataError(f"data.{source.key}: {what} are not packed yet; set data.packing: false.")
+    encode, fit, keys = _ROWS.get(fmt, (ENCODERS.get(fmt), fit_to_length, ("input_ids", "labels")))
     seen = {"longest": 0, "tokens": 0}  # for the message when truncation leaves nothing
 
     def tokenize(batch: dict[str, list], rows: list[int]) -> dict[str, list]:
@@ -107,7 +127,8 @@ def _tokenize(
         for j, row in enumerate(rows):
             try:
                 encoded = encode({k: v[j] for k, v in batch.items()}, tokenizer)
-                lengths = [len(encoded[key]) for key in keys if key.endswith("input_ids")]
+                lengths = [len(encoded[key]) for key in keys if key.endswith("input_ids")] or [
+                    len(encoded["prompt_ids"]) + len(encoded["completion_ids"])]  # an unpaired example: one row
                 seen["longest"] = max(seen["longest"], *lengths)
                 seen["tokens"] += sum(lengths)
                 example = fit(encoded, config)

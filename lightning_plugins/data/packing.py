@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_plugins.data.config import IGNORE_INDEX, DataConfig, Example
-from lightning_plugins.data.preference import PAIR_KEYS, SIDES
+from lightning_plugins.data.preference import PAIR_KEYS, SIDES, UNPAIRED_KEYS, collate_unpaired
 from lightning_plugins.errors import DataError
 
 def first_fit(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
@@ -231,10 +231,13 @@ def make_collator(
 ) -> Callable[[Sequence[Mapping[str, Sequence[int]]]], dict[str, Tensor]]:
     """The ``collate_fn`` for rows of :func:`build_dataset` with this config: padded or packed batches (with
     ``varlen``, packed batches carry their samples' lengths for flash attention, :func:`varlen_lengths`), and for
-    preference pairs (:func:`collate_pairs`) the chosen rows then the rejected."""
+    preference pairs (:func:`collate_pairs`) the chosen rows then the rejected; for unpaired (KTO) examples their rows
+    and KL rows (:func:`~lightning_plugins.data.preference.collate_unpaired`)."""
     def collate(examples: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, Tensor]:
         if examples and PAIR_KEYS[0] in examples[0]:  # rows of preference pairs (data.format preference, or auto)
             return collate_pairs(examples, pad_token_id, pad_to_multiple_of)
+        if examples and UNPAIRED_KEYS[0] in examples[0]:  # unpaired examples (data.format unpaired, or auto)
+            return collate_unpaired(examples, pad_token_id, config.max_seq_len)
         if config.packing:
             return collate_packed(examples, pad_token_id, config.max_seq_len, pad_to_multiple_of, varlen)
         return collate_causal_lm(examples, pad_token_id, pad_to_multiple_of)

@@ -7,11 +7,14 @@ rows (a recipe's ``micro_batch_size`` pairs are twice as many rows: :meth:`Workl
 adapters disabled, under ``no_grad``: its transient activations, none kept), then the policy's forward through the
 per-token loss path. SimPO and ORPO have no reference forward. A full fine-tune's DPO reference is a frozen copy of the
 model laid out like it (:func:`~lightning_plugins.preference.reference.frozen_reference`): the dry run builds it
-as it builds the policy and tracks its parameters, and its forward is the reference forward measured.
+as it builds the policy and tracks its parameters, and its forward is the reference forward measured. With
+``objective.reference: precomputed`` the step has no reference: neither a copy nor a forward, its batch carries the
+reference's log-probabilities (``ref_logps``, one value a row) as the run's batches do.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from lightning_plugins.preference.options import PreferenceOptions
@@ -28,8 +31,18 @@ def step_loss(
         return model(**batch).loss
     from lightning_plugins.preference.objective import PreferenceObjective
 
-    loss, _ = PreferenceObjective(objective, reference=reference)(model, batch)
+    loss, _ = PreferenceObjective(objective, reference=reference)(model, with_precomputed(objective, batch))
     return loss
+
+
+def with_precomputed(objective: PreferenceOptions, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``batch`` with the reference's log-probabilities of its rows when the run precomputes them (zeros here: the
+    step's cost does not depend on their values), else ``batch``."""
+    if not objective.needs_reference or objective.reference_per_step:
+        return batch
+    from lightning_plugins.preference.objective import REFERENCE_KEY
+
+    return {**batch, REFERENCE_KEY: batch["input_ids"].new_zeros(batch["input_ids"].shape[0], dtype=torch.float32)}
 
 
 def run_step(

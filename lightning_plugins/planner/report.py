@@ -211,7 +211,7 @@ def step_time(workload: Workload, cluster: Cluster) -> StepTime:
         global_batch_size=workload.global_batch_size,
         method=workload.method,
         lora=workload.lora,
-        reference_forward=workload.objective.needs_reference,
+        reference_forward=workload.objective.reference_per_step,
     )
 
 

@@ -24,7 +24,8 @@ class PreferenceOptions:
     method: Literal["sft", "dpo", "simpo", "orpo", "kto"] = "sft"
     """``sft``; ``dpo`` (against a reference: with ``lora``, the base model with the adapters disabled); ``simpo``
     or ``orpo`` (reference-free, on length-averaged log-probabilities); ``kto`` (unpaired examples against a
-    reference: :class:`~lightning_plugins.preference.kto.KTOObjective`; not through recipes yet)."""
+    reference: :class:`~lightning_plugins.preference.kto.KTOObjective`, on TRL's ``prompt``/``completion``/``label``
+    records, ``data.format: unpaired``)."""
     beta: float = 0.1
     """The methods' temperature: DPO's KL coefficient (IPO's tau), SimPO's reward scale, ORPO's odds-ratio weight
     (TRL's ``beta``; TRL's ORPO default is 0.1, SimPO's paper uses 2.0 to 10.0)."""
@@ -40,8 +41,11 @@ class PreferenceOptions:
     frozen copy of ``model.path`` laid out exactly like the policy (FSDP2, TP, CP, EP shards; its parameters only, no
     gradients or optimizer state), built on meta and loaded sharded
     (:func:`~lightning_plugins.preference.reference.frozen_reference`). ``precomputed``: the reference's per-row
-    log-probabilities computed in one pass before training and carried in each batch (``batch["ref_logps"]``,
-    :func:`~lightning_plugins.preference.reference.precompute_reference_logps`); in your own loop only for now."""
+    log-probabilities computed in one pass over the training and held-out data before training, so that no reference
+    is held or run while training (:class:`~lightning_plugins.preference.precomputed.PrecomputedReference`: at the
+    run's start on every data rank for its share of the rows, kept in memory, not in the dataset cache; in your own
+    loop, :func:`~lightning_plugins.preference.reference.precompute_reference_logps` and ``batch["ref_logps"]``). DPO
+    only (not KTO), not under pipeline parallelism."""
     desirable_weight: float = 1.0
     """KTO: the weight of the desirable examples' losses (TRL's ``desirable_weight``)."""
     undesirable_weight: float = 1.0
@@ -83,6 +87,11 @@ class PreferenceOptions:
     def needs_reference(self) -> bool:
         """Whether the method's loss needs a reference model."""
         return self.method in NEEDS_REFERENCE
+
+    @property
+    def reference_per_step(self) -> bool:
+        """Whether each training step runs the reference's forward (``reference: model``; not when precomputed)."""
+        return self.needs_reference and self.reference == "model"
 
     def frozen_copy(self, lora: object | None) -> bool:
         """Whether the reference is a frozen copy of the model (DPO without ``lora``), which costs its parameters."""

@@ -109,52 +109,92 @@ def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Modul
     return model, tokenizer
 
 
+def objective_data(recipe: Recipe) -> Any:
+    """The data section as the objective reads it: ``data.format: auto`` under a preference method is the method's
+    own format (pairs for dpo/simpo/orpo, unpaired records for kto), so records of the other kind fail as they are
+    read, naming file and line (:func:`~lightning_plugins.data.build_dataset`)."""
+    import dataclasses
+
+    data = recipe.data
+    if data.format != "auto" or recipe.objective.method == "sft":
+        return data
+    return dataclasses.replace(data, format="unpaired" if recipe.objective.unpaired else "preference")
+
+
 def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, DataLoader | None]:
     """Training and held-out loaders; pipelines get fixed-length batches (stages are built per shape).
 
-    The training loader resumes mid-epoch (:class:`~lightning_plugins.checkpoint.resume.ResumableDataLoader`); both draw from
-    their own generators, never from the global random state (see :mod:`lightning_plugins.checkpoint.resume`).
+    The training loader resumes mid-epoch (:class:`~lightning_plugins.checkpoint.resume.ResumableDataLoader`); both
+    draw from their own generators, never from the global random state (see :mod:`lightning_plugins.checkpoint.resume`).
+    With ``objective.reference: precomputed`` each example carries its row number
+    (:func:`~lightning_plugins.preference.precomputed.numbered`), which the objective turns into the reference's
+    log-probabilities of its rows.
     """
     from lightning_plugins.data import build_dataset, make_collator
     from lightning_plugins.data.image_dataset import build_image_text_dataset, image_text_collator, is_image_text_data
+    from lightning_plugins.preference.precomputed import numbered
 
-    fixed = recipe.data.max_seq_len if recipe.layout.pp_size > 1 else None
+    data = objective_data(recipe)
+    fixed = data.max_seq_len if recipe.layout.pp_size > 1 else None
     build, collate = build_dataset, None
-    if is_image_text_data(recipe.data):  # `tokenizer` is the model's processor
+    if is_image_text_data(data):  # `tokenizer` is the model's processor
         build, collate = build_image_text_dataset, image_text_collator(tokenizer)
-    collate = collate or make_collator(recipe.data, tokenizer.pad_token_id, pad_to_multiple_of=fixed)
+    collate = collate or make_collator(data, tokenizer.pad_token_id, pad_to_multiple_of=fixed)
     size = recipe.train.micro_batch_size
     # A pipeline splits every batch into its micro-batches: a short last training batch would not split, so it is
     # dropped; evaluation takes every sample (the pipeline tops a short batch up with rows that hold no target).
     drop = recipe.layout.pp_size > 1
     seed = recipe.train.seed
-    dataset = build(recipe.data, tokenizer, "train")
+    dataset = build(data, tokenizer, "train")
     check_objective_data(recipe, dataset.column_names)
     check_global_batch(recipe, dataset.num_rows)
+    held = build(data, tokenizer, "eval") if data.has_eval else None
+    if recipe.objective.reference == "precomputed" and recipe.objective.needs_reference:
+        dataset, held, collate = numbered(dataset, held, collate)
     train = ResumableDataLoader(
         dataset, batch_size=size, shuffle=True, collate_fn=collate, drop_last=drop, generator=loader_generator(seed)
     )
-    if not recipe.data.has_eval:
+    if held is None:
         return train, None
-    return train, DataLoader(
-        build(recipe.data, tokenizer, "eval"), batch_size=size, shuffle=False, collate_fn=collate,
-        generator=loader_generator(seed),
-    )  # fmt: skip
+    return train, DataLoader(held, batch_size=size, shuffle=False, collate_fn=collate, generator=loader_generator(seed))
+
+
+def make_objective(recipe: Recipe, train: DataLoader, held: DataLoader | None) -> Any | None:
+    """The recipe's preference objective, both doors': ``None`` for SFT (the model's own loss); KTO on unpaired
+    examples; a paired method, whose DPO reference with ``objective.reference: precomputed`` comes from one pass over
+    ``train``'s and ``held``'s rows before training (:class:`~lightning_plugins.preference.precomputed.
+    PrecomputedReference`) instead of a forward per step."""
+    from lightning_plugins.preference import KTOObjective, PreferenceObjective
+    from lightning_plugins.preference.precomputed import PrecomputedReference
+
+    options = recipe.objective
+    if options.method == "sft":
+        return None
+    if options.unpaired:
+        return KTOObjective(options)
+    if options.reference == "precomputed" and options.needs_reference:
+        datasets = [train.dataset, None if held is None else held.dataset]
+        return PrecomputedReference(PreferenceObjective(options), datasets, train.collate_fn,
+                                    recipe.train.micro_batch_size)  # fmt: skip
+    return PreferenceObjective(options)
 
 
 def check_objective_data(recipe: Recipe, columns: list[str]) -> None:
-    """Refuse records of the wrong kind for ``objective.method``: pairs for SFT, or prompt/completion for a preference
-    method (``data.format: auto`` decides from the columns only when the data is read)."""
+    """Refuse records of the wrong kind for ``objective.method``: pairs or unpaired (KTO) records for SFT
+    (``data.format: auto`` decides from the columns only when the data is read); a preference method reads its own
+    format (:func:`objective_data`), which refuses the other kind naming file and line."""
     from lightning_plugins.data import DataError
-    from lightning_plugins.data.preference import PAIR_KEYS
+    from lightning_plugins.data.preference import PAIR_KEYS, UNPAIRED_KEYS
 
-    pairs = PAIR_KEYS[0] in columns
-    if pairs != recipe.objective.paired:
-        got = "chosen/rejected pairs" if pairs else "prompt/completion or chat records"
+    kind = "pairs" if PAIR_KEYS[0] in columns else "unpaired" if UNPAIRED_KEYS[0] in columns else "sft"
+    want = "pairs" if recipe.objective.paired else "unpaired" if recipe.objective.unpaired else "sft"
+    if kind != want:
+        words = {"pairs": "chosen/rejected pairs", "unpaired": "unpaired prompt/completion/label (KTO) records",
+                 "sft": "prompt/completion or chat records"}  # fmt: skip
+        fix = " (or data.format: prompt_completion to train SFT on every completion)" if kind == "unpaired" else ""
         raise DataError(
-            f"data.train ({recipe.data.train}) holds {got}, but objective.method={recipe.objective.method}"
-            f" trains on {'pairs' if recipe.objective.paired else 'prompt/completion or chat records'}. Point data.train"
-            " at records of that kind, or change objective.method."
+            f"data.train ({recipe.data.train}) holds {words[kind]}, but objective.method={recipe.objective.method}"
+            f" trains on {words[want]}. Point data.train at records of that kind{fix}, or change objective.method."
         )
 
 

@@ -82,41 +82,59 @@ def check_recipe(recipe: Recipe, path: Path) -> Recipe:
 
 
 def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None:
-    """A preference method on what this slice of it covers: pairs in padded batches, layouts whose sequence
-    log-probabilities are summed exactly (FSDP2, HSDP, TP with SP and loss parallel, CP ring and Ulysses, EP, PP). DPO's
-    reference is the base with the adapters disabled under LoRA, else a frozen copy of the model laid out like it (not
-    under PP)."""
+    """A preference method on what this slice of it covers: pairs (dpo, simpo, orpo) or unpaired examples (kto) in
+    padded batches, layouts whose sequence log-probabilities are summed exactly (FSDP2, HSDP, TP with SP and loss
+    parallel, CP ring and Ulysses, EP; PP for pairs). DPO's reference is the base with the adapters disabled under LoRA,
+    else a frozen copy of the model laid out like it (not under PP), or precomputed in one pass before training."""
     objective = recipe.objective
-    if objective.unpaired:
-        raise RecipeError(
-            f"{path}: objective.method={objective.method} (KTO) does not run through recipes yet: its unpaired data"
-            " and objective are in the engine (lightning_plugins.data.preference.encode_unpaired / collate_unpaired,"
-            " lightning_plugins.preference.KTOObjective) for your own LightningModule or Accelerate loop. Use dpo,"
-            " simpo or orpo on pairs here."
-        )
-    if objective.reference == "precomputed":
-        raise RecipeError(
-            f"{path}: objective.reference: precomputed is not wired into the recipe doors yet (the pass over the data"
-            " before training and the dataset cache that would hold its log-probabilities). Use objective.reference:"
-            " model (the base with the adapters disabled under LoRA, else a frozen copy sharded like the model), or in"
-            " your own loop lightning_plugins.preference.reference.precompute_reference_logps and batch['ref_logps']."
-        )
-    if not objective.paired:
-        if recipe.data.format == "preference":
-            raise RecipeError(f"{path}: data.format: preference trains a preference method; set objective.method (dpo,"
-                              " simpo, orpo), or give prompt/completion or chat records for SFT.")  # fmt: skip
+    if objective.method == "sft":
+        if recipe.data.format in ("preference", "unpaired"):
+            raise RecipeError(f"{path}: data.format: {recipe.data.format} trains a preference method; set"
+                              " objective.method (dpo, simpo, orpo on pairs, kto on unpaired records), or give"
+                              " prompt/completion or chat records for SFT.")  # fmt: skip
         return
     key = f"objective.method={objective.method}"
-    if recipe.data.format not in ("auto", "preference"):
-        raise RecipeError(f"{path}: {key} trains on chosen/rejected pairs; set data.format: preference (or auto).")
+    fmt = "unpaired" if objective.unpaired else "preference"
+    what = "unpaired prompt/completion/label records" if objective.unpaired else "chosen/rejected pairs"
+    if recipe.data.format not in ("auto", fmt):
+        raise RecipeError(f"{path}: {key} trains on {what}; set data.format: {fmt} (or auto).")
     if recipe.data.packing:
-        raise RecipeError(f"{path}: {key}: preference pairs are not packed yet; set data.packing: false.")
+        raise RecipeError(f"{path}: {key}: preference {'records' if objective.unpaired else 'pairs'} are not packed"
+                          " yet; set data.packing: false.")  # fmt: skip
+    _check_reference_source(recipe, layout, path)
+    if layout.pp_size > 1 and objective.unpaired:
+        raise RecipeError(
+            f"{path}: {key} does not run under pipeline parallelism yet (each example's KL row would travel apart from"
+            " it); set layout.pp_size: 1, or use dpo, simpo or orpo on pairs."
+        )
     if layout.pp_size > 1 and objective.needs_reference and recipe.lora is None:
         raise RecipeError(
             f"{path}: {key} under pipeline parallelism (layout.pp_size={layout.pp_size}) takes its reference from the"
             " base with the LoRA adapters disabled; a frozen reference copy for a full fine-tune is not split into"
             " pipeline stages yet. Add a `lora:` section, use objective.method: simpo or orpo, or set"
             " layout.pp_size: 1."
+        )
+
+
+def _check_reference_source(recipe: Recipe, layout: ParallelLayout, path: Path) -> None:
+    """``objective.reference: precomputed``: for the DPO family (paired, with a reference), not under PP."""
+    objective = recipe.objective
+    if objective.reference != "precomputed":
+        return
+    key = f"objective.method={objective.method}"
+    if not objective.needs_reference:
+        raise RecipeError(f"{path}: objective.reference: precomputed, but {key} has no reference model; remove"
+                          " objective.reference.")  # fmt: skip
+    if objective.unpaired:
+        raise RecipeError(
+            f"{path}: objective.reference: precomputed is for dpo: {key}'s KL rows pair each example with another one"
+            " of its micro-batch, which the shuffle changes every epoch, so their reference values cannot be computed"
+            " once. Use objective.reference: model."
+        )
+    if layout.pp_size > 1:
+        raise RecipeError(
+            f"{path}: objective.reference: precomputed does not run under pipeline parallelism yet (layout.pp_size="
+            f"{layout.pp_size}); use objective.reference: model (the base with the adapters disabled), or pp_size: 1."
         )
 
 

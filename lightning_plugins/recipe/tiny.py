@@ -242,11 +242,13 @@ def _tiny_settings(recipe: Recipe, layout: ParallelLayout, steps: int, out: Path
 
 
 def _tiny_data(recipe: Recipe, split: str) -> Path:
-    """The shipped tiny data a twin trains on: reversal pairs for a preference method, chat records for chat, else
-    prompt/completion records."""
+    """The shipped tiny data a twin trains on: reversal pairs for a preference method (unpaired for KTO), chat records
+    for chat, else prompt/completion records."""
     assets = tiny_assets()
     if recipe.objective.paired:
         return assets.root / "data" / f"preference_{split}.jsonl"
+    if recipe.objective.unpaired:
+        return assets.root / "data" / f"kto_{split}.jsonl"
     if recipe.data.format == "chat":
         return assets.chat_train_file if split == "train" else assets.chat_eval_file
     return assets.train_file if split == "train" else assets.eval_file

@@ -25,19 +25,20 @@ from typing_extensions import override
 
 from lightning_plugins.checkpoint.checks import CHECKPOINT_NAME
 from lightning_plugins.checkpoint.resume_choice import LATEST, handed_down_resume
-from lightning_plugins.recipe.build import batches_per_rank, build_loaders, build_model, make_optimizer, total_steps
+from lightning_plugins.recipe.build import (
+    batches_per_rank, build_loaders, build_model, make_objective, make_optimizer, total_steps,
+)
 from lightning_plugins.recipe.diff import reset_optimizer
 from lightning_plugins.recipe.finish import check_exportable, export_trained, write_results
 from lightning_plugins.recipe.launch import say
 from lightning_plugins.recipe.meter import ThroughputMeter
-from lightning_plugins.preference import PreferenceObjective
 from lightning_plugins.recipe.schema import Recipe
 
 
 class RecipeModule(L.LightningModule):
     """A plain fine-tuning module: the HF (or peft) model's own loss; nothing here knows the layout."""
 
-    def __init__(self, model: torch.nn.Module, recipe: Recipe, total_steps: int) -> None:
+    def __init__(self, model: torch.nn.Module, recipe: Recipe, total_steps: int, objective: Any = None) -> None:
         super().__init__()
         self.model = model
         self.recipe = recipe
@@ -46,8 +47,9 @@ class RecipeModule(L.LightningModule):
         self.total_steps = total_steps
         self._meter = ThroughputMeter(sum(p.numel() for p in model.parameters()), recipe.layout)  # before sharding
         self._logged_step = -1
-        # objective.method dpo/simpo/orpo: the preference loss of each batch of pairs, with TRL's metrics.
-        self.objective = PreferenceObjective(recipe.objective) if recipe.objective.paired else None
+        # A preference method (recipe.build.make_objective): the loss of each batch of pairs (or of unpaired examples,
+        # KTO), with TRL's metrics; None: SFT.
+        self.objective = objective
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The recipe's objective: the model's own loss (SFT), or the preference loss and its metrics."""
@@ -184,7 +186,7 @@ def run_finetune(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str
     model, tokenizer = build_model(recipe)
     train_loader, eval_loader = build_loaders(recipe, tokenizer)
     batches = batches_per_rank(recipe, len(train_loader.dataset))
-    module = RecipeModule(model, recipe, total_steps(recipe, batches))
+    module = RecipeModule(model, recipe, total_steps(recipe, batches), make_objective(recipe, train_loader, eval_loader))
     trainer = build_trainer(recipe, batches)
     ckpt = resume
     if resume == LATEST:  # the launching rank decides for the ranks it starts (other nodes': the strategy checks)

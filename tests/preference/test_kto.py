@@ -155,35 +155,3 @@ def test_kto_on_a_model_is_trls_formula_on_its_log_probabilities(tokenizer) -> N
     assert abs(loss.item() - want.mean().item()) < 1e-5 and abs(metrics["kl"].item() - kl.item()) < 1e-5
     grads = {name for name, p in model.named_parameters() if p.grad is not None}
     assert grads and all("lora_" in name for name in grads)
-
-
-def test_a_kto_recipe_is_refused_naming_the_engine_path(tmp_path) -> None:
-    import yaml
-
-    from lightning_plugins.errors import RecipeError
-    from lightning_plugins.recipe.schema import load_recipe
-
-    raw = yaml.safe_load((TINY_DIR / "dpo_lora_fsdp2.yaml").read_text())
-    raw["model"]["path"] = str(TINY_DIR / "model")
-    raw["data"].update(train=str(TINY_DIR / "data/preference_train.jsonl"), eval=None)
-    raw["objective"] = {"method": "kto"}
-    path = tmp_path / "kto.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    with pytest.raises(RecipeError, match=r"objective\.method=kto \(KTO\) does not run through recipes yet.*KTOObjective"):
-        load_recipe(path)
-
-
-def test_a_precomputed_reference_is_refused_by_recipes(tmp_path) -> None:
-    import yaml
-
-    from lightning_plugins.errors import RecipeError
-    from lightning_plugins.recipe.schema import load_recipe
-
-    raw = yaml.safe_load((TINY_DIR / "dpo_lora_fsdp2.yaml").read_text())
-    raw["model"]["path"] = str(TINY_DIR / "model")
-    raw["data"].update(train=str(TINY_DIR / "data/preference_train.jsonl"), eval=None)
-    raw["objective"]["reference"] = "precomputed"
-    path = tmp_path / "precomputed.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    with pytest.raises(RecipeError, match=r"objective\.reference: precomputed is not wired into the recipe doors yet"):
-        load_recipe(path)
