@@ -125,12 +125,32 @@ def shared_run(tmp_path_factory, command: list[str], timeout: int = 300) -> Path
     """The output directory of ``command`` (a door's command line without ``--train.output_dir``) run to its end, once
     per session: test modules whose fixtures run the same command (its ``--`` options in any order) read one run; they
     only read it, or copy it."""
-    key = (*[a for a in command if not a.startswith("--")], *sorted(a for a in command if a.startswith("--")))
+    key = _run_key(command)
     if key not in _SHARED_RUNS:
         out = tmp_path_factory.mktemp("shared_run") / "out"
         run_command([*command, f"--train.output_dir={out}"], cwd=ROOT, timeout=timeout)
         _SHARED_RUNS[key] = out
     return _SHARED_RUNS[key]
+
+
+def _run_key(command: list[str]) -> tuple[str, ...]:
+    return (*[a for a in command if not a.startswith("--")], *sorted(a for a in command if a.startswith("--")))
+
+
+def shared_finetune_runs(tmp_path_factory, runs: list[list[str]], timeout: int = 300) -> list[Path]:
+    """The output directory of ``lightning-plugins finetune ARGS`` for each ``ARGS`` of ``runs`` (without
+    ``--train.output_dir``), once per session and shared with :func:`shared_run` (the run of
+    ``[python, -m, lightning_plugins, finetune, *ARGS]``): those not made yet run one after another in one launched
+    world (``tests/scripts/finetune_chain.py``), so its ranks start and import once."""
+    keys = [_run_key([sys.executable, "-m", "lightning_plugins", "finetune", *args]) for args in runs]
+    missing = {key: args for key, args in zip(keys, runs, strict=True) if key not in _SHARED_RUNS}
+    if missing:
+        root = tmp_path_factory.mktemp("shared_runs")
+        outs = {key: root / f"run{index}" for index, key in enumerate(missing)}
+        argvs = [[*args, f"--train.output_dir={outs[key]}"] for key, args in missing.items()]
+        run_command([sys.executable, str(SCRIPTS / "finetune_chain.py"), json.dumps(argvs)], cwd=ROOT, timeout=timeout)
+        _SHARED_RUNS.update(outs)
+    return [_SHARED_RUNS[key] for key in keys]
 
 
 def world_json(world: Any, world_size: int) -> list[dict]:

@@ -4,7 +4,8 @@
 newest intact checkpoint and the resumed run is on the uninterrupted run's trajectory. A disk that fills up during a
 save ends every rank with the path, the bytes needed and free, and leaves the previous checkpoint the latest.
 
-One uninterrupted Lightning run (TP=2, checkpoints at steps 2, 4 and 6) is shared by the tests that need a world.
+One uninterrupted Lightning run (TP=2, checkpoints at steps 2, 4 and 6) is shared by the tests that need a world (and
+with test_kill_resume and test_run_lock, whose run it is too).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _launch import shared_run
 from lightning_plugins.testing.world import free_port, run_command
 
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
@@ -53,10 +55,9 @@ def _losses(out: Path) -> list[tuple[int, float]]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The output directory of one uninterrupted run."""
-    out = tmp_path_factory.mktemp("integrity") / "reference"
-    _finetune(out)
-    return out
+    """The output directory of one uninterrupted run: test_kill_resume's TP reference and test_run_lock's first run
+    too (``_launch.shared_run``: one run of the command per session; they only read it, or copy it)."""
+    return shared_run(tmp_path_factory, [sys.executable, "-m", "lightning_plugins", "finetune", str(RECIPE), *ARGS])
 
 
 def zero_4k(checkpoint: Path) -> str:

@@ -29,13 +29,12 @@ from pathlib import Path
 import pytest
 import torch
 from lightning_plugins.testing.world import free_port, run_command, run_world
-from _launch import collected
+from _launch import collected, shared_finetune_runs
 from kill_run import ENV  # tests/scripts is on the path (_world)
 
 ROOT = Path(__file__).parents[2]
 TINY = ROOT / "recipes" / "tiny"
 KILL = ROOT / "tests" / "scripts" / "kill_run.py"
-CHAIN = ROOT / "tests" / "scripts" / "finetune_chain.py"
 CONFIG = ROOT / "accelerate_configs" / "cpu_2proc.yaml"
 STEPS = 6
 # Checkpoints at steps 2 and 4 (mid-epoch), 2 micro-batches per optimizer step.
@@ -112,7 +111,8 @@ def references(
 ) -> Callable[[str, str], list[tuple[int, float]]]:
     """``reference(layout, door)``: the per-step losses of one uninterrupted run (made once, when first asked). The
     Lightning door's references of every layout this session's tests read are made together, in one launched world
-    (``finetune_chain.py``): the default suite's read TP and PP, not LoRA (its cases are slow)."""
+    (``_launch.shared_finetune_runs``): the default suite's read TP and PP, not LoRA (its cases are slow). The TP one
+    is test_integrity's reference run (the same command), made once for both."""
     found: dict[tuple[str, str], list[tuple[int, float]]] = {}
     root = tmp_path_factory.mktemp("reference")
     read = [(p["layout"], p["door"]) for p in collected(request, "test_killed_run_resumes_on_the_same_trajectory")]
@@ -124,13 +124,12 @@ def references(
         key = (layout, door if layout in PER_DOOR else "finetune")
         if key not in found:
             keys = [(name, "finetune") for name in dict.fromkeys([*chained, layout])] if key[1] == "finetune" else [key]
-            outs = {k: root / f"{k[0]}_{k[1]}" for k in keys}
             if key[1] == "finetune":
-                runs = [[str(TINY / LAYOUTS[k[0]][0]), f"--train.output_dir={outs[k]}", *SHORT, *LAYOUTS[k[0]][1]]
-                        for k in keys]  # fmt: skip
-                _run([sys.executable, str(CHAIN), json.dumps(runs)])
+                runs = [[str(TINY / LAYOUTS[k[0]][0]), *SHORT, *LAYOUTS[k[0]][1]] for k in keys]
+                outs = dict(zip(keys, shared_finetune_runs(tmp_path_factory, runs), strict=True))
             else:
                 recipe, extra = LAYOUTS[layout]
+                outs = {key: root / f"{key[0]}_{key[1]}"}
                 _run(_command(key[1], TINY / recipe, outs[key], extra, kill=False))
             for k in keys:
                 found[k] = _losses(outs[k])
