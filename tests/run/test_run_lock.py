@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _launch import collected
+from _launch import collected, shared_run
 from lightning_plugins.testing.world import free_port, run_command
 
 from lightning_plugins.checkpoint.resume_choice import RESUME_ENV, check_same_decision
@@ -32,7 +32,8 @@ ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"
 CONFIG = ROOT / "accelerate_configs" / "cpu_2proc.yaml"
 HOOKS = ROOT / "tests" / "scripts" / "run_lock_hooks.py"
-ARGS = ["--train.max_steps=4", "--train.log_every=1", "--train.eval_every=100", "--train.checkpoint_every=2",
+STEPS = 6
+ARGS = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_every=100", "--train.checkpoint_every=2",
         "--optim.warmup_steps=2", "--train.micro_batch_size=8"]  # fmt: skip
 
 
@@ -149,23 +150,24 @@ def _losses(out: Path) -> list[tuple[int, float]]:
 @pytest.fixture(scope="module")
 def first_run(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> tuple[Path, subprocess.CompletedProcess]:
-    """A Lightning run (TP=2, checkpoints at steps 2 and 4); an Accelerate run is started on its directory meanwhile,
-    when this session runs the test that reads how it ended (slow: the default suite checks the refusal in one
-    process, test_a_held_directory_is_refused_naming_the_holder, and launches no world only to be refused)."""
+) -> tuple[Path, subprocess.CompletedProcess | None]:
+    """A Lightning run (TP=2, checkpoints at steps 2, 4 and 6) and how it ended. An Accelerate run is started on its
+    directory meanwhile when this session runs the test that reads how that ended (slow: the default suite checks the
+    refusal in one process, test_a_held_directory_is_refused_naming_the_holder, and launches no world only to be
+    refused); otherwise it is test_integrity's reference run (``_launch.shared_run``: once per session), ``None``."""
+    if not collected(request, "test_a_second_run_on_a_held_directory_is_refused_at_once"):
+        command = [sys.executable, "-m", "lightning_plugins", "finetune", str(RECIPE), *ARGS]
+        return shared_run(tmp_path_factory, command), None
     out = tmp_path_factory.mktemp("first") / "out"
     command = [sys.executable, str(HOOKS), "finetune", str(RECIPE), f"--train.output_dir={out}", *ARGS]
-    env = {}
-    if collected(request, "test_a_second_run_on_a_held_directory_is_refused_at_once"):
-        second = _accelerate(["-m", "lightning_plugins.accelerate", str(RECIPE), f"--train.output_dir={out}", *ARGS])
-        env["LIGHTNING_PLUGINS_TEST_SECOND"] = json.dumps(second)
-    proc = run_command(command, cwd=ROOT, timeout=300, **env)
+    second = _accelerate(["-m", "lightning_plugins.accelerate", str(RECIPE), f"--train.output_dir={out}", *ARGS])
+    proc = run_command(command, cwd=ROOT, timeout=300, LIGHTNING_PLUGINS_TEST_SECOND=json.dumps(second))
     return out, proc
 
 
 @pytest.mark.slow
 def test_a_second_run_on_a_held_directory_is_refused_at_once(
-    first_run: tuple[Path, subprocess.CompletedProcess],
+    first_run: tuple[Path, subprocess.CompletedProcess | None],
 ) -> None:
     out, proc = first_run
     second = json.loads((out.parent / "second.json").read_text())
@@ -175,14 +177,14 @@ def test_a_second_run_on_a_held_directory_is_refused_at_once(
     print(f"second run refused in {second['seconds']:.1f} s")
     # The first run was not disturbed: it finished, released the directory, and its results are complete.
     assert "resumed_from: None" in proc.stdout
-    assert [step for step, _ in _losses(out)] == [0, 1, 2, 3]
+    assert [step for step, _ in _losses(out)] == list(range(STEPS))
     assert not (out / LOCK_NAME).exists()
     take_run_lock(out).release()
 
 
 @pytest.mark.parametrize("door", ["finetune", pytest.param("accelerate", marks=pytest.mark.slow)])
 def test_a_checkpoint_appearing_while_a_job_starts_is_ignored_by_every_rank(
-    first_run: tuple[Path, subprocess.CompletedProcess], tmp_path: Path, door: str
+    first_run: tuple[Path, subprocess.CompletedProcess | None], tmp_path: Path, door: str
 ) -> None:
     """Rank 0 finds no checkpoint; one appears before the other ranks would look: every rank starts fresh, and the
     run is the first run's (a rank that resumed alone would hang the job until the collective timeout)."""
@@ -198,5 +200,5 @@ def test_a_checkpoint_appearing_while_a_job_starts_is_ignored_by_every_rank(
     assert "resumed_from: None" in proc.stdout, proc.stdout[-3000:]
     steps, losses = zip(*_losses(out), strict=True)
     reference_steps, reference_losses = zip(*_losses(reference), strict=True)
-    assert steps == reference_steps == (0, 1, 2, 3)
+    assert steps == reference_steps == tuple(range(STEPS))
     assert losses == pytest.approx(reference_losses, abs=1e-5)
