@@ -51,13 +51,12 @@ def _checkpoints(out: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A 4-step Lightning run (shared with test_untrusted: _launch.shared_run) and an uninterrupted 6-step Accelerate
-    run, both with checkpoints at steps 2 and 4."""
-    root = tmp_path_factory.mktemp("resume_changed")
+    """A 4-step Lightning run and an uninterrupted 6-step Accelerate run, both with checkpoints every 2 steps (both
+    shared with test_untrusted: _launch.shared_run)."""
     command = [sys.executable, "-m", "lightning_plugins", "finetune", str(RECIPE), *ONE, "--train.max_steps=4"]
     lightning4 = shared_run(tmp_path_factory, command)
-    _door("accelerate", root / "accelerate6", "--train.max_steps=6")
-    return {"lightning4": lightning4, "accelerate6": root / "accelerate6"}
+    command = [sys.executable, "-m", "lightning_plugins.accelerate", str(RECIPE), *ONE, "--train.max_steps=6"]
+    return {"lightning4": lightning4, "accelerate6": shared_run(tmp_path_factory, command)}
 
 
 @pytest.mark.slow

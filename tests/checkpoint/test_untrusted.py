@@ -5,8 +5,9 @@ can write the files can write it). ``verify`` and ``export`` stop naming the fil
 so and falls back to the previous checkpoint; ``--resume`` stops the run, naming the file; the doors' loaders and the
 safe readers themselves refuse it. The marker never appears.
 
-One run per door (one process, checkpoints at steps 2 and 4) is shared by every case, each planting into a copy; the
-rest runs in this process except auto-resume and ``--resume`` through each door (one process each): six launches.
+One run per door (one process, checkpoints every 2 steps) is shared by every case, each planting into a copy whose
+newest checkpoint is step 4's; the rest runs in this process except auto-resume and ``--resume`` through each door
+(one process each): six launches, the two runs shared with test_resume_changed (``_launch.shared_run``).
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ from lightning_plugins.strategies.checkpoint_io import ShardedCheckpoints
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny" / "full_tp2.yaml"
-# One process, checkpoints at steps 2 and 4; a constant schedule (what is checked here does not depend on it), so the
-# Lightning run is test_resume_changed's and one run serves both (_launch.shared_run).
+# One process, checkpoints every 2 steps; a constant schedule (what is checked here does not depend on it), so each
+# door's run is test_resume_changed's and one run serves both (_launch.shared_run): 4 steps through the Lightning door,
+# 6 through the Accelerate door (a copy leaves its step=6.ckpt out).
 ONE = ["--layout.tp_size=1", "--hardware.devices=1", "--parallel.sequence_parallel=false",
        "--parallel.loss_parallel=false", "--train.micro_batch_size=8", "--train.checkpoint_every=2",
-       "--train.log_every=1", "--train.eval_every=100", "--optim.scheduler=constant", "--optim.warmup_steps=2",
-       "--train.max_steps=4"]  # fmt: skip
+       "--train.log_every=1", "--train.eval_every=100", "--optim.scheduler=constant",
+       "--optim.warmup_steps=2"]  # fmt: skip
 DOORS = {"lightning": ["-m", "lightning_plugins", "finetune"], "accelerate": ["-m", "lightning_plugins.accelerate"]}
+STEPS = {"lightning": 4, "accelerate": 6}
 #: What the payload calls: named by the refusal.
 CALLED = "shutil.copyfile"
 #: torch's advice on a refused file (load it with ``weights_only=False``): never given.
@@ -138,26 +141,27 @@ def refused(path: Path) -> str:
 
 
 def _door(door: str, out: Path, *extra: str, expected: int | None = 0):
-    command = [sys.executable, *DOORS[door], str(RECIPE), *ONE, f"--train.output_dir={out}", *extra]
+    command = [*_command(door), f"--train.output_dir={out}", *extra]
     return run_command(command, cwd=ROOT, timeout=300, expected=expected)
+
+
+def _command(door: str) -> list[str]:
+    """The door's run, without its output directory: the same command resumes it."""
+    return [sys.executable, *DOORS[door], str(RECIPE), *ONE, f"--train.max_steps={STEPS[door]}"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One 4-step run per door (checkpoints at steps 2 and 4): their output directories (the Lightning one shared with
-    test_resume_changed)."""
-    root = tmp_path_factory.mktemp("untrusted")
-    _door("accelerate", root / "accelerate")
-    lightning = shared_run(tmp_path_factory, [sys.executable, *DOORS["lightning"], str(RECIPE), *ONE])
-    return {"lightning": lightning, "accelerate": root / "accelerate"}
+    """One run per door (checkpoints every 2 steps): their output directories, shared with test_resume_changed."""
+    return {door: shared_run(tmp_path_factory, _command(door)) for door in DOORS}
 
 
 def planted(runs: dict[str, Path], tmp_path: Path, what: str) -> tuple[Path, Path, Path]:
-    """A copy of the door's output directory whose ``step=4.ckpt`` holds the payload ``what`` under matching
-    checksums: (output directory, the planted file, the marker the payload would write)."""
+    """A copy of the door's output directory (its checkpoints up to step 4) whose ``step=4.ckpt`` holds the payload
+    ``what`` under matching checksums: (output directory, the planted file, the marker the payload would write)."""
     door, plant = PLANTS[what]
     out = tmp_path / "out"
-    shutil.copytree(runs[door] / "checkpoints", out / "checkpoints")
+    shutil.copytree(runs[door] / "checkpoints", out / "checkpoints", ignore=lambda _, names: {"step=6.ckpt"} & {*names})
     marker = tmp_path / "marker"
     path = plant(out / "checkpoints" / "step=4.ckpt", marker)
     rewrite_checksums(out / "checkpoints" / "step=4.ckpt")
@@ -249,7 +253,7 @@ def test_auto_resume_falls_back_to_the_previous_checkpoint(
     runs: dict[str, Path], tmp_path: Path, door: str, what: str
 ) -> None:
     """The same command again: the planted ``step=4.ckpt`` is skipped (said once, naming the file), the run resumes
-    from step 2 and trains steps 2-3."""
+    from step 2 and trains steps 2 to the end."""
     out, path, marker = planted(runs, tmp_path, what)
     proc = _door(door, out)
     said = proc.stdout + proc.stderr
@@ -258,7 +262,8 @@ def test_auto_resume_falls_back_to_the_previous_checkpoint(
     assert "Traceback" not in said and not ADVICE.search(said), said[-3000:]
     assert not marker.exists()
     with open(out / "metrics.csv", newline="") as handle:
-        assert [int(row["step"]) for row in csv.DictReader(handle) if row.get("train/loss")] == [2, 3]
+        steps = [int(row["step"]) for row in csv.DictReader(handle) if row.get("train/loss")]
+    assert steps == list(range(2, STEPS[door])), steps
 
 
 @pytest.mark.parametrize(("door", "what"), [("lightning", "meta.pt"), ("accelerate", "rng")])
