@@ -97,16 +97,20 @@ _TWINS: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDiction
 
 
 def _unsharded_twin(model: nn.Module) -> nn.Module:
-    """``model``, or for one under FSDP2 a meta-device model of its own class: transformers finds a model's renamings
-    by its modules' class names (Gemma 3's ``language_model.model`` on disk), which ``fully_shard`` changes to
-    ``FSDP<name>``."""
+    """``model``, or for one under FSDP2 or pipeline parallelism a meta-device model of its own class: transformers
+    finds a model's renamings by its modules' class names (Gemma 3's ``language_model.model`` on disk), which
+    ``fully_shard`` changes to ``FSDP<name>`` and a pipeline to ``Pipelined<name>`` (its own class: the first one of
+    transformers' in the class's bases)."""
     from torch.distributed.fsdp import FSDPModule
 
-    if not any(isinstance(module, FSDPModule) for module in model.modules()) or not hasattr(model, "config"):
+    hf = next((base for base in type(model).__mro__ if base.__module__.startswith("transformers.")), type(model))
+    sharded = any(isinstance(module, FSDPModule) for module in model.modules())
+    if not (sharded or hf is not type(model)) or not hasattr(model, "config"):
         return model
     if model not in _TWINS:
         cls = type(model)
         original = next((base for base in cls.__bases__ if base is not FSDPModule), cls) if issubclass(cls, FSDPModule) else cls
+        original = hf if hf is not cls else original
         with torch.device("meta"):
             _TWINS[model] = original._from_config(model.config)
     return _TWINS[model]

@@ -185,6 +185,7 @@ def _shard(
     embedding: nn.Module | None = None,
     head: tuple[nn.Module | None, ...] = (),
     split_backward: bool = False,
+    vision: list[nn.Module] | None = None,
 ) -> None:
     """FSDP2 over one root (the model, or a pipeline stage), when there are data ranks to shard over.
 
@@ -193,7 +194,7 @@ def _shard(
     if plan.fsdp is None:
         return
     memory = plan.memory
-    vision: list[nn.Module] = []
+    vision = vision or []
     if family is not None:
         embedding, head = root.get_input_embeddings(), (final_norm(root, family), root.get_output_embeddings())
         parts = image_text_parts(root)
@@ -240,6 +241,7 @@ def _finish_pipeline(model: nn.Module, family: ModelFamily, plan: ParallelPlan, 
             embedding=None if tied else stage.embed,
             head=() if tied else (stage.norm, stage.lm_head),
             split_backward=plan.pipeline.spec.split_backward,
+            vision=stage.prelude.vision_units() if stage.prelude is not None else None,
         )
     if tied and plan.fsdp is not None:
         retie_embedding(model)

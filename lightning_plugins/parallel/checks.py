@@ -94,7 +94,7 @@ def check_model_fit(
     if layout.pp_size > 1:
         pipeline = PipelineOptions.of(options)
         if config is not None and resolved:
-            pipeline = check_pipeline_layout(layout, config, pipeline)
+            pipeline = check_pipeline_layout(layout, language_config(config), pipeline)
         else:
             pipeline = pipeline.resolve(layout.pp_size)
     check_context_parallel(language_config(config), layout.cp_size, layout.tp_size, options.cp_backend)

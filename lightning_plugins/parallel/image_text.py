@@ -148,31 +148,34 @@ def _head_path(model: nn.Module) -> str | None:
 
 
 def check_image_text_layout(layout: Any, config: Any | None) -> None:
-    """Refuse, for an image-text model's config, the layouts that would not carry its images: pipeline parallelism.
+    """Refuse, for an image-text model's config, the layouts that would not carry its images: pipeline parallelism
+    combined with tensor or context parallelism.
 
     Tensor parallelism splits the language model and replicates the vision tower (its input and output whole on every
     rank; sequence parallelism stays off, the image embeddings are placed into a whole sequence). Context parallelism
     places the images into the whole sequence before it is sharded
     (:mod:`lightning_plugins.parallel.image_text_context`); expert parallelism splits the language model's experts,
-    every token staying where it is. A pipeline stage would not see the image embeddings the vision tower places into
-    the sequence. (Training the text decoder of a multimodal checkpoint alone,
-    :mod:`lightning_plugins.checkpoint.text_tower`, builds it from the text config, not refused.)
+    every token staying where it is. Pipeline parallelism keeps the vision tower and the projector in the first stage,
+    which places the images into the embeddings (:mod:`lightning_plugins.parallel.pipeline.image_text`); its
+    combination with tensor or context parallelism is not built for image-text models yet. (Training the text decoder
+    of a multimodal checkpoint alone, :mod:`lightning_plugins.checkpoint.text_tower`, builds it from the text config,
+    not refused.)
 
     Raises:
         LayoutError: naming the model type, the sizes that split it and the layout that runs.
     """
-    if getattr(config, "vision_config", None) is None:
+    if getattr(config, "vision_config", None) is None or getattr(layout, "pp_size", 1) == 1:
         return
-    split = {name: getattr(layout, name, 1) for name in ("pp_size",)}
+    split = {name: getattr(layout, name, 1) for name in ("tp_size", "cp_size")}
     split = {name: size for name, size in split.items() if size > 1}
     if split:
         sizes = ", ".join(f"{name}={size}" for name, size in split.items())
         kind = getattr(config, "model_type", type(config).__name__)
         raise LayoutError(
-            f"{sizes} is not supported for image-text models yet (model type '{kind}'): the vision tower's image"
-            " embeddings would not reach the later pipeline stages. Use FSDP2 (dp_shard_size, dp_replicate_size),"
-            " tensor (tp_size), context (cp_size) or expert (ep_size) parallelism, or train the text decoder alone"
-            " (AutoModelForCausalLM on its text_config)."
+            f"pp_size={layout.pp_size} with {sizes} is not supported for image-text models yet (model type"
+            f" '{kind}'): pipeline stages place the images on the first stage, and their combination with tensor or"
+            " context parallelism is not built for image-text models. Use pp_size with FSDP2 (dp_shard_size,"
+            f" dp_replicate_size), or {sizes} without pp_size."
         )
 
 

@@ -79,6 +79,22 @@ def test_both_doors_train_the_tiny_vlm_alike(tmp_path: Path, recipe: str) -> Non
     _export_loads_and_generates(accelerate / "hf")
 
 
+@pytest.mark.slow
+def test_the_tiny_vlm_recipe_trains_alike_under_pipeline_parallelism(tmp_path: Path) -> None:
+    """``--layout.pp_size=2`` on the FSDP2 recipe: two pipeline stages (the first holds the vision tower and the
+    projector and places the images) train as one process does, step for step, and export a model that loads and
+    generates. (One data rank in both: the FSDP2 run's two data ranks draw their rows in another order.)"""
+    pipeline, one = tmp_path / "pp2", tmp_path / "one"
+    one_process = ["--layout.dp_shard_size=1", "--hardware.devices=1"]
+    for out, layout in ((pipeline, ["--layout.pp_size=2", "--layout.dp_shard_size=1"]), (one, one_process)):
+        command = [sys.executable, "-m", "lightning_plugins", "finetune", str(TINY / "vlm_fsdp2.yaml"),
+                   f"--train.output_dir={out}", *SHORT, *layout]  # fmt: skip
+        stdout = clean_stdout(run_command(command, cwd=ROOT))
+        assert f"model: {out / 'hf'}" in stdout
+    _same(pipeline, one)
+    _export_loads_and_generates(pipeline / "hf")
+
+
 def test_vision_keys_and_image_data_are_checked() -> None:
     recipe = load_recipe(TINY / "vlm_fsdp2.yaml")
     assert recipe.vision.trains(lora=False) == (False, True)

@@ -1,5 +1,5 @@
-"""Image-text models (tiny Qwen2.5-VL, Gemma 3, Qwen3-VL, Qwen3-VL-MoE) under FSDP2, TP, CP, EP and their combinations,
-through `parallelize`, train as one process does.
+"""Image-text models (tiny Qwen2.5-VL, Gemma 3, Qwen3-VL, Qwen3-VL-MoE) under FSDP2, TP, CP, EP, PP and their
+combinations, through `parallelize`, train as one process does.
 
 fp32, gloo, SGD with momentum (a wrong gradient scale shows in the weights), 3 optimizer steps of 2 micro-batches,
 clipping that triggers, rows of different lengths, image sizes and image positions, right and left padding, Qwen's 3-D
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_plugins import ParallelLayout, parallelize
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora, trainable_parameters
-from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of
+from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of, pipeline_of
 from lightning_plugins.parallel.image_text import image_text_parts
 from lightning_plugins.parallel.options import ParallelOptions
 
@@ -64,6 +64,12 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen3_vl_moe ep2 full": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2}, "full"),
         "qwen2_5_vl cp2 ring full": ("qwen2_5_vl", {"cp_size": 2, "cp_backend": "ring"}, "full"),
         "qwen3_vl_moe cp2 ulysses x ep2 full": ("qwen3_vl_moe", {"cp_size": 2, "ep_size": 2}, "full"),
+        # Two pipeline stages (1F1B, 2 micro-batches of 2 rows): the first runs the vision tower and projector on its
+        # micro-batch's rows' images and places them; Qwen's 3-D positions and Gemma 3's two-way image-token masks
+        # reach the second stage.
+        "qwen2_5_vl pp2 full": ("qwen2_5_vl", {"pp_size": 2}, "full"),
+        "qwen2_5_vl pp2 frozen vision": ("qwen2_5_vl", {"pp_size": 2}, "frozen vision"),
+        "gemma3 pp2 full": ("gemma3", {"pp_size": 2}, "full"),
     },
     "2 slow": {
         # Qwen3-VL's q/k norms (one per head), which its text config's tensor-parallel plan leaves out.
@@ -78,6 +84,9 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen2_5_vl cp2 ulysses full": ("qwen2_5_vl", {"cp_size": 2}, "full"),
         "qwen2_5_vl cp2 ulysses frozen vision": ("qwen2_5_vl", {"cp_size": 2}, "frozen vision"),
         "qwen2_5_vl cp2 ring lora": ("qwen2_5_vl", {"cp_size": 2, "cp_backend": "ring"}, "lora"),
+        "qwen2_5_vl pp2 lora": ("qwen2_5_vl", {"pp_size": 2}, "lora"),
+        "gemma3 pp2 frozen vision": ("gemma3", {"pp_size": 2}, "frozen vision"),
+        "gemma3 pp2 lora": ("gemma3", {"pp_size": 2}, "lora"),
         "qwen3_vl_moe cp2 ring x ep2 lora": (
             "qwen3_vl_moe",
             {"cp_size": 2, "ep_size": 2, "cp_backend": "ring"},
@@ -93,6 +102,8 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
             "full",
         ),
         "qwen2_5_vl cp2 ulysses x tp2 full": ("qwen2_5_vl", {"cp_size": 2, "tp_size": 2}, "full"),
+        "qwen2_5_vl pp2 x fsdp2 full": ("qwen2_5_vl", {"pp_size": 2, "dp_shard_size": 2}, "full"),
+        "gemma3 pp2 x fsdp2 lora": ("gemma3", {"pp_size": 2, "dp_shard_size": 2}, "lora"),
         "qwen3_vl_moe ep2 x tp2 full": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2, "tp_size": 2}, "full"),
         "qwen3_vl_moe cp2 x fsdp2 x ep4 full": (
             "qwen3_vl_moe",
@@ -104,6 +115,7 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
 #: How each part's weights are held: (FSDP2's ranks: dp_shard x cp, tp) -> part -> each mesh dimension's placement
 #: (FSDP2 over a tensor-parallel split is torch's _StridedShard, counted as a Shard).
 PLACEMENTS = {
+    (1, 1): {part: ["plain"] for part in ("projection", "vision", "projector")},  # pipeline stages, unsharded
     **{(n, 1): {part: ["dp_shard_cp:Shard"] for part in ("projection", "vision", "projector")} for n in (2, 4)},
     (1, 2): {"projection": ["tp:Shard"], "vision": ["tp:Replicate"], "projector": ["tp:Replicate"]},
     (2, 2): {
@@ -143,6 +155,8 @@ def _train(model: nn.Module, family: str, rows: slice, clip, prepare=dict) -> li
     parallelism); per-step losses then pre-clip norms."""
     params = trainable_parameters(model)
     optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
+    if (pipeline := pipeline_of(model)) is not None:
+        pipeline.loss_scale = 1.0 / ACCUM
     model.train()
     losses, norms = [], []
     for step in range(STEPS):
@@ -150,10 +164,11 @@ def _train(model: nn.Module, family: str, rows: slice, clip, prepare=dict) -> li
         for micro in range(ACCUM):
             samples = [image_sample(SEQ, 1000 * step + 10 * micro + row, family) for row in range(BATCH)]
             loss = model(**prepare(collate(samples[rows]))).loss / ACCUM
-            loss.backward()
+            if pipeline is None:
+                loss.backward()  # a pipeline's call ran the backward of every micro-batch
             step_loss += loss.item()
         assert all(p.grad is None for p in model.parameters() if not p.requires_grad), "a frozen weight got a gradient"
-        norm = clip(params, MAX_NORM)
+        norm = clip(params, MAX_NORM) if pipeline is None else pipeline.clip_grad_norm_(params, MAX_NORM)
         assert norm > MAX_NORM, "the test must exercise clipping"
         optimizer.step()
         optimizer.zero_grad()
@@ -193,7 +208,7 @@ def _run_case(world_size: int, family: str, sizes: dict, case: str) -> dict:
     rows = BATCH // dp.size()
     local = slice(dp.get_local_rank() * rows, (dp.get_local_rank() + 1) * rows)
     tokens: set[int] = set()  # the sequence lengths the first decoder layer sees
-    first = inner.get_submodule(f"{parts.language_path}.layers")[0]
+    first = next(iter(inner.get_submodule(f"{parts.language_path}.layers")))  # a later pipeline stage's first
     first.register_forward_pre_hook(lambda _, args, kwargs: tokens.add((args or [kwargs["hidden_states"]])[0].shape[1]),
                                     with_kwargs=True)  # fmt: skip
     history = _train(model, family, local, clip_grad_norm_, functools.partial(context_parallel_batch, mesh=mesh))
@@ -206,7 +221,10 @@ def _run_case(world_size: int, family: str, sizes: dict, case: str) -> dict:
             moved[part] = max(moved.get(part, 0.0), (full - initial[name]).abs().max().item())
         else:
             frozen_moved = max(frozen_moved, (full - initial[name]).abs().max().item())
-    units = [*parts.vision_units(inner), *inner.get_submodule(f"{parts.language_path}.layers")]
+    # A later pipeline stage holds no vision tower, projector or first layers: each rank counts what it holds.
+    image_path = _holds(inner, parts.vision_path)
+    layers = list(inner.get_submodule(f"{parts.language_path}.layers"))
+    units = [*(parts.vision_units(inner) if image_path else []), *layers]
     return {
         "loss_diff": max(abs(a - b) for a, b in zip(history[:STEPS], ref_history[:STEPS])),
         "norm_diff": max(abs(a - b) for a, b in zip(history[STEPS:], ref_history[STEPS:])),
@@ -218,12 +236,20 @@ def _run_case(world_size: int, family: str, sizes: dict, case: str) -> dict:
             n for n, _ in model.named_parameters() if "lora_" in n and f"{parts.language_path}." not in n
         ],
         "units": [isinstance(unit, FSDPModule) for unit in units],
-        "vision_blocks": len(inner.get_submodule(parts.blocks_path)),
-        "projector_units": len(parts.projector_paths),
+        "vision_blocks": len(inner.get_submodule(parts.blocks_path)) if image_path else 0,
+        "projector_units": len(parts.projector_paths) if image_path else 0,
+        "layers": len(layers),
         "layer_tokens": sorted(tokens),
         "placements": _placements(model, parts),
         "tp_spread": _tp_spread(model),
     }
+
+
+def _holds(model: nn.Module, path: str) -> bool:
+    try:
+        return isinstance(model.get_submodule(path), nn.Module)
+    except AttributeError:
+        return False
 
 
 def _placements(model: nn.Module, parts) -> dict[str, list[str]]:
@@ -274,24 +300,36 @@ def _results(world: str) -> list[dict]:
 )
 def test_image_text_model_matches_one_process(world: str, name: str) -> None:
     _, sizes, case = CASES[world][name]
-    for rank, result in enumerate(results[name] for results in _results(world)):
+    results = [results[name] for results in _results(world)]
+    # What moved and how each part is held, over the ranks (a pipeline stage holds some parts only).
+    moved: dict[str, float] = {}
+    placements: dict[str, set[str]] = {}
+    for result in results:
+        for part, change in result["moved"].items():
+            moved[part] = max(moved.get(part, 0.0), change)
+        for part, kinds in result["placements"].items():
+            placements.setdefault(part, set()).update(kinds)
+    everything = {"vision", "projector", "language"}
+    trained = {"full": everything, "router loss": everything, "frozen vision": everything - {"vision"}}
+    assert set(moved) == trained.get(case, {"language"}), (name, moved)
+    # Parity means something only if each trained part moved (Gemma 3's SigLIP weights move ~6e-4 here).
+    assert all(change > 10 * TOL for change in moved.values()), (name, moved)
+    assert any(result["frozen"] > 0 for result in results) == (case not in ("full", "router loss")), name
+    fsdp, cp = sizes.get("dp_shard_size", 1) * sizes.get("cp_size", 1), sizes.get("cp_size", 1)
+    want = PLACEMENTS[(fsdp, sizes.get("tp_size", 1))]
+    assert {part: sorted(placements[part]) for part in want} == want, (name, placements)
+    for rank, result in enumerate(results):
         where = (name, rank, result)
         assert result["loss_diff"] <= TOL and result["norm_diff"] <= TOL, where
         assert result["trained_diff"] <= TOL, where
         assert result["frozen_moved"] == 0.0, where
-        everything = {"vision", "projector", "language"}
-        trained = {"full": everything, "router loss": everything, "frozen vision": everything - {"vision"}}
-        assert set(result["moved"]) == trained.get(case, {"language"}), where
-        # Parity means something only if each trained part moved (Gemma 3's SigLIP weights move ~6e-4 here).
-        assert all(change > 10 * TOL for change in result["moved"].values()), where
-        assert (result["frozen"] > 0) == (case not in ("full", "router loss")), where
         assert result["adapters_outside_language_model"] == [], where
         # Under FSDP2 each vision block, the projector and each decoder layer is its own unit; under TP the language
         # model's projections are split and the vision tower and projector replicated (identical on the tp ranks).
-        fsdp, cp = sizes.get("dp_shard_size", 1) * sizes.get("cp_size", 1), sizes.get("cp_size", 1)
-        assert result["units"] == [fsdp > 1] * (result["vision_blocks"] + result["projector_units"] + 2), where
-        want = PLACEMENTS[(fsdp, sizes.get("tp_size", 1))]
-        assert {part: result["placements"][part] for part in want} == want, where
+        pp = sizes.get("pp_size", 1)  # the first stage (first ranks: pp is the outermost dimension) holds the images'
+        assert result["layers"] == 2 // pp and (result["vision_blocks"] > 0) == (rank < len(results) // pp), where
+        units = result["vision_blocks"] + result["projector_units"] + result["layers"]
+        assert result["units"] == [fsdp > 1] * units, where
         assert result["tp_spread"] == 0.0, where
         # Under EP each rank holds its experts; under CP the decoder layers see this rank's shard of each row.
         assert all(("ep:Shard" in p) == ("ep_size" in sizes) for p in result["placements"].get("experts", [])), where

@@ -67,10 +67,18 @@ def test_missing_part_is_named() -> None:
         image_text_parts(model)
 
 
-def test_pipeline_parallelism_is_refused() -> None:
-    refused = r"pp_size=2 is not supported for image-text models yet \(model type 'qwen2_5_vl'\)"
-    with pytest.raises(LayoutError, match=refused):
-        check_parallelizable(tiny_vlm(), ParallelLayout(pp_size=2).resolve(2))
+def test_pipeline_parallelism_is_refused_where_stages_cannot_carry_the_images() -> None:
+    """Pipeline stages run Qwen2.5-VL and Gemma 3 (the parity test); refused: a language model that takes the image
+    features inside its layers (Qwen3-VL's deepstack), and pipeline stages combined with tensor or context parallelism
+    for an image-text model."""
+    for family in ("qwen2_5_vl", "gemma3"):
+        check_parallelizable(tiny_vlm(family), ParallelLayout(pp_size=2).resolve(2))
+    with pytest.raises(LayoutError, match=r"pp_size=2: the language model .* \['deepstack_visual_embeds', 'visual_pos"):
+        check_parallelizable(tiny_vlm("qwen3_vl_moe"), ParallelLayout(pp_size=2).resolve(2))
+    for sizes in ({"tp_size": 2}, {"cp_size": 2}):
+        refused = rf"pp_size=2 with {next(iter(sizes))}=2 is not supported for image-text models yet \(model type"
+        with pytest.raises(LayoutError, match=refused):
+            check_parallelizable(tiny_vlm(), ParallelLayout(pp_size=2, **sizes).resolve(4))
 
 
 def test_context_parallelism_is_refused_where_image_tokens_attend_both_ways() -> None:

@@ -180,16 +180,17 @@ def decoder_anatomy(model: nn.Module, pp_size: int = 2) -> DecoderAnatomy:
         LayoutError: naming the module, attribute, attention type or layer signature that blocks staging.
     """
     config = model.config
+    base, prefix, allowed = _decoder_base(model, pp_size)
+    config = getattr(base, "config", config)  # an image-text model's: its language model's
     check_stageable_config(config, pp_size)
-    base = model.base_model
     if base is model:
         raise _refuse(config, pp_size, f"{type(model).__name__} has no base model under a language-model head")
-    prefix = model.base_model_prefix
     missing = sorted(
         f"{prefix}.{name}" for name in _BASE_PIECES if not isinstance(getattr(base, name, None), nn.Module)
     )
     extra = sorted(f"{prefix}.{name}" for name, _ in base.named_children() if name not in _BASE_PIECES)
-    extra += sorted(name for name, _ in model.named_children() if name not in (prefix, "lm_head"))
+    extra += sorted(name for name, _ in model.named_modules() if name.count(".") < prefix.count(".") + 1
+                    and name and not allowed(name))  # fmt: skip
     if missing or extra:
         what = [f"its forward runs {extra}, which a stage does not"] if extra else []
         what += [f"it has no {missing}, which a stage runs"] if missing else []
@@ -198,7 +199,7 @@ def decoder_anatomy(model: nn.Module, pp_size: int = 2) -> DecoderAnatomy:
     if scalars:
         what = f"its forward may apply the scalar attribute(s) {scalars}, which a stage does not"
         raise _refuse(config, pp_size, what)
-    _check_linear_attention_layers(model, pp_size)
+    _check_linear_attention_layers(base, prefix, config, pp_size)
     layer = next(iter(base.layers), None)
     if layer is not None:
         params = inspect.signature(layer.forward).parameters
@@ -217,17 +218,39 @@ def decoder_anatomy(model: nn.Module, pp_size: int = 2) -> DecoderAnatomy:
     )
 
 
-def _check_linear_attention_layers(model: nn.Module, pp_size: int) -> None:
+def _decoder_base(model: nn.Module, pp_size: int) -> tuple[nn.Module, str, Any]:
+    """The decoder a stage re-runs (its path) and which of the model's other modules (by name) a stage runs too: a
+    causal LM's base model beside ``lm_head``; an image-text model's language model, beside the image path and the
+    multimodal base model whose forward runs up to it (:mod:`.image_text`)."""
+    from lightning_plugins.parallel.image_text import image_text_parts
+    from lightning_plugins.parallel.pipeline.image_text import check_stageable_language_model
+
+    parts = image_text_parts(model)
+    if parts is None:
+        prefix = model.base_model_prefix
+        return model.base_model, prefix, lambda name: name in (prefix, "lm_head")
+    language = model.get_submodule(parts.language_path)
+    check_stageable_language_model(language, pp_size)
+    image_path = (parts.vision_path, *parts.projector_paths)
+
+    def allowed(name: str) -> bool:
+        above = parts.language_path.startswith(f"{name}.") or name == parts.language_path
+        return above or name == "lm_head" or any(name == path or name.startswith(f"{path}.") for path in image_path)
+
+    return language, parts.language_path, allowed
+
+
+def _check_linear_attention_layers(base: nn.Module, prefix: str, config: Any, pp_size: int) -> None:
     """Refuse a ``linear_attention`` layer without a Gated DeltaNet: a stage gives such a layer the padding mask that
     Qwen3.5's and Qwen3-Next's decoders give theirs, and other hybrids' decoders give their layers other inputs."""
-    kinds, prefix = attention_kinds(model.config), model.base_model_prefix
-    for key, layer in model.base_model.layers.named_children():
+    kinds = attention_kinds(config)
+    for key, layer in base.layers.named_children():
         if kinds[int(key)] in UNROTATED_KINDS and not any(is_gated_delta_net(module) for module in layer.modules()):
             what = (
                 f"{prefix}.layers.{key} ({type(layer).__name__}) is a linear_attention layer without a Gated DeltaNet,"
                 " and stages give linear-attention layers only what Qwen3.5's and Qwen3-Next's decoders give theirs"
             )
-            raise _refuse(model.config, pp_size, what)
+            raise _refuse(config, pp_size, what)
 
 
 def _head_fields(model: nn.Module) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.parallel.loss import IGNORE_INDEX, next_token_targets
+from lightning_plugins.parallel.pipeline.image_text import hand_batch_to_stages
 from lightning_plugins.parallel.pipeline.options import PipelineOptions
 from lightning_plugins.parallel.pipeline.runtime import Pipeline, TiedEmbedding
 from lightning_plugins.parallel.pipeline.split import tied_pair_group
@@ -122,6 +123,10 @@ class _PipelinedCausalLM:
                 shift_labels = shift_labels.masked_fill(shift_labels == ignore_index, IGNORE_INDEX)
         pipeline = pipeline_of(self)  # type: ignore[arg-type]
         assert pipeline is not None
+        preludes = [stage.prelude for stage in pipeline.stages.values() if stage.prelude is not None]
+        if preludes:  # an image-text model: its images and per-row inputs go to the stages by rows (see .image_text)
+            hand_batch_to_stages(preludes, input_ids, attention_mask, position_ids, kwargs)
+            position_ids = None
         train = self.training and torch.is_grad_enabled()  # type: ignore[attr-defined]
         head = kwargs.get("pipeline_head")
         if head is not None:  # a loss of whole rows (a preference loss): see Pipeline.run_sequences

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from lightning_plugins.errors import LayoutError
 from lightning_plugins.parallel.fsdp import reshard_gathered
 from lightning_plugins.parallel.grad import total_grad_norm
+from lightning_plugins.parallel.image_text import language_config
 from lightning_plugins.parallel.loss import IGNORE_INDEX, next_token_targets
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, stages_of_rank
 from lightning_plugins.parallel.pipeline.stage import ReshardingStage, StageModule, identity_loss
@@ -255,8 +256,8 @@ class Pipeline:
             kwargs["attention_mask"] = attention_mask
         if position_ids is not None:
             kwargs["position_ids"] = position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
-        if rows is not None:
-            kwargs["rows"] = rows
+        # Each micro-batch's rows of the batch: a sequence loss and an image-text model's images go by them.
+        kwargs["rows"] = rows if rows is not None else torch.arange(batch, device=input_ids.device)
         fresh = self._fresh_schedule(input_ids, batch // (self.options.microbatches or 1), seq, train)
         held = self._hold_grads() if fresh else None
         try:
@@ -322,7 +323,7 @@ class Pipeline:
     def _build_schedule(
         self, micro: int, seq: int, ids_dtype: torch.dtype, dtype: torch.dtype, device: torch.device, train: bool
     ) -> Any:
-        hidden = (micro, seq // self._sequence_shards, self.model.config.hidden_size)
+        hidden = (micro, seq // self._sequence_shards, language_config(self.model.config).hidden_size)
 
         def boundary() -> Tensor:
             return torch.empty(hidden, dtype=dtype, device=device, requires_grad=True)

@@ -17,7 +17,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
+from lightning_plugins.parallel.image_text import image_text_parts, language_config
 from lightning_plugins.parallel.pipeline.anatomy import decoder_anatomy
+from lightning_plugins.parallel.pipeline.image_text import ImageTextPrelude
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, layer_ranges, stages_of_rank
 from lightning_plugins.parallel.pipeline.stage import StageModule
 
@@ -90,10 +92,21 @@ def build_stages(model: nn.Module, cut: StageCut, sequence_mesh: DeviceMesh | No
             carry each rank's sequence shard.
     """
     embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    parts = image_text_parts(model)
+    decoder = model.base_model if parts is None else model.get_submodule(parts.language_path)
     # The base model's own pieces (decoder_anatomy checked they are there), whatever the family names.
-    norm, rotary = model.base_model.norm, model.base_model.rotary_emb
+    norm, rotary = decoder.norm, decoder.rotary_emb
     last_stage = cut.num_stages - 1
     first, last = 0 in cut.local, last_stage in cut.local
+    preludes = {stage: ImageTextPrelude(model, parts, stage == 0) for stage in cut.local} if parts else {}
+    if parts is not None and not first:  # the vision tower and the projector live in the first stage
+        for path in (parts.vision_path, *parts.projector_paths):
+            parent, _, name = path.rpartition(".")
+            try:
+                holder = model.get_submodule(parent)
+            except AttributeError:  # inside a part dropped already (Qwen's merger in its tower)
+                continue
+            setattr(holder, name, None)
     # A tied head keeps the embedding module as its weight's first name: checkpoints (HF's and ours) know
     # the weight as the embedding's, and the embedding's forward is never run on this rank.
     if not first and not (cut.tied and last):
@@ -106,7 +119,7 @@ def build_stages(model: nn.Module, cut: StageCut, sequence_mesh: DeviceMesh | No
         setattr(parent, name, None)
     return {
         stage: StageModule(
-            model.config,
+            language_config(model.config),
             {index: cut.layers[str(index)] for index in cut.ranges[stage]},
             rotary,
             anatomy=cut.anatomy,
@@ -114,6 +127,7 @@ def build_stages(model: nn.Module, cut: StageCut, sequence_mesh: DeviceMesh | No
             norm=norm if stage == last_stage else None,
             lm_head=lm_head if stage == last_stage else None,
             sequence_mesh=sequence_mesh,
+            prelude=preludes.get(stage),
         )
         for stage in cut.local
     }

@@ -55,9 +55,13 @@ class StageModule(nn.Module):
         norm: nn.Module | None = None,
         lm_head: nn.Module | None = None,
         sequence_mesh: DeviceMesh | None = None,
+        prelude: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.embed = embed
+        #: An image-text model's forward up to its language model (:mod:`.image_text`): on the first stage it places the
+        #: images into the embeddings, on every stage it gives the mask (mapping) and positions the language model gets.
+        self.prelude = prelude
         self.layers = nn.ModuleDict({str(index): layer for index, layer in layers.items()})
         self.norm = norm
         self.lm_head = lm_head
@@ -94,7 +98,13 @@ class StageModule(nn.Module):
     ) -> Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        if self.embed is not None:
+        mapping = None
+        if self.prelude is not None:
+            hidden, attention_mask, position_ids = self.prelude(inputs, attention_mask, rows)
+            hidden = hidden if self.embed is None else self.anatomy.embed(hidden, self.training)
+            if isinstance(attention_mask, dict):  # masks the multimodal forward built (Gemma 3's image blocks)
+                mapping, attention_mask = attention_mask, None
+        elif self.embed is not None:
             hidden = self.anatomy.embed(self.embed(inputs), self.training)
         elif self.sequence_mesh is not None:
             hidden = DTensor.from_local(inputs, self.sequence_mesh, [Shard(1)], run_check=False)
@@ -102,17 +112,18 @@ class StageModule(nn.Module):
             hidden = inputs
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=inputs.device).unsqueeze(0)
+        rope_positions, position_ids = rope_and_text_positions(position_ids)
         mask_fns = {
             "full_attention": create_causal_mask,
             "sliding_attention": create_sliding_window_causal_mask,
             "linear_attention": recurrent_padding_mask,
         }
-        masks = {
+        masks = mapping or {
             # No cache: passed by position, since transformers 5.24 renamed the argument (past_key_values -> cache).
             kind: mask_fns[kind](self.config, hidden, attention_mask, None, position_ids=position_ids)
             for kind in set(self._kinds.values())
         }
-        position_embeddings = self.anatomy.rotary(self.rotary, hidden, position_ids, set(masks))
+        position_embeddings = self.anatomy.rotary(self.rotary, hidden, rope_positions, set(self._kinds.values()))
         for key, layer in self.layers.items():
             kind = self._kinds[int(key)]
             hidden = layer(
@@ -156,6 +167,17 @@ class StageModule(nn.Module):
                 chunked.per_sequence = False
         loss = self.sequences(logits, targets, chunked, rows)
         return loss * self.loss_factor
+
+
+def rope_and_text_positions(position_ids: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``(rotary positions, text positions)`` as a multimodal-RoPE language model splits its ``position_ids`` (Qwen's
+    ``[3, batch, seq]`` rotate and leave no text positions; ``[4, batch, seq]`` lead with the text positions of packed
+    rows); 2-D positions are both."""
+    if position_ids.ndim != 3:
+        return position_ids, position_ids
+    if position_ids.shape[0] == 4:
+        return position_ids[1:], position_ids[0]
+    return position_ids, None
 
 
 def recurrent_padding_mask(
