@@ -24,6 +24,10 @@ Composition: tensor parallelism is applied to the rank's part of the model, FSDP
 kept layers. Context parallelism routes the kept layers' attention through Ulysses or ring attention: each
 rank's batch is already the load-balanced cp shard of its rows (``context_parallel_batch``), so stages run on
 the local sequence length with global ``position_ids``, and the loss counts valid tokens over ``dp_cp``.
+
+Image-text models (:mod:`.image_text`): the vision tower and the projector live in the first stage, which runs the
+model's own forward up to its language model on its micro-batch's rows and images; every stage gets the masks and
+positions that forward gives the language model.
 """
 
 from lightning_plugins.parallel.pipeline.apply import attach_pipeline, pipeline_of
