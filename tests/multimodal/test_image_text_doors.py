@@ -81,17 +81,20 @@ def test_both_doors_train_the_tiny_vlm_alike(tmp_path: Path, recipe: str) -> Non
 
 @pytest.mark.slow
 def test_the_tiny_vlm_recipe_trains_alike_under_pipeline_parallelism(tmp_path: Path) -> None:
-    """``--layout.pp_size=2`` on the FSDP2 recipe: two pipeline stages (the first holds the vision tower and the
-    projector and places the images) train as one process does, step for step, and export a model that loads and
-    generates. (One data rank in both: the FSDP2 run's two data ranks draw their rows in another order.)"""
-    pipeline, one = tmp_path / "pp2", tmp_path / "one"
-    one_process = ["--layout.dp_shard_size=1", "--hardware.devices=1"]
-    for out, layout in ((pipeline, ["--layout.pp_size=2", "--layout.dp_shard_size=1"]), (one, one_process)):
+    """``--layout.pp_size=2`` on the FSDP2 recipe, through both doors: two pipeline stages (the first holds the vision
+    tower and the projector and places the images) train as one process does, step for step, and export a model that
+    loads and generates. (One data rank in each: the FSDP2 run's two data ranks draw their rows in another order.)"""
+    pipeline, accelerate, one = tmp_path / "pp2", tmp_path / "accelerate_pp2", tmp_path / "one"
+    two_stages = ["--layout.pp_size=2", "--layout.dp_shard_size=1"]
+    for out, layout in ((pipeline, two_stages), (one, ["--layout.dp_shard_size=1", "--hardware.devices=1"])):
         command = [sys.executable, "-m", "lightning_plugins", "finetune", str(TINY / "vlm_fsdp2.yaml"),
                    f"--train.output_dir={out}", *SHORT, *layout]  # fmt: skip
         stdout = clean_stdout(run_command(command, cwd=ROOT))
         assert f"model: {out / 'hf'}" in stdout
+    stdout = clean_stdout(accelerate_launch(TINY / "vlm_fsdp2.yaml", accelerate, *SHORT, *two_stages))
+    assert f"model: {accelerate / 'hf'}" in stdout
     _same(pipeline, one)
+    _same(accelerate, one)
     _export_loads_and_generates(pipeline / "hf")
 
 
