@@ -43,9 +43,10 @@ class PreferenceOptions:
     (:func:`~lightning_plugins.preference.reference.frozen_reference`). ``precomputed``: the reference's per-row
     log-probabilities computed in one pass over the training and held-out data before training, so that no reference
     is held or run while training (:class:`~lightning_plugins.preference.precomputed.PrecomputedReference`: at the
-    run's start on every data rank for its share of the rows, kept in memory, not in the dataset cache; in your own
-    loop, :func:`~lightning_plugins.preference.reference.precompute_reference_logps` and ``batch["ref_logps"]``). DPO
-    only (not KTO), not under pipeline parallelism."""
+    run's start, each data rank for its share of the rows, then kept next to the tokenized data under a key of the
+    model, data, layout and code, which a later run reads back; in your own loop,
+    :func:`~lightning_plugins.preference.reference.precompute_reference_logps` and ``batch["ref_logps"]``). DPO only
+    (not KTO), not under pipeline parallelism."""
     desirable_weight: float = 1.0
     """KTO: the weight of the desirable examples' losses (TRL's ``desirable_weight``)."""
     undesirable_weight: float = 1.0

@@ -162,8 +162,8 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, 
 def make_objective(recipe: Recipe, train: DataLoader, held: DataLoader | None) -> Any | None:
     """The recipe's preference objective, both doors': ``None`` for SFT (the model's own loss); KTO on unpaired
     examples; a paired method, whose DPO reference with ``objective.reference: precomputed`` comes from one pass over
-    ``train``'s and ``held``'s rows before training (:class:`~lightning_plugins.preference.precomputed.
-    PrecomputedReference`) instead of a forward per step."""
+    ``train``'s and ``held``'s rows before training, kept next to the tokenized data for the next run with the same
+    key (:class:`~lightning_plugins.preference.precomputed.PrecomputedReference`), instead of a forward per step."""
     from lightning_plugins.preference import KTOObjective, PreferenceObjective
     from lightning_plugins.preference.precomputed import PrecomputedReference
 
@@ -173,9 +173,11 @@ def make_objective(recipe: Recipe, train: DataLoader, held: DataLoader | None) -
     if options.unpaired:
         return KTOObjective(options)
     if options.reference == "precomputed" and options.needs_reference:
+        from lightning_plugins.data.prepared import cache_root
+
         datasets = [train.dataset, None if held is None else held.dataset]
         return PrecomputedReference(PreferenceObjective(options), datasets, train.collate_fn,
-                                    recipe.train.micro_batch_size)  # fmt: skip
+                                    recipe.train.micro_batch_size, cache_root(recipe.data))  # fmt: skip
     return PreferenceObjective(options)
 
 

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from lightning_plugins.data import DataError
 from lightning_plugins.errors import RecipeError
 from lightning_plugins.preference import PreferenceOptions
+from lightning_plugins.preference.precomputed import code_identity
 from lightning_plugins.recipe.build import build_loaders
 from lightning_plugins.recipe.schema import load_recipe
 from lightning_plugins.testing.world import run_command
@@ -155,6 +156,41 @@ def test_a_precomputed_steps_loss_runs_no_reference() -> None:
         step_loss(PreferenceOptions(method="dpo"), model, {"input_ids": ids, "labels": ids})
 
 
+def test_precomputed_values_are_kept_next_to_the_data_keyed_and_read_back(tmp_path: Path) -> None:
+    """One process: the pass's values are written to the data cache; a second run with the same model, data and
+    settings reads them without running the reference (the base with its adapters disabled); the same weights from
+    another checkpoint directory are another key, whose run computes them anew."""
+    import shutil
+
+    import torch
+
+    from lightning_plugins.recipe.build import build_model, make_objective
+
+    raw = yaml.safe_load(_recipe(tmp_path, DPO_RECIPE, objective={"reference": "precomputed"}).read_text())
+    raw["layout"], raw["hardware"]["devices"] = {"dp_shard_size": 1}, 1
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(raw))
+    recipe = load_recipe(tmp_path / "one.yaml")
+    model, tokenizer = build_model(recipe, on_meta=False)
+    train, held = build_loaders(recipe, tokenizer)
+    batch = next(iter(train))
+    first = make_objective(recipe, train, held)
+    want, _ = first(model, batch)
+    assert len(list((tmp_path / "cache" / "reference_logps").glob("*.safetensors"))) == 1
+    assert first.table.shape == (len(train.dataset) + len(held.dataset), 2)
+
+    def reference_forward() -> None:
+        raise AssertionError("the reference ran")
+
+    model.disable_adapter = reference_forward
+    second = make_objective(recipe, train, held)
+    got, _ = second(model, batch)
+    assert torch.equal(second.table, first.table) and torch.equal(got, want)
+    shutil.copytree(TINY / "model", tmp_path / "model")
+    model.config.name_or_path = str(tmp_path / "model")
+    with pytest.raises(AssertionError, match="the reference ran"):
+        make_objective(recipe, train, held)(model, batch)
+
+
 def _history(out: Path) -> list[dict[str, float]]:
     rows = csv.DictReader((out / "metrics.csv").open())
     return [{key: float(value) for key, value in row.items() if value and ("/" in key)} for row in rows]
@@ -164,22 +200,31 @@ def _history(out: Path) -> list[dict[str, float]]:
 def test_a_precomputed_reference_trains_as_the_per_step_one_and_kto_logs_trls_metrics(tmp_path: Path) -> None:
     """Through ``lightning-plugins finetune`` (FSDP2 on 2 processes, LoRA): DPO with ``objective.reference:
     precomputed`` logs the per-step reference's losses and metrics (every training and held-out column of 6 steps)
-    to 1e-6; KTO trains on the shipped unpaired records and logs TRL's metric names, training and held out."""
-    short = ["--train.max_steps=6", "--train.eval_every=3", "--train.log_every=1"]
-    runs = {"per_step": (DPO_RECIPE, []), "precomputed": (DPO_RECIPE, ["--objective.reference=precomputed"]),
-            "kto": (KTO_RECIPE, [])}  # fmt: skip
+    to 1e-6, both when its pass runs and when the next run reads its values back from the data cache (one file: the
+    same key in another launch); KTO trains on the shipped unpaired records and logs TRL's metric names, training and
+    held out."""
+    short = ["--train.max_steps=6", "--train.eval_every=3", "--train.log_every=1", f"--data.cache_dir={tmp_path}/cache"]
+    precomputed = (DPO_RECIPE, ["--objective.reference=precomputed"])
+    runs = {"per_step": (DPO_RECIPE, []), "precomputed": precomputed, "read_back": precomputed, "kto": (KTO_RECIPE, [])}
+    code = set()
     for run, (recipe, extra) in runs.items():
         command = [sys.executable, "-m", "lightning_plugins", "finetune", str(recipe),
                    f"--train.output_dir={tmp_path / run}", *short, *extra]  # fmt: skip
+        if run in ("precomputed", "read_back"):
+            code.add(code_identity())
         result = run_command(command, cwd=tmp_path)
         assert "Warning" not in result.stdout + result.stderr
-    want, got = _history(tmp_path / "per_step"), _history(tmp_path / "precomputed")
-    assert len(want) == len(got) and [row.keys() for row in want] == [row.keys() for row in got]
+    # Another key only where the package's code changed between the two launches (a checkout being edited meanwhile).
+    assert len(list((tmp_path / "cache" / "reference_logps").glob("*.safetensors"))) == len(code)
+    want = _history(tmp_path / "per_step")
     math = ("train/loss", "train/rewards", "train/logps", "train/logits", "train/grad_norm", "val/")  # not the timings
     compared = [(i, key) for i, row in enumerate(want) for key in row if key.startswith(math)]
     assert any(key.startswith("val/rewards") for _, key in compared)
     assert sum(key == "train/loss" for _, key in compared) == 6
-    assert max(abs(got[i][key] - want[i][key]) for i, key in compared) <= 1e-6, (got, want)
+    for run in ("precomputed", "read_back"):
+        got = _history(tmp_path / run)
+        assert len(want) == len(got) and [row.keys() for row in want] == [row.keys() for row in got]
+        assert max(abs(got[i][key] - want[i][key]) for i, key in compared) <= 1e-6, (run, got, want)
     assert any(row.get("train/rewards/margins", 0) != 0 for row in want)  # the policy moved away from the reference
     logged = {key for row in _history(tmp_path / "kto") for key in row}
     assert {f"{split}/{name}" for split in ("train", "val") for name in KTO_METRICS} <= logged, logged
