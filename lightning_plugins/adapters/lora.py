@@ -217,10 +217,11 @@ def check_lora_targets(config: Any, options: LoraOptions) -> None:
     Raises:
         OptionsError: naming the key, the names that match nothing, and what the model has.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     _check_targets(model, options.target_modules or _default_targets(model), options)
 
 

@@ -23,13 +23,28 @@ __all__ = ["VisionOptions", "freeze_vision"]
 
 @dataclass(frozen=True)
 class VisionOptions:
-    """The recipe's ``vision:`` section: which parts of an image-text model train beside its language model."""
+    """The recipe's ``vision:`` section: which parts of an image-text model train beside its language model, and
+    the images the planner assumes a sample holds."""
 
     train_tower: bool | None = None
     """Train the vision tower (encoder). ``None``: frozen (a full fine-tune), the adapters only (LoRA)."""
     train_projector: bool | None = None
     """Train the projector (merger) that maps the tower's features into the language model. ``None``: trained (a
     full fine-tune), the adapters only (LoRA)."""
+    images_per_sample: int = 1
+    """For the planner only (``lightning-plugins plan``): the images each sample of the measured step holds. A run
+    takes its images from the data."""
+    image_size: int = 1024
+    """For the planner only: the side, in pixels, of the square images the measured step holds before the model's
+    image processor resizes them (Qwen2.5-VL: 1024 px is 74 x 74 patches, 1369 image tokens; Gemma 3 resizes every
+    image to 896 px, 256 tokens)."""
+
+    def __post_init__(self) -> None:
+        if self.images_per_sample < 1 or self.image_size < 1:
+            raise OptionsError(
+                f"vision.images_per_sample={self.images_per_sample}, vision.image_size={self.image_size}: the planner"
+                " measures a step with at least one image of at least one pixel. Give positive values."
+            )
 
     def trains(self, lora: bool) -> tuple[bool, bool]:
         """``(tower, projector)``: whether each part's own weights train, the defaults resolved.

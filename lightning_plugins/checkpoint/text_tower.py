@@ -40,6 +40,8 @@ def text_config(config: Any) -> Any:
         return config
     text = config.get_text_config(decoder=True)
     text._name_or_path = config._name_or_path
+    if isinstance(getattr(config, "tie_word_embeddings", None), bool):  # the whole model ties (or unties) its head
+        text.tie_word_embeddings = config.tie_word_embeddings  # (Qwen3-VL's text config says true, its model unties)
     return text
 
 

@@ -39,7 +39,6 @@ are measured with them.
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -63,8 +62,10 @@ from lightning_plugins.planner.fake_step import (
 )
 from lightning_plugins.planner.forked import forked
 from lightning_plugins.planner.host_memory import largest_read, pinned_rounding
+from lightning_plugins.planner.image_text import image_batch, real_metadata
 from lightning_plugins.planner.intervals import mark_intervals
 from lightning_plugins.planner.measure import StepMemTracker
+from lightning_plugins.planner.meta_model import meta_model
 from lightning_plugins.planner.objective_step import run_step
 from lightning_plugins.planner.reference_kernels import LINEAR_ATTENTION_NOTE, reference_kernels_quietly
 from lightning_plugins.planner.rank_memory import RankMemory, with_offload, with_optimizer_offload, worst_interval
@@ -223,18 +224,10 @@ def build_parallel_model(workload: Workload) -> nn.Module:
 
     Runs inside :func:`fake_world`.
     """
-    from transformers import AutoModelForCausalLM
-
     from lightning_plugins import parallelize
     from lightning_plugins.adapters.lora import apply_lora
 
-    with torch.device("meta"):
-        # A copy: from_config writes the build dtype into the config it is given, which is the checkpoint's (its dtype
-        # is what loading reads, host_memory.checkpoint_dtype).
-        config = copy.deepcopy(workload.config)
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=DTYPES[workload.dtype], attn_implementation=workload.attn_implementation
-        )
+    model = meta_model(workload)
     model.config.use_cache = False
     model.train()
     if workload.lora is not None:
@@ -370,7 +363,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
             intervals, mark, _ = mark_intervals(
                 tracker, model, lambda: {**tracker.by_category("peak"), "host": tracker.by_category("peak", "meta")["total"]}
             )
-            with tracker, warnings.catch_warnings():
+            with tracker, warnings.catch_warnings(), real_metadata(batch):
                 # The first stage's input (token ids) takes no gradient: torch says its backward hook fires anyway.
                 warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
                 # The head's full backward hook (our measuring mark) hands FSDP2 its logits as a view; nothing
@@ -416,6 +409,8 @@ def _warmed_up(model: nn.Module) -> torch.optim.Optimizer:
 def _batch(workload: Workload, mesh: Any, seq_len: int) -> dict[str, torch.Tensor]:
     from lightning_plugins.parallel import context_parallel_batch
 
+    if workload.images is not None:
+        return image_batch(workload, mesh)
     ids = torch.randint(0, workload.config.vocab_size, (workload.micro_batch_size, seq_len))
     return context_parallel_batch({"input_ids": ids, "labels": ids}, mesh)
 

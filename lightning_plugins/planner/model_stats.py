@@ -36,7 +36,20 @@ def shipped_configs() -> list[str]:
     return sorted(p.parent.name for p in root.glob("*/config.json")) if root.is_dir() else []
 
 
-def load_model_config(spec: str | Path) -> PretrainedConfig:
+def _config_files(spec: str | Path) -> tuple[Path, ...]:
+    """Where :func:`load_model_config` looks for ``spec``'s ``config.json``: the path, a directory, a shipped name, or a
+    hub id whose repository is shipped (meta-llama/Llama-3.1-8B -> Llama-3.1-8B)."""
+    path = Path(spec).expanduser()
+    return path, path / "config.json", _configs_dir() / str(spec).rsplit("/", 1)[-1] / "config.json"
+
+
+def model_config_dir(spec: str | Path) -> Path | None:
+    """The directory of ``spec``'s ``config.json`` (with its processor's files, where shipped), or ``None`` when
+    it is not on disk (a hub id in the local cache, or none)."""
+    return next((candidate.parent for candidate in _config_files(spec) if candidate.is_file()), None)
+
+
+def load_model_config(spec: str | Path, *, multimodal: bool = False) -> PretrainedConfig:
     """A transformers config from a ``config.json``, a directory, a shipped name or a cached hub id.
 
     Args:
@@ -44,6 +57,8 @@ def load_model_config(spec: str | Path) -> PretrainedConfig:
             ``recipes/configs`` (``"Llama-3.1-8B"``) or the hub id of one (``"meta-llama/Llama-3.1-8B"``), or a
             hub id already in the local Hugging Face cache. A multimodal config (Gemma 3 27B) gives its text
             decoder's config: the model a text fine-tune trains.
+        multimodal: Give an image-text config whole (vision tower and projector included), as an image-text
+            fine-tune trains it.
 
     Raises:
         PlannerError: naming ``spec``, the shipped names and the fix. Nothing is downloaded.
@@ -53,19 +68,18 @@ def load_model_config(spec: str | Path) -> PretrainedConfig:
     from lightning_plugins.checkpoint.text_tower import text_config
 
     path = Path(spec).expanduser()
-    # A shipped name, or a hub id whose repository is shipped (meta-llama/Llama-3.1-8B -> Llama-3.1-8B).
-    shipped = _configs_dir() / str(spec).rsplit("/", 1)[-1] / "config.json"
-    for candidate in (path, path / "config.json", shipped):
+    chosen = (lambda config: config) if multimodal else text_config
+    for candidate in _config_files(spec):
         if candidate.is_file():
             try:
-                return text_config(AutoConfig.from_pretrained(str(candidate)))
+                return chosen(AutoConfig.from_pretrained(str(candidate)))
             except (OSError, ValueError) as err:
                 raise PlannerError(
                     f"{candidate} is not a transformers model config ({err}). Pass the model's config.json."
                 ) from None
     if not path.exists():
         try:
-            return text_config(AutoConfig.from_pretrained(str(spec), local_files_only=True))
+            return chosen(AutoConfig.from_pretrained(str(spec), local_files_only=True))
         except (OSError, ValueError):
             pass
     raise PlannerError(
@@ -386,10 +400,42 @@ def _built(config: Any) -> Any:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError) as err:
+        try:  # an image-text checkpoint's language model, which transformers builds only inside the whole model
+            with torch.device("meta"):
+                return _language_model_with_head(config)
+        except (ValueError, KeyError):
+            pass
         raise PlannerError(
             f"Cannot build a {getattr(config, 'model_type', '?')} causal LM from this config ({err}). The planner needs"
             " a decoder-only model transformers can build with AutoModelForCausalLM."
         ) from None
+
+
+def _language_model_with_head(config: Any) -> Any:
+    """The causal LM an image-text checkpoint's text config describes where transformers has no causal-LM class for it
+    (Qwen2.5-VL's and Qwen3-VL's language models): its base model (``AutoModel``) and the output head, tied to the
+    embedding when the config says so."""
+    from torch import nn
+    from transformers import AutoModel
+
+    class LanguageModelWithHead(nn.Module):
+        base_model_prefix = "model"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = config
+            self.model = AutoModel.from_config(config)
+            self._no_split_modules = getattr(self.model, "_no_split_modules", None)
+            tied = getattr(config, "tie_word_embeddings", False)
+            self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+        def get_input_embeddings(self) -> nn.Module:
+            return self.model.get_input_embeddings()
+
+        def get_output_embeddings(self) -> nn.Module:
+            return self.lm_head if self.lm_head is not None else self.get_input_embeddings()
+
+    return LanguageModelWithHead()
 
 
 def _counted(config: Any) -> ModelStats:

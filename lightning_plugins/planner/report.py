@@ -121,6 +121,7 @@ class Plan:
             "activation_checkpointing": self.workload.memory.activation_checkpointing,
             "cpu_offload": self.workload.memory.cpu_offload,
             "seq_len": self.workload.seq_len,
+            "images": self.workload.images.as_dict() if self.workload.images is not None else None,
             "micro_batch_size": self.workload.micro_batch_size,
             "global_batch_size": self.workload.global_batch_size,
             "gpu": self.cluster.gpu.name,
@@ -144,6 +145,7 @@ class Plan:
             f" ({layout.world_size} x {self.cluster.gpu.name} {self.cluster.memory / GIB:.0f} GiB),"
             f" seq {w.seq_len}, micro-batch {w.micro_batch_size}{_pairs(w)}, AC {w.memory.activation_checkpointing}"
             + (", CPU offload" if w.memory.cpu_offload else ""),
+            *([w.images.describe(w.seq_len, w.lora is not None)] if w.images is not None else []),
             "",
             f"{unit} per GPU at the step's peak (dry run on a fake process group; activations measured):",
             f"{'rank kind':<14}{'layers':>7}"
@@ -182,6 +184,8 @@ class Plan:
             f" pipeline bubble {s.bubble:.1%} (estimate, +-25%)",
         ]
         lines += [f"  assumes: {line}" for line in s.assumptions]
+        if w.images is not None:
+            lines.append("  assumes: the language model's FLOPs only (the vision tower's are not counted)")
         return "\n".join(lines)
 
 

@@ -15,6 +15,8 @@ from lightning_plugins.parallel.checks import check_settings
 from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 from lightning_plugins.errors import PlannerError
+from lightning_plugins.parallel.image_text import check_image_text_layout
+from lightning_plugins.planner.image_text import ImageInputs
 from lightning_plugins.preference.options import PreferenceOptions
 
 
@@ -39,6 +41,9 @@ class Workload:
             runs :class:`~lightning_plugins.preference.PreferenceObjective` (DPO: a no-grad forward of the reference,
             the base with the adapters disabled, before the policy's). ``micro_batch_size`` and
             ``global_batch_size`` count rows then: a pair is two (:meth:`from_recipe` doubles the recipe's pairs).
+        images: For an image-text recipe (its data holds images): the whole model's config and the images of the
+            measured step (:class:`~lightning_plugins.planner.image_text.ImageInputs`); ``config`` is then its text
+            decoder's. ``None``: a text model (or the text decoder of an image-text checkpoint) on text rows.
     """
 
     config: Any
@@ -53,12 +58,15 @@ class Workload:
     attn_implementation: str = "sdpa"
     optimizer: str = "adamw"
     objective: PreferenceOptions = field(default_factory=PreferenceOptions)
+    images: ImageInputs | None = None
 
     def __post_init__(self) -> None:
         if self.layout.dp_shard_size == -1:
             raise PlannerError("Workload needs a resolved layout: call `layout.resolve(world_size)` first.")
         try:
             check_settings(self.layout, self.options, self.memory, self.config)
+            if self.images is not None:
+                check_image_text_layout(self.layout, self.images.config)
         except (LayoutError, OptionsError) as err:
             raise PlannerError(str(err)) from None
         if self.global_batch_size is None:
@@ -104,7 +112,10 @@ class Workload:
             from lightning_plugins.planner.model_stats import load_model_config
 
             config = load_model_config(recipe.model.path)
+        from lightning_plugins.data.image_dataset import is_image_text_data
+
         rows = 2 if recipe.objective.paired else 1  # a preference pair is its chosen row and its rejected row
+        images = ImageInputs.of(recipe.model.path, recipe.vision) if is_image_text_data(recipe.data) else None
         return cls(
             config=config,
             layout=recipe.layout.resolve(recipe.hardware.world_size),
@@ -118,4 +129,5 @@ class Workload:
             attn_implementation=recipe.model.attn_implementation,
             optimizer=recipe.optim.name,
             objective=recipe.objective,
+            images=images,
         )

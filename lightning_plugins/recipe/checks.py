@@ -166,7 +166,10 @@ def _check_against_the_model(recipe: Recipe, layout: ParallelLayout, config: Any
         raise RecipeError(f"{path}: layout/parallel do not fit model {recipe.model.path}: {err}") from None
     if recipe.lora is not None:
         from lightning_plugins.adapters.lora import check_lora_targets
+        from lightning_plugins.data.image_dataset import is_image_text_data
 
+        if is_image_text_data(recipe.data):  # the adapters go onto the whole image-text model
+            config = model_config(recipe.model.path, recipe.model.trust_remote_code, multimodal=True) or config
         try:
             check_lora_targets(config, recipe.lora)
         except OptionsError as err:
@@ -240,20 +243,22 @@ def _check_tensor_plan(config: Any) -> None:
         family_for(types.SimpleNamespace(config=config), tensor_parallel=True)
 
 
-def model_config(model_path: str, trust_remote_code: bool = False) -> Any:
+def model_config(model_path: str, trust_remote_code: bool = False, *, multimodal: bool = False) -> Any:
     """The transformers config of a local checkpoint, or of a hub id whose config is shipped under
     ``recipes/configs`` (``meta-llama/Llama-3.1-70B``) or cached locally; ``None`` for another hub id (checked
-    when it is loaded); a multimodal checkpoint's is its text decoder's (the model a recipe trains)."""
+    when it is loaded); a multimodal checkpoint's is its text decoder's (the model a text recipe trains), or with
+    ``multimodal`` the whole (an image-text recipe's)."""
     if Path(model_path).is_dir():
         from transformers import AutoConfig
 
         from lightning_plugins.checkpoint.text_tower import text_config
 
-        return text_config(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        return config if multimodal else text_config(config)
     from lightning_plugins.planner.model_stats import load_model_config
     from lightning_plugins.errors import PlannerError
 
     try:
-        return load_model_config(model_path)
+        return load_model_config(model_path, multimodal=multimodal)
     except PlannerError:
         return None

@@ -66,6 +66,8 @@ RULES: dict[str, tuple[Kind, str]] = {
     "hardware": ("applied", ""),
     "objective": ("refused", "the checkpoint was trained toward this objective"),
     "vision": ("refused", "the checkpoint's weights and optimizer state hold the parts these settings trained"),
+    "vision.images_per_sample": ("applied", ""),  # the planner's assumption, not the run's
+    "vision.image_size": ("applied", ""),
 }
 
 

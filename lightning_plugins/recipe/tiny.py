@@ -157,6 +157,12 @@ def shrink_recipe(path: str | Path, out_dir: str | Path, *, steps: int = 20, ove
 
     path, out = Path(path), Path(out_dir)
     recipe = load_recipe(path, overrides)
+    if recipe.data.format == "image_text":
+        raise RecipeError(
+            f"{path}: no tiny twin of an image-text recipe yet (a twin needs a tiny model of the family with its"
+            " processor). Its kinds of layout train tiny in recipes/tiny/vlm_fsdp2.yaml (FSDP2) and vlm_tp2.yaml (TP);"
+            " check its real size with lightning-plugins plan."
+        )
     try:
         config = load_model_config(recipe.model.path)
     except PlannerError as err:

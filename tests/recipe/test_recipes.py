@@ -47,7 +47,7 @@ def test_the_recipes_the_issue_asks_for_are_shipped() -> None:
     assert deepseek.hardware.nodes > 1 and deepseek.layout.ep_size > deepseek.hardware.devices
     [small] = [load_recipe(p) for p in RECIPES if p.parent.name == "gpt-oss-20b"]
     assert small.hardware.world_size == 1
-    moe = [load_recipe(p) for p in RECIPES if p.parent.name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x22b-v0.1", "gpt-oss-120b", "qwen3.5-35b-a3b", "deepseek-v3", "glm-4.5-air", "gpt-oss-20b")]  # fmt: skip
+    moe = [load_recipe(p) for p in RECIPES if p.parent.name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x22b-v0.1", "gpt-oss-120b", "qwen3.5-35b-a3b", "deepseek-v3", "glm-4.5-air", "gpt-oss-20b", "qwen3-vl-30b-a3b")]  # fmt: skip
     assert all(r.layout.ep_size > 1 for r in moe if r.hardware.world_size > 1)
     assert all(r.lora.target_modules for r in moe if r.lora is not None)  # attention: expert LoRA is not assumed
     # Preference fine-tuning (issue 49): DPO with LoRA (the reference: the base, adapters off) on 1 GPU, 8 GPUs, and EP.
@@ -57,6 +57,13 @@ def test_the_recipes_the_issue_asks_for_are_shipped() -> None:
     long_context = [load_recipe(p) for p in RECIPES if p.stem.endswith("_cp")]
     assert {r.model.path for r in long_context} == {"meta-llama/Llama-3.1-70B", "Qwen/Qwen2.5-72B", "google/gemma-3-27b-pt"}
     assert all(r.layout.cp_size > 1 and r.data.max_seq_len >= 32768 for r in long_context)
+    # Image-text (issue 50): Qwen2.5-VL-7B LoRA on 1 GPU, Qwen3-VL-30B-A3B with EP on 8, Gemma-3-27B full on 8; each
+    # dry-run with images (its vision: section's assumption).
+    images = {name: load_recipe(p) for name, p in zip(NAMES, RECIPES) if load_recipe(p).data.format == "image_text"}
+    assert {"qwen2.5-vl-7b/lora_1gpu", "qwen3-vl-30b-a3b/lora_ep8", "gemma-3-27b/full_8gpu"} <= set(images)
+    assert images["qwen2.5-vl-7b/lora_1gpu"].hardware.world_size == 1
+    assert images["qwen3-vl-30b-a3b/lora_ep8"].layout.ep_size == 8 == images["gemma-3-27b/full_8gpu"].hardware.devices
+    assert images["gemma-3-27b/full_8gpu"].lora is None
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=NAMES)
@@ -146,7 +153,10 @@ def _product(sizes: tuple[int, ...]) -> int:
 def twins(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``name -> tiny twin recipe`` for every shipped recipe (written once for both doors)."""
     root = tmp_path_factory.mktemp("twins")
-    return {name: shrink_recipe(path, root / name, steps=STEPS) for path, name in zip(RECIPES, NAMES)}
+    # Image-text recipes have no tiny twin yet (shrink_recipe refuses them; their layouts' kinds train tiny in
+    # recipes/tiny/vlm_*.yaml, tests/multimodal/test_image_text_doors.py).
+    texts = [(path, name) for path, name in zip(RECIPES, NAMES) if load_recipe(path).data.format != "image_text"]
+    return {name: shrink_recipe(path, root / name, steps=STEPS) for path, name in texts}
 
 
 def _fingerprint(twin: Path) -> str:
