@@ -94,7 +94,8 @@ def check_model_fit(
     if layout.pp_size > 1:
         pipeline = PipelineOptions.of(options)
         if config is not None and resolved:
-            pipeline = check_pipeline_layout(layout, language_config(config), pipeline)
+            tied = bool(getattr(config, "tie_word_embeddings", False))  # an image-text model's whole config says
+            pipeline = check_pipeline_layout(layout, language_config(config), pipeline, tied)
         else:
             pipeline = pipeline.resolve(layout.pp_size)
     check_context_parallel(language_config(config), layout.cp_size, layout.tp_size, options.cp_backend)

@@ -12,7 +12,7 @@ from tiny_vlm import collate, image_sample, tiny_vlm, tiny_vlm_config
 from torch import nn
 from transformers import AutoModelForImageTextToText, Gemma3Config, Qwen3VLMoeConfig
 
-from lightning_plugins import LayoutError, ParallelLayout
+from lightning_plugins import LayoutError, OptionsError, ParallelLayout, ParallelOptions
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora, lora_layers
 from lightning_plugins.parallel.api import check_parallelizable
 from lightning_plugins.parallel.context import shard_batch_for_context_parallel
@@ -75,6 +75,15 @@ def test_pipeline_parallelism_is_refused_where_stages_cannot_carry_the_images() 
         check_parallelizable(tiny_vlm(family), ParallelLayout(pp_size=2).resolve(2))
     with pytest.raises(LayoutError, match=r"pp_size=2: the language model .* \['deepstack_visual_embeds', 'visual_pos"):
         check_parallelizable(tiny_vlm("qwen3_vl_moe"), ParallelLayout(pp_size=2).resolve(2))
+    # Whether the head is tied is the whole config's (Qwen2.5-VL's text config does not say): a V-shaped schedule,
+    # which would hold a tied weight in two FSDP2 stage modules of one rank, is refused for a tied one.
+    config = tiny_vlm_config()
+    config.tie_word_embeddings = True
+    config.text_config.num_hidden_layers, config.text_config.layer_types = 4, ["full_attention"] * 4  # 2 stages a rank
+    tied = AutoModelForImageTextToText.from_config(config)
+    with pytest.raises(OptionsError, match="pp_schedule='zbv_zero_bubble' puts the first and the last stage on one"):
+        check_parallelizable(tied, ParallelLayout(pp_size=2, dp_shard_size=2).resolve(4),
+                             ParallelOptions(pp_schedule="zbv_zero_bubble"))  # fmt: skip
     for sizes in ({"tp_size": 2}, {"cp_size": 2}):
         refused = rf"pp_size=2 with {next(iter(sizes))}=2 is not supported for image-text models yet \(model type"
         with pytest.raises(LayoutError, match=refused):

@@ -123,15 +123,19 @@ def layer_ranges(num_layers: int, num_stages: int) -> list[range]:
     return ranges
 
 
-def check_pipeline_layout(layout: ParallelLayout, config: Any, options: PipelineOptions) -> PipelineOptions:
+def check_pipeline_layout(
+    layout: ParallelLayout, config: Any, options: PipelineOptions, tied: bool | None = None
+) -> PipelineOptions:
     """Validate ``options`` against a resolved layout and a model config before any collective.
 
     The config's part of the staging check runs here (attention types, switches); the model's structure is read
-    by :func:`~lightning_plugins.parallel.pipeline.anatomy.decoder_anatomy` when the model is there.
+    by :func:`~lightning_plugins.parallel.pipeline.anatomy.decoder_anatomy` when the model is there. ``tied``: whether
+    the head's weight is the embedding's (``None``: the config's ``tie_word_embeddings``; an image-text model's is its
+    whole config's, while ``config`` is its language model's).
     """
     check_stageable_config(config, layout.pp_size)
     resolved = options.resolve(layout.pp_size, getattr(config, "num_hidden_layers", None))
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    tied = bool(getattr(config, "tie_word_embeddings", False)) if tied is None else tied
     if tied and resolved.spec.v_shape and layout.fsdp_size > 1:
         raise OptionsError(
             f"pp_schedule={resolved.schedule!r} puts the first and the last stage on one rank, where a tied embedding"
