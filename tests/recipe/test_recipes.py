@@ -55,15 +55,18 @@ def test_the_recipes_the_issue_asks_for_are_shipped() -> None:
     assert {"llama-3.1-8b/dpo_lora_1gpu", "llama-3.1-70b/dpo_lora_fsdp8", "qwen3-30b-a3b/dpo_lora_ep8"} <= set(dpo)
     assert all(r.objective.method == "dpo" and r.lora is not None and r.data.format == "preference" for r in dpo.values())
     long_context = [load_recipe(p) for p in RECIPES if p.stem.endswith("_cp")]
-    assert {r.model.path for r in long_context} == {"meta-llama/Llama-3.1-70B", "Qwen/Qwen2.5-72B", "google/gemma-3-27b-pt"}
+    assert {r.model.path for r in long_context} == {
+        "meta-llama/Llama-3.1-70B", "Qwen/Qwen2.5-72B", "google/gemma-3-27b-pt", "Qwen/Qwen2.5-VL-7B-Instruct"
+    }  # fmt: skip
     assert all(r.layout.cp_size > 1 and r.data.max_seq_len >= 32768 for r in long_context)
-    # Image-text (issue 50): Qwen2.5-VL-7B LoRA on 1 GPU, Qwen3-VL-30B-A3B with EP on 8, Gemma-3-27B full on 8; each
-    # dry-run with images (its vision: section's assumption).
+    # Image-text (issue 50): Qwen2.5-VL-7B LoRA on 1 GPU, Qwen3-VL-30B-A3B with EP on 8, Gemma-3-27B full on 8, and a
+    # long-document one with CP; each dry-run with images (its vision: section's assumption).
     images = {name: load_recipe(p) for name, p in zip(NAMES, RECIPES) if load_recipe(p).data.format == "image_text"}
     assert {"qwen2.5-vl-7b/lora_1gpu", "qwen3-vl-30b-a3b/lora_ep8", "gemma-3-27b/full_8gpu"} <= set(images)
     assert images["qwen2.5-vl-7b/lora_1gpu"].hardware.world_size == 1
     assert images["qwen3-vl-30b-a3b/lora_ep8"].layout.ep_size == 8 == images["gemma-3-27b/full_8gpu"].hardware.devices
     assert images["gemma-3-27b/full_8gpu"].lora is None
+    assert any(r.layout.cp_size > 1 and r.data.max_seq_len >= 32768 for r in images.values())
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=NAMES)
