@@ -1,4 +1,4 @@
-"""The dry run of an image-text recipe: the whole model (vision tower, projector, language model) and a step with images.
+"""The dry run of an image-text recipe: the whole model (vision tower, projector, language model), a step with images.
 
 A recipe whose data holds images trains ``AutoModelForImageTextToText`` (:mod:`lightning_plugins.recipe.image_text`),
 so its dry run builds that model from the checkpoint's whole config on the meta device, freezes or trains the tower

@@ -29,7 +29,7 @@ ROWS, SEQ, SIDE = 2, 48, 8  # 8 x 8 px images: 4 x 4 patches of 2 px, merged 2 x
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tiny_vlm import PATCH, MERGE, tiny_vlm_config
+    from tiny_vlm import MERGE, PATCH, tiny_vlm_config
 
     directory = tmp_path_factory.mktemp("tiny_qwen2_5_vl")
     tiny_vlm_config("qwen2_5_vl").save_pretrained(directory)
@@ -79,8 +79,8 @@ def test_counted_state_holds_the_vision_tower_and_the_projector(model_dir: Path)
 
 
 def test_tokens_per_image_of_the_shipped_configs_follow_their_patches() -> None:
-    """Qwen2.5-VL resizes a side to a multiple of patch x merge (28 px) and merges 2 x 2 patches into one token; Qwen3-VL
-    the same with 16 px patches; Gemma 3 has a fixed count per image."""
+    """Qwen2.5-VL resizes a side to a multiple of patch x merge (28 px) and merges 2 x 2 patches into one token;
+    Qwen3-VL the same with 16 px patches; Gemma 3 has a fixed count per image."""
     from transformers import AutoConfig
 
     for name, patch in (("Qwen/Qwen2.5-VL-7B-Instruct", 14), ("Qwen/Qwen3-VL-30B-A3B-Instruct", 16)):
