@@ -67,6 +67,7 @@ from lightning_plugins.planner.intervals import mark_intervals
 from lightning_plugins.planner.measure import StepMemTracker
 from lightning_plugins.planner.meta_model import meta_model
 from lightning_plugins.planner.objective_step import run_step
+from lightning_plugins.planner.replay import MISMATCH, counted_step, replayable, without_replay
 from lightning_plugins.planner.reference_kernels import LINEAR_ATTENTION_NOTE, reference_kernels_quietly
 from lightning_plugins.planner.rank_memory import RankMemory, with_offload, with_optimizer_offload, worst_interval
 from lightning_plugins.planner.workload import Workload
@@ -97,10 +98,10 @@ def dry_runs(workloads: list[Workload]) -> list[list[RankMemory]]:
     # Longest first: a pool that starts the longest world last waits on it alone at the end (the 405B pipeline
     # recipes: the last stage's 8-layer copy, a third of the dry run, started when the other core had nothing left).
     order = sorted(range(len(calls)), key=lambda index: _expected_cost(calls[index]), reverse=True)
-    results: list[Any] = [None] * len(calls)
-    for index, result in zip(order, forked([calls[index] for index in order])):
-        results[index] = result
-    done = iter(results)
+    results = dict(zip(order, forked([calls[index] for index in order])))
+    again = [index for index, result in results.items() if MISMATCH in result]  # measured again, every micro-batch
+    results.update(zip(again, forked([without_replay(calls[index]) for index in again])))
+    done = iter([results[index] for index in range(len(calls))])
     return [_assembled(workload, kinds, rank_calls, done) for workload, kinds, rank_calls in plans]
 
 
@@ -310,7 +311,9 @@ def layers_of_rank(workload: Workload, rank: int) -> int:
     return sum(len(ranges[s]) for s in stages_of_rank(rank // (workload.world_size // pp), pp, pipeline))
 
 
-def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[str, dict[str, int]]:
+def measure_step(
+    workload: Workload, rank: int, *, count: bool = False, replay: bool = True
+) -> dict[str, dict[str, int]]:
     """Bytes by category at the peak of each phase of one training step of ``workload`` on ``rank``.
 
     Returns ``{"intervals": [peak, ...], "bounding": [peak, ...]}``, measured under ``FakeTensorMode`` in the state a
@@ -320,7 +323,8 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
     step, which is the last; without a pipeline the backward of the first two and the last two decoder layers apart
     from the interior ones; under a pipeline every stage's forward and backward of a micro-batch), each with the
     most bytes offloaded to the host during it (``"host"``, activation offload); ``"bounding"`` without the interior
-    of the layers' backward; with ``count`` also the model's ``"state"`` (:func:`_state_of`).
+    of the layers' backward; with ``count`` also the model's ``"state"`` (:func:`_state_of`). With ``replay``, a
+    pipeline's stages count the micro-batches they repeat from one they ran (:mod:`.replay`; the same intervals).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -372,7 +376,10 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
                     "ignore", message="FSDP2-wrapped module .* returned a view", category=UserWarning
                 )
                 # The run's own loss (SFT's, or the preference objective's); a pipeline's call runs backward too.
-                run_step(workload.objective, model, batch, reference)
+                step = partial(run_step, workload.objective, model, batch, reference)
+                replayed = counted_step(step, tracker, mark, replay=replay and replayable(workload))
+                if replayed is None:
+                    return {MISMATCH: True}  # dry_runs measures it again without the replay
                 mark()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -380,7 +387,7 @@ def measure_step(workload: Workload, rank: int, *, count: bool = False) -> dict[
     # Extrapolated from copies with more or fewer layers, the interior of the layers' backward is left out: its peak
     # lies between those of the second layer and the one before the last (mark_intervals), at a moment that may differ
     # between copies.
-    return {"intervals": intervals.kept(), "bounding": intervals.kept(interior=False), **counted}
+    return {"intervals": intervals.kept(), "bounding": intervals.kept(interior=False), "replayed": replayed, **counted}
 
 
 def _warmed_up(model: nn.Module) -> torch.optim.Optimizer:

@@ -200,10 +200,7 @@ class StepMemTracker(LeanMemTracker):
             ShardingPropagator._propagate_tensor_meta_non_cached = self._untracked(self._propagate)
         super().__enter__()
         if self._left_out:  # MemTracker starts from the totals: the device's share instead
-            self._peak_mem = {
-                dev: snap[_TOTAL_KEY] - sum(snap.get(reftype, 0) for reftype in self._left_out)
-                for dev, snap in self._peak_mem_snap.items()
-            }
+            self._peak_mem = {dev: self.on_device(snap) for dev, snap in self._peak_mem_snap.items()}
         return self
 
     def __exit__(self, *args: Any) -> None:
@@ -274,10 +271,14 @@ class StepMemTracker(LeanMemTracker):
         # Only the peak per device: ``MemTracker`` also updates every active module's own peak after every
         # operation, which makes a step's tracking cost grow with the square of the number of layers.
         for dev, snapshot in self._curr_mem_snap.items():
-            on_device = snapshot[_TOTAL_KEY] - sum(snapshot.get(reftype, 0) for reftype in self._left_out)
+            on_device = self.on_device(snapshot)
             if self._peak_mem.get(dev, -1) < on_device:
                 self._peak_mem[dev] = on_device
                 self._peak_mem_snap[dev] = dict(snapshot)  # {category: bytes}: a shallow copy is a full one
+
+    def on_device(self, snapshot: dict[Any, int]) -> int:
+        """The bytes of a snapshot (``{category: bytes}``) that choose the peak's moment: its total less ``left_out``."""
+        return snapshot.get(_TOTAL_KEY, 0) - sum(snapshot.get(reftype, 0) for reftype in self._left_out)
 
     def restart_peak(self) -> None:
         """Forget the peak so far: the next :meth:`by_category` ``("peak")`` covers what runs from now on."""
