@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _tiny_recipe import tiny_recipe
 from transformers import AutoTokenizer
 
 from lightning_plugins.data import DataError
@@ -29,17 +30,7 @@ KTO_METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "l
 
 
 def _recipe(tmp_path: Path, source: Path, drop: tuple[str, ...] = (), **changes: dict) -> Path:
-    raw = yaml.safe_load(source.read_text())
-    raw["model"]["path"] = str(TINY / "model")
-    raw["data"].update(train=str(TINY / raw["data"]["train"]), eval=str(TINY / raw["data"]["eval"]))
-    raw["data"]["cache_dir"] = str(tmp_path / "cache")
-    for section in drop:
-        raw.pop(section)
-    for section, values in changes.items():
-        raw.setdefault(section, {}).update(values)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
+    return tiny_recipe(tmp_path, source, drop, cache=True, **changes)
 
 
 def test_the_shipped_kto_recipe_is_one_typed_object() -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _tiny_recipe import tiny_recipe
+
 from lightning_plugins.errors import RecipeError
 from lightning_plugins.preference import PreferenceOptions
 from lightning_plugins.recipe.schema import load_recipe
@@ -20,16 +22,7 @@ RECIPE = TINY / "dpo_lora_fsdp2.yaml"
 
 
 def _recipe(tmp_path: Path, drop: tuple[str, ...] = (), **changes: dict) -> Path:
-    raw = yaml.safe_load(RECIPE.read_text())
-    raw["model"]["path"] = str(TINY / "model")
-    raw["data"].update(train=str(TINY / "data/preference_train.jsonl"), eval=str(TINY / "data/preference_eval.jsonl"))
-    for section in drop:
-        raw.pop(section)
-    for section, values in changes.items():
-        raw.setdefault(section, {}).update(values)
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
+    return tiny_recipe(tmp_path, RECIPE, drop, **changes)
 
 
 def test_the_shipped_recipe_is_one_typed_object() -> None:
