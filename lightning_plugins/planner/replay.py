@@ -261,11 +261,13 @@ class _Replay:
 
     def _check_left_alive(self, stage: PipelineStage, chunk: int) -> None:
         """Stop replaying a stage whose recorded forward left tensors alive past its backward (other than what it hands
-        on or keeps in ``loss_sums``): a replay would not hold them."""
-        for ref in self.pending.pop((stage.stage_index, chunk), ()):
-            if ref() is not None:
-                self.stopped.add(stage.stage_index)
-                break
+        on or keeps in ``loss_sums``): a replay would not hold them. Replays of it before this was known (a pipeline's
+        warm-up forwards) make the step one the replay cannot count."""
+        index = stage.stage_index
+        if any(ref() is not None for ref in self.pending.pop((index, chunk), ())):
+            if any(replayed == index for replayed, _ in self.replayed):
+                raise ReplayMismatch(f"stage {index}'s forward left tensors alive past its backward")
+            self.stopped.add(index)
 
     def _record(self, stage: PipelineStage, run: Callable[[], Any]) -> tuple[Any, _Window, list]:
         tracker = self.tracker
