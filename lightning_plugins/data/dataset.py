@@ -42,7 +42,7 @@ def _detect_format(config: DataConfig, source: Source) -> str:
         )
     if config.format != "auto":
         needed = NEEDED[config.format]
-        if not needed <= columns or (config.format == "unpaired") == bool({"chosen", "rejected"} & columns):
+        if not needed <= columns or (config.format == "unpaired" and {"chosen", "rejected"} & columns):
             raise DataError(
                 f"data.{source.key}: {source.where(0)} is {_kind(columns)}, but data.format={config.format!r} needs"
                 f" {sorted(needed)} in every record. Point data.{source.key} at records of that kind, or change"

@@ -273,6 +273,8 @@ def test_every_loading_path_gives_the_same_rows(tmp_path: Path, tokenizer: Any, 
 
 def test_format_detection_and_mismatch(tmp_path: Path, tokenizer: Any) -> None:
     path = _write_jsonl(tmp_path / "d.jsonl", PROMPTS)
+    named = build_dataset(DataConfig(train=str(path), format="prompt_completion"), tokenizer, "train")
+    assert _rows(named) == _rows(build_dataset(DataConfig(train=str(path)), tokenizer, "train"))  # named = detected
     with pytest.raises(DataError, match=r"data.format='chat' needs \['messages'\]"):
         build_dataset(DataConfig(train=str(path), format="chat"), tokenizer, "train")
     other = _write_jsonl(tmp_path / "o.jsonl", [{"text": "abc"}])
