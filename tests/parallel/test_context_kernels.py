@@ -7,8 +7,9 @@ document pieces and, in the ``-per-document`` cases, one SDPA call per document)
 fp32.
 Starting ranks is the slow part (seconds each), so a single gloo world of 4 ranks runs every case at
 every cp size: cp=4 on the world, cp=2 on the two sub-groups {0, 1} and {2, 3} (whose group ranks differ
-from their global ranks, as in a real cp sub-mesh), cp=1 on one-rank groups. Each rank writes its
-measured errors to a file; the tests below assert on them, one test per case and cp size.
+from their global ranks, as in a real cp sub-mesh), cp=1 on one-rank groups. The single-process references (most of
+the work) are computed once, each by one rank, and broadcast. Each rank writes its measured errors to a file; the
+tests below assert on them, one test per case and cp size.
 """
 
 from __future__ import annotations
@@ -228,30 +229,76 @@ def _reference(
     return grads if sinks is None else (*grads, sinks.grad)
 
 
-def _run_case(case: Case, group: dist.ProcessGroup) -> dict[str, float]:
-    cp = dist.get_world_size(group)
-    cp_rank = dist.get_rank(group)
-    dtype = DTYPES[case.dtype]
-    seq = case.seq
+def _seq_at(case: Case, cp: int) -> int:
+    """The case's sequence length at ``cp``: its real length padded as pad_for_context_parallel pads it."""
     valid = case.real_len or case.seq
-    if valid != case.seq:
-        ids = torch.zeros(1, valid, dtype=torch.long)
-        padded = pad_for_context_parallel(ids, None, None, cp, pad_id=0, load_balanced=case.load_balanced)
-        seq = padded.input_ids.shape[-1]
+    if valid == case.seq:
+        return case.seq
+    ids = torch.zeros(1, valid, dtype=torch.long)
+    return pad_for_context_parallel(ids, None, None, cp, pad_id=0, load_balanced=case.load_balanced).input_ids.shape[-1]
 
-    torch.manual_seed(0)  # the same full tensors on every rank
+
+def _inputs(case: Case, seq: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v, the output's gradient, the document starts and the sinks (None if unused): the same on every rank."""
+    torch.manual_seed(0)
+    dtype = DTYPES[case.dtype]
     q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, dtype=torch.float64)
     k, v = (torch.randn(BATCH, case.kv_heads, seq, HEAD_DIM, dtype=torch.float64) for _ in range(2))
     grad = torch.randn(BATCH, HEADS, seq, HEAD_DIM, dtype=torch.float64)
-    grad[:, :, valid:] = 0  # a loss with ignored pad labels sends no gradient into pad rows
+    grad[:, :, case.real_len or case.seq :] = 0  # a loss with ignored pad labels sends no gradient into pad rows
     q, k, v, grad = (t.to(dtype) for t in (q, k, v, grad))
-    # bf16 is judged against the exact answer (fp64 reference); the others against SDPA in their dtype.
-    ref_dtype = torch.float64 if dtype == torch.bfloat16 else dtype
     starts = _document_starts(DOCUMENTS if case.seq == SEQ else LONG_DOCUMENTS) if case.packed else None
-    mask = None if starts is None else _document_mask(starts)
     sinks = torch.randn(HEADS, dtype=torch.float64).to(dtype) if case.sinks else None
+    return q, k, v, grad, starts, sinks
+
+
+def _case_reference(case: Case, seq: int) -> tuple[torch.Tensor, ...]:
+    """:func:`_reference` of the case's inputs: bf16 is judged against the exact answer (fp64 reference), the others
+    against SDPA in their dtype."""
+    q, k, v, grad, starts, sinks = _inputs(case, seq)
+    ref_dtype = torch.float64 if case.dtype == "bfloat16" else DTYPES[case.dtype]
+    mask = None if starts is None else _document_mask(starts)
     ref_sinks = None if sinks is None else sinks.to(ref_dtype).requires_grad_()
-    ref = _reference(*(t.to(ref_dtype) for t in (q, k, v, grad)), case.causal, valid, mask, case, ref_sinks)
+    return _reference(*(t.to(ref_dtype) for t in (q, k, v, grad)), case.causal, case.real_len or case.seq, mask, case,
+                      ref_sinks)  # fmt: skip
+
+
+def _shared_references(rank: int, world_size: int) -> dict[tuple[str, int], tuple[torch.Tensor, ...]]:
+    """Every case's reference at every sequence length it runs at, each computed by one rank and broadcast: the
+    reference does not depend on the rank or on cp, and computing it is most of the world's work."""
+    # Longest first, dealt in turn: the ranks' shares of the work come out about even.
+    keys = sorted({(case, _seq_at(case, cp)) for cp in CP_SIZES for case in CASES + BF16_CASES},
+                  key=lambda key: (-key[1], key[0].name))  # fmt: skip
+    own = {key: tuple(t.contiguous() for t in _case_reference(*key))
+           for index, key in enumerate(keys) if index % world_size == rank}  # fmt: skip
+    references = {}
+    for index, (case, seq) in enumerate(keys):
+        if (case, seq) in own:
+            reference = own[case, seq]
+        else:  # tensors of the reference's shapes and dtypes, filled by the broadcast
+            reference = tuple(torch.empty_like(t) for t in _reference_like(case, seq))
+        for tensor in reference:
+            dist.broadcast(tensor, src=index % world_size)
+        references[case.name, seq] = reference
+    return references
+
+
+def _reference_like(case: Case, seq: int) -> tuple[torch.Tensor, ...]:
+    """Tensors shaped as :func:`_case_reference`'s: out, dq, dk, dv (and dsinks)."""
+    q, k, _, _, _, sinks = _inputs(case, seq)
+    ref_dtype = torch.float64 if case.dtype == "bfloat16" else DTYPES[case.dtype]
+    like = (q, q, k, k) if sinks is None else (q, q, k, k, sinks)
+    return tuple(t.to(ref_dtype) for t in like)
+
+
+def _run_case(case: Case, group: dist.ProcessGroup, ref: tuple[torch.Tensor, ...]) -> dict[str, float]:
+    """The kernel on ``group`` against ``ref`` (:func:`_case_reference` of the case at this cp's length)."""
+    cp = dist.get_world_size(group)
+    cp_rank = dist.get_rank(group)
+    dtype = DTYPES[case.dtype]
+    seq = _seq_at(case, cp)
+    valid = case.real_len or case.seq
+    q, k, v, grad, starts, sinks = _inputs(case, seq)
 
     if case.load_balanced:
         positions = load_balanced_indices(seq, cp_rank, cp)
@@ -335,10 +382,12 @@ def _cp_group(rank: int, world_size: int, cp: int) -> dist.ProcessGroup:
 
 
 def _world(rank: int, world_size: int, out_dir: str) -> None:
+    references = _shared_references(rank, world_size)
     results = {}
     for cp in CP_SIZES:
         group = _cp_group(rank, world_size, cp)
-        results[cp] = {case.name: _run_case(case, group) for case in CASES + BF16_CASES}
+        results[cp] = {case.name: _run_case(case, group, references[case.name, _seq_at(case, cp)])
+                       for case in CASES + BF16_CASES}  # fmt: skip
         results[cp]["ulysses-layout"] = _run_ulysses_layout_checks(group)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
