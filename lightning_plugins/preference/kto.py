@@ -21,6 +21,8 @@ adapters disabled under LoRA, else a frozen copy.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -28,23 +30,25 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.errors import OptionsError
 from lightning_plugins.preference.logps import SequenceLogps, sequence_logps
-from lightning_plugins.preference.losses import kto_losses
+from lightning_plugins.preference.losses import PairLosses, kto_losses
 from lightning_plugins.preference.objective import PreferenceObjective, global_mean
 from lightning_plugins.preference.options import PreferenceOptions
 
 __all__ = ["KL_PREFIX", "KTOObjective"]
 
-#: The batch keys of the KL rows: ``kl_input_ids``, ``kl_attention_mask``, ``kl_labels``.
+#: The batch keys of the KL rows: ``kl_input_ids``, ``kl_attention_mask``, ``kl_labels`` (under context parallelism
+#: their shards: :func:`~lightning_plugins.parallel.context.shard_batch_for_context_parallel` shards them alike).
 KL_PREFIX = "kl_"
-_ROW_KEYS = ("input_ids", "attention_mask", "labels")
+#: A row's keys (and, prefixed, its KL row's): as collated, or as context parallelism shards them.
+_ROW_KEYS = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
 
 
-def _sums(values: list[Tensor], mesh: DeviceMesh | None) -> list[float]:
-    """The sums of ``values`` over the data ranks (one all-reduce), as floats."""
+def _sums(values: list[Tensor], mesh: DeviceMesh | None) -> Tensor:
+    """The sums of ``values`` over the data ranks (one all-reduce), detached, in fp64."""
     sums = torch.stack([value.detach().double().sum() for value in values])
     if mesh is not None and mesh.size() > 1:
         dist.all_reduce(sums, group=mesh.get_group())
-    return sums.tolist()
+    return sums
 
 
 class KTOObjective(PreferenceObjective):
@@ -65,15 +69,49 @@ class KTOObjective(PreferenceObjective):
         self.options, self.reference, self.checkpoint_dir = options, reference, checkpoint_dir
 
     def __call__(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        missing = [key for key in ("label", f"{KL_PREFIX}input_ids", f"{KL_PREFIX}labels") if key not in batch]
-        if missing:
-            raise ValueError(f"a KTO batch (collate_unpaired) holds rows, KL rows and labels; {missing} missing.")
+        return self.from_kto_logps(*self.forwards(model, batch), batch["label"])
+
+    def forwards(
+        self, model: nn.Module, batch: dict[str, Tensor]
+    ) -> tuple[SequenceLogps, SequenceLogps, SequenceLogps, SequenceLogps]:
+        """The four forwards of a step, in the order they run: the policy's of the KL rows (no gradient), the
+        reference's of the rows and of the KL rows, then the policy's of the rows (with gradient). Returned as
+        ``policy, reference, policy_kl, reference_kl``."""
+        missing = [key for key in ("label", f"{KL_PREFIX}input_ids") if key not in batch]
+        if missing or not {"labels", "shift_labels"} & set(batch):
+            raise ValueError(
+                f"a KTO batch (collate_unpaired) holds rows, KL rows and labels; {missing or ['labels']} missing."
+            )
         rows = {key: batch[key] for key in _ROW_KEYS if key in batch}
         kl_rows = {key: batch[KL_PREFIX + key] for key in _ROW_KEYS if KL_PREFIX + key in batch}
         with torch.no_grad():
             policy_kl = sequence_logps(model, kl_rows, router_loss=False)
         reference, reference_kl = self.reference_logps(model, rows), self.reference_logps(model, kl_rows)
-        return self.from_kto_logps(sequence_logps(model, rows), reference, policy_kl, reference_kl, batch["label"])
+        return sequence_logps(model, rows), reference, policy_kl, reference_kl
+
+    def loss_of(
+        self,
+        policy: SequenceLogps,
+        reference: SequenceLogps,
+        policy_kl: SequenceLogps,
+        reference_kl: SequenceLogps,
+        label: Tensor,
+    ) -> tuple[Tensor, Tensor, PairLosses]:
+        """The loss (this rank's share of the global mean, the router loss added), the KL estimate and each row's
+        rewards, in tensors only: nothing is read back to the host (so a dry run on fake tensors runs it too)."""
+        options, mesh = self.options, policy.data_mesh
+        good = label.to(policy.logps.device).bool()
+        kl_sum, kl_rows = _sums([policy_kl.logps - reference_kl.logps, torch.ones_like(policy_kl.logps)], mesh)
+        kl = (kl_sum / kl_rows.clamp(min=1.0)).clamp(min=0.0).to(policy.logps.dtype)
+        # TRL's two formulas, each taken where the row's label says (TRL: on the desirable rows, the undesirable rows).
+        every = kto_losses(policy.logps, policy.logps, reference.logps, reference.logps, kl, options.beta,
+                           options.desirable_weight, options.undesirable_weight)  # fmt: skip
+        desirable, undesirable = every.losses.chunk(2)
+        losses = replace(every, losses=torch.where(good, desirable, undesirable))
+        loss = global_mean(losses.losses.sum(), torch.tensor(label.numel(), device=good.device), mesh)
+        if policy.aux_loss is not None and policy.aux_coef:  # TRL: the policy's router balance loss, weighted
+            loss = loss + policy.aux_coef * policy.aux_loss
+        return loss, kl, losses
 
     def from_kto_logps(
         self,
@@ -84,18 +122,13 @@ class KTOObjective(PreferenceObjective):
         label: Tensor,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss and metrics of log-probabilities already computed (``label``: ``True`` for a desirable row)."""
-        options, mesh = self.options, policy.data_mesh
+        loss, kl, losses = self.loss_of(policy, reference, policy_kl, reference_kl, label)
         good = label.to(policy.logps.device).bool()
-        kl_sum, kl_rows = _sums([policy_kl.logps - reference_kl.logps, torch.ones_like(policy_kl.logps)], mesh)
-        kl = policy.logps.new_tensor(max(kl_sum / max(kl_rows, 1.0), 0.0))
-        losses = kto_losses(policy.logps[good], policy.logps[~good], reference.logps[good], reference.logps[~good],
-                            kl, options.beta, options.desirable_weight, options.undesirable_weight)  # fmt: skip
-        loss = global_mean(losses.losses.sum(), torch.tensor(label.numel(), device=good.device), mesh)
         sums = _sums(
-            [losses.chosen_rewards, policy.logps[good], good.float(), losses.rejected_rewards, policy.logps[~good],
-             (~good).float(), policy.logit_sums[good], policy.tokens[good], policy.logit_sums[~good],
-             policy.tokens[~good]], mesh,
-        )  # fmt: skip
+            [losses.chosen_rewards[good], policy.logps[good], good.float(), losses.rejected_rewards[~good],
+             policy.logps[~good], (~good).float(), policy.logit_sums[good], policy.tokens[good],
+             policy.logit_sums[~good], policy.tokens[~good]], policy.data_mesh,
+        ).tolist()  # fmt: skip
         metrics: dict[str, Tensor] = {"kl": kl.detach()}
         value = policy.logps.new_tensor
         if sums[2] > 0:
@@ -108,7 +141,6 @@ class KTOObjective(PreferenceObjective):
             metrics["logits/chosen"] = value(sums[6] / sums[7])
         if sums[9] > 0:
             metrics["logits/rejected"] = value(sums[8] / sums[9])
-        if policy.aux_loss is not None and policy.aux_coef:  # TRL: the policy's router balance loss, weighted
-            loss = loss + policy.aux_coef * policy.aux_loss
+        if policy.aux_loss is not None and policy.aux_coef:
             metrics["aux_loss"] = policy.aux_loss.detach()
         return loss, metrics

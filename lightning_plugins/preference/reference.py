@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_plugins.checkpoint.load import checkpoint_dir_of, load_sharded_safetensors
+from lightning_plugins.parallel.context.wiring import wrapped_attention
 from lightning_plugins.parallel.fsdp import reshard_gathered as reshard
 from lightning_plugins.parallel.hf_model import hf_model_of
 from lightning_plugins.parallel.mesh import mesh_of
@@ -55,10 +56,11 @@ def frozen_reference(policy: nn.Module, checkpoint_dir: str | Path | None = None
     first = next(policy.parameters())
     config = copy.deepcopy(policy.config)
     config.use_cache = False
+    # Under CP the policy's attention is the context-parallel wrapper; the copy starts from what it wraps, and
+    # parallelize wraps it again.
+    attention = wrapped_attention(policy) or policy.config._attn_implementation
     with torch.device("meta"):
-        reference = AutoModelForCausalLM.from_config(
-            config, dtype=first.dtype, attn_implementation=policy.config._attn_implementation
-        )
+        reference = AutoModelForCausalLM.from_config(config, dtype=first.dtype, attn_implementation=attention)
     mesh = mesh_of(policy)
     if mesh is not None:
         options, memory = getattr(policy, SETTINGS_ATTR, (None, None))

@@ -13,6 +13,11 @@ mode, several chunks), or without chunking the (vocab-sharded, under loss parall
 large coefficient, added as TRL adds it (one process: transformers' own ``aux_loss``; expert parallel: the global
 batch's). Compared: per-step losses and pre-clip gradient norms, TRL's metrics of every micro-batch, and the final
 adapters, to 1e-5.
+
+Also: a full fine-tune against its frozen reference copy (FSDP2, TP, CP ring; slow: CP Ulysses and EP on the MoE,
+whose experts the copy splits as the policy's), and KTO with LoRA (its rows, their KL rows, desirable or not; the KL
+estimate never clamped to 0 here) under FSDP2, TP, CP ring (each KL row sharded as its row is); slow: CP Ulysses, EP
+with the router loss, CP x TP.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,9 +54,9 @@ OBJECTIVE = PreferenceOptions(method="dpo", beta=0.5)
 TP2, CP2 = {"tp_size": 2}, {"cp_size": 2}
 #: LoRA on the routed experts' fused 3-D weights (peft's target_parameters), besides attention.
 EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-# world size -> name -> (family, layout sizes, parallel/memory settings)
+# world -> name -> (family, layout sizes, parallel/memory settings); a world's size is its name's number.
 CASES = {
-    2: {
+    "2": {
         "fsdp2 chunked": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
         "tp2 sp+lp chunked": ("llama", TP2, {"loss_chunk_tokens": 7}),
         "tp2 sp+lp logits": ("llama", TP2, {"loss_chunk_tokens": None}),
@@ -61,16 +67,29 @@ CASES = {
         # the policy and loaded sharded (frozen_reference); one process's is a plain copy of the model.
         "fsdp2 full ft frozen reference": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
         "tp2 sp+lp full ft frozen reference": ("llama", TP2, {"loss_chunk_tokens": None}),
+        "cp2 ring full ft frozen reference": ("llama", CP2, {"cp_backend": "ring", "loss_chunk_tokens": 7}),
         # QLoRA: the reference is the NF4 base with the adapters disabled; one process trains the same NF4 model.
         "fsdp2 qlora nf4 chunked": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
-        # KTO (unpaired rows, their KL rows, desirable or not) with LoRA: its KL estimate and loss are global means.
+        # KTO (unpaired rows, their KL rows, desirable or not) with LoRA: its KL estimate and loss are global means;
+        # under CP each KL row is sharded as its row is (shard_batch_for_context_parallel's kl_ keys).
         "fsdp2 kto chunked": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
+        "tp2 sp+lp kto logits": ("llama", TP2, {"loss_chunk_tokens": None}),
+        "cp2 ring kto chunked": ("llama", CP2, {"cp_backend": "ring", "loss_chunk_tokens": 7}),
+    },
+    # The same 2 ranks, slow: the other CP backend and the mixture of experts under KTO, and the experts' full
+    # fine-tune (its frozen reference's experts split over the ep ranks as the policy's).
+    "2 slow": {
+        "cp2 ulysses kto logits": ("llama", CP2, {"cp_backend": "ulysses", "loss_chunk_tokens": None}),
+        "qwen3_moe ep2 kto router loss": ("qwen3_moe", {"ep_size": 2}, {"loss_chunk_tokens": 7}),
+        "qwen3_moe ep2 full ft frozen reference": ("qwen3_moe", {"ep_size": 2}, {"loss_chunk_tokens": 7}),
+        "cp2 ulysses full ft frozen reference": ("llama", CP2, {"cp_backend": "ulysses", "loss_chunk_tokens": None}),
     },
     # Compositions (slow): a row's log-probability summed over cp shards of vocab-sharded chunks, and the experts
     # split over 2 ranks and FSDP2-sharded over the other 2 (ep2 inside dp_shard 4), one pair a data rank.
-    4: {
+    "4": {
         "cp2 x tp2 sp+lp ring chunked": ("llama", {**CP2, **TP2}, {"cp_backend": "ring", "loss_chunk_tokens": 7}),
         "qwen3_moe ep2 x fsdp4 router loss": ("qwen3_moe", {"ep_size": 2, "dp_shard_size": 4}, {}),
+        "cp2 x tp2 sp+lp kto ring chunked": ("llama", {**CP2, **TP2}, {"cp_backend": "ring", "loss_chunk_tokens": 7}),
     },
 }
 
@@ -79,26 +98,30 @@ FULL = {name for cases in CASES.values() for name in cases if "full ft" in name}
 #: Cases that train KTO on unpaired examples instead of DPO on pairs.
 KTO_CASES = {name for cases in CASES.values() for name in cases if "kto" in name}
 KTO = PreferenceOptions(method="kto", beta=0.5, desirable_weight=1.3, undesirable_weight=0.7)
+#: The KL rows' tokens: with them every KTO case's KL estimate is above 0 (not clamped) in every micro-batch.
+KL_SEED = 13
 #: Cases whose base is NF4 (QLoRA, torchao).
 QLORA = {name for cases in CASES.values() for name in cases if "qlora" in name}
 
 
 def full_model(family: str) -> torch.nn.Module:
-    model = tiny_model(family)
-    model.config.use_cache = False
-    return model
-
-
-def lora_model(family: str, quantize: bool = False) -> torch.nn.Module:
     if family == "qwen3_moe":  # the router's balance loss on, weighted enough that a wrong reduction shows
         torch.manual_seed(0)
         config = CONFIGS[family]()
         config.output_router_logits, config.router_aux_loss_coef = True, 0.5
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    else:
+        model = tiny_model(family)
+    model.config.use_cache = False
+    return model
+
+
+def lora_model(family: str, quantize: bool = False) -> torch.nn.Module:
+    model = full_model(family)
+    if family == "qwen3_moe":
         options = LoraOptions(r=4, alpha=8, target_modules=("q_proj", "v_proj"), target_parameters=EXPERT_WEIGHTS)
     else:
-        model, options = tiny_model(family), LoraOptions(r=4, alpha=8, quantize="nf4" if quantize else "none")
-    model.config.use_cache = False
+        options = LoraOptions(r=4, alpha=8, quantize="nf4" if quantize else "none")
     torch.manual_seed(1)
     model = apply_lora(model, options)
     gen = torch.Generator().manual_seed(2)
@@ -116,7 +139,8 @@ def _pairs(vocab: int, step: int, micro: int) -> dict[str, torch.Tensor]:
 
 def _unpaired(vocab: int, step: int, micro: int) -> dict[str, torch.Tensor]:
     """2 * PAIRS unpaired rows with their KL rows (as collate_unpaired lays them out) and labels, mixed."""
-    rows, kl = make_batch(2 * PAIRS, SEQ, vocab, seed=100 * step + micro), make_batch(2 * PAIRS, SEQ, vocab, seed=7)
+    rows = make_batch(2 * PAIRS, SEQ, vocab, seed=100 * step + micro)
+    kl = make_batch(2 * PAIRS, SEQ, vocab, seed=KL_SEED)
     label = torch.tensor([i % 3 != 1 for i in range(2 * PAIRS)])
     return {**rows, **{f"kl_{key}": value for key, value in kl.items()}, "label": label}
 
@@ -174,7 +198,7 @@ def _run_case(
     objective = PreferenceObjective(OBJECTIVE, checkpoint_dir=checkpoint) if checkpoint is not None else None
     objective = KTOObjective(KTO) if kto else objective
     history, metrics = _train(model, _rows_of_rank(model), clip_grad_norm_, objective)
-    layout = _reference_layout(objective, model) if checkpoint is not None else {}
+    layout = _reference_layout(objective, model, family) if checkpoint is not None else {}
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in adapters.items()}
     start = {n: p.detach() for n, p in build(family).named_parameters() if p.requires_grad}
@@ -186,15 +210,16 @@ def _run_case(
         "names_match": [sorted(got) for got in metrics] == [sorted(want) for want in want_metrics],
         "adapter_diff": max((full[n] - want_adapters[n]).abs().max().item() for n in want_adapters),
         "adapter_change": max((want_adapters[n] - start[n]).abs().max().item() for n in start),
+        "smallest_kl": min(got.get("kl", 0.0) for got in metrics),  # KTO: its KL estimate, clamped at 0
         **layout,
         "nf4_weights": sum(is_nf4(p) for p in model.parameters()),
     }
 
 
-def _reference_layout(objective: PreferenceObjective, model: torch.nn.Module) -> dict:
+def _reference_layout(objective: PreferenceObjective, model: torch.nn.Module, family: str) -> dict:
     """How the frozen reference sits next to the policy: same placements and local shapes, nothing trainable, its
     weights still the starting ones."""
-    reference, start = objective.reference, dict(full_model("llama").named_parameters())
+    reference, start = objective.reference, dict(full_model(family).named_parameters())
     policy = dict(model.named_parameters())
     mine = dict(reference.named_parameters())
     differ = [
@@ -217,31 +242,35 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
-def _world(rank: int, world_size: int, out_dir: str) -> None:
-    checkpoint = Path(out_dir, "starting_checkpoint")
-    if rank == 0:  # the full fine-tune's starting checkpoint, which its frozen reference is read from
-        full_model("llama").save_pretrained(checkpoint)
+def _world(rank: int, world_size: int, out_dir: str, world: str) -> None:
+    cases = CASES[world]
+    if rank == 0:  # the full fine-tunes' starting checkpoints, which their frozen references are read from
+        for family in {family for name, (family, _, _) in cases.items() if name in FULL}:
+            full_model(family).save_pretrained(Path(out_dir, f"start_{family}"))
     dist.barrier()
-    results = {
-        name: _run_case(*case, checkpoint if name in FULL else None, name in QLORA, name in KTO_CASES)
-        for name, case in CASES[world_size].items()
-    }
+    results = {}
+    for name, (family, sizes, settings) in cases.items():
+        began = time.perf_counter()
+        results[name] = _run_case(family, sizes, settings, Path(out_dir, f"start_{family}") if name in FULL else None,
+                                  name in QLORA, name in KTO_CASES)  # fmt: skip
+        results[name]["seconds"] = time.perf_counter() - began  # what each case costs the world
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
 @functools.cache
-def _results(world_size: int) -> list[dict]:
-    return world_json(_world, world_size)
+def _results(world: str) -> list[dict]:
+    return world_json(functools.partial(_world, world=world), int(world.split()[0]))
 
 
 @pytest.mark.parametrize(
-    ("world_size", "name"),
-    [pytest.param(size, name, marks=[pytest.mark.slow] if size > 2 else []) for size in CASES for name in CASES[size]],
+    ("world", "name"),
+    [pytest.param(world, name, marks=[pytest.mark.slow] if world != "2" else []) for world in CASES
+     for name in CASES[world]],
     ids=str,
-)
-def test_dpo_matches_one_process(world_size: int, name: str) -> None:
-    family, _, settings = CASES[world_size][name]
-    for rank, result in enumerate(_results(world_size)):
+)  # fmt: skip
+def test_dpo_matches_one_process(world: str, name: str) -> None:
+    family, _, settings = CASES[world][name]
+    for rank, result in enumerate(_results(world)):
         where = (name, rank, result[name])
         assert result[name]["history_diff"] <= TOL and result[name]["metrics_diff"] <= TOL, where
         assert result[name]["adapter_diff"] <= TOL, where
@@ -254,6 +283,8 @@ def test_dpo_matches_one_process(world_size: int, name: str) -> None:
             assert result[name]["layout_differs"] == [] and result[name]["frozen"], where
             assert result[name]["reference_diff"] == 0.0, where
         assert ("kl" in result[name]["metric_names"]) == (name in KTO_CASES), where  # KTO logs its KL estimate
+        if name in KTO_CASES:  # and the KL term is live (never clamped to 0), so its parity means something
+            assert result[name]["smallest_kl"] > 100 * TOL, where
         if name in QLORA:  # the base stayed 4-bit under FSDP2
             assert result[name]["nf4_weights"] > 0, where
 

@@ -25,6 +25,9 @@ from lightning_plugins.parallel.loss import IGNORE_INDEX
 
 # Keys of a batch that hold one entry per sequence position and that sharding knows how to split.
 _SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
+#: The prefix of a second set of rows that travels with the batch's own, each row with its own (KTO's KL rows:
+#: ``kl_input_ids``, ``kl_attention_mask``, ``kl_labels``): sharded as a batch of their own, their keys kept prefixed.
+COMPANION_PREFIX = "kl_"
 
 
 def shard_batch_for_context_parallel(
@@ -55,7 +58,8 @@ def shard_batch_for_context_parallel(
 
     Args:
         batch: ``input_ids [B, S]`` and optionally ``labels``, ``shift_labels``, ``attention_mask``,
-            ``position_ids``; other keys pass through unchanged unless they look sequence-shaped.
+            ``position_ids``; other keys pass through unchanged unless they look sequence-shaped. Keys prefixed
+            ``kl_`` (:data:`COMPANION_PREFIX`: KTO's KL rows) are a second batch, sharded alike on its own.
         cp_rank: This rank's index in the cp group.
         cp_size: Context-parallel ranks.
         pad_to_multiple_of: Pad the sequence to a multiple of this (a multiple of ``2 * cp_size``;
@@ -74,6 +78,8 @@ def shard_batch_for_context_parallel(
     multiple = pad_to_multiple_of or 2 * cp_size
     if multiple % (2 * cp_size):
         raise ValueError(f"pad_to_multiple_of={multiple} must be a multiple of 2 * cp_size = {2 * cp_size}.")
+    if isinstance(batch, Mapping) and any(str(key).startswith(COMPANION_PREFIX) for key in batch):
+        return _with_companion(batch, cp_rank, cp_size, multiple, pad_token_id, ignore_index)
     if holds_images(batch):  # an image-text model shards it once its images are placed (image_text_context)
         return shard_image_text_batch(batch, cp_rank, cp_size, multiple, pad_token_id, ignore_index)
     batch = without_image_types(batch)  # an image-text model's batch without images: a text batch
@@ -101,6 +107,23 @@ def shard_batch_for_context_parallel(
         input_ids, positions, labels, shift_labels, multiple, cp_rank, cp_size, pad_token_id, ignore_index
     )
     return out | shards
+
+
+def _with_companion(
+    batch: Mapping[str, Any], cp_rank: int, cp_size: int, multiple: int, pad_token_id: int, ignore_index: int
+) -> dict[str, Any]:
+    """The batch's shards and its companion rows' (keys prefixed :data:`COMPANION_PREFIX`), each sharded on its own."""
+    size = len(COMPANION_PREFIX)
+    parts = (
+        {key: value for key, value in batch.items() if not key.startswith(COMPANION_PREFIX)},
+        {key[size:]: value for key, value in batch.items() if key.startswith(COMPANION_PREFIX)},
+    )
+    own, companion = (
+        shard_batch_for_context_parallel(part, cp_rank, cp_size, pad_to_multiple_of=multiple,
+                                         pad_token_id=pad_token_id, ignore_index=ignore_index)
+        for part in parts
+    )  # fmt: skip
+    return own | {COMPANION_PREFIX + key: value for key, value in companion.items()}
 
 
 def _checked_input_ids(batch: Mapping[str, Any]) -> Tensor:

@@ -98,6 +98,16 @@ def apply_context_parallel(model: Any, layers: Any, cp_mesh: Any, backend: str =
     )
 
 
+def wrapped_attention(model: Any) -> Optional[str]:
+    """The attention implementation that context parallelism runs inside ``model``'s (the one it had before
+    :func:`apply_context_parallel`), or ``None`` when ``model`` is not context parallel."""
+    for module in model.modules():
+        state = getattr(module, _STATE_ATTR, None)
+        if isinstance(state, _AttentionState):
+            return state.inner
+    return None
+
+
 def context_parallel_attention(
     module: Any,
     query: Tensor,
