@@ -25,6 +25,12 @@ from lightning_plugins.data.tiny import tiny_assets
 from lightning_plugins.parallel.layout import ParallelLayout
 from lightning_plugins.parallel.pipeline import PipelineOptions
 from lightning_plugins.recipe.schema import Recipe, apply_override, load_recipe
+from lightning_plugins.recipe.tiny_image_text import (
+    TINY_VLM_SEQ_LEN,
+    tiny_image_text_config,
+    tiny_image_text_data,
+    write_image_text_model,
+)
 from lightning_plugins.errors import RecipeError
 
 #: CPU processes at most: each parallel dimension of the recipe is kept at 2 ranks within this world.
@@ -157,22 +163,22 @@ def shrink_recipe(path: str | Path, out_dir: str | Path, *, steps: int = 20, ove
 
     path, out = Path(path), Path(out_dir)
     recipe = load_recipe(path, overrides)
-    if recipe.data.format == "image_text":
-        raise RecipeError(
-            f"{path}: no tiny twin of an image-text recipe yet (a twin needs a tiny model of the family with its"
-            " processor). Its kinds of layout train tiny in recipes/tiny/vlm_fsdp2.yaml (FSDP2) and vlm_tp2.yaml (TP);"
-            " check its real size with lightning-plugins plan."
-        )
+    images = recipe.data.format == "image_text"
     try:
-        config = load_model_config(recipe.model.path)
+        config = load_model_config(recipe.model.path, multimodal=images)
     except PlannerError as err:
         raise RecipeError(f"{path}: model.path: {err}") from None
+    if images:  # the whole image-text model, its processor and images (recipe/tiny_image_text.py)
+        config = tiny_image_text_config(config, tiny_config(config.text_config, 2), path)
     layout = tiny_layout(recipe.layout)
     stages = layout.pp_size * (
         PipelineOptions.of(recipe.parallel).resolve(layout.pp_size).stages_per_rank if layout.pp_size > 1 else 1
     )
     out.mkdir(parents=True, exist_ok=True)
-    _write_model(tiny_config(config, max(2, stages)), out / "model", recipe.train.seed)
+    if images:
+        write_image_text_model(config, out / "model", recipe.train.seed)
+    else:
+        _write_model(tiny_config(config, max(2, stages)), out / "model", recipe.train.seed)
     raw = yaml.safe_load(path.read_text())
     for override in overrides:  # the user's overrides, then the twin's own settings
         apply_override(raw, override, path)
@@ -216,10 +222,10 @@ def _tiny_settings(recipe: Recipe, layout: ParallelLayout, steps: int, out: Path
         "model.dtype": "fp32",
         # eager stays eager (gpt-oss: attention sinks, no SDPA in transformers); a GPU kernel becomes SDPA on CPU
         "model.attn_implementation": "eager" if recipe.model.attn_implementation == "eager" else "sdpa",
-        "data.train": str(_head(_tiny_data(recipe, "train"), out, "train")),
-        "data.eval": str(_head(_tiny_data(recipe, "eval"), out, "eval")),
+        "data.train": str(_tiny_rows(recipe, "train", out)),
+        "data.eval": str(_tiny_rows(recipe, "eval", out)),
         "data.eval_fraction": 0.0,
-        "data.max_seq_len": TINY_SEQ_LEN,
+        "data.max_seq_len": TINY_VLM_SEQ_LEN if recipe.data.format == "image_text" else TINY_SEQ_LEN,
         "layout": {
             name: getattr(layout, name)
             for name in ("tp_size", "pp_size", "cp_size", "dp_shard_size", "dp_replicate_size", "ep_size")
@@ -245,6 +251,13 @@ def _tiny_settings(recipe: Recipe, layout: ParallelLayout, steps: int, out: Path
         "hardware": {"accelerator": "cpu", "devices": world, "nodes": 1},
     }
     return settings
+
+
+def _tiny_rows(recipe: Recipe, split: str, out: Path) -> Path:
+    """The twin's ``split`` file under ``out/data``: the first :data:`TINY_RECORDS` records of the shipped tiny data."""
+    if recipe.data.format == "image_text":
+        return tiny_image_text_data(split, TINY_RECORDS[split], out)
+    return _head(_tiny_data(recipe, split), out, split)
 
 
 def _tiny_data(recipe: Recipe, split: str) -> Path:
