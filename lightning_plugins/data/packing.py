@@ -248,7 +248,7 @@ def make_collator(
 #: Attention implementations whose masks transformers builds from packed ``position_ids`` in any batch.
 _PACKING_ATTENTION = ("sdpa", "eager", "flex_attention")
 #: Flash attention, which keeps packed samples apart in any batch given their lengths (:func:`varlen_lengths`).
-_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
 def check_packing_attention(implementation: str | None, varlen: bool = False, device: str | None = None) -> None:
@@ -261,15 +261,16 @@ def check_packing_attention(implementation: str | None, varlen: bool = False, de
         implementation: The model's attention implementation.
         varlen: Whether the batches carry their samples' lengths (``make_collator(..., varlen=True)``): then flash
             attention 2/3 keep the samples apart through their variable-length kernel, on CUDA.
-        device: The model's device type, when known (flash attention runs on CUDA only).
+        device: The device type the model trains on, when known (flash attention runs on CUDA only; ``"meta"``: not
+            known yet).
 
     Raises:
         DataError: for anything but sdpa, eager or flex attention, or flash attention 2/3 given ``varlen`` on
             CUDA. Without the lengths flash attention finds packed samples only in a batch of one row
             (``modeling_flash_attention_utils._is_packed_sequence``) and attends across them otherwise.
     """
-    flash = isinstance(implementation, str) and implementation in _VARLEN_ATTENTION
-    if flash and varlen and device not in (None, "cuda"):
+    flash = isinstance(implementation, str) and implementation in VARLEN_ATTENTION
+    if flash and varlen and device not in (None, "cuda", "meta"):
         raise DataError(
             f"data.packing with {implementation!r}: flash attention's variable-length kernel runs on CUDA only"
             f" (flash-attn), and the model is on {device!r}. On CPU load it with attn_implementation='sdpa' (or"
@@ -291,7 +292,7 @@ def check_packing_attention(implementation: str | None, varlen: bool = False, de
     )
 
 
-def prepare_model_for_packing(model: Any, varlen: bool = False) -> None:
+def prepare_model_for_packing(model: Any, varlen: bool = False, device: str | None = None) -> None:
     """Makes a transformers causal LM attend within packed samples only; call it before training packed.
 
     Sets ``config.use_cache = False``: with a cache (which the model creates whenever ``use_cache`` is
@@ -300,7 +301,8 @@ def prepare_model_for_packing(model: Any, varlen: bool = False) -> None:
     recurrent state and conv at each sample (``parallel.linear_documents.prepare_linear_attention_for_packing``); call
     it before ``parallelize`` (context parallelism does the same for those layers itself). ``varlen``: the batches
     carry their samples' lengths (``make_collator(..., varlen=True)``), so flash attention 2/3 on CUDA keep the
-    samples apart through their variable-length kernel.
+    samples apart through their variable-length kernel. ``device``: the device type the model will train on, when its
+    parameters are not there yet (built on meta, or loaded on the host to be moved); default: its parameters'.
 
     Raises:
         DataError: for an attention implementation that does not separate the samples of packed rows, or flash
@@ -308,7 +310,7 @@ def prepare_model_for_packing(model: Any, varlen: bool = False) -> None:
     """
     from lightning_plugins.parallel.linear_documents import prepare_linear_attention_for_packing
 
-    device = next((p.device.type for p in model.parameters()), None)
+    device = device or next((p.device.type for p in model.parameters()), None)
     check_packing_attention(getattr(model.config, "_attn_implementation", None), varlen, device)
     model.config.use_cache = False
     prepare_linear_attention_for_packing(model)

@@ -27,5 +27,15 @@ def meta_model(workload: Workload) -> nn.Module:
         # is what loading reads, host_memory.checkpoint_dtype).
         config = copy.deepcopy(workload.config)
         return AutoModelForCausalLM.from_config(
-            config, dtype=DTYPES[workload.dtype], attn_implementation=workload.attn_implementation
+            config, dtype=DTYPES[workload.dtype], attn_implementation=dry_run_attention(workload.attn_implementation)
         )
+
+
+def dry_run_attention(implementation: str) -> str:
+    """The attention the dry run measures for ``implementation``: flash attention 2/3 (packed rows' variable-length
+    kernel included) needs CUDA and flash-attn, so the fake step runs sdpa, whose CPU kernel is a flash kernel too (no
+    ``seq x seq`` scores; the dry run's rows carry no mask). The step time charges the flash kernel either way
+    (:mod:`~lightning_plugins.planner.attention_kernels`)."""
+    from lightning_plugins.data.packing import VARLEN_ATTENTION
+
+    return "sdpa" if implementation in VARLEN_ATTENTION else implementation

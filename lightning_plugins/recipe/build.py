@@ -99,14 +99,26 @@ def build_model(recipe: Recipe, *, on_meta: bool = True) -> tuple[torch.nn.Modul
         model = AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs, **remote)
     model.train()  # from_pretrained returns eval mode: dropout (LoRA's too) would be off
     model.config.use_cache = False  # training: no KV cache (it would also grow under recomputation)
-    if recipe.data.packing and recipe.layout.cp_size == 1:
-        prepare_model_for_packing(model)  # under CP, context-parallel attention keeps the documents apart itself
+    if recipe.data.packing and recipe.layout.cp_size == 1:  # under CP, its attention keeps the documents apart itself
+        prepare_model_for_packing(model, varlen=varlen_packing(recipe), device=recipe.hardware.device_type())
     if recipe.lora is not None:
         from lightning_plugins.adapters.lora import apply_lora
 
         torch.manual_seed(recipe.train.seed)  # identical adapters on every rank
         model = apply_lora(model, recipe.lora)
     return model, tokenizer
+
+
+def varlen_packing(recipe: Recipe) -> bool:
+    """Whether packed rows go to flash attention's variable-length kernel: ``data.packing`` with
+    ``model.attn_implementation`` flash_attention_2/3 and no context parallelism (whose attention keeps the documents
+    apart itself). The batches then carry each sample's length (``cu_seq_lens``, ``make_collator(..., varlen=True)``)
+    and the model takes them (``prepare_model_for_packing(model, varlen=True)``), on CUDA only: the preflight refuses
+    it on CPU and the recipe checks under pipeline parallelism."""
+    from lightning_plugins.data.packing import VARLEN_ATTENTION
+
+    flash = recipe.model.attn_implementation in VARLEN_ATTENTION
+    return bool(recipe.data.packing) and flash and recipe.layout.cp_size == 1
 
 
 def objective_data(recipe: Recipe) -> Any:
@@ -139,7 +151,8 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, 
     build, collate = build_dataset, None
     if is_image_text_data(data):  # `tokenizer` is the model's processor
         build, collate = build_image_text_dataset, image_text_collator(tokenizer)
-    collate = collate or make_collator(data, tokenizer.pad_token_id, pad_to_multiple_of=fixed)
+    varlen = varlen_packing(recipe)  # flash attention's packed rows: each sample's length in the batch
+    collate = collate or make_collator(data, tokenizer.pad_token_id, pad_to_multiple_of=fixed, varlen=varlen)
     size = recipe.train.micro_batch_size
     # A pipeline splits every batch into its micro-batches: a short last training batch would not split, so it is
     # dropped; evaluation takes every sample (the pipeline tops a short batch up with rows that hold no target).

@@ -3,9 +3,9 @@
 :func:`~lightning_plugins.recipe.schema.load_recipe` checks what holds anywhere (keys, types, the layout against the world
 and the model config), so ``plan`` and ``--print-config`` can check a recipe for a GPU cluster on a laptop. What
 depends on the machine the run starts on is checked here, by both doors, once the recipe is loaded: a GPU recipe
-without a GPU, a model that is neither a local directory nor in the local Hugging Face cache while offline, a
-damaged weight file, an output directory that cannot be written, a logger whose package is not installed. Each is
-one :class:`RecipeError` naming the thing and the fix.
+without a GPU, flash attention on CPU, a model that is neither a local directory nor in the local Hugging Face cache
+while offline, a damaged weight file, an output directory that cannot be written, a logger whose package is not
+installed. Each is one :class:`RecipeError` naming the thing and the fix.
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ def check_here(recipe: Recipe, path: str | Path) -> None:
         path: Its file, named in the errors.
 
     Raises:
-        RecipeError: for ``hardware.accelerator: gpu`` without a usable GPU, a ``model.path`` that is neither a
-            directory nor cached while the Hub cannot be reached, a weight file of ``model.path`` that is truncated
-            or damaged, a ``train.output_dir`` that cannot be written, or a ``train.loggers`` entry whose package is
-            not installed.
+        RecipeError: for ``hardware.accelerator: gpu`` without a usable GPU, flash attention on CPU processes, a
+            ``model.path`` that is neither a directory nor cached while the Hub cannot be reached, a weight file of
+            ``model.path`` that is truncated or damaged, a ``train.output_dir`` that cannot be written, or a
+            ``train.loggers`` entry whose package is not installed.
     """
     _check_accelerator(recipe, path)
+    _check_attention(recipe, path)
     _check_model(recipe, Path(path))
     _check_output_dir(recipe, path)
     _check_loggers(recipe, path)
@@ -54,6 +55,21 @@ def _check_accelerator(recipe: Recipe, path: str | Path) -> None:
             f" built for {build}). Set hardware.accelerator: cpu (--hardware.accelerator=cpu) to run on CPU processes,"
             " or run it on a machine with GPUs."
         )
+
+
+def _check_attention(recipe: Recipe, path: str | Path) -> None:
+    """Flash attention (``flash_attention_2/3``, packed rows' variable-length kernel included) runs on CUDA only."""
+    from lightning_plugins.data.packing import VARLEN_ATTENTION
+
+    implementation = recipe.model.attn_implementation
+    if implementation not in VARLEN_ATTENTION or recipe.hardware.device_type() == "cuda":
+        return
+    where = "hardware.accelerator: cpu" if recipe.hardware.accelerator == "cpu" else "no GPU torch can use here"
+    packed = " (data.packing keeps the samples apart by a block-diagonal mask)" if recipe.data.packing else ""
+    raise RecipeError(
+        f"{path}: model.attn_implementation: {implementation} runs on CUDA GPUs only (flash-attn), and this run is on"
+        f" CPU processes ({where}). Set model.attn_implementation: sdpa (--model.attn_implementation=sdpa){packed}."
+    )
 
 
 def _check_model(recipe: Recipe, path: Path) -> None:

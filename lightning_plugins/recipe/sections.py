@@ -72,3 +72,10 @@ class HardwareSection(Section):
     @property
     def world_size(self) -> int:
         return self.devices * self.nodes
+
+    def device_type(self) -> str:
+        """The device type a run of this recipe trains on here: ``cuda`` unless ``accelerator: cpu`` or torch sees no
+        GPU (``auto`` then runs on CPU processes; ``gpu`` is refused by the preflight)."""
+        import torch
+
+        return "cuda" if self.accelerator != "cpu" and torch.cuda.is_available() else "cpu"
