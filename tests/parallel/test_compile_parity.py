@@ -1,9 +1,9 @@
 """``compile=True`` (``torch.compile`` per decoder layer) trains exactly as eager: plain, FSDP2=2, with full AC (fp32, gloo).
 
 The parallel cases reuse :func:`test_parallel_parity._check_cases` (per-step losses, pre-clip gradient norms and final
-weights against one eager process, 5 steps of SGD with momentum, clipping and accumulation); the plain case compiles
-a one-process model the same way. Each case asserts that the layers were compiled (a lever that did nothing could not
-pass). The refusals (TP on CPU, GPU-only levers) are in ``test_compile_errors.py``.
+weights against one eager process, STEPS (3) steps of SGD with momentum, clipping and accumulation); the plain case
+compiles a one-process model the same way. Each case asserts that the layers were compiled (a lever that did nothing
+could not pass). The refusals (TP on CPU, GPU-only levers) are in ``test_compile_errors.py``.
 """
 
 from __future__ import annotations

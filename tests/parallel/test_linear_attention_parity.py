@@ -3,7 +3,7 @@
 The tiny Qwen3.5 (``tiny_models.CONFIGS["qwen3_5"]``: two Gated DeltaNet layers, 2 key heads serving 4 value heads,
 then a gated softmax-attention layer) trains under tp=2 with and without sequence and loss parallelism, through
 :func:`test_parallel_parity._check_cases` (per-step losses, pre-clip gradient norms and final weights against one
-process, 5 steps of SGD with momentum, clipping and accumulation, fp32, gloo). The LoRA case adapts every projection
+process, 3 steps of SGD with momentum, clipping and accumulation, fp32, gloo). The LoRA case adapts every projection
 the family splits (the linear attention's fused ``in_proj_qkv``, ``in_proj_z/_a/_b`` and ``out_proj`` included) with
 random non-zero ``lora_B`` and dropout on, and compares the adapters with one process's peft. The refusal of a module
 tensor parallelism cannot split is in ``test_layout_errors.py``.
