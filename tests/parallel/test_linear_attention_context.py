@@ -123,15 +123,25 @@ def _gated_delta_net(family: str) -> torch.nn.Module:
     return module
 
 
-def _kernel_case(family: str, group, backend: str, seq: int) -> tuple[float, float]:
-    """The largest difference of a cp Gated DeltaNet's output and gradients from one process's (fp64), and the relative
-    difference of ``A_log``'s gradient."""
+def _kernel_reference(family: str, seq: int) -> tuple[torch.Tensor, ...]:
+    """One process's fp64 Gated DeltaNet on a random input: the input, the output's weights, the output, the input's
+    gradient and the parameters' gradients."""
     config = CONFIGS[family]()
     reference = _gated_delta_net(family)
     x = _dyadic(torch.randn(2, seq, config.hidden_size, dtype=torch.float64)).requires_grad_()
     weights = torch.randn(2, seq, config.hidden_size, dtype=torch.float64)
-    (reference(x) * weights).sum().backward()
-    want = {name: p.grad.clone() for name, p in reference.named_parameters()}
+    out = reference(x)
+    (out * weights).sum().backward()
+    return x.detach(), weights, out.detach(), x.grad, {name: p.grad.clone() for name, p in reference.named_parameters()}
+
+
+def _kernel_case(family: str, group, backend: str, seq: int, references: dict | None = None) -> tuple[float, float]:
+    """The largest difference of a cp Gated DeltaNet's output and gradients from one process's (fp64), and the relative
+    difference of ``A_log``'s gradient. ``references``: :func:`_kernel_reference`'s results, kept for the next call."""
+    references = {} if references is None else references
+    if (family, seq) not in references:
+        references[family, seq] = _kernel_reference(family, seq)
+    x, weights, want_out, x_grad, want = references[family, seq]
 
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     layer = _Layer(_gated_delta_net(family))
@@ -140,8 +150,8 @@ def _kernel_case(family: str, group, backend: str, seq: int) -> tuple[float, flo
     positions = shard_sequence_load_balanced(torch.arange(seq).expand(2, seq), 1, rank, size)
     out = layer(local_x, position_ids=positions)
     (out * shard_sequence_load_balanced(weights, 1, rank, size)).sum().backward()
-    diffs = [(out - shard_sequence_load_balanced(reference(x), 1, rank, size)).abs().max()]
-    diffs.append((local_x.grad - shard_sequence_load_balanced(x.grad, 1, rank, size)).abs().max())
+    diffs = [(out - shard_sequence_load_balanced(want_out, 1, rank, size)).abs().max()]
+    diffs.append((local_x.grad - shard_sequence_load_balanced(x_grad, 1, rank, size)).abs().max())
     relative = 0.0
     for name, param in layer.linear_attn.named_parameters():
         dist.all_reduce(param.grad, group=group)  # each rank's part: its tokens (ring) or its heads (Ulysses)
@@ -166,18 +176,26 @@ def _per_document(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def packed_kernel_case(family: str, group, backend: str) -> tuple[float, float]:
-    """As :func:`_kernel_case`, on :data:`PACKED_ROWS` against each document on its own; ``group=None``: one process
-    (``prepare_linear_attention_for_packing``)."""
-    from lightning_plugins.parallel.linear_documents import prepare_linear_attention_for_packing
-
+def _packed_reference(family: str) -> tuple[torch.Tensor, ...]:
+    """:func:`_kernel_reference` for :data:`PACKED_ROWS`, each document through the module on its own."""
     config, seq = CONFIGS[family](), 40
     reference = _gated_delta_net(family)
     x = _dyadic(torch.randn(len(PACKED_ROWS), seq, config.hidden_size, dtype=torch.float64)).requires_grad_()
     weights = torch.randn(len(PACKED_ROWS), seq, config.hidden_size, dtype=torch.float64)
-    want_out = _per_document(reference, x)
-    (want_out * weights).sum().backward()
-    want = {name: p.grad.clone() for name, p in reference.named_parameters()}
+    out = _per_document(reference, x)
+    (out * weights).sum().backward()
+    return x.detach(), weights, out.detach(), x.grad, {name: p.grad.clone() for name, p in reference.named_parameters()}
+
+
+def packed_kernel_case(family: str, group, backend: str, references: dict | None = None) -> tuple[float, float]:
+    """As :func:`_kernel_case`, on :data:`PACKED_ROWS` against each document on its own; ``group=None``: one process
+    (``prepare_linear_attention_for_packing``)."""
+    from lightning_plugins.parallel.linear_documents import prepare_linear_attention_for_packing
+
+    references = {} if references is None else references
+    if (family, "packed") not in references:
+        references[family, "packed"] = _packed_reference(family)
+    x, weights, want_out, x_grad, want = references[family, "packed"]
     positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in PACKED_ROWS])
     size, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     shard = lambda t: shard_sequence_load_balanced(t, 1, rank, size)
@@ -189,7 +207,7 @@ def packed_kernel_case(family: str, group, backend: str) -> tuple[float, float]:
     local_x = shard(x.detach()).requires_grad_()
     out = layer(local_x, position_ids=shard(positions))
     (out * shard(weights)).sum().backward()
-    diffs = [(out - shard(want_out)).abs().max(), (local_x.grad - shard(x.grad)).abs().max()]
+    diffs = [(out - shard(want_out)).abs().max(), (local_x.grad - shard(x_grad)).abs().max()]
     relative = 0.0
     for name, param in layer.linear_attn.named_parameters():
         if group is not None:
@@ -212,15 +230,15 @@ def kernel_results(rank: int, world_size: int) -> dict[str, dict[str, float]]:
                 group = dist.new_group(list(range(first, first + cp)))
                 if first <= rank < first + cp:
                     groups[cp] = group
-        results = {}
+        results, references = {}, {}  # the one-process references, the same at every cp
         for cp, group in groups.items():
             for backend, lengths in (("ulysses", KERNEL_LENGTHS[:1]), ("ring", KERNEL_LENGTHS)):
                 if backend == "ulysses" and cp > 2:
                     continue
                 for seq in lengths:
-                    fp64, a_log = _kernel_case("qwen3_5", group, backend, seq)
+                    fp64, a_log = _kernel_case("qwen3_5", group, backend, seq, references)
                     results[f"linear-attention kernel cp{cp} {backend} seq{seq}"] = {"fp64": fp64, "a_log": a_log}
-                fp64, a_log = packed_kernel_case("qwen3_5", group, backend)
+                fp64, a_log = packed_kernel_case("qwen3_5", group, backend, references)
                 results[f"linear-attention kernel cp{cp} {backend} packed"] = {"fp64": fp64, "a_log": a_log}
         return results
 
