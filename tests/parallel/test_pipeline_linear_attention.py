@@ -13,7 +13,7 @@ any softmax attention.
 One launched world of 4 ranks in the default suite, two steps per layout (PP2 x TP2 with SP and loss parallel, PP2 x
 FSDP2 x EP2 with the interleaved schedule, PP2 x FSDP2); the wider matrix (every schedule under PP=2, PP=4, each family
 under each composition, PP x CP ring and Ulysses,
-activation checkpointing), five steps each, is slow.
+activation checkpointing), STEPS (3) steps each, is slow.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def _check_left_padded(rank: int, world_size: int, cases: list, steps: int, pack
 
 
 def test_linear_attention_stages_match_one_process() -> None:
-    # Two steps: the default suite's budget (the slow matrix runs 5).
+    # Two steps: the default suite's budget (the slow matrix runs test_pipeline_parity.STEPS, 3).
     run_world(_check_left_padded, 4, FOUR_RANKS, 2, PACKED_FOUR_RANKS)
 
 
