@@ -17,6 +17,7 @@ RESULTS.md (issue 48).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -73,12 +74,17 @@ def _rows_by_chunk(t: Tensor, call: BandCall) -> Tensor:
     return split.reshape(call.count * b, hkv, group * call.chunk, *tail)
 
 
-def _rows_back(t: Tensor, call: BandCall, group: int) -> Tensor:
-    """The inverse of :func:`_rows_by_chunk`."""
+def rows_back(t: Tensor, call: BandCall, group: int) -> Tensor:
+    """The inverse of :func:`_rows_by_chunk` as a view ``[b, kv_heads, group, count, chunk, ...]`` (no copy): the
+    rows' chunks, to merge or add into the rows unflattened alike (:func:`chunked`)."""
     pb, hkv = t.shape[:2]
     tail = t.shape[3:]
-    split = t.reshape(call.count, pb // call.count, hkv, group, call.chunk, *tail).movedim(0, 3)
-    return split.reshape(pb // call.count, hkv, group, call.count * call.chunk, *tail)
+    return t.reshape(call.count, pb // call.count, hkv, group, call.chunk, *tail).movedim(0, 3)
+
+
+def chunked(t: Tensor, call: BandCall) -> Tensor:
+    """Grouped rows ``[b, kv_heads, group, count * chunk, ...]`` viewed as ``[..., count, chunk, ...]``."""
+    return t.unflatten(3, (call.count, call.chunk))
 
 
 def _keys_by_chunk(t: Tensor, call: BandCall) -> Tensor:
@@ -89,50 +95,60 @@ def _keys_by_chunk(t: Tensor, call: BandCall) -> Tensor:
     return windows.permute(2, 0, 1, 4, 3).reshape(call.count * b, hkv, -1, d)
 
 
-def _keys_back(grad: Tensor, call: BandCall, cols: int) -> Tensor:
-    """The gradient of :func:`_keys_by_chunk`: each chunk's window summed into ``[b, kv_heads, cols, d]``."""
+def add_keys_back(into: Tensor, grad: Tensor, call: BandCall) -> None:
+    """Add the gradient of :func:`_keys_by_chunk` into ``into`` ``[b, kv_heads, cols, d]`` (the call's keys, in the
+    accumulation dtype): each chunk's window summed where its keys are, in place."""
     span, stride = call.span, call.step
     pb, hkv, _, d = grad.shape
-    b = pb // call.count
-    windows = grad.reshape(call.count, b, hkv, span, d)
-    # Window j starts j * step keys in: add its keys a step-wide slice at a time, every window at once.
-    steps = -(-span // stride)
-    acc = torch.promote_types(grad.dtype, torch.float32)  # overlapping windows add up: not in bf16
-    total = torch.zeros(b, hkv, (call.count + steps) * stride, d, dtype=acc, device=grad.device)
-    for step in range(steps):
-        lo, hi = step * stride, min(span, (step + 1) * stride)
-        target = total[:, :, lo : lo + call.count * stride].unflatten(2, (call.count, stride))
-        target[..., : hi - lo, :] += windows[:, :, :, lo:hi].permute(1, 2, 0, 3, 4)
-    return total[:, :, :cols]
+    windows = grad.reshape(call.count, pb // call.count, hkv, span, d)
+    # Window j starts j * step keys in: add its keys a step-wide slice at a time, every window at once, through a
+    # strided view of the destination (window j's slice at j * step: no two of one slice overlap).
+    s_b, s_h, s_k, s_d = into.stride()
+    for lo in range(0, span, stride):
+        width = min(span, lo + stride) - lo
+        target = into.as_strided((into.shape[0], hkv, call.count, width, d), (s_b, s_h, stride * s_k, s_k, s_d),
+                                 into.storage_offset() + lo * s_k)  # fmt: skip
+        target += windows[:, :, :, lo : lo + width].permute(1, 2, 0, 3, 4)
 
 
 def _kernel_mask(call: BandCall, group: int, dtype: torch.dtype) -> Optional[Tensor]:
-    if call.width is None:
-        return None
-    mask = band_mask(call.chunk, call.width).repeat(group, 1)
-    return torch.where(mask, torch.zeros((), dtype=dtype), torch.full((), float("-inf"), dtype=dtype))
+    return None if call.width is None else _additive_band_mask(call.chunk, call.width, group, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _additive_band_mask(chunk: int, width: int, group: int, dtype: torch.dtype) -> Tensor:
+    """The kernel's additive band mask ``[group * chunk, chunk + width - 1]`` (0 attended, -inf not), made once per
+    shape (every layer's calls share it; a real tensor, also in the planner's dry run)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        mask = band_mask(chunk, width).repeat(group, 1)
+        return torch.where(mask, torch.zeros((), dtype=dtype), torch.full((), float("-inf"), dtype=dtype))
 
 
 def band_forward(q5: Tensor, k: Tensor, v: Tensor, call: BandCall, scale: float) -> tuple[Tensor, Tensor]:
-    """The band's output ``[b, kv_heads, group, rows, d]`` (normalised over its keys) and log-sum-exp ``[b, kv_heads,
-    group, rows]``; ``q5`` holds the call's rows, ``k``/``v`` ``[b, kv_heads, cols, d]`` its keys."""
+    """The band's output ``[b, kv_heads, group, count, chunk, d]`` (normalised over its keys) and log-sum-exp ``[b,
+    kv_heads, group, count, chunk]``, views of the kernel's (merge them into :func:`chunked` rows); ``q5`` holds the
+    call's rows, ``k``/``v`` ``[b, kv_heads, cols, d]`` its keys."""
     group = q5.shape[2]
     q = _rows_by_chunk(q5, call)
     mask = _kernel_mask(call, group, q.dtype)
     out, lse, _ = cpu_forward(q, _keys_by_chunk(k, call), _keys_by_chunk(v, call), False, scale, mask)
-    return _rows_back(out, call, group), _rows_back(lse, call, group)
+    return rows_back(out, call, group), rows_back(lse, call, group)
 
 
 def band_backward(
-    grad5: Tensor, q5: Tensor, k: Tensor, v: Tensor, out5: Tensor, lse5: Tensor, call: BandCall, scale: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (dq like ``q5``, dk and dv like ``k``) of :func:`band_forward`, given the rows' *final* output and
-    log-sum-exp (as :func:`~.fused.fused_backward`)."""
+    grad5: Tensor, q5: Tensor, k: Tensor, v: Tensor, out5: Tensor, lse5: Tensor, call: BandCall, scale: float,
+    into: tuple[Tensor, Tensor, Tensor],
+) -> None:  # fmt: skip
+    """Add the gradients of :func:`band_forward` into ``into`` (dq like ``q5``, dk and dv like ``k``, in the
+    accumulation dtype), given the rows' *final* output and log-sum-exp (as :func:`~.fused.fused_backward`)."""
     group = q5.shape[2]
     q, grad, out = (_rows_by_chunk(t, call) for t in (q5, grad5, out5))
     lse = _rows_by_chunk(lse5, call).contiguous()
     kb, vb = _keys_by_chunk(k, call), _keys_by_chunk(v, call)
     mask = _kernel_mask(call, group, q.dtype)
     grad_q, grad_k, grad_v = cpu_backward(grad.contiguous(), q, kb, vb, out, lse, False, scale, None, mask)
-    cols = k.shape[2]
-    return _rows_back(grad_q, call, group), _keys_back(grad_k, call, cols), _keys_back(grad_v, call, cols)
+    chunked(into[0], call).add_(rows_back(grad_q, call, group))
+    add_keys_back(into[1], grad_k, call)
+    add_keys_back(into[2], grad_v, call)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_plugins.parallel.context.fused import fused_backward, fused_forward
-from lightning_plugins.parallel.context.bands import BandCall, band_backward, band_forward
+from lightning_plugins.parallel.context.bands import BandCall, band_backward, band_forward, chunked
 from lightning_plugins.parallel.context.tiles import FusedCall, Piece
 
 
@@ -54,7 +54,7 @@ def _merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) 
     """Online softmax: both outputs are normalised by their own lse, so reweight each to the joint one."""
     new_lse = torch.logaddexp(lse, block_lse)
     finite = new_lse.masked_fill(new_lse == float("-inf"), 0.0)  # nothing attended yet: both weights 0
-    out.copy_(out * torch.exp(lse - finite).unsqueeze(-1) + block_out * torch.exp(block_lse - finite).unsqueeze(-1))
+    out.mul_(torch.exp(lse - finite).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - finite).unsqueeze(-1))
     lse.copy_(new_lse)
 
 
@@ -101,11 +101,14 @@ def attend_pieces(
     each piece into ``out``/``lse``: a :class:`FusedCall` or a band's :class:`BandCall` through the fused kernel, a
     tile through the pure-torch fallback (:func:`_attend_block`, in the accumulation dtype)."""
     for batch, piece in pieces:
-        if isinstance(piece, BandCall):
+        if isinstance(piece, BandCall):  # merged chunk by chunk into the rows' views: the kernel's out is not copied
             rows, cols = piece.rows, piece.cols
             k_blk, v_blk = kv_blk[0, batch, :, cols], kv_blk[1, batch, :, cols]
             block_out, block_lse = band_forward(q5[batch][..., rows, :], k_blk, v_blk, piece, scale)
-        elif isinstance(piece, FusedCall):
+            _merge_into(chunked(out[batch][..., rows, :], piece), chunked(lse[batch][..., rows], piece), block_out,
+                        block_lse)  # fmt: skip
+            continue
+        if isinstance(piece, FusedCall):
             rows, cols = piece.rows, piece.cols
             k_blk, v_blk = kv_blk[0, batch, :, cols], kv_blk[1, batch, :, cols]
             assert kernel is not None
@@ -161,10 +164,12 @@ def attend_pieces_backward(
     """Add one K/V block's gradients, piece by piece as the forward computed it, into ``grad_q`` and ``grad_kv_blk``."""
     acc = grad_q.dtype
     for batch, piece in pieces:
-        if isinstance(piece, BandCall):
+        if isinstance(piece, BandCall):  # added in place: the windows' dK/dV straight into the block's
             rows, cols = piece.rows, piece.cols
-            grads = band_backward(*_kernel_inputs(q5, kv_blk, saved, batch, rows, cols), piece, ctx.scale)
-        elif isinstance(piece, FusedCall):
+            into = (grad_q[batch][..., rows, :], grad_kv_blk[0, batch, :, cols], grad_kv_blk[1, batch, :, cols])
+            band_backward(*_kernel_inputs(q5, kv_blk, saved, batch, rows, cols), piece, ctx.scale, into)
+            continue
+        if isinstance(piece, FusedCall):
             rows, cols = piece.rows, piece.cols
             grads = fused_backward(
                 ctx.kernel,

@@ -36,7 +36,8 @@ from lightning_plugins.parallel.context.checks import check_gqa, local_sinks
 from lightning_plugins.parallel.context.sharding import sequence_positions
 from lightning_plugins.parallel.context.fused import fused_kernel_for, takes_masks
 from lightning_plugins.parallel.context.pieces import Saved, attend_pieces, attend_pieces_backward
-from lightning_plugins.parallel.context.tiles import ActiveBlock, Piece, active_block, block_pieces
+from lightning_plugins.parallel.context.bands import BandCall
+from lightning_plugins.parallel.context.tiles import ActiveBlock, FusedCall, Piece, active_block, block_pieces
 
 # p2p tags keep the K/V ring and the dK/dV ring apart where a backend matches messages by tag (gloo);
 # NCCL ignores tags and matches by posting order, which is the same on every rank.
@@ -106,6 +107,7 @@ class RingAttention(torch.autograd.Function):
         lse = torch.full(q5.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         aux: list[Any] = []  # what the CUDA kernel's backward needs of each fused call, in call order
+        plans: list[Optional[tuple[ActiveBlock, Optional[list[tuple[slice, Piece]]]]]] = []  # per step, for backward
         for step in range(size):
             # Start moving the next block before computing on this one, so communication overlaps compute.
             works, kv_next = _ring_shift(kv, group, _KV_TAG) if step < size - 1 else ([], kv)
@@ -114,6 +116,9 @@ class RingAttention(torch.autograd.Function):
                 kv_blk = kv[:, :, :, block.col_start : block.col_end]
                 pieces = _pieces(block, query_tile, b * hq, kernel)
                 attend_pieces(q5, kv_blk, pieces, out, lse, kernel, scale, softcap, aux)
+                plans.append((block, pieces if _unmasked(pieces) else None))
+            else:
+                plans.append(None)
             _wait(works)
             kv = kv_next
 
@@ -124,9 +129,8 @@ class RingAttention(torch.autograd.Function):
             lse = with_sink
         out = out.to(q.dtype).reshape(b, hq, s, d)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.group, ctx.causal, ctx.scale, ctx.softcap = group, causal, scale, softcap
-        ctx.load_balanced, ctx.valid_len, ctx.query_tile = load_balanced, valid_len, query_tile
-        ctx.starts, ctx.kernel, ctx.aux = starts, kernel, aux
+        ctx.group, ctx.scale, ctx.softcap, ctx.query_tile = group, scale, softcap, query_tile
+        ctx.kernel, ctx.aux, ctx.plans = kernel, aux, plans
         return out
 
     @staticmethod
@@ -137,8 +141,6 @@ class RingAttention(torch.autograd.Function):
         b, hq, s, d = q.shape
         hkv = k.shape[1]
         acc = lse.dtype
-        positions = functools.partial(sequence_positions, s * size, cp_size=size, load_balanced=ctx.load_balanced)
-        q_pos = positions(rank)
 
         q5 = q.reshape(b, hkv, hq // hkv, s, d)
         saved = Saved(grad_out.reshape(q5.shape), out.reshape(q5.shape), lse, iter(ctx.aux))
@@ -149,9 +151,10 @@ class RingAttention(torch.autograd.Function):
         for step in range(size):
             works, kv_next = _ring_shift(kv, group, _KV_TAG) if step < size - 1 else ([], kv)
             grad_kv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)
-            block = active_block(q_pos, positions((rank - step) % size), ctx.causal, ctx.valid_len, ctx.starts)
-            if block is not None:
-                pieces = _pieces(block, ctx.query_tile, b * hq, ctx.kernel)
+            plan = ctx.plans[step]  # the forward's blocks and pieces: the same calls, planned once
+            if plan is not None:
+                block, pieces = plan
+                pieces = pieces if pieces is not None else _pieces(block, ctx.query_tile, b * hq, ctx.kernel)
                 cols = slice(block.col_start, block.col_end)
                 attend_pieces_backward(ctx, q5, kv[:, :, :, cols], pieces, saved, grad_q, grad_kv[:, :, :, cols])
             if grad_kv_in is not None:
@@ -182,6 +185,18 @@ def _pieces(
     """How one active block is computed (:func:`~.tiles.block_pieces`); the forward and the backward plan alike, so
     they replay the same calls."""
     return block_pieces(block, query_tile, batch_heads, kernel is not None, takes_masks(kernel))
+
+
+def _unmasked(pieces: list[tuple[slice, Piece]]) -> bool:
+    """Whether no piece carries a mask: such a plan is kept from the forward for the backward (a few slices a block);
+    masks (short packed documents' tiles) are planned again rather than held from every layer's forward to its
+    backward."""
+    def unmasked(piece: Piece) -> bool:
+        if isinstance(piece, BandCall):  # its band mask is made at each call
+            return True
+        return (piece.mask if isinstance(piece, FusedCall) else piece[2]) is None
+
+    return all(unmasked(piece) for _, piece in pieces)
 
 
 def _sink_logits(sinks: Tensor, q5: Tensor, dtype: torch.dtype) -> Tensor:
