@@ -55,11 +55,17 @@ def step_assumptions(
     lines += _model_parallel_lines(shape, cluster, async_tp)
     lines += attention_lines(stats, shape.cp_backend, shape.layout.cp_size)
     lines += _offload_lines(memory, cluster)
-    if shape.reference_forward:
-        reference = "the base, adapters off" if method in ("lora", "qlora") else "a frozen copy laid out like the model"
+    reference = "the base, adapters off" if method in ("lora", "qlora") else "a frozen copy laid out like the model"
+    if shape.no_grad_forwards == 1:
         lines.append(
             f"DPO: each micro-batch's rows are its pairs' chosen and rejected sequences, and the reference"
             f" ({reference}) runs one more forward of them without backward: its FLOPs and collectives"
+        )
+    elif shape.no_grad_forwards:
+        lines.append(
+            f"KTO: each row has a KL row (its prompt, another row's completion; as many tokens counted), and"
+            f" {shape.no_grad_forwards} forwards run without backward: the policy's of the KL rows, the reference's"
+            f" ({reference}) of the rows and of the KL rows: their FLOPs and collectives"
         )
     step_on_gpu = "" if memory.cpu_offload or memory.optimizer_offload else "optimizer step on the GPU, "
     lines.append(f"{step_on_gpu}data loading and logging: not counted")

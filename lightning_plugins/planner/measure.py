@@ -313,18 +313,24 @@ def _fsdp_param_groups(model: nn.Module) -> Iterator[Any]:
 
 
 def _pipeline_buffers(model: nn.Module) -> list[Tensor]:
-    """Receive buffers of this rank's pipeline stages (activations and gradients, one per micro-batch)."""
+    """Receive buffers of this rank's pipeline stages (activations and gradients, one per micro-batch), of every
+    schedule the runtime keeps (the last training one and the last evaluation one: a DPO step runs both)."""
     from lightning_plugins.parallel import pipeline_of
 
     pipeline = pipeline_of(model)
-    schedule = getattr(pipeline, "_schedule", None) if pipeline is not None else None
-    if schedule is None:
+    if pipeline is None:
         return []
-    stages = getattr(schedule, "_stages", None) or [schedule._stage]
-    buffers = []
-    for stage in stages:
-        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
-            buffers += [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
+    kept = [schedule for _, schedule in getattr(pipeline, "_schedules", {}).values()]
+    schedules = kept or [schedule for schedule in [getattr(pipeline, "_schedule", None)] if schedule is not None]
+    buffers, seen = [], set()
+    for schedule in schedules:
+        for stage in getattr(schedule, "_stages", None) or [schedule._stage]:
+            for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+                for info in infos:
+                    buffer = getattr(info, "buffer", None)
+                    if buffer is not None and id(buffer) not in seen:
+                        seen.add(id(buffer))
+                        buffers.append(buffer)
     return buffers
 
 
@@ -367,8 +373,8 @@ def _run_step(
     """One training step: forward and backward (through the schedule under pipelining), optimizer step."""
     from lightning_plugins.parallel import pipeline_of
 
-    if pipeline_of(model) is not None:
-        model(**batch)  # runs forward and backward of every micro-batch; the loss comes back detached
+    if pipeline_of(model) is not None:  # forward and backward of every micro-batch; the loss comes back detached
+        model(**batch) if loss_fn is None else loss_fn(model, batch)
     else:
         (model(**batch).loss if loss_fn is None else loss_fn(model, batch)).backward()
     if after_backward is not None:
@@ -385,6 +391,7 @@ def measure_step_memory(
     steps_before: int = 1,
     device: torch.device | str = "cpu",
     loss_fn: Callable[[nn.Module, dict[str, Tensor]], Tensor] | None = None,
+    held: tuple[nn.Module, ...] = (),
 ) -> dict[str, dict[str, int]]:
     """Peak memory of one real training step on this rank, by category, and the resident training state.
 
@@ -402,7 +409,9 @@ def measure_step_memory(
         steps_before: Untracked steps first; at least 1 so that the optimizer state exists.
         device: The device whose memory is reported.
         loss_fn: ``loss_fn(model, batch)``, the loss backpropagated in place of ``model(**batch).loss`` (a
-            preference objective's: :func:`~lightning_plugins.planner.objective_step.step_loss`).
+            preference objective's: :func:`~lightning_plugins.planner.objective_step.step_loss`); under pipelining
+            called in place of ``model(**batch)``, running backward through the schedule itself.
+        held: Other modules the step uses and holds all along, tracked with the model (a frozen DPO reference).
 
     Returns:
         ``{"peak": {category: bytes, ..., "total": bytes}, "intervals": [...], "state": {"parameters", "gradients",
@@ -424,7 +433,7 @@ def measure_step_memory(
     for _ in range(steps_before):
         _run_step(model, optimizer, batch, loss_fn=loss_fn)
     tracker = StepMemTracker(model)
-    tracker.track_external(model, optimizer, *batch.values(), *_pipeline_buffers(model))
+    tracker.track_external(model, optimizer, *batch.values(), *_pipeline_buffers(model), *held)
     result: dict[str, Any] = {}
     intervals, mark, handles = mark_intervals(tracker, model, lambda: tracker.by_category("peak", device))
 

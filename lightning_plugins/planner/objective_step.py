@@ -10,6 +10,12 @@ model laid out like it (:func:`~lightning_plugins.preference.reference.frozen_re
 as it builds the policy and tracks its parameters, and its forward is the reference forward measured. With
 ``objective.reference: precomputed`` the step has no reference: neither a copy nor a forward, its batch carries the
 reference's log-probabilities (``ref_logps``, one value a row) as the run's batches do.
+
+KTO (:class:`~lightning_plugins.preference.kto.KTOObjective`) runs four forwards of a step, in its order: the policy's
+of the KL rows (no gradient), the reference's of the rows and of the KL rows, then the policy's of the rows; its loss
+reads nothing back to the host, so the dry run runs it as the run does. The step's batch gets its KL rows and labels
+here (:func:`with_kl_rows`): each row's KL row is the row before it (a prompt with another completion; as many tokens
+as the batch's rows), every other row desirable.
 """
 
 from __future__ import annotations
@@ -27,6 +33,13 @@ def step_loss(
 ) -> Tensor:
     """The loss of one forward of ``model`` on ``batch``, as the run with this ``objective`` computes it
     (``reference``: a full fine-tune's frozen DPO reference)."""
+    if objective.unpaired:
+        from lightning_plugins.preference.kto import KTOObjective
+
+        batch = with_kl_rows(batch)
+        kto = KTOObjective(objective, reference=reference)
+        loss, _, _ = kto.loss_of(*kto.forwards(model, batch), batch["label"])
+        return loss
     if not objective.paired:
         return model(**batch).loss
     from lightning_plugins.preference.objective import PreferenceObjective
@@ -43,6 +56,19 @@ def with_precomputed(objective: PreferenceOptions, batch: dict[str, Tensor]) -> 
     from lightning_plugins.preference.objective import REFERENCE_KEY
 
     return {**batch, REFERENCE_KEY: batch["input_ids"].new_zeros(batch["input_ids"].shape[0], dtype=torch.float32)}
+
+
+def with_kl_rows(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """A KTO step's batch from ``batch``'s rows (as sharded for the layout): each row's KL row the previous row's tokens
+    (keys prefixed ``kl_``), and ``label`` (every other row desirable), unless ``batch`` has them already."""
+    from lightning_plugins.preference.kto import KL_PREFIX
+
+    if "label" in batch:
+        return batch
+    rows = batch["input_ids"].shape[0]
+    kl_rows = {KL_PREFIX + key: value.roll(1, dims=0) for key, value in batch.items() if value.shape[:1] == (rows,)}
+    label = torch.arange(rows, device=batch["input_ids"].device) % 2 == 0
+    return {**batch, **kl_rows, "label": label}
 
 
 def run_step(

@@ -96,7 +96,7 @@ def rank_work(
     layer_time = mm_factor * mm_fwd + 3.0 * attn_fwd + 6.0 * lora_layer / rate
     head_time = mm_factor * 2.0 * stats.vocab_size * stats.hidden_size / rate if last else 0.0
     compute = tokens / t * (layers * layer_time + head_time) * slowdown
-    ref = 1.0 if shape.reference_forward else 0.0  # the reference's forward: the base's matmuls, attention, head
+    ref = float(shape.no_grad_forwards)  # forwards without backward (DPO's reference): matmuls, attention, head
     compute += ref * tokens / t * (layers * (mm_fwd + attn_fwd) + head_time / mm_factor) * slowdown
     rec = _recompute_share(memory, layers, recompute_fraction)
     tiled = 2.0 * _mlp_matmul_params(stats) / rate if memory.mlp_chunk_tokens else 0.0  # each tile's forward again

@@ -215,7 +215,7 @@ def step_time(workload: Workload, cluster: Cluster) -> StepTime:
         global_batch_size=workload.global_batch_size,
         method=workload.method,
         lora=workload.lora,
-        reference_forward=workload.objective.reference_per_step,
+        no_grad_forwards=workload.objective.no_grad_forwards,
     )
 
 

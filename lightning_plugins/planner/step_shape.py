@@ -27,7 +27,7 @@ class StepShape:
     sequence_parallel: bool
     cp_backend: str
     stage_layers: tuple[tuple[int, bool, bool], ...]  # per pp rank: (layers, holds the embedding, holds lm_head)
-    reference_forward: bool = False  # DPO: a no-grad forward of the reference before each micro-batch's policy's
+    no_grad_forwards: int = 0  # of each micro-batch beside the policy's (DPO's reference 1, KTO 3), no backward
 
     @classmethod
     def of(
@@ -39,7 +39,7 @@ class StepShape:
         seq_len: int,
         micro_batch_size: int,
         global_batch_size: int,
-        reference_forward: bool = False,
+        no_grad_forwards: int = 0,
     ) -> StepShape:
         if not isinstance(layout, ParallelLayout):
             raise PlannerError(f"layout must be a ParallelLayout, got {type(layout).__name__}.")
@@ -107,7 +107,7 @@ class StepShape:
             sequence_parallel=options.sequence_parallel,
             cp_backend=options.cp_backend,
             stage_layers=stage_layers,
-            reference_forward=reference_forward,
+            no_grad_forwards=no_grad_forwards,
         )
 
     @property

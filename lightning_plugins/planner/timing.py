@@ -167,7 +167,7 @@ def estimate_step_time(
     async_tp: bool | None = None,
     recompute_fraction: float | None = None,
     float8_tp: bool = False,
-    reference_forward: bool = False,
+    no_grad_forwards: int = 0,
 ) -> StepTime:
     """Estimate one optimizer step of ``layout`` on ``cluster``.
 
@@ -192,7 +192,8 @@ def estimate_step_time(
         float8_tp: With float8 kernels, whether the sequence-parallel all-gathers carry float8 activations
             (torchao's ``Float8ColwiseParallel``/``PrepareFloat8ModuleInput``, as torchtitan's calibrating runs use);
             ``False``: this engine's TP plans, which gather bf16 activations (the float8 cast follows the gather).
-        reference_forward: DPO's reference: one more forward of every micro-batch, no backward (rows: a pair's two).
+        no_grad_forwards: Forwards of every micro-batch without backward, beside the policy's own: DPO's reference 1
+            (rows: a pair's two), KTO's 3 (the policy's of the KL rows, the reference's of the rows and KL rows).
 
     Raises:
         PlannerError: for an unresolved layout, a world size that is not the cluster's, an unknown method or
@@ -202,7 +203,7 @@ def estimate_step_time(
     kern = _kernels(kernels_for(options) if kernels is None else kernels)
     async_tp = options.async_tp if async_tp is None else async_tp
     shape = StepShape.of(stats, layout, options, cluster, seq_len, micro_batch_size, global_batch_size,
-                         reference_forward)  # fmt: skip
+                         no_grad_forwards)  # fmt: skip
     (method, lora), (efficiency, attention_efficiency) = _method(method, lora), _efficiencies(cluster, kern)
     lora_layer = stats.lora_params_per_layer(lora.target_modules, lora.r) if lora is not None else 0
     ranks = [

@@ -94,6 +94,14 @@ class PreferenceOptions:
         """Whether each training step runs the reference's forward (``reference: model``; not when precomputed)."""
         return self.needs_reference and self.reference == "model"
 
+    @property
+    def no_grad_forwards(self) -> int:
+        """Forwards of each micro-batch without backward, beside the policy's: DPO's reference (1, none when
+        precomputed); KTO's 3 (the policy's of the KL rows, the reference's of the rows and of the KL rows)."""
+        if not self.reference_per_step:
+            return 0
+        return 3 if self.unpaired else 1
+
     def frozen_copy(self, lora: object | None) -> bool:
         """Whether the reference is a frozen copy of the model (DPO without ``lora``), which costs its parameters."""
         return self.needs_reference and lora is None and self.reference == "model"

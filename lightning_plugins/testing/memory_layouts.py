@@ -8,7 +8,8 @@ Importable settings, so that a dry run can be asked about exactly the same thing
 * :data:`CONFIG` (the ``LlamaConfig`` keyword arguments), :data:`SEQ_LEN`, :data:`SEED`,
   :func:`make_config`, :func:`make_model` (seeded, LoRA applied when asked, not parallelized);
 * :data:`LAYOUTS` (name -> :class:`MemoryLayout`: world size, ``ParallelLayout``, ``ParallelOptions``,
-  ``MemoryOptions``, LoRA, rows per data rank), :func:`make_batch`;
+  ``MemoryOptions``, LoRA, rows per data rank), :func:`make_batch`; :data:`PREFERENCE_LAYOUTS`, more preference steps
+  (KTO, a pipeline's DPO, a full fine-tune's DPO with its frozen copy), measured only when named;
 * :func:`measure_layout` measures one layout on the calling rank of a running world;
 * :func:`measure_all` runs them (one launched world per world size) and returns
   ``{layout name: {"rank0": measurement, ...}}``; :func:`measured` does it once per process (tests that
@@ -107,6 +108,17 @@ LAYOUTS: dict[str, MemoryLayout] = {
         4, ParallelLayout(tp_size=2, dp_shard_size=2), _SP, MemoryOptions(activation_checkpointing="full")
     ),
 }
+_LORA = LoraOptions(r=8, alpha=16)
+#: Preference steps beside LAYOUTS' DPO (tests/planner/test_planner_preference.py): KTO (4 rows, their KL rows: the
+#: policy's no-grad forward of the KL rows, the reference's of both, the policy's); DPO under PP 1F1B (2 pairs in 2
+#: pipeline micro-batches, the reference through the forward-only schedule); a full fine-tune's DPO (its frozen copy).
+PREFERENCE_LAYOUTS: dict[str, MemoryLayout] = {
+    "kto_lora_fsdp2": MemoryLayout(2, ParallelLayout(dp_shard_size=2), lora=_LORA, rows=4,
+                                   objective=PreferenceOptions("kto")),
+    "dpo_lora_pp2_1f1b": MemoryLayout(2, ParallelLayout(pp_size=2), ParallelOptions(pp_schedule="1f1b",
+                                      pp_microbatches=2), lora=_LORA, rows=4, objective=PreferenceOptions("dpo")),
+    "dpo_full_fsdp2": MemoryLayout(2, ParallelLayout(dp_shard_size=2), rows=4, objective=PreferenceOptions("dpo")),
+}  # fmt: skip
 
 
 def make_config() -> Any:
@@ -151,8 +163,13 @@ def measure_layout(spec: MemoryLayout) -> dict[str, Any]:
     if mesh["cp"].size() > 1:
         batch = context_parallel_batch(batch, mesh)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=LR)
-    loss_fn = functools.partial(step_loss, spec.objective) if spec.objective.paired else None
-    result: dict[str, Any] = measure_step_memory(model, optimizer, batch, loss_fn=loss_fn)
+    # A full fine-tune's DPO reference: a frozen copy laid out like the policy (the same starting weights).
+    held = ()
+    if spec.objective.frozen_copy(spec.lora):
+        held = (parallelize(make_model(), spec.layout, spec.options, spec.memory).requires_grad_(False).eval(),)
+    loss_fn = functools.partial(step_loss, spec.objective, reference=held[0] if held else None)
+    loss_fn = loss_fn if spec.objective.method != "sft" else None
+    result: dict[str, Any] = measure_step_memory(model, optimizer, batch, loss_fn=loss_fn, held=held)
     result["coords"] = {dim: mesh[dim].get_local_rank() for dim in ("pp", "dp", "cp", "tp")}
     result["tokens"] = list(batch["input_ids"].shape)
     del model, optimizer, batch
@@ -161,19 +178,20 @@ def measure_layout(spec: MemoryLayout) -> dict[str, Any]:
 
 
 def _world(rank: int, world_size: int, names: list[str], out_dir: str) -> None:
-    results = {name: measure_layout(LAYOUTS[name]) for name in names}
+    results = {name: measure_layout({**LAYOUTS, **PREFERENCE_LAYOUTS}[name]) for name in names}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
 def measure_all(names: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """Run the layouts ``names`` (default: all), one world per world size; ``{name: {"rank0": ..., ...}}``."""
     names = list(LAYOUTS) if names is None else names
-    unknown = sorted(set(names) - set(LAYOUTS))
+    layouts = {**LAYOUTS, **PREFERENCE_LAYOUTS}
+    unknown = sorted(set(names) - set(layouts))
     if unknown:
-        raise KeyError(f"Unknown layouts {unknown}; the measured layouts are {sorted(LAYOUTS)}.")
+        raise KeyError(f"Unknown layouts {unknown}; the measured layouts are {sorted(layouts)}.")
     results: dict[str, dict[str, Any]] = {name: {} for name in names}
-    for world_size in sorted({LAYOUTS[name].world_size for name in names}):
-        group = [name for name in names if LAYOUTS[name].world_size == world_size]
+    for world_size in sorted({layouts[name].world_size for name in names}):
+        group = [name for name in names if layouts[name].world_size == world_size]
         with tempfile.TemporaryDirectory() as out_dir:
             run_world(_world, world_size, group, out_dir)
             for rank in range(world_size):
