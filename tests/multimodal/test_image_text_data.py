@@ -185,3 +185,42 @@ def test_a_json_file_arrow_cannot_read_keeps_its_images(tmp_path: Path, monkeypa
     dataset = Source(path, "train").dataset
     assert dataset["images"] == [["a.png"], []]
     assert [row["messages"][1]["content"] for row in dataset] == ["red", "disc"]
+
+
+def test_a_hub_dataset_of_pil_images_gives_the_samples_of_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, processor
+) -> None:
+    """A hub dataset as it arrives, its images a ``datasets`` ``Image()`` column of PNG bytes (PIL images when read):
+    parquet files (``load_dataset("parquet")``) and a ``save_to_disk`` directory. Every sample equals the one of the
+    same record in the shipped JSONL, whose images are paths to the same files."""
+    from datasets import Dataset, Features, Image, Sequence, Value
+    from PIL import Image as PILImage
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    records = _records()[:8]
+    assert any(len(record["images"]) == 2 for record in records)
+    part = {"type": Value("string"), "text": Value("string")}
+    features = Features({"messages": [{"role": Value("string"), "content": [part]}], "images": Sequence(Image())})
+    images = [[PILImage.open(TINY / "data" / path).copy() for path in r["images"]] for r in records]  # no file name
+    hub = Dataset.from_dict({"messages": [r["messages"] for r in records], "images": images}, features=features)
+    hub.to_parquet(tmp_path / "train.parquet")
+    hub.save_to_disk(tmp_path / "saved")
+    assert _holds_image_bytes(tmp_path / "train.parquet")
+    files = build_image_text_dataset(_config(), processor, "train")
+    for source in (tmp_path / "train.parquet", tmp_path / "saved"):
+        config = DataConfig(train=str(source), eval=str(source), format="image_text", max_seq_len=96)
+        dataset = build_image_text_dataset(config, processor, "train")
+        assert len(dataset) == len(records)
+        assert isinstance(dataset.source.dataset[0]["images"][0], PILImage.Image), source
+        for index in range(len(records)):
+            got, want = dataset[index], files[index]
+            assert got.keys() == want.keys(), source
+            assert all(torch.equal(got[key], want[key]) for key in want), (source, index)
+
+
+def _holds_image_bytes(path: Path) -> bool:
+    """Whether the parquet file holds the images' bytes (not paths to files)."""
+    import pyarrow.parquet as pq
+
+    images = pq.read_table(path).column("images").to_pylist()
+    return all(image["bytes"] and not image["path"] for row in images for image in row)
