@@ -117,17 +117,28 @@ class PreferenceObjective:
         """The reference's log-probabilities of ``batch`` (no gradient): the base with the adapters off, or the
         frozen copy (built on the first call, by every rank at once: its loading is collective)."""
         with torch.no_grad():
-            if self.reference is None and getattr(model, "disable_adapter", None) is not None:
+            copy = self.frozen_copy(model)
+            if copy is None:
                 with adapters_disabled(model):
                     return sequence_logps(model, batch, router_loss=False)
-            from lightning_plugins.preference.reference import frozen_reference, reshard
+            from lightning_plugins.preference.reference import reshard
 
-            if self.reference is None:
-                with torch.inference_mode(False):  # a door may first call it in validation's inference mode
-                    self.reference = frozen_reference(model, self.checkpoint_dir)
-            logps = sequence_logps(self.reference, batch, router_loss=False)
-            reshard(self.reference)
+            logps = sequence_logps(copy, batch, router_loss=False)
+            reshard(copy)
             return logps
+
+    def frozen_copy(self, model: nn.Module) -> nn.Module | None:
+        """The reference when it is a model of its own: the one given, or a frozen copy of the starting checkpoint
+        laid out like ``model`` (built at the first call, by every rank at once: its loading is collective); ``None``
+        when the reference is ``model``'s base with its adapters disabled."""
+        if self.reference is None and getattr(model, "disable_adapter", None) is not None:
+            return None
+        if self.reference is None:
+            from lightning_plugins.preference.reference import frozen_reference
+
+            with torch.inference_mode(False):  # a door may first call it in validation's inference mode
+                self.reference = frozen_reference(model, self.checkpoint_dir)
+        return self.reference
 
     def from_logps(
         self, policy: SequenceLogps, reference: SequenceLogps | None = None

@@ -8,8 +8,9 @@ to :func:`pipeline_objective`, which:
   holds the chosen rows of pairs ``k*q .. k*q+q-1`` then their rejected rows (``q = pairs / pp_microbatches``), the
   layout the objective's per-pair losses read; training needs the pairs to split evenly, evaluation pads with copies
   of the last pair whose rows are dropped from the results;
-* **runs the reference first** (DPO: the adapters disabled, no gradients) through the forward-only schedule with the
-  same micro-batches: the last stage keeps each row's summed log-probability (per token from the chunked head, or
+* **runs the reference first** (DPO: the adapters disabled, or a full fine-tune's frozen copy, split into the same
+  stages and shards by the same plan, with schedules of its own; no gradients) through the forward-only schedule with
+  the same micro-batches: the last stage keeps each row's summed log-probability (per token from the chunked head, or
   from the logits, vocab-sharded under loss parallel; summed over the context-parallel shards);
 * **runs the policy** through the training schedule (:meth:`Pipeline.run_sequences
   <lightning_plugins.parallel.pipeline.runtime.Pipeline.run_sequences>`): the last stage's loss for a micro-batch is
@@ -180,7 +181,6 @@ def pipeline_objective(
         reference: Turns ``model`` into the reference within its context (the adapters disabled), for a method
             that needs one.
     """
-    _check_reference(objective, model)
     found = find_pipeline(model)
     assert found is not None
     causal_lm, pipeline = found
@@ -194,8 +194,8 @@ def pipeline_objective(
     ref_rows = None
     if objective.options.needs_reference:
         head = _LastStageHead(order, context)
-        with torch.no_grad(), reference(model):
-            model(**given, use_cache=False, pipeline_head=head)
+        with torch.no_grad():
+            _reference_pass(objective, model, reference, given, head)
         ref_rows = head.rows(rows, data) if last else None
     loss_fn = None
     if train and last:
@@ -211,17 +211,21 @@ def pipeline_objective(
     return _from_last_stage(pipeline, loss.detach(), metrics)
 
 
-def _check_reference(objective: Any, model: nn.Module) -> None:
-    """DPO's reference under a pipeline: the policy's base, its LoRA adapters disabled (a frozen copy is refused)."""
-    if not objective.options.needs_reference:
+def _reference_pass(
+    objective: Any, model: nn.Module, reference: Callable[[nn.Module], AbstractContextManager],
+    given: dict[str, Tensor], head: Any,
+) -> None:  # fmt: skip
+    """DPO's reference through the forward-only schedule: the policy with its LoRA adapters disabled, or a full
+    fine-tune's frozen copy, split into the same stages as the policy (its own schedules), resharded after."""
+    copy = objective.frozen_copy(model)
+    if copy is None:
+        with reference(model):
+            model(**given, use_cache=False, pipeline_head=head)
         return
-    if getattr(model, "disable_adapter", None) is None or getattr(objective, "reference", None) is not None:
-        raise OptionsError(
-            f"objective.method={objective.options.method} under pipeline parallelism takes its reference from the"
-            f" policy's base with the LoRA adapters disabled, and {type(model).__name__} has none to disable (a"
-            " frozen reference copy is not split into pipeline stages yet). Add a `lora:` section, use a"
-            " reference-free method (objective.method: simpo or orpo), or a layout with pp_size=1."
-        )
+    from lightning_plugins.preference.reference import reshard
+
+    copy(**given, use_cache=False, pipeline_head=head)
+    reshard(copy)
 
 
 def _names_only(objective: Any, device: torch.device) -> tuple[Tensor, dict[str, Tensor]]:

@@ -101,7 +101,8 @@ def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None
     """A preference method on what this slice of it covers: pairs (dpo, simpo, orpo) or unpaired examples (kto) in
     padded batches, layouts whose sequence log-probabilities are summed exactly (FSDP2, HSDP, TP with SP and loss
     parallel, CP ring and Ulysses, EP; PP for pairs). DPO's reference is the base with the adapters disabled under LoRA,
-    else a frozen copy of the model laid out like it (not under PP), or precomputed in one pass before training."""
+    else a frozen copy of the model laid out like it (split into the same stages under PP), or precomputed in one pass
+    before training."""
     objective = recipe.objective
     if objective.method == "sft":
         if recipe.data.format in ("preference", "unpaired"):
@@ -122,13 +123,6 @@ def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None
         raise RecipeError(
             f"{path}: {key} does not run under pipeline parallelism yet (each example's KL row would travel apart from"
             " it); set layout.pp_size: 1, or use dpo, simpo or orpo on pairs."
-        )
-    if layout.pp_size > 1 and objective.needs_reference and recipe.lora is None:
-        raise RecipeError(
-            f"{path}: {key} under pipeline parallelism (layout.pp_size={layout.pp_size}) takes its reference from the"
-            " base with the LoRA adapters disabled; a frozen reference copy for a full fine-tune is not split into"
-            " pipeline stages yet. Add a `lora:` section, use objective.method: simpo or orpo, or set"
-            " layout.pp_size: 1."
         )
 
 

@@ -1,6 +1,7 @@
 """Preference losses under pipeline parallelism train exactly as one process: DPO with LoRA under 1F1B and interleaved
 1F1B (default), and under GPipe, with FSDP2, tensor parallelism (sequence parallel, loss parallel), ring context
-parallelism, and ORPO / SimPO's NLL terms (slow, 4 ranks).
+parallelism, ORPO / SimPO's NLL terms, and a full fine-tune's DPO against a frozen copy of its starting checkpoint
+split into the same stages and shards (slow, 4 ranks).
 
 fp32, gloo, a 4-layer tiny Llama. Each training batch holds PAIRS chosen rows then their PAIRS rejected rows; the
 pipeline path (:mod:`lightning_plugins.preference.pipeline`) puts the two rows of a pair in one pipeline micro-batch,
@@ -16,6 +17,7 @@ The default cases (2 ranks) run inside the 2-rank world of ``tests/parallel/test
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from pathlib import Path
@@ -29,10 +31,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_plugins import ParallelLayout, parallelize
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora
-from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch
 from lightning_plugins.parallel.options import with_settings
-from lightning_plugins.parallel.pipeline.apply import _PIPELINE_ATTR
 from lightning_plugins.preference import PreferenceObjective, PreferenceOptions
 from lightning_plugins.preference.pipeline import find_pipeline
 
@@ -62,13 +62,21 @@ CASES = {
         "pp2 x cp2 ring 1f1b chunked": ("dpo", {**PP2, "cp_size": 2}, {**ONE_F_ONE_B, **RING, "loss_chunk_tokens": 7}),
         "pp2 x fsdp2 orpo interleaved": ("orpo", {**PP2, "dp_shard_size": 2}, {**INTERLEAVED, "pp_microbatches": 2}),
         "pp2 x fsdp2 simpo 1f1b": ("simpo", {**PP2, "dp_shard_size": 2}, ONE_F_ONE_B),
+        # A full fine-tune: its reference a frozen copy of the starting checkpoint split into the same stages (its own
+        # forward-only schedule); one process's is a plain copy of the model.
+        "pp2 x fsdp2 full ft frozen reference 1f1b": ("dpo full", {**PP2, "dp_shard_size": 2}, ONE_F_ONE_B),
     },
 }
 
 
-def lora_model() -> torch.nn.Module:
+def full_model() -> torch.nn.Module:
     model = tiny_model("llama_4l")
     model.config.use_cache = False
+    return model
+
+
+def lora_model() -> torch.nn.Module:
+    model = full_model()
     torch.manual_seed(1)
     model = apply_lora(model, LoraOptions(r=4, alpha=8))
     gen = torch.Generator().manual_seed(2)
@@ -110,10 +118,18 @@ def _train(model, objective, take, clip, backward: bool) -> dict:
     return {"history": history, "metrics": metrics, "eval": evaluation}
 
 
+def _objective(method: str, reference: torch.nn.Module | None = None, checkpoint: str | None = None):
+    """``method``'s objective; ``"dpo full"``: DPO of a full fine-tune against ``reference`` or a frozen copy of
+    ``checkpoint``."""
+    return PreferenceObjective(OBJECTIVES[method.split()[0]], reference=reference, checkpoint_dir=checkpoint)
+
+
 @functools.cache
 def _reference(method: str):
-    model = lora_model()
-    run = _train(model, PreferenceObjective(OBJECTIVES[method]), lambda batch: batch, torch.nn.utils.clip_grad_norm_,
+    full = method.endswith("full")
+    model = full_model() if full else lora_model()
+    reference = copy.deepcopy(model).requires_grad_(False).eval() if full else None
+    run = _train(model, _objective(method, reference), lambda batch: batch, torch.nn.utils.clip_grad_norm_,
                  backward=True)  # fmt: skip
     return run, {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -133,17 +149,19 @@ def _rows_of_rank(mesh):
     return take
 
 
-def _run_case(method: str, sizes: dict, settings: dict) -> dict:
+def _run_case(method: str, sizes: dict, settings: dict, checkpoint: str | None = None) -> dict:
     want, want_adapters = _reference(method)
-    model = lora_model()
+    build = full_model if method.endswith("full") else lora_model
+    model = build()
     parallelize(model, ParallelLayout(**sizes).resolve(dist.get_world_size()), *with_settings("test", **settings))
     _, pipeline = find_pipeline(model)
     pipeline.loss_scale = 1.0 / ACCUM  # the doors set it so (the schedule differentiates inside the model call)
-    got = _train(model, PreferenceObjective(OBJECTIVES[method]), _rows_of_rank(pipeline.mesh),
+    objective = _objective(method, checkpoint=checkpoint)
+    got = _train(model, objective, _rows_of_rank(pipeline.mesh),
                  functools.partial(clip_grad_norm_, pipeline=pipeline), backward=False)  # fmt: skip
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in adapters.items()}
-    start = {n: p.detach() for n, p in lora_model().named_parameters() if p.requires_grad}
+    start = {n: p.detach() for n, p in build().named_parameters() if p.requires_grad}
     return {
         "history_diff": max(abs(a - b) for a, b in zip(got["history"], want["history"])),
         "metrics_diff": max(abs(g[key] - w[key]) for g, w in zip(got["metrics"], want["metrics"]) for key in w),
@@ -154,6 +172,10 @@ def _run_case(method: str, sizes: dict, settings: dict) -> dict:
         "adapter_diff": max((full[n] - want_adapters[n]).abs().max().item() for n in full),
         "adapter_change": max((want_adapters[n] - start[n]).abs().max().item() for n in start),
         "all_adapters": sorted(want_adapters),
+        # A full fine-tune's frozen copy: this rank holds what the policy holds (the same stages, shards), frozen.
+        "reference_numel": sum(p.numel() for p in getattr(objective.reference, "parameters", list)()),
+        "reference_trainable": any(p.requires_grad for p in getattr(objective.reference, "parameters", list)()),
+        "policy_numel": sum(p.numel() for p in model.parameters()),
     }
 
 
@@ -164,6 +186,8 @@ def _check(name: str, rank: int, result: dict) -> None:
     assert result["adapter_diff"] <= TOL, where
     assert result["adapter_change"] > 100 * TOL, where  # the adapters moved: parity means something
     assert result["names_match"] and result["eval_names_match"], where  # TRL's metrics, as one process logs them
+    if "full" in name:  # the frozen copy is split and sharded as the policy is
+        assert result["reference_numel"] == result["policy_numel"] and not result["reference_trainable"], where
 
 
 def _check_every_adapter_trained(name: str, results: list[dict]) -> None:
@@ -181,8 +205,13 @@ def check_in_rank(rank: int, world_size: int) -> None:
         _check_every_adapter_trained(name, every)
 
 
-def _world(rank: int, world_size: int, out_dir: str) -> None:
-    results = {name: _run_case(*case) for name, case in CASES[world_size].items()}
+def _world(rank: int, world_size: int, out_dir: str, names: tuple[str, ...] = ()) -> None:
+    checkpoint = str(Path(out_dir, "starting_checkpoint"))
+    if rank == 0:  # the full fine-tune's starting checkpoint, which its frozen reference is read from
+        full_model().save_pretrained(checkpoint)
+    dist.barrier()
+    cases = {name: case for name, case in CASES[world_size].items() if name in names or not names}
+    results = {name: _run_case(*case, checkpoint if case[0].endswith("full") else None) for name, case in cases.items()}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -198,11 +227,3 @@ def test_preference_under_pipeline_matches_one_process(name: str) -> None:
     for rank, result in enumerate(results):
         _check(name, rank, result)
     _check_every_adapter_trained(name, results)
-
-
-def test_dpo_without_adapters_under_a_pipeline_is_refused_by_name() -> None:
-    """A full fine-tune's frozen reference copy is not split into stages: DPO on a pipeline needs LoRA's base."""
-    model = tiny_model("llama_4l")
-    setattr(model, _PIPELINE_ATTR, object())  # what parallelize leaves on a model split into stages
-    with pytest.raises(OptionsError, match=r"under pipeline parallelism .* LlamaForCausalLM has none to disable"):
-        PreferenceObjective(DPO)(model, _pairs(model.config.vocab_size, 0, 0))

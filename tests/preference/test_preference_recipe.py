@@ -35,8 +35,6 @@ def test_the_shipped_recipe_is_one_typed_object() -> None:
     ("drop", "changes", "match"),
     [
         ((), {"objective": {"reference": "copy"}}, r"objective\.reference: .*'model'"),
-        (("lora",), {"layout": {"dp_shard_size": 1, "pp_size": 2}},
-         r"objective\.method=dpo under pipeline parallelism \(layout\.pp_size=2\) takes its reference from the base"),
         ((), {"data": {"packing": True}}, r"preference pairs are not packed yet; set data\.packing: false"),
         ((), {"data": {"format": "chat"}}, r"objective\.method=dpo trains on chosen/rejected pairs; set data\.format"),
         ((), {"objective": {"method": "sft"}}, r"data\.format: preference trains a preference method"),
@@ -55,6 +53,13 @@ def test_what_a_preference_recipe_refuses(tmp_path: Path, drop: tuple, changes: 
 def test_context_parallel_layouts_are_taken(tmp_path: Path) -> None:
     recipe = load_recipe(_recipe(tmp_path, layout={"dp_shard_size": 1, "cp_size": 2}, parallel={"cp_backend": "ring"}))
     assert recipe.layout.cp_size == 2 and recipe.objective.method == "dpo"
+
+
+def test_a_full_fine_tune_under_pipeline_parallelism_is_taken(tmp_path: Path) -> None:
+    """DPO without LoRA under PP: its frozen reference copy is split into the policy's stages
+    (tests/preference/test_dpo_pipeline.py)."""
+    recipe = load_recipe(_recipe(tmp_path, ("lora",), layout={"dp_shard_size": 1, "pp_size": 2}))
+    assert recipe.layout.pp_size == 2 and recipe.lora is None and recipe.objective.method == "dpo"
 
 
 def test_reference_free_methods_need_no_adapters(tmp_path: Path) -> None:
