@@ -139,9 +139,16 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
         except Exception:  # torch stopped the other ranks; every rank's status and output say what happened
             pass
         returncodes = {f"rank {rank}": process.exitcode for rank, process in enumerate(context.processes)}
-        output = "".join(f"--- rank {r}:\n{Path(logs, f'rank{r}.log').read_text(errors='replace')}" for r in range(world_size))
+        output = "".join(f"--- rank {r}:\n{_rank_log(Path(logs, f'rank{r}.log'))}" for r in range(world_size))
     first = errors.get() if not errors.empty() else ""  # the child's own traceback is more useful than the wrapper's
     check_exit(returncodes, first + output)
+
+
+def _rank_log(path: Path) -> str:
+    """A rank's captured output, or why there is none (the process died before it redirected its output)."""
+    if not path.exists():
+        return "(no output: the process ended before it opened its log; see its exit code)\n"
+    return path.read_text(errors="replace")
 
 
 def run_command(
