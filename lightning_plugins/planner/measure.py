@@ -433,7 +433,8 @@ def measure_step_memory(
     for _ in range(steps_before):
         _run_step(model, optimizer, batch, loss_fn=loss_fn)
     tracker = StepMemTracker(model)
-    tracker.track_external(model, optimizer, *batch.values(), *_pipeline_buffers(model), *held)
+    buffers = [buffer for module in (model, *held) for buffer in _pipeline_buffers(module)]
+    tracker.track_external(model, optimizer, *batch.values(), *buffers, *held)
     result: dict[str, Any] = {}
     intervals, mark, handles = mark_intervals(tracker, model, lambda: tracker.by_category("peak", device))
 

@@ -111,13 +111,16 @@ LAYOUTS: dict[str, MemoryLayout] = {
 _LORA = LoraOptions(r=8, alpha=16)
 #: Preference steps beside LAYOUTS' DPO (tests/planner/test_planner_preference.py): KTO (4 rows, their KL rows: the
 #: policy's no-grad forward of the KL rows, the reference's of both, the policy's); DPO under PP 1F1B (2 pairs in 2
-#: pipeline micro-batches, the reference through the forward-only schedule); a full fine-tune's DPO (its frozen copy).
+#: pipeline micro-batches, the reference through the forward-only schedule); a full fine-tune's DPO (its frozen copy;
+#: under PP split into the same stages).
 PREFERENCE_LAYOUTS: dict[str, MemoryLayout] = {
     "kto_lora_fsdp2": MemoryLayout(2, ParallelLayout(dp_shard_size=2), lora=_LORA, rows=4,
                                    objective=PreferenceOptions("kto")),
     "dpo_lora_pp2_1f1b": MemoryLayout(2, ParallelLayout(pp_size=2), ParallelOptions(pp_schedule="1f1b",
                                       pp_microbatches=2), lora=_LORA, rows=4, objective=PreferenceOptions("dpo")),
     "dpo_full_fsdp2": MemoryLayout(2, ParallelLayout(dp_shard_size=2), rows=4, objective=PreferenceOptions("dpo")),
+    "dpo_full_pp2_1f1b": MemoryLayout(2, ParallelLayout(pp_size=2), ParallelOptions(pp_schedule="1f1b",
+                                      pp_microbatches=2), rows=4, objective=PreferenceOptions("dpo")),
 }  # fmt: skip
 
 
