@@ -7,7 +7,8 @@ Both backends at cp=2 (2 ranks) and cp=4, Qwen3.5's Gated DeltaNet linear attent
 recurrence at cp = 1, 2, 4 in the 4-rank world, with test_linear_attention_context.py's helpers), sliding windows shorter than the sequence, soft-capping, sinks, CP x TP and CP x FSDP2 (4 ranks). Packed rows under CP train
 exactly what one process trains on the unpacked samples (Qwen3.5's linear attention included, its packed kernel against
 each document alone in fp64); left-padded rows what it trains on them as given.
-One world per rank count checks every case (starting ranks is the slow part); the reference runs on each rank.
+One world per rank count checks every case (starting ranks is the slow part); each reference runs on one rank, which
+broadcasts it.
 """
 
 from __future__ import annotations
@@ -145,11 +146,35 @@ def _train(
     return losses + norms
 
 
-@functools.cache
+#: This rank's one-process references, by :func:`_reference_key` (filled by :func:`_share_references`).
+_REFERENCES: dict[tuple, tuple[list[float], dict[str, torch.Tensor]]] = {}
+
+
 def _reference(family: str, seq: int, data: str, max_norm: float) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = tiny_model(family)
-    history = _train(model, seq, lambda batch: batch, torch.nn.utils.clip_grad_norm_, data, max_norm)
-    return history, {name: param.detach().clone() for name, param in model.named_parameters()}
+    if (family, seq, data, max_norm) not in _REFERENCES:
+        model = tiny_model(family)
+        history = _train(model, seq, lambda batch: batch, torch.nn.utils.clip_grad_norm_, data, max_norm)
+        _REFERENCES[family, seq, data, max_norm] = history, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return _REFERENCES[family, seq, data, max_norm]
+
+
+def _reference_key(family: str, seq: int, options: dict) -> tuple[str, int, str, float]:
+    """The one-process run a case is checked against: packed rows against the unpacked samples, left-padded rows
+    against themselves; a mean over more tokens has a smaller gradient, so long sequences clip lower."""
+    max_norm = MAX_NORM * 16 / seq if seq > 100 else MAX_NORM
+    return family, seq, "left" if options.get("data") == "left" else "plain", max_norm
+
+
+def _share_references(rank: int, world_size: int) -> None:
+    """Each reference of the world's cases computed by one rank and broadcast: it does not depend on the rank."""
+    import torch.distributed as dist
+
+    keys = list(dict.fromkeys(_reference_key(c[0], c[2], c[3]) for c in CASES[world_size].values()))
+    own = {key: _reference(*key) for index, key in enumerate(keys) if index % world_size == rank}  # all ranks at once
+    for index, key in enumerate(keys):
+        box = [own.get(key)]
+        dist.broadcast_object_list(box, src=index % world_size)
+        _REFERENCES[key] = box[0]
 
 
 def _cp_prepare(model: torch.nn.Module):
@@ -167,10 +192,9 @@ def _cp_prepare(model: torch.nn.Module):
 def _run_case(world_size: int, family: str, sizes: dict, seq: int, options: dict) -> dict[str, float]:
     options = dict(options)
     inner = options.pop("inner", None)
-    data = options.pop("data", "plain")
-    max_norm = MAX_NORM * 16 / seq if seq > 100 else MAX_NORM  # a mean over more tokens has a smaller gradient
-    # Packed rows are checked against the unpacked samples, left-padded rows against themselves.
-    ref_history, ref_weights = _reference(family, seq, "left" if data == "left" else "plain", max_norm)
+    key = _reference_key(family, seq, options)
+    ref_history, ref_weights = _reference(*key)
+    data, max_norm = options.pop("data", "plain"), key[3]
     model = tiny_model(family)
     if inner is not None:
         model.set_attn_implementation(inner)
@@ -196,6 +220,7 @@ def _run_case(world_size: int, family: str, sizes: dict, seq: int, options: dict
 def _world(rank: int, world_size: int, out_dir: str) -> None:
     from test_linear_attention_context import kernel_results
 
+    _share_references(rank, world_size)
     results = {name: _run_case(world_size, *case) for name, case in CASES[world_size].items()}
     if world_size == 4:  # the linear-attention kernel under cp = 1, 2, 4 against the fp64 recurrence
         results.update(kernel_results(rank, world_size))
