@@ -31,8 +31,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_plugins.errors import OptionsError
 from lightning_plugins.preference.logps import SequenceLogps, sequence_logps
 from lightning_plugins.preference.losses import PairLosses, kto_losses
-from lightning_plugins.preference.objective import PreferenceObjective, global_mean
+from lightning_plugins.preference.objective import PreferenceObjective, adapters_disabled, global_mean
 from lightning_plugins.preference.options import PreferenceOptions
+from lightning_plugins.preference.pipeline import find_pipeline, kto_pipeline_objective
 
 __all__ = ["KL_PREFIX", "KTOObjective"]
 
@@ -69,7 +70,26 @@ class KTOObjective(PreferenceObjective):
         self.options, self.reference, self.checkpoint_dir = options, reference, checkpoint_dir
 
     def __call__(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        if find_pipeline(model) is not None:  # split into stages: the passes through the schedule
+            self._check(batch)
+            rows = {key: batch[key] for key in _ROW_KEYS if key in batch}
+            kl_rows = {key: batch[KL_PREFIX + key] for key in _ROW_KEYS if KL_PREFIX + key in batch}
+            return kto_pipeline_objective(self, model, rows, kl_rows, batch["label"], adapters_disabled)
         return self.from_kto_logps(*self.forwards(model, batch), batch["label"])
+
+    @staticmethod
+    def _check(batch: dict[str, Tensor]) -> None:
+        missing = [key for key in ("label", f"{KL_PREFIX}input_ids") if key not in batch]
+        if missing or not {"labels", "shift_labels"} & set(batch):
+            raise ValueError(
+                f"a KTO batch (collate_unpaired) holds rows, KL rows and labels; {missing or ['labels']} missing."
+            )
+
+    def kl_estimate(self, policy_kl: SequenceLogps, reference_kl: SequenceLogps) -> Tensor:
+        """The KL estimate: the mean of ``policy - reference`` over the global batch's KL rows, clamped at 0."""
+        mesh = policy_kl.data_mesh
+        kl_sum, kl_rows = _sums([policy_kl.logps - reference_kl.logps, torch.ones_like(policy_kl.logps)], mesh)
+        return (kl_sum / kl_rows.clamp(min=1.0)).clamp(min=0.0).to(policy_kl.logps.dtype)
 
     def forwards(
         self, model: nn.Module, batch: dict[str, Tensor]
@@ -77,11 +97,7 @@ class KTOObjective(PreferenceObjective):
         """The four forwards of a step, in the order they run: the policy's of the KL rows (no gradient), the
         reference's of the rows and of the KL rows, then the policy's of the rows (with gradient). Returned as
         ``policy, reference, policy_kl, reference_kl``."""
-        missing = [key for key in ("label", f"{KL_PREFIX}input_ids") if key not in batch]
-        if missing or not {"labels", "shift_labels"} & set(batch):
-            raise ValueError(
-                f"a KTO batch (collate_unpaired) holds rows, KL rows and labels; {missing or ['labels']} missing."
-            )
+        self._check(batch)
         rows = {key: batch[key] for key in _ROW_KEYS if key in batch}
         kl_rows = {key: batch[KL_PREFIX + key] for key in _ROW_KEYS if KL_PREFIX + key in batch}
         with torch.no_grad():
@@ -101,8 +117,7 @@ class KTOObjective(PreferenceObjective):
         rewards, in tensors only: nothing is read back to the host (so a dry run on fake tensors runs it too)."""
         options, mesh = self.options, policy.data_mesh
         good = label.to(policy.logps.device).bool()
-        kl_sum, kl_rows = _sums([policy_kl.logps - reference_kl.logps, torch.ones_like(policy_kl.logps)], mesh)
-        kl = (kl_sum / kl_rows.clamp(min=1.0)).clamp(min=0.0).to(policy.logps.dtype)
+        kl = self.kl_estimate(replace(policy_kl, data_mesh=mesh), reference_kl).to(policy.logps.dtype)
         # TRL's two formulas, each taken where the row's label says (TRL: on the desirable rows, the undesirable rows).
         every = kto_losses(policy.logps, policy.logps, reference.logps, reference.logps, kl, options.beta,
                            options.desirable_weight, options.undesirable_weight)  # fmt: skip

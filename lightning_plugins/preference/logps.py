@@ -201,8 +201,8 @@ def _refuse_pipeline(model: nn.Module) -> None:
             raise OptionsError(
                 f"sequence_logps needs one forward of the whole model, but {type(module).__name__} is split into"
                 " pipeline stages (its last stage sees the logits one micro-batch at a time). Call PreferenceObjective"
-                " (objective(model, batch)), which runs DPO, SimPO and ORPO through the pipeline's schedule"
-                " (lightning_plugins.preference.pipeline); KTO does not run under pipeline parallelism yet."
+                " (objective(model, batch)) or KTOObjective, which run DPO, SimPO, ORPO and KTO through the pipeline's"
+                " schedule (lightning_plugins.preference.pipeline)."
             )
 
 

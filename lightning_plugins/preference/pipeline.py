@@ -20,6 +20,18 @@ to :func:`pipeline_objective`, which:
 * **reports** the loss and TRL's metrics computed by the objective's own :meth:`from_logps` on the last stage from
   every row's (detached) log-probabilities, identical on every rank (one all-reduce over the pipeline ranks).
 
+KTO (:func:`kto_pipeline_objective`, for :class:`~lightning_plugins.preference.kto.KTOObjective`):
+
+* three forward-only passes through the schedule with the same micro-batches (``pp_microbatches`` equal parts of the
+  rows; evaluation pads with copies of the last row, dropped from the results): the policy's of the KL rows, then the
+  reference's (the adapters disabled, or a full fine-tune's frozen copy in the same stages) of the rows and of the KL
+  rows; the last stage keeps each row's summed log-probability, so a KL row never has to travel with its row;
+* the KL estimate on the last stage from them (a mean over the global batch's KL rows, clamped at 0, no gradient);
+* the policy's training pass: the last stage's loss for a micro-batch is its rows' KTO losses (TRL's two formulas, each
+  where the row's label says) times ``data ranks / rows of the global batch``, so the micro-batches add up to the
+  one-process mean; TRL's metrics from :meth:`~lightning_plugins.preference.kto.KTOObjective.from_kto_logps` on the
+  last stage, on every rank after one all-reduce over the pipeline ranks.
+
 The model is called (``model(..., pipeline_head=head)``), so a door's hooks around the model call (the gradient
 hand-off of the Lightning and Accelerate doors) see a training call as for SFT. As there, a training call runs
 forward *and* backward: the returned loss is detached, and its gradients are already accumulated.
@@ -42,11 +54,12 @@ from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel.loss import IGNORE_INDEX, next_token_targets
 from lightning_plugins.parallel.pipeline.apply import pipeline_of
 from lightning_plugins.preference.logps import SequenceLogps, head_logps, sum_over_context
+from lightning_plugins.preference.losses import kto_losses
 
 if TYPE_CHECKING:
     from lightning_plugins.parallel.pipeline.runtime import Pipeline
 
-__all__ = ["find_pipeline", "pipeline_objective"]
+__all__ = ["find_pipeline", "kto_pipeline_objective", "pipeline_objective"]
 
 
 def find_pipeline(model: nn.Module) -> tuple[nn.Module, Pipeline] | None:
@@ -241,3 +254,89 @@ def _from_last_stage(pipeline: Pipeline, loss: Tensor, metrics: dict[str, Tensor
     values = torch.stack([loss.float(), *(value.detach().float() for value in metrics.values())])
     dist.all_reduce(values, group=pipeline.pp_mesh.get_group())
     return values[0], dict(zip(metrics, values[1:]))
+
+
+def _row_order(rows: int, microbatches: int, train: bool, device: torch.device) -> _Order:
+    if rows % microbatches and train:
+        raise OptionsError(
+            f"Under pipeline parallelism KTO's {rows} rows of this data rank's batch must split into"
+            f" pp_microbatches={microbatches} equal parts. Use a batch per data rank (train.micro_batch_size) that is a"
+            f" multiple of {microbatches}, or pp_microbatches dividing {rows}."
+        )
+    slots = range(-(-rows // microbatches) * microbatches)
+    take = [min(i, rows - 1) for i in slots]
+    return _Order(
+        torch.tensor(take, device=device), torch.tensor([i if i < rows else -1 for i in slots], device=device)
+    )
+
+
+class _KTOMicroBatchLoss:
+    """A micro-batch's share of the global KTO loss (its rows' losses times ``data ranks / global rows``)."""
+
+    def __init__(self, objective: Any, reference: SequenceLogps, kl: Tensor, good: Tensor, per_row: Tensor) -> None:
+        self.objective, self.reference, self.kl, self.good, self.per_row = objective, reference, kl, good, per_row
+
+    def __call__(self, part: SequenceLogps, rows: Tensor) -> Tensor:
+        options = self.objective.options
+        reference = self.reference.logps[rows]
+        every = kto_losses(part.logps, part.logps, reference, reference, self.kl, options.beta,
+                           options.desirable_weight, options.undesirable_weight)  # fmt: skip
+        desirable, undesirable = every.losses.chunk(2)
+        return torch.where(self.good[rows], desirable, undesirable).sum() * self.per_row
+
+
+def _kto_per_row(rows: int, data: DeviceMesh | None, device: torch.device) -> Tensor:
+    """``data ranks / rows of the global batch`` (every row counted once per context-parallel rank, as the
+    objective's mean over ``dp_cp`` counts it)."""
+    total = torch.tensor(float(rows), dtype=torch.float64, device=device)
+    ranks = 1
+    if data is not None:
+        dist.all_reduce(total, group=data.get_group())
+        ranks = data.size()
+    return (ranks / total.clamp(min=1)).float()
+
+
+def kto_pipeline_objective(
+    objective: Any, model: nn.Module, rows: dict[str, Tensor], kl_rows: dict[str, Tensor], label: Tensor,
+    reference: Any,
+) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """KTO's loss and TRL's metrics on a pipeline-split ``model`` (training: forward and backward, the loss returned
+    detached). ``rows`` / ``kl_rows``: the batch's rows and KL rows; ``reference``: the adapters-disabled context."""
+    found = find_pipeline(model)
+    assert found is not None
+    causal_lm, pipeline = found
+    count = rows["input_ids"].shape[0]
+    train = causal_lm.training and torch.is_grad_enabled()
+    order = _row_order(count, pipeline.options.microbatches or 1, train, rows["input_ids"].device)
+    data, context = _meshes(pipeline)
+    last = any(stage.is_last for stage in pipeline.stages.values())
+    given, kl_given = _reordered(rows, order), _reordered(kl_rows, order)
+
+    def forward_only(inputs: dict[str, Tensor], of_reference: bool) -> SequenceLogps | None:
+        head = _LastStageHead(order, context)
+        with torch.no_grad():
+            if of_reference:
+                _reference_pass(objective, model, reference, inputs, head)
+            else:
+                model(**inputs, use_cache=False, pipeline_head=head)
+        return head.rows(count, data) if last else None
+
+    policy_kl = forward_only(kl_given, False)
+    ref_rows, ref_kl = forward_only(given, True), forward_only(kl_given, True)
+    good = label.to(rows["input_ids"].device).bool()
+    loss_fn = None
+    if train and last:
+        kl = objective.kl_estimate(policy_kl, ref_kl)
+        loss_fn = _KTOMicroBatchLoss(objective, ref_rows, kl, good, _kto_per_row(count, data, good.device))
+    head = _LastStageHead(order, context, loss_fn)
+    with contextlib.nullcontext() if train else torch.no_grad():
+        model(**given, use_cache=False, pipeline_head=head)
+    if last:
+        loss, metrics = objective.from_kto_logps(head.rows(count, data), ref_rows, policy_kl, ref_kl, label)
+    else:  # the same names (they depend on the global batch's labels only), zeros: the last stage's values arrive
+        zeros, ones = torch.zeros(count, device=good.device), torch.ones(count, device=good.device)
+        rows_of = SequenceLogps(zeros, ones, zeros, data_mesh=data)  # every row holds a token, as on the last stage
+        with torch.no_grad():
+            loss, metrics = objective.from_kto_logps(rows_of, rows_of, rows_of, rows_of, label)
+        loss, metrics = torch.zeros_like(loss), {key: torch.zeros_like(value) for key, value in metrics.items()}
+    return _from_last_stage(pipeline, loss.detach(), metrics)

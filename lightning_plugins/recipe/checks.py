@@ -100,7 +100,7 @@ def _check_packing_attention(recipe: Recipe, layout: ParallelLayout, path: Path)
 def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None:
     """A preference method on what this slice of it covers: pairs (dpo, simpo, orpo) or unpaired examples (kto) in
     padded batches, layouts whose sequence log-probabilities are summed exactly (FSDP2, HSDP, TP with SP and loss
-    parallel, CP ring and Ulysses, EP; PP for pairs). DPO's reference is the base with the adapters disabled under LoRA,
+    parallel, CP ring and Ulysses, EP, PP). DPO's reference is the base with the adapters disabled under LoRA,
     else a frozen copy of the model laid out like it (split into the same stages under PP), or precomputed in one pass
     before training."""
     objective = recipe.objective
@@ -119,11 +119,6 @@ def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None
         raise RecipeError(f"{path}: {key}: preference {'records' if objective.unpaired else 'pairs'} are not packed"
                           " yet; set data.packing: false.")  # fmt: skip
     _check_reference_source(recipe, layout, path)
-    if layout.pp_size > 1 and objective.unpaired:
-        raise RecipeError(
-            f"{path}: {key} does not run under pipeline parallelism yet (each example's KL row would travel apart from"
-            " it); set layout.pp_size: 1, or use dpo, simpo or orpo on pairs."
-        )
 
 
 def _check_reference_source(recipe: Recipe, layout: ParallelLayout, path: Path) -> None:

@@ -1,7 +1,7 @@
 """Preference losses under pipeline parallelism train exactly as one process: DPO with LoRA under 1F1B and interleaved
 1F1B (default), and under GPipe, with FSDP2, tensor parallelism (sequence parallel, loss parallel), ring context
-parallelism, ORPO / SimPO's NLL terms, and a full fine-tune's DPO against a frozen copy of its starting checkpoint
-split into the same stages and shards (slow, 4 ranks).
+parallelism, ORPO / SimPO's NLL terms, a full fine-tune's DPO against a frozen copy of its starting checkpoint
+split into the same stages and shards, and KTO (its KL rows in forward-only passes of their own; slow, 4 ranks).
 
 fp32, gloo, a 4-layer tiny Llama. Each training batch holds PAIRS chosen rows then their PAIRS rejected rows; the
 pipeline path (:mod:`lightning_plugins.preference.pipeline`) puts the two rows of a pair in one pipeline micro-batch,
@@ -33,7 +33,7 @@ from lightning_plugins import ParallelLayout, parallelize
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora
 from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch
 from lightning_plugins.parallel.options import with_settings
-from lightning_plugins.preference import PreferenceObjective, PreferenceOptions
+from lightning_plugins.preference import KTOObjective, PreferenceObjective, PreferenceOptions
 from lightning_plugins.preference.pipeline import find_pipeline
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -44,6 +44,7 @@ OBJECTIVES = {
     "dpo": DPO,
     "orpo": PreferenceOptions(method="orpo", beta=0.5),
     "simpo": PreferenceOptions(method="simpo", beta=2.0, simpo_gamma=0.3, sft_weight=0.7),
+    "kto": PreferenceOptions(method="kto", beta=0.5, desirable_weight=1.3, undesirable_weight=0.7),
 }
 PP2 = {"pp_size": 2}
 ONE_F_ONE_B = {"pp_schedule": "1f1b", "pp_microbatches": 2}
@@ -65,6 +66,8 @@ CASES = {
         # A full fine-tune: its reference a frozen copy of the starting checkpoint split into the same stages (its own
         # forward-only schedule); one process's is a plain copy of the model.
         "pp2 x fsdp2 full ft frozen reference 1f1b": ("dpo full", {**PP2, "dp_shard_size": 2}, ONE_F_ONE_B),
+        # KTO: its rows, their KL rows (forward-only passes of their own) and labels; the loss on the last stage.
+        "pp2 x fsdp2 kto 1f1b chunked": ("kto", {**PP2, "dp_shard_size": 2}, {**ONE_F_ONE_B, "loss_chunk_tokens": 7}),
     },
 }
 
@@ -94,14 +97,23 @@ def _pairs(vocab: int, step: int, micro: int, pairs: int = PAIRS) -> dict[str, t
     return make_batch(2 * pairs, SEQ - 4 * (micro % 2), vocab, seed=100 * step + micro)
 
 
+def _unpaired(vocab: int, step: int, micro: int, pairs: int = PAIRS) -> dict[str, torch.Tensor]:
+    """KTO's batch: ``2 * pairs`` rows as :func:`_pairs`, their KL rows (seed 21: the KL estimate above 0) and labels."""
+    rows = _pairs(vocab, step, micro, pairs)
+    kl = make_batch(2 * pairs, SEQ - 4 * (micro % 2), vocab, seed=21)
+    label = torch.tensor([i % 3 != 1 for i in range(2 * pairs)])
+    return {**rows, **{f"kl_{key}": value for key, value in kl.items()}, "label": label}
+
+
 def _train(model, objective, take, clip, backward: bool) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
     history, metrics = [], []
+    batches = _unpaired if isinstance(objective, KTOObjective) else _pairs
     for step in range(STEPS):
         step_loss = 0.0
         for micro in range(ACCUM):
-            loss, logged = objective(model, take(_pairs(model.config.vocab_size, step, micro)))
+            loss, logged = objective(model, take(batches(model.config.vocab_size, step, micro)))
             if backward:
                 (loss / ACCUM).backward()
             step_loss += loss.item() / ACCUM
@@ -113,7 +125,7 @@ def _train(model, objective, take, clip, backward: bool) -> dict:
         history += [step_loss, float(norm)]
     model.eval()
     with torch.no_grad():
-        loss, logged = objective(model, take(_pairs(model.config.vocab_size, STEPS, 0, EVAL_PAIRS)))
+        loss, logged = objective(model, take(batches(model.config.vocab_size, STEPS, 0, EVAL_PAIRS)))
     evaluation = {"loss": loss.item(), **{key: value.item() for key, value in logged.items()}}
     return {"history": history, "metrics": metrics, "eval": evaluation}
 
@@ -121,7 +133,10 @@ def _train(model, objective, take, clip, backward: bool) -> dict:
 def _objective(method: str, reference: torch.nn.Module | None = None, checkpoint: str | None = None):
     """``method``'s objective; ``"dpo full"``: DPO of a full fine-tune against ``reference`` or a frozen copy of
     ``checkpoint``."""
-    return PreferenceObjective(OBJECTIVES[method.split()[0]], reference=reference, checkpoint_dir=checkpoint)
+    options = OBJECTIVES[method.split()[0]]
+    if options.unpaired:
+        return KTOObjective(options)
+    return PreferenceObjective(options, reference=reference, checkpoint_dir=checkpoint)
 
 
 @functools.cache
@@ -176,6 +191,7 @@ def _run_case(method: str, sizes: dict, settings: dict, checkpoint: str | None =
         "reference_numel": sum(p.numel() for p in getattr(objective.reference, "parameters", list)()),
         "reference_trainable": any(p.requires_grad for p in getattr(objective.reference, "parameters", list)()),
         "policy_numel": sum(p.numel() for p in model.parameters()),
+        "smallest_kl": min(g.get("kl", 0.0) for g in got["metrics"]),  # KTO's KL estimate, clamped at 0
     }
 
 
@@ -186,6 +202,8 @@ def _check(name: str, rank: int, result: dict) -> None:
     assert result["adapter_diff"] <= TOL, where
     assert result["adapter_change"] > 100 * TOL, where  # the adapters moved: parity means something
     assert result["names_match"] and result["eval_names_match"], where  # TRL's metrics, as one process logs them
+    if "kto" in name:  # the KL term is live (never clamped to 0), so its parity means something
+        assert result["smallest_kl"] > 100 * TOL, where
     if "full" in name:  # the frozen copy is split and sharded as the policy is
         assert result["reference_numel"] == result["policy_numel"] and not result["reference_trainable"], where
 

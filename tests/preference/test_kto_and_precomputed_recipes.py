@@ -39,14 +39,19 @@ def test_the_shipped_kto_recipe_is_one_typed_object() -> None:
     assert recipe.data.format == "unpaired"
 
 
+def test_a_kto_recipe_under_pipeline_parallelism_is_taken(tmp_path: Path) -> None:
+    """KTO under PP runs through the schedule (lightning_plugins/preference/pipeline.py,
+    tests/preference/test_dpo_pipeline.py)."""
+    recipe = load_recipe(_recipe(tmp_path, KTO_RECIPE, (), layout={"dp_shard_size": 1, "pp_size": 2}))
+    assert recipe.layout.pp_size == 2 and recipe.objective.method == "kto"
+
+
 @pytest.mark.parametrize(
     ("source", "drop", "changes", "match"),
     [
         (KTO_RECIPE, (), {"data": {"format": "preference"}},
          r"objective\.method=kto trains on unpaired prompt/completion/label records; set data\.format: unpaired"),
         (KTO_RECIPE, (), {"data": {"packing": True}}, r"objective\.method=kto: preference records are not packed yet"),
-        (KTO_RECIPE, (), {"layout": {"dp_shard_size": 1, "pp_size": 2}},
-         r"objective\.method=kto does not run under pipeline parallelism yet"),
         (KTO_RECIPE, (), {"objective": {"reference": "precomputed"}},
          r"objective\.reference: precomputed is for dpo: objective\.method=kto's KL rows"),
         (KTO_RECIPE, (), {"objective": {"method": "sft"}}, r"data\.format: unpaired trains a preference method"),
