@@ -170,6 +170,12 @@ def _parallelize_part(model: nn.Module, family: ModelFamily, plan: ParallelPlan)
     apply_activation_checkpointing(
         layers, memory.activation_checkpointing, memory.every_n_layers, offload=memory.activation_offload
     )
+    # The vision blocks too, as gradient_checkpointing_enable does; not under TP, whose replicated tower runs a block on
+    # local copies of its weights for that call only (replicated_tower.py), which a recompute would fall outside of.
+    if (parts := image_text_parts(model)) is not None and plan.tp_size == 1:
+        apply_activation_checkpointing(
+            model.get_submodule(parts.blocks_path), memory.activation_checkpointing, memory.every_n_layers
+        )
     if options.compile and not simulated():  # after TP and AC, before FSDP2 (torchtitan's order)
         if options.async_tp:
             enable_async_tp(plan.mesh("tp"))

@@ -13,7 +13,8 @@ projector module sharded as its own unit, under TP the language model's projecti
 projector replicated, identical on the tensor-parallel ranks after training; under EP the experts split; under CP
 (batches through `context_parallel_batch`) the decoder layers see this rank's shard of each row, whose image tokens
 straddle the shards (each 20-token row's image lies within tokens 2-9, once left padding is rolled to the end; the first
-of 2 load-balanced shards holds tokens 0-4 and 15-19). One world of 2 ranks runs the default cases; one of 2 and one of
+of 2 load-balanced shards holds tokens 0-4 and 15-19); with activation checkpointing the vision blocks are checkpointed
+too (a trained block runs again in the backward). One world of 2 ranks runs the default cases; one of 2 and one of
 4 (slow) the others; the reference runs on each rank.
 """
 
@@ -36,7 +37,7 @@ from lightning_plugins import ParallelLayout, parallelize
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora, trainable_parameters
 from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of, pipeline_of
 from lightning_plugins.parallel.image_text import image_text_parts
-from lightning_plugins.parallel.options import ParallelOptions
+from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
 
 # peft's get_peft_model reads a transformers attribute deprecated in 5.x: third-party noise.
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -70,6 +71,8 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen2_5_vl pp2 full": ("qwen2_5_vl", {"pp_size": 2}, "full"),
         "qwen2_5_vl pp2 frozen vision": ("qwen2_5_vl", {"pp_size": 2}, "frozen vision"),
         "gemma3 pp2 full": ("gemma3", {"pp_size": 2}, "full"),
+        # Activation checkpointing of the vision blocks (with the decoder layers'): each trained block runs twice.
+        "qwen2_5_vl fsdp2 full ac": ("qwen2_5_vl", {"dp_shard_size": 2, "ac": "full"}, "full"),
     },
     "2 slow": {
         # Qwen3-VL's q/k norms (one per head), which its text config's tensor-parallel plan leaves out.
@@ -87,6 +90,11 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen2_5_vl pp2 lora": ("qwen2_5_vl", {"pp_size": 2}, "lora"),
         "gemma3 pp2 frozen vision": ("gemma3", {"pp_size": 2}, "frozen vision"),
         "gemma3 pp2 lora": ("gemma3", {"pp_size": 2}, "lora"),
+        "gemma3 fsdp2 full ac": ("gemma3", {"dp_shard_size": 2, "ac": "full"}, "full"),
+        "gemma3 tp2 full ac": ("gemma3", {"tp_size": 2, "ac": "full"}, "full"),  # the replicated tower not checkpointed
+        "qwen3_vl_moe ep2 full selective ac": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2, "ac": "selective"},
+                                               "full"),  # fmt: skip
+        "qwen2_5_vl pp2 full ac": ("qwen2_5_vl", {"pp_size": 2, "ac": "full"}, "full"),
         "qwen3_vl_moe cp2 ring x ep2 lora": (
             "qwen3_vl_moe",
             {"cp_size": 2, "ep_size": 2, "cp_backend": "ring"},
@@ -202,7 +210,8 @@ def _run_case(world_size: int, family: str, sizes: dict, case: str) -> dict:
     initial = {name: param.detach().clone() for name, param in model.named_parameters()}
     sizes = dict(sizes)
     options = ParallelOptions(cp_backend=sizes.pop("cp_backend", "ulysses"))
-    assert parallelize(model, ParallelLayout(**sizes).resolve(world_size), options) is model
+    memory = MemoryOptions(activation_checkpointing=sizes.pop("ac", "none"))
+    assert parallelize(model, ParallelLayout(**sizes).resolve(world_size), options, memory) is model
     mesh = mesh_of(model)
     dp = mesh["dp"]
     rows = BATCH // dp.size()
@@ -211,6 +220,10 @@ def _run_case(world_size: int, family: str, sizes: dict, case: str) -> dict:
     first = next(iter(inner.get_submodule(f"{parts.language_path}.layers")))  # a later pipeline stage's first
     first.register_forward_pre_hook(lambda _, args, kwargs: tokens.add((args or [kwargs["hidden_states"]])[0].shape[1]),
                                     with_kwargs=True)  # fmt: skip
+    calls = []  # the forwards of the first vision block's first part (a checkpointed block runs again in the backward)
+    if _holds(inner, parts.vision_path):
+        block = next(iter(inner.get_submodule(parts.blocks_path)))
+        next(iter(block.children())).register_forward_hook(lambda *_: calls.append(1))
     history = _train(model, family, local, clip_grad_norm_, functools.partial(context_parallel_batch, mesh=mesh))
     trained_diff, frozen_moved, moved = 0.0, 0.0, {}
     for name, param in model.named_parameters():
@@ -237,6 +250,7 @@ def _run_case(world_size: int, family: str, sizes: dict, case: str) -> dict:
         ],
         "units": [isinstance(unit, FSDPModule) for unit in units],
         "vision_blocks": len(inner.get_submodule(parts.blocks_path)) if image_path else 0,
+        "vision_calls": len(calls),
         "projector_units": len(parts.projector_paths) if image_path else 0,
         "layers": len(layers),
         "layer_tokens": sorted(tokens),
@@ -331,6 +345,11 @@ def test_image_text_model_matches_one_process(world: str, name: str) -> None:
         units = result["vision_blocks"] + result["projector_units"] + result["layers"]
         assert result["units"] == [fsdp > 1] * units, where
         assert result["tp_spread"] == 0.0, where
+        # Checkpointed vision blocks run again in the backward where the tower trains (a frozen one has none); under TP
+        # the replicated tower is not checkpointed.
+        again = "ac" in sizes and case in ("full", "router loss") and "tp_size" not in sizes
+        calls = STEPS * ACCUM * pp * (1 + again)  # a pipeline's first stage runs the tower per micro-batch (pp of them)
+        assert result["vision_calls"] == (calls if result["vision_blocks"] else 0), where
         # Under EP each rank holds its experts; under CP the decoder layers see this rank's shard of each row.
         assert all(("ep:Shard" in p) == ("ep_size" in sizes) for p in result["placements"].get("experts", [])), where
         multiple = 2 * cp * sizes.get("tp_size", 1)  # a sharded row is padded for context (and sequence) parallelism

@@ -124,3 +124,23 @@ def test_measured_peak_grows_with_the_images(model_dir: Path) -> None:
     small, large = (max(rank.total for rank in ranks) for ranks in dry_runs([one, three]))
     pixels = ROWS * 2 * one.images.pixels[0] * one.images.pixels[1] * 4  # two more images per row, fp32
     assert large - small >= pixels
+
+
+
+@pytest.mark.slow  # four forked dry runs: minutes on 2 shared cores
+def test_checkpointed_vision_blocks_hold_less_per_image(model_dir: Path) -> None:
+    """With the tower trained, two more images per row add its blocks' saved activations to the peak; with activation
+    checkpointing (of the vision blocks too) only the blocks' inputs: the growth is smaller. The decoder sees the same
+    number of tokens either way (images replace text tokens), so only the tower can make the difference."""
+    import dataclasses
+
+    from lightning_plugins.parallel.options import MemoryOptions
+
+    runs = []
+    for mode in ("none", "full"):
+        for n in (1, 3):
+            workload = _workload(model_dir, VisionOptions(train_tower=True, images_per_sample=n, image_size=SIDE))
+            runs.append(dataclasses.replace(workload, memory=MemoryOptions(activation_checkpointing=mode)))
+    peaks = [max(rank.total for rank in ranks) for ranks in dry_runs(runs)]
+    plain, checkpointed = peaks[1] - peaks[0], peaks[3] - peaks[2]
+    assert 2 * checkpointed < plain, (plain, checkpointed)  # measured: 32,096 vs 181,600 bytes
