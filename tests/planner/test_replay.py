@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import partial
 
 import pytest
+import torch.distributed.pipelining.stage
 from transformers import LlamaConfig
 
 from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions
@@ -34,6 +35,11 @@ _CASES = [
 ]
 
 
+#: torch 2.15's stages allocate a receive buffer per micro-batch (``_ForwardChunkState``), which a replay would not
+#: count: there nothing replays (``replay._known_stage``), and the intervals must still be equal.
+_REPLAYS = not hasattr(torch.distributed.pipelining.stage, "_ForwardChunkState")
+
+
 def _workload(schedule: str, stages: int, reshard: bool, tp: int) -> Workload:
     options = ParallelOptions(pp_schedule=schedule, pp_microbatches=16, pp_stages_per_rank=stages)
     memory = MemoryOptions(param_dtype="bf16", activation_checkpointing="full", pp_reshard_per_microbatch=reshard)
@@ -49,7 +55,7 @@ def test_a_replayed_step_measures_every_interval_the_whole_step_does(case: tuple
         calls += [(measure_step, (workload, rank)), (partial(measure_step, replay=False), (workload, rank))]
     results = forked(calls)
     for replayed, whole in zip(results[::2], results[1::2]):
-        assert replayed["replayed"] > 0 and whole["replayed"] == 0
+        assert (replayed["replayed"] > 0) == _REPLAYS and whole["replayed"] == 0
         assert len(replayed["intervals"]) == len(whole["intervals"]) > 8
         assert replayed["intervals"] == whole["intervals"]
         assert replayed["bounding"] == whole["bounding"]
