@@ -206,7 +206,7 @@ def varlen_lengths(position_ids: Tensor) -> dict[str, Any]:
     transformers runs ``flash_attn_varlen_func`` over any number of rows, with no host sync to find them."""
     flat = position_ids.reshape(-1)
     starts = (flat == 0).nonzero().flatten()
-    cu_seq_lens = torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)
+    cu_seq_lens = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
     longest = int(cu_seq_lens.diff().max())
     return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
             "max_length_k": longest}  # fmt: skip

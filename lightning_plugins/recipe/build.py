@@ -114,7 +114,8 @@ def varlen_packing(recipe: Recipe) -> bool:
     ``model.attn_implementation`` flash_attention_2/3 and no context parallelism (whose attention keeps the documents
     apart itself). The batches then carry each sample's length (``cu_seq_lens``, ``make_collator(..., varlen=True)``)
     and the model takes them (``prepare_model_for_packing(model, varlen=True)``), on CUDA only: the preflight refuses
-    it on CPU and the recipe checks under pipeline parallelism."""
+    it on CPU. Under pipeline parallelism the batches carry no lengths: each stage finds its micro-batch's from the
+    ``position_ids`` (:func:`~lightning_plugins.parallel.pipeline.stage.packed_lengths`)."""
     from lightning_plugins.data.packing import VARLEN_ATTENTION
 
     flash = recipe.model.attn_implementation in VARLEN_ATTENTION
@@ -151,7 +152,8 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, 
     build, collate = build_dataset, None
     if is_image_text_data(data):  # `tokenizer` is the model's processor
         build, collate = build_image_text_dataset, image_text_collator(tokenizer)
-    varlen = varlen_packing(recipe)  # flash attention's packed rows: each sample's length in the batch
+    # Flash attention's packed rows: each sample's length in the batch; a pipeline's stages find each micro-batch's.
+    varlen = varlen_packing(recipe) and recipe.layout.pp_size == 1
     collate = collate or make_collator(data, tokenizer.pad_token_id, pad_to_multiple_of=fixed, varlen=varlen)
     size = recipe.train.micro_batch_size
     # A pipeline splits every batch into its micro-batches: a short last training batch would not split, so it is

@@ -67,7 +67,7 @@ def check_recipe(recipe: Recipe, path: Path) -> Recipe:
     if layout.pp_size > 1:
         _check_pipeline_batch(recipe, layout, path)
     if recipe.data.packing and layout.cp_size == 1:  # context-parallel attention keeps the documents apart itself
-        _check_packing_attention(recipe, layout, path)
+        _check_packing_attention(recipe, path)
     _check_merged_export(recipe, path)
     _check_objective(recipe, layout, path)
     from lightning_plugins.recipe.image_text import check_image_text_recipe
@@ -76,23 +76,14 @@ def check_recipe(recipe: Recipe, path: Path) -> Recipe:
     return recipe
 
 
-def _check_packing_attention(recipe: Recipe, layout: ParallelLayout, path: Path) -> None:
+def _check_packing_attention(recipe: Recipe, path: Path) -> None:
     """Packed rows with an attention that keeps their samples apart: sdpa, eager, flex, or flash attention 2/3 given the
-    samples' lengths (:func:`~lightning_plugins.recipe.build.varlen_packing`), which pipeline stages are not given.
-    Whether flash attention runs on this machine (CUDA) is the preflight's check."""
+    samples' lengths (:func:`~lightning_plugins.recipe.build.varlen_packing`; a pipeline's stages find them from the
+    positions). Whether flash attention runs on this machine (CUDA) is the preflight's check."""
     from lightning_plugins.data import check_packing_attention
-    from lightning_plugins.data.packing import VARLEN_ATTENTION
 
-    implementation = recipe.model.attn_implementation
-    if implementation in VARLEN_ATTENTION and layout.pp_size > 1:
-        raise RecipeError(
-            f"{path}: model.attn_implementation: {implementation} with data.packing under pipeline parallelism"
-            f" (layout.pp_size={layout.pp_size}): the pipeline's micro-batches do not carry the samples' lengths"
-            " (cu_seq_lens) that flash attention's variable-length kernel needs, so it would attend across the packed"
-            " samples of a micro-batch. Set model.attn_implementation: sdpa, or layout.pp_size: 1."
-        )
     try:
-        check_packing_attention(implementation, varlen=True)
+        check_packing_attention(recipe.model.attn_implementation, varlen=True)
     except ValueError as err:
         raise RecipeError(f"{path}: model.attn_implementation with data.packing: {err}") from None
 

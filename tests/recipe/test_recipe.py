@@ -70,7 +70,6 @@ def _recipe(tmp_path: Path, **changes: dict) -> Path:
         ({"layout": {"tp_size": 1, "pp_size": 2}, "parallel": {"pp_microbatches": 3}}, r"micro_batch_size=16 must divide into parallel\.pp_microbatches=3"),
         ({"train": {"merge_lora": True}}, r"train\.merge_lora is set but the recipe has no lora section"),
         ({"data": {"packing": True}, "model": {"attn_implementation": "paged|sdpa"}}, r"model\.attn_implementation with data\.packing"),
-        ({"layout": {"tp_size": 1, "pp_size": 2}, "data": {"packing": True}, "model": {"attn_implementation": "flash_attention_2"}}, r"flash_attention_2 with data\.packing under pipeline parallelism \(layout\.pp_size=2\).*Set model\.attn_implementation: sdpa"),
         ({"lora": {"r": 0}}, r"lora: lora r=0 must be a positive integer"),
         ({"lora": {"target_modules": ["qkv"]}}, r"lora: apply_lora: target_modules \['qkv'\] name no module of LlamaForCausalLM.*q_proj"),
         ({"lora": {"quantize": "nf4"}, "train": {"merge_lora": True}}, r"merge_lora with lora\.quantize: nf4"),

@@ -56,6 +56,13 @@ def test_flash_recipe_batches_carry_the_masked_paths_documents(tmp_path: Path, m
         assert int(cu[-1]) == varlen["input_ids"].numel()
         assert torch.equal(cu.diff().long(), _documents(varlen["position_ids"]))
         assert varlen["max_length_q"] == varlen["max_length_k"] == int(cu.diff().max())
+    # Under pipeline parallelism each stage finds its micro-batch's lengths (tests/parallel/test_pipeline_varlen.py):
+    # the batches are the masked path's, of fixed length.
+    pp = [_recipe(tmp_path, *extra, "layout.pp_size=2", "layout.dp_shard_size=1") for extra in ((), (FLASH,))]
+    assert build.varlen_packing(pp[1])  # accepted (the recipe checks refused it before), the model prepared for it
+    for plain, varlen in zip(*(build.build_loaders(r, tokenizer)[0] for r in pp)):
+        assert varlen.keys() == plain.keys() and "cu_seq_lens_q" not in varlen
+        assert all(torch.equal(varlen[key], plain[key]) for key in plain)
     # Under context parallelism its attention keeps the documents apart itself: no lengths in the batch.
     cp = load_recipe(TINY / "full_cp2.yaml", [f"data.cache_dir={tmp_path / 'cache'}", FLASH])
     assert cp.data.packing and not build.varlen_packing(cp)

@@ -110,6 +110,7 @@ class StageModule(nn.Module):
             hidden = DTensor.from_local(inputs, self.sequence_mesh, [Shard(1)], run_check=False)
         else:
             hidden = inputs
+        lengths = {} if mapping is not None else packed_lengths(self.config, attention_mask, position_ids)
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=inputs.device).unsqueeze(0)
         rope_positions, position_ids = rope_and_text_positions(position_ids)
@@ -131,6 +132,7 @@ class StageModule(nn.Module):
                 attention_mask=masks[kind],
                 position_embeddings=position_embeddings[kind],
                 position_ids=position_ids,
+                **lengths,
             )
         if self.lm_head is None:
             # A fresh tensor, not a view of the DTensor: zero-bubble schedules detach stage outputs in place.
@@ -167,6 +169,22 @@ class StageModule(nn.Module):
                 chunked.per_sequence = False
         loss = self.sequences(logits, targets, chunked, rows)
         return loss * self.loss_factor
+
+
+def packed_lengths(config: Any, attention_mask: Tensor | None, position_ids: Tensor | None) -> dict[str, Any]:
+    """Flash attention's per-sample lengths of a packed micro-batch (``cu_seq_lens_*``, ``max_length_*``:
+    :func:`~lightning_plugins.data.packing.varlen_lengths`), found from its ``position_ids`` as the variable-length
+    collator finds them for a whole batch: the schedule chunks the batch's per-row inputs into micro-batches, not a
+    flattened batch's lengths, so each stage derives its micro-batch's (one host sync per stage and micro-batch).
+    Empty unless the model attends with flash attention 2/3 and the rows come with positions and no padding mask (packed
+    rows: every sample restarts at position 0); under context parallelism the model's attention is the context-parallel
+    one, which keeps the documents apart itself."""
+    from lightning_plugins.data.packing import VARLEN_ATTENTION, varlen_lengths
+
+    flash = getattr(config, "_attn_implementation", None) in VARLEN_ATTENTION
+    if not flash or attention_mask is not None or position_ids is None or position_ids.ndim != 2:
+        return {}
+    return varlen_lengths(position_ids)
 
 
 def rope_and_text_positions(position_ids: Tensor) -> tuple[Tensor, Tensor | None]:
