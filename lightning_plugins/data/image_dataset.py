@@ -3,9 +3,9 @@
 
 Records in TRL's vision format (:mod:`lightning_plugins.data.image_text`) from a local file or a hub dataset, the
 hold-out split as for text, every record's structure and images checked when the dataset is built (a bad one named by
-``file:line``), each sample processed by the model's processor when it is drawn. Packing is refused: a packed row of
-image-text samples is not the same model input as the samples (Gemma 3's image tokens attend to each other both ways
-within a sample, Qwen's multimodal RoPE numbers positions per sample; neither knows where a packed document starts).
+``file:line``), each sample processed by the model's processor when it is drawn. With ``data.packing`` the samples a
+batch draws are packed into rows by the collator, for the models whose positions allow it
+(:mod:`lightning_plugins.data.image_packing`); the dataset is the same.
 """
 
 from __future__ import annotations
@@ -72,16 +72,10 @@ def build_image_text_dataset(
     """The ``train`` or ``eval`` split of image-text records (paths resolved: :meth:`DataConfig.resolve`).
 
     Raises:
-        DataError: for packing, a missing file, a record without ``messages``, a bad record or image (``file:line``).
+        DataError: for a missing file, a record without ``messages``, a bad record or image (``file:line``).
     """
     from lightning_plugins.data.dataset import held_out
 
-    if config.packing:
-        raise DataError(
-            "data.packing: image-text samples are not packed: a packed row is not the same input as its samples"
-            " (image tokens attend to each other within a sample; Qwen's multimodal RoPE numbers positions per"
-            " sample). Set data.packing: false."
-        )
     if split == "eval" and not config.has_eval:
         raise DataError(
             f"There is no evaluation split of data.train ({config.train}): set data.eval or data.eval_fraction."

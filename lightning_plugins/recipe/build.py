@@ -144,14 +144,15 @@ def build_loaders(recipe: Recipe, tokenizer: Any) -> tuple[ResumableDataLoader, 
     log-probabilities of its rows.
     """
     from lightning_plugins.data import build_dataset, make_collator
-    from lightning_plugins.data.image_dataset import build_image_text_dataset, image_text_collator, is_image_text_data
+    from lightning_plugins.data.image_dataset import build_image_text_dataset, is_image_text_data
     from lightning_plugins.preference.precomputed import numbered
+    from lightning_plugins.recipe.image_text import image_text_collate
 
     data = objective_data(recipe)
     fixed = data.max_seq_len if recipe.layout.pp_size > 1 else None
     build, collate = build_dataset, None
     if is_image_text_data(data):  # `tokenizer` is the model's processor
-        build, collate = build_image_text_dataset, image_text_collator(tokenizer)
+        build, collate = build_image_text_dataset, image_text_collate(recipe, tokenizer)
     # Flash attention's packed rows: each sample's length in the batch; a pipeline's stages find each micro-batch's.
     varlen = varlen_packing(recipe) and recipe.layout.pp_size == 1
     collate = collate or make_collator(data, tokenizer.pad_token_id, pad_to_multiple_of=fixed, varlen=varlen)

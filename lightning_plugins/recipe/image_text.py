@@ -39,13 +39,15 @@ def check_image_text_recipe(recipe: Recipe, path: Path) -> None:
         vision.trains(lora=recipe.lora is not None)
     except OptionsError as err:
         raise RecipeError(f"{path}: {err}") from None
-    if recipe.data.packing:
-        raise RecipeError(
-            f"{path}: data.packing: image-text samples are not packed (a packed row is not the same input as its"
-            " samples: image tokens attend to each other within a sample, Qwen's multimodal RoPE numbers positions"
-            " per sample). Set data.packing: false."
-        )
     config = checkpoint_config(recipe.model.path) if Path(recipe.model.path).is_dir() else None
+    if recipe.data.packing:
+        from lightning_plugins.data.image_packing import image_packing_refusal
+
+        layout = recipe.layout
+        why = image_packing_refusal(getattr(config, "model_type", None), layout.cp_size, layout.pp_size,
+                                    recipe.model.attn_implementation)  # fmt: skip
+        if why is not None:
+            raise RecipeError(f"{path}: data.packing: {why} Set data.packing: false.")
     if config is not None and getattr(config, "vision_config", None) is None:
         raise RecipeError(
             f"{path}: the data ({recipe.data.train}) holds images but model.path={recipe.model.path!r} is a"
@@ -78,6 +80,10 @@ def build_image_text_model(recipe: Recipe, path: str, kwargs: dict[str, Any], on
         model = AutoModelForImageTextToText.from_pretrained(path, config=config, **kwargs, **remote)
     model.train()
     model.config.use_cache = False
+    if recipe.data.packing:  # samples packed into rows (lightning_plugins.data.image_packing)
+        from lightning_plugins.data.image_packing import prepare_model_for_image_packing
+
+        prepare_model_for_image_packing(model, device=recipe.hardware.device_type())
     if recipe.lora is None:
         freeze_vision(model, recipe.vision)
     else:
@@ -86,3 +92,20 @@ def build_image_text_model(recipe: Recipe, path: str, kwargs: dict[str, Any], on
         torch.manual_seed(recipe.train.seed)  # identical adapters on every rank
         model = apply_lora(model, recipe.lora)
     return model, processor
+
+
+def image_text_collate(recipe: Recipe, processor: Any) -> Any:
+    """The collator of the recipe's image-text batches: padded samples, or with ``data.packing`` the drawn samples
+    packed into rows (:mod:`lightning_plugins.data.image_packing`, which reads the model's config)."""
+    from lightning_plugins.data.image_dataset import image_text_collator
+
+    if not recipe.data.packing:
+        return image_text_collator(processor)
+    from transformers import AutoConfig
+
+    from lightning_plugins.checkpoint.snapshot import local_checkpoint
+    from lightning_plugins.data.image_packing import image_packing_collator
+
+    remote = {"trust_remote_code": recipe.model.trust_remote_code}
+    config = AutoConfig.from_pretrained(local_checkpoint(recipe.model.path, **remote), **remote)
+    return image_packing_collator(processor, config, recipe.data.max_seq_len)

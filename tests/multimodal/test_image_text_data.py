@@ -4,7 +4,8 @@ What is checked: only the assistant's answer (and its EOS) carries labels, image
 a batch collated from single samples equals the processor's own batched output (padding, pixels, token types); a
 template without generation markers finds the same assistant tokens; per-image inputs such as Qwen's
 ``image_grid_thw`` pass through the collator as the models' processors give them; a missing or unreadable image is
-named with its file and line; packing and a cut through an image's tokens are refused; a model trains on a batch.
+named with its file and line; packing (Gemma 3) and a cut through an image's tokens are refused; a model trains on a
+batch.
 """
 
 from __future__ import annotations
@@ -144,8 +145,12 @@ def test_image_count_must_match_the_entries(tmp_path: Path, processor) -> None:
 
 
 def test_packing_and_cut_images_are_refused(processor) -> None:
-    with pytest.raises(DataError, match="image-text samples are not packed"):
-        build_image_text_dataset(_config(packing=True), processor, "train")
+    from transformers import AutoConfig
+
+    from lightning_plugins.data.image_packing import image_packing_collator
+
+    with pytest.raises(DataError, match="data.packing: Gemma 3's image tokens attend to each other both ways"):
+        image_packing_collator(processor, AutoConfig.from_pretrained(TINY / "vlm_model"), 96)
     dataset = build_image_text_dataset(_config(max_seq_len=12), processor, "train")
     with pytest.raises(DataError, match=r"vlm_train.jsonl:1: .*would split an image's tokens"):
         dataset[0]

@@ -104,7 +104,7 @@ def test_vision_keys_and_image_data_are_checked() -> None:
     assert load_recipe(TINY / "vlm_fsdp2.yaml", ["vision.train_tower=true"]).vision.trains(lora=False) == (True, True)
     with pytest.raises(RecipeError, match=r"vlm_fsdp2.yaml: vision.train_projector: true .* only the adapters train"):
         load_recipe(TINY / "vlm_fsdp2.yaml", ["lora.r=8"])
-    with pytest.raises(RecipeError, match=r"vlm_fsdp2.yaml: data.packing: image-text samples are not packed"):
+    with pytest.raises(RecipeError, match=r"vlm_fsdp2.yaml: data.packing: Gemma 3's image tokens attend to each other both ways"):
         load_recipe(TINY / "vlm_fsdp2.yaml", ["data.packing=true"])
     with pytest.raises(RecipeError, match=r"holds images but model.path=.* without a vision tower"):
         load_recipe(TINY / "vlm_fsdp2.yaml", [f"model.path={TINY / 'model'}"])
