@@ -115,6 +115,15 @@ class _StepCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         self._last_global_step_saved = trainer.global_step  # that step's checkpoint is the one resumed from
 
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Resumed (--resume) from another run's directory: every step is kept (save_top_k=-1), so there is no best-k
+        # record to carry over, and Lightning's warning that it is not reloaded says nothing.
+        if state_dict.get("dirpath", self.dirpath) != self.dirpath:
+            self.best_model_path = state_dict["best_model_path"]
+            return
+        super().load_state_dict(state_dict)
+
 
 def build_trainer(recipe: Recipe, batches_per_epoch: int) -> L.Trainer:
     from lightning_plugins.strategies import ParallelismStrategy
