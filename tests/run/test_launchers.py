@@ -6,6 +6,7 @@ Kubernetes manifest is parsed as YAML and its container command run the same way
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -29,6 +30,14 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
     return in_process("lightning_plugins", ["launch", *args])
 
 
+@functools.cache
+def _where(what: str) -> str:
+    """What ``lightning-plugins recipes --where WHAT`` prints, from the CLI run in this process."""
+    proc = in_process("lightning_plugins", ["recipes", "--where", what])
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+    return proc.stdout
+
+
 def _run_node(command: list[str], tmp_path: Path, **env: str) -> list[str]:
     """Run one node's command with the launchers stubbed; the first stub called records ``[name, NODE_RANK=..,
     RANK=.., *argv]``."""
@@ -36,10 +45,14 @@ def _run_node(command: list[str], tmp_path: Path, **env: str) -> list[str]:
     stubs.mkdir(exist_ok=True)
     for name in ("torchrun", "accelerate"):
         (stubs / name).write_text(f"#!/bin/bash\n{RECORD}\n")
-    # `lightning-plugins recipes --where ...` answers for real; a training command is recorded.
-    real = shlex.quote(sys.executable)
-    (stubs / "lightning-plugins").write_text(f'#!/bin/bash\nif [ "$1" = recipes ]; then exec {real} -m lightning_plugins'
-                                             f' "$@"; fi\n{RECORD}\n')  # fmt: skip
+    # `lightning-plugins recipes ...` answers for real; a training command is recorded. The accelerate door's scripts
+    # ask `recipes --where accelerate_configs`: the CLI's answer, run in this process (a fresh interpreter importing
+    # the package for it took ~6 s a node).
+    real, where = shlex.quote(sys.executable), shlex.quote(_where("accelerate_configs"))
+    (stubs / "lightning-plugins").write_text(
+        f'#!/bin/bash\nif [ "$*" = "recipes --where accelerate_configs" ]; then printf %s {where}; exit; fi\n'
+        f'if [ "$1" = recipes ]; then exec {real} -m lightning_plugins "$@"; fi\n{RECORD}\n'
+    )
     for stub in stubs.iterdir():
         stub.chmod(0o755)
     recorded = tmp_path / "recorded.txt"
