@@ -116,9 +116,8 @@ def _tokenize(
     if config.eval is None and config.eval_fraction > 0:
         indices = held_out(dataset.num_rows, config, source)[split == "eval"]
         dataset = dataset.select(indices, keep_in_memory=True)  # the row numbers only: the records stay mapped
-    if fmt in _ROWS and config.packing:
-        what = "preference pairs" if fmt == "preference" else "unpaired (KTO) records"
-        raise DataError(f"data.{source.key}: {what} are not packed yet; set data.packing: false.")
+    if fmt == "unpaired" and config.packing:  # preference pairs pack whole pairs per row (write_packed)
+        raise DataError(f"data.{source.key}: unpaired (KTO) records are not packed yet; set data.packing: false.")
     encode, fit, keys = _ROWS.get(fmt, (ENCODERS.get(fmt), fit_to_length, ("input_ids", "labels")))
     seen = {"longest": 0, "tokens": 0}  # for the message when truncation leaves nothing
 

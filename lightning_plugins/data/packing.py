@@ -28,8 +28,9 @@ import torch
 from torch import Tensor
 
 from lightning_plugins.data.config import IGNORE_INDEX, DataConfig, Example
-from lightning_plugins.data.preference import PAIR_KEYS, SIDES, UNPAIRED_KEYS, collate_unpaired
+from lightning_plugins.data.preference import PAIR_KEYS, ROW_PAIRS, SIDES, UNPAIRED_KEYS, collate_unpaired
 from lightning_plugins.errors import DataError
+from lightning_plugins.parallel.context.batch import SEQUENCE_IDS
 
 def first_fit(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
     """Greedy first fit: each sample, in order, goes into the first row with room; samples are never split.
@@ -91,9 +92,37 @@ def _packed_row(samples: Sequence[Mapping[str, Sequence[int]]]) -> Example:
     return row
 
 
+def _packed_pairs_row(pairs: Sequence[Mapping[str, Sequence[int]]]) -> Example:
+    """Whole preference pairs side by side, each sequence a document; ``sequence_ids``: ``2k`` on pair ``k``'s chosen
+    tokens, ``2k + 1`` on its rejected ones (:func:`collate_packed_pairs` numbers them over the batch)."""
+    row: Example = {"input_ids": [], "labels": [], "position_ids": [], SEQUENCE_IDS: []}
+    for k, pair in enumerate(pairs):
+        for s, side in enumerate(SIDES):
+            ids = pair[f"{side}_input_ids"]
+            row["input_ids"] += ids
+            row["labels"] += [IGNORE_INDEX, *pair[f"{side}_labels"][1:]]
+            row["position_ids"] += range(len(ids))
+            row[SEQUENCE_IDS] += [2 * k + s] * len(ids)
+    return row
+
+
+def pack_pairs(pairs: Sequence[Mapping[str, Sequence[int]]], max_seq_len: int) -> list[Example]:
+    """Packs whole preference pairs (:mod:`lightning_plugins.data.preference` rows) into rows of at most
+    ``max_seq_len`` tokens (:func:`first_fit` on each pair's two lengths together), for :func:`collate_packed_pairs`:
+    a pair is never split across rows, and each of its sequences is a document (positions restarting at 0, its first
+    label ``-100``).
+
+    Raises:
+        ValueError: if a pair's two sequences together are longer than ``max_seq_len``.
+    """
+    rows = first_fit([sum(len(pair[f"{side}_input_ids"]) for side in SIDES) for pair in pairs], max_seq_len)
+    return [_packed_pairs_row([pairs[i] for i in members]) for members in rows]
+
+
 def write_packed(samples: Any, max_seq_len: int, path: Path, rows_per_batch: int = 1000) -> int:
-    """Packs ``samples`` (a ``datasets.Dataset`` of tokenized samples) as :func:`pack_examples` does, into the Arrow
-    file ``path``, a batch of rows at a time: memory holds the samples' lengths and one batch, not the data.
+    """Packs ``samples`` (a ``datasets.Dataset`` of tokenized samples; or of preference pairs, whole pairs per row as
+    :func:`pack_pairs` packs them) as :func:`pack_examples` does, into the Arrow file ``path``, a batch of rows at a
+    time: memory holds the samples' lengths and one batch, not the data.
 
     Returns:
         The number of packed rows.
@@ -103,15 +132,21 @@ def write_packed(samples: Any, max_seq_len: int, path: Path, rows_per_batch: int
     from datasets.arrow_writer import ArrowWriter
 
     table = samples.with_format("arrow")[:]  # the memory-mapped columns, not a copy
-    rows = first_fit(pc.list_value_length(table.column("input_ids")).to_pylist(), max_seq_len)
-    features = Features({**samples.features, "position_ids": samples.features["input_ids"]})
+    pairs = PAIR_KEYS[0] in table.column_names  # preference pairs: whole pairs per row (pack_pairs)
+    ids = [f"{side}_input_ids" for side in SIDES] if pairs else ["input_ids"]
+    lengths = [sum(each) for each in zip(*(pc.list_value_length(table.column(key)).to_pylist() for key in ids))]
+    rows = first_fit(lengths, max_seq_len)
+    token = samples.features[ids[0]]
+    columns = dict.fromkeys(("input_ids", "labels", SEQUENCE_IDS), token) if pairs else samples.features
+    features = Features({**columns, "position_ids": token})
+    pack = _packed_pairs_row if pairs else _packed_row
     with ArrowWriter(features=features, path=str(path)) as writer:
         for start in range(0, len(rows), rows_per_batch):
             batch = rows[start : start + rows_per_batch]
             taken = table.take([i for members in batch for i in members]).to_pylist()
             packed, used = [], 0
             for members in batch:
-                packed.append(_packed_row(taken[used : used + len(members)]))
+                packed.append(pack(taken[used : used + len(members)]))
                 used += len(members)
             writer.write_batch({key: [row[key] for row in packed] for key in features})
         writer.finalize()
@@ -212,6 +247,34 @@ def varlen_lengths(position_ids: Tensor) -> dict[str, Any]:
             "max_length_k": longest}  # fmt: skip
 
 
+def collate_packed_pairs(
+    examples: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int, max_seq_len: int,
+    pad_to_multiple_of: int | None = None, varlen: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """Rows of packed preference pairs (:func:`pack_pairs`) as :func:`collate_packed` stacks packed rows, plus the
+    batch's sequences numbered as an unpacked batch of the same pairs orders its rows (:func:`collate_pairs`): on
+    each token ``sequence_ids`` holds the chosen sequence of the batch's pair ``j`` (counted row by row) as ``j`` and
+    its rejected one as ``pairs + j`` (``-1`` on padding), and :data:`~lightning_plugins.data.preference.ROW_PAIRS`
+    how many pairs each row holds. :func:`lightning_plugins.preference.sequence_logps` sums each sequence's
+    log-probability from them.
+
+    Raises:
+        ValueError: as :func:`collate_packed`, or for a row whose ``sequence_ids`` do not come in pairs.
+    """
+    _check_examples(examples, ("input_ids", SEQUENCE_IDS))
+    batch = collate_packed(examples, pad_token_id, max_seq_len, pad_to_multiple_of, varlen)
+    local = _tensor_rows(examples, SEQUENCE_IDS, batch["input_ids"].shape[1], -1)
+    counts = [(max(example[SEQUENCE_IDS], default=-1) + 1) for example in examples]
+    if any(count % 2 for count in counts):
+        raise ValueError("a packed row of preference pairs holds a chosen sequence without its rejected one.")
+    row_pairs = torch.tensor(counts, dtype=torch.long) // 2
+    first = (row_pairs.cumsum(0) - row_pairs).unsqueeze(1)  # the batch's number of each row's first pair
+    numbered = first + local // 2 + (local % 2) * int(row_pairs.sum())
+    batch[SEQUENCE_IDS] = numbered.masked_fill(local < 0, -1)
+    batch[ROW_PAIRS] = row_pairs
+    return batch
+
+
 def collate_pairs(
     examples: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int, pad_to_multiple_of: int | None = None
 ) -> dict[str, Tensor]:
@@ -231,11 +294,14 @@ def make_collator(
 ) -> Callable[[Sequence[Mapping[str, Sequence[int]]]], dict[str, Tensor]]:
     """The ``collate_fn`` for rows of :func:`build_dataset` with this config: padded or packed batches (with
     ``varlen``, packed batches carry their samples' lengths for flash attention, :func:`varlen_lengths`), and for
-    preference pairs (:func:`collate_pairs`) the chosen rows then the rejected; for unpaired (KTO) examples their rows
+    preference pairs (:func:`collate_pairs`) the chosen rows then the rejected (packed: :func:`collate_packed_pairs`);
+    for unpaired (KTO) examples their rows
     and KL rows (:func:`~lightning_plugins.data.preference.collate_unpaired`)."""
     def collate(examples: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, Tensor]:
         if examples and PAIR_KEYS[0] in examples[0]:  # rows of preference pairs (data.format preference, or auto)
             return collate_pairs(examples, pad_token_id, pad_to_multiple_of)
+        if examples and SEQUENCE_IDS in examples[0]:  # preference pairs packed (data.packing)
+            return collate_packed_pairs(examples, pad_token_id, config.max_seq_len, pad_to_multiple_of, varlen)
         if examples and UNPAIRED_KEYS[0] in examples[0]:  # unpaired examples (data.format unpaired, or auto)
             return collate_unpaired(examples, pad_token_id, config.max_seq_len)
         if config.packing:

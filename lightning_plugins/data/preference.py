@@ -12,7 +12,11 @@ Only the completion is labelled: the prompt's tokens (and, in a conversation, ev
 generation prompt already holds) are ``-100``. Each record becomes one row with ``chosen_input_ids``,
 ``chosen_labels``, ``rejected_input_ids`` and ``rejected_labels``; :func:`~lightning_plugins.data.packing.collate_pairs` stacks a batch of them as
 ``[chosen of each pair..., rejected of each pair...]``, the layout :class:`lightning_plugins.preference.PreferenceObjective`
-splits, so both halves of a pair are always in the same micro-batch on the same data rank.
+splits, so both halves of a pair are always in the same micro-batch on the same data rank. With ``data.packing``
+whole pairs are packed into rows instead (:func:`~lightning_plugins.data.packing.write_packed`): a pair's chosen and
+rejected sequences lie side by side in one row, each a document of its own (positions restarting at 0), and
+:func:`~lightning_plugins.data.packing.collate_packed_pairs` numbers every document of the batch
+(:data:`ROW_PAIRS`, ``sequence_ids``) so that the log-probabilities are summed per sequence.
 
 Unpaired records (TRL's KTO format: ``prompt``, ``completion``, ``label``: ``true`` for a desirable completion; strings
 or conversations) become their prompt and completion ids apart (:func:`encode_unpaired`), and
@@ -35,6 +39,10 @@ from lightning_plugins.errors import DataError
 #: What a pair's row holds.
 PAIR_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
 SIDES = ("chosen", "rejected")
+#: A batch of packed pairs' key: how many whole pairs each row holds (``[rows]``); its per-token ``sequence_ids``
+#: (:data:`~lightning_plugins.parallel.context.batch.SEQUENCE_IDS`) number the pairs' sequences as an unpacked batch
+#: orders its rows: the chosen sequence of pair ``j`` of the batch is ``j``, its rejected ``pairs + j``.
+ROW_PAIRS = "row_pairs"
 
 
 def _conversation(record: Mapping[str, Any], key: str) -> list[dict[str, str]]:
@@ -102,17 +110,29 @@ def encode_preference(record: Mapping[str, Any], tokenizer: Any) -> Example:
 
 def fit_pair_to_length(example: Example, config: DataConfig) -> Example:
     """Applies ``max_seq_len`` to both completions: truncate, or a clear error; a pair truncation leaves without a
-    trained token on either side is an error (dropping it would silently change the data), naming the side."""
-    fitted = dict(example)
+    trained token on either side is an error (dropping it would silently change the data), naming the side. With
+    ``packing`` a pair's two sequences share one packed row of ``max_seq_len`` tokens: when they do not fit together,
+    each is cut to ``max_seq_len // 2`` (or the error names their sum)."""
+    fitted, limit = dict(example), config.max_seq_len
+    together = sum(len(example[f"{side}_input_ids"]) for side in SIDES)
+    if config.packing and together > config.max_seq_len:  # packed, a pair fills one row at most
+        if config.truncation == "error":
+            raise DataError(
+                f"the chosen and rejected sequences have {together} tokens together, more than"
+                f" data.max_seq_len={config.max_seq_len}, the length of a packed row that holds both. Raise"
+                " data.max_seq_len, shorten or drop the record, or set data.truncation: truncate (each side cut to"
+                " data.max_seq_len // 2 tokens)."
+            )
+        limit = config.max_seq_len // 2
     for side in SIDES:
         ids, labels = example[f"{side}_input_ids"], example[f"{side}_labels"]
-        if len(ids) > config.max_seq_len:
+        if len(ids) > limit:
             if config.truncation == "error":
                 raise DataError(
                     f"the {side} sequence has {len(ids)} tokens, longer than data.max_seq_len={config.max_seq_len}."
                     " Raise data.max_seq_len, shorten or drop the record, or set data.truncation: truncate."
                 )
-            ids, labels = ids[: config.max_seq_len], labels[: config.max_seq_len]
+            ids, labels = ids[:limit], labels[:limit]
         if all(label == IGNORE_INDEX for label in labels):
             raise DataError(
                 f"truncation at data.max_seq_len={config.max_seq_len} leaves the {side} completion no token (its"

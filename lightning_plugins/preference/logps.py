@@ -16,6 +16,11 @@ A mixture of experts whose config has ``output_router_logits`` on also returns i
 (:attr:`SequenceLogps.aux_loss`, the global batch's under data parallelism:
 :mod:`lightning_plugins.parallel.moe.router_loss`), which the preference loss adds as TRL's ``DPOTrainer`` does.
 
+Packed preference pairs (``data.packing``): a row holds several pairs, each sequence a document of its own (positions
+restarting at 0, so attention, masked or context-parallel, stays within it); the batch numbers each token's sequence
+(``sequence_ids``, sharded with the tokens under context parallelism), and the statistics are summed per sequence
+(:class:`Sequences`) in the unpacked batch's order (chosen sequences, then rejected), the same numbers as unpacked.
+
 A model the engine did not parallelize (one process, no :class:`ParallelCausalLMLoss`) gets the same statistics
 from its full logits. A model split into pipeline stages is refused: its schedule runs the whole batch, and
 :mod:`lightning_plugins.preference.pipeline` computes the rows' log-probabilities on its last stage instead.
@@ -32,7 +37,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from lightning_plugins.data.preference import ROW_PAIRS
 from lightning_plugins.errors import OptionsError
+from lightning_plugins.parallel.context.batch import SEQUENCE_IDS
 from lightning_plugins.parallel.loss import IGNORE_INDEX, ParallelCausalLMLoss, next_token_targets, token_losses
 from lightning_plugins.parallel.mesh import mesh_of
 from lightning_plugins.parallel.pipeline.apply import pipeline_of
@@ -69,29 +76,61 @@ def _mean_logits(logits: Tensor) -> Tensor:
         return logits.float().mean(dim=-1)
 
 
-def _per_row(losses: Tensor, mean_logits: Tensor, targets: Tensor, data_mesh: DeviceMesh | None) -> SequenceLogps:
+@dataclass(frozen=True)
+class Sequences:
+    """Packed rows' sequences (preference pairs packed with ``data.packing``): each token's sequence (``-1``: none),
+    as many columns as the targets (this rank's shard under context parallelism), and how many sequences there are."""
+
+    ids: Tensor
+    count: int
+
+    @staticmethod
+    def of(batch: dict[str, Tensor]) -> Sequences | None:
+        """The sequences of a batch of packed pairs (:func:`~lightning_plugins.data.packing.collate_packed_pairs`),
+        ``None`` for one whose every row is a sequence."""
+        ids = batch.get(SEQUENCE_IDS)
+        return None if ids is None else Sequences(ids, 2 * int(batch[ROW_PAIRS].sum()))
+
+    def sums(self, values: Tensor) -> Tensor:
+        """``values`` (one per token) summed per sequence (``[count]``)."""
+        slots = torch.where(self.ids < 0, self.count, self.ids).reshape(-1).to(values.device)
+        return values.new_zeros(self.count + 1).index_add(0, slots, values.reshape(-1))[: self.count]
+
+
+def without_sequences(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The model's inputs of a batch: without the keys that number packed pairs' sequences."""
+    return {key: value for key, value in batch.items() if key not in (SEQUENCE_IDS, ROW_PAIRS)}
+
+
+def _per_row(
+    losses: Tensor, mean_logits: Tensor, targets: Tensor, data_mesh: DeviceMesh | None,
+    sequences: Sequences | None = None,
+) -> SequenceLogps:  # fmt: skip
     valid = targets != IGNORE_INDEX
-    return SequenceLogps(
-        logps=-(losses.view(targets.shape).masked_fill(~valid, 0.0)).sum(dim=-1),
-        tokens=valid.sum(dim=-1).to(torch.float32),
-        logit_sums=mean_logits.view(targets.shape).masked_fill(~valid, 0.0).sum(dim=-1).detach(),
-        data_mesh=data_mesh,
-    )
+    logps = -(losses.view(targets.shape).masked_fill(~valid, 0.0))
+    logits = mean_logits.view(targets.shape).masked_fill(~valid, 0.0).detach()
+    tokens = valid.to(torch.float32)
+    if sequences is None:
+        return SequenceLogps(logps.sum(dim=-1), tokens.sum(dim=-1), logits.sum(dim=-1), data_mesh=data_mesh)
+    return SequenceLogps(sequences.sums(logps), sequences.sums(tokens), sequences.sums(logits), data_mesh=data_mesh)
 
 
 class _Collector:
     """Stands in for the loss during one forward: keeps the rows' statistics, returns their summed loss."""
 
-    def __init__(self, data_mesh: DeviceMesh | None) -> None:
-        self.data_mesh = data_mesh
+    def __init__(self, data_mesh: DeviceMesh | None, sequences: Sequences | None) -> None:
+        self.data_mesh, self.sequences = data_mesh, sequences
         self.result: SequenceLogps | None = None
 
     def __call__(self, logits: Tensor, targets: Tensor, chunked: Any) -> Tensor:
-        self.result = head_logps(logits, targets, chunked, self.data_mesh)
+        self.result = head_logps(logits, targets, chunked, self.data_mesh, self.sequences)
         return -self.result.logps.sum()
 
 
-def head_logps(logits: Tensor, targets: Tensor, chunked: Any, data_mesh: DeviceMesh | None = None) -> SequenceLogps:
+def head_logps(
+    logits: Tensor, targets: Tensor, chunked: Any, data_mesh: DeviceMesh | None = None,
+    sequences: Sequences | None = None,
+) -> SequenceLogps:  # fmt: skip
     """Each row's statistics from what a causal LM's head computed: each token's loss and logit sum from the chunked
     head in per-token mode (``chunked.take_tokens()``), or else from the ``logits`` (whole, or vocab-sharded).
 
@@ -100,6 +139,7 @@ def head_logps(logits: Tensor, targets: Tensor, chunked: Any, data_mesh: DeviceM
         targets: The next-token targets (``-100``: not counted).
         chunked: The model's chunked head, or ``None``.
         data_mesh: The ranks holding other rows (kept on the result).
+        sequences: Packed rows' sequences: the statistics per sequence, not per row.
     """
     taken = None if chunked is None else chunked.take_tokens()
     if taken is None:
@@ -107,7 +147,7 @@ def head_logps(logits: Tensor, targets: Tensor, chunked: Any, data_mesh: DeviceM
     else:
         losses, sums = taken
         means = sums / chunked.lm_head.weight.shape[0]  # the whole vocabulary's rows (a DTensor's global shape)
-    return _per_row(losses, means, targets, data_mesh)
+    return _per_row(losses, means, targets, data_mesh, sequences)
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -163,21 +203,25 @@ def sequence_logps(model: nn.Module, batch: dict[str, Tensor], *, router_loss: b
     Args:
         model: A transformers causal LM (or peft model), parallelized by the engine or not.
         batch: ``input_ids``, ``labels`` and optionally ``attention_mask`` / ``position_ids`` (under context
-            parallelism: this rank's shard, with ``shift_labels``, as ``context_parallel_batch`` makes it).
+            parallelism: this rank's shard, with ``shift_labels``, as ``context_parallel_batch`` makes it). Packed
+            pairs' rows (:func:`~lightning_plugins.data.packing.collate_packed_pairs`) carry ``sequence_ids`` and
+            ``row_pairs``: then the result has one entry per sequence (the chosen ones, then the rejected ones),
+            not per row.
         router_loss: ``False``: a mixture of experts computes no router balance loss in this forward (TRL's
             reference forward), whatever its config says.
     """
     _refuse_pipeline(model)
-    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    sequences = Sequences.of(batch)
+    inputs = {key: value for key, value in without_sequences(batch).items() if key != "labels"}
     if not router_loss and getattr(model.config, "output_router_logits", False):
         inputs["output_router_logits"] = False
     loss = find_parallel_loss(model)
     if loss is None:  # one process, plain model: the full logits
         output = model(**inputs, use_cache=False)
         targets = next_token_targets(batch["labels"]).to(output.logits.device)
-        rows = _per_row(token_losses(output.logits, targets), _mean_logits(output.logits), targets, None)
+        rows = _per_row(token_losses(output.logits, targets), _mean_logits(output.logits), targets, None, sequences)
         return _with_router_loss(rows, output, model)
-    collector = _Collector(loss.data_mesh)
+    collector = _Collector(loss.data_mesh, sequences)
     chunked = loss.chunked
     loss.sequences = collector
     if chunked is not None:

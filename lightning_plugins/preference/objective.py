@@ -2,9 +2,11 @@
 
 A batch holds ``2 * pairs`` rows, the chosen completions first and their rejected ones after, in the same order
 (:func:`lightning_plugins.data.packing.collate_pairs`), so both halves of a pair are always in the same
-micro-batch on the same data rank. The loss is the mean over every pair of the global batch (each rank divides its
-sum by the global number of pairs, as the SFT loss does with tokens: :func:`global_mean`), and the metrics
-are global means, so they read as one process's, and as TRL's.
+micro-batch on the same data rank; or, packed (``data.packing``), rows of whole pairs whose sequences the batch numbers
+in that order (:func:`lightning_plugins.data.packing.collate_packed_pairs`), a pair never split across rows.
+The loss is the mean over every pair of the global batch (each rank divides its sum by the global number of pairs, as
+the SFT loss does with tokens: :func:`global_mean`), and the metrics are global means, so they read as one process's,
+and as TRL's.
 
 The reference of DPO, under LoRA, is the policy's own base: the forward runs with the peft adapters disabled (peft's
 ``disable_adapter()``) and without gradients; no second copy of the model exists. A full fine-tune has no such base:
@@ -29,6 +31,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.errors import OptionsError
+from lightning_plugins.parallel.context.batch import SEQUENCE_IDS
 from lightning_plugins.preference.logps import SequenceLogps, sequence_logps
 from lightning_plugins.preference.losses import PairLosses, dpo_losses, orpo_losses, simpo_losses
 from lightning_plugins.preference.options import PreferenceOptions
@@ -100,13 +103,22 @@ class PreferenceObjective:
 
     def __call__(self, model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         rows = batch["input_ids"].shape[0]
-        if rows % 2:
+        packed = SEQUENCE_IDS in batch  # packed pairs: one value per sequence, not per row
+        if rows % 2 and not packed:
             raise ValueError(f"a preference batch holds chosen rows then rejected rows; got {rows} rows (odd).")
+        if packed and find_pipeline(model) is not None:
+            raise OptionsError(
+                "Packed preference pairs (data.packing) do not run under pipeline parallelism yet: its last stage"
+                " scores whole rows. Set data.packing: false (each pair's rows then share a pipeline micro-batch), or"
+                " pp_size: 1."
+            )
         if REFERENCE_KEY in batch:  # precomputed: the reference's log-probabilities of each row, no forward
             given = batch[REFERENCE_KEY]
             policy = sequence_logps(model, {key: value for key, value in batch.items() if key != REFERENCE_KEY})
             if given.shape != policy.logps.shape:
-                raise ValueError(f"batch[{REFERENCE_KEY!r}] holds {tuple(given.shape)} values for {rows} rows.")
+                what = "sequences" if packed else "rows"
+                raise ValueError(f"batch[{REFERENCE_KEY!r}] holds {tuple(given.shape)} values for"
+                                 f" {policy.logps.shape[0]} {what}.")  # fmt: skip
             return self.from_logps(policy, replace(policy, logps=given.to(policy.logps), aux_loss=None))
         if find_pipeline(model) is not None:  # split into stages: forward and backward through the schedule
             return pipeline_objective(self, model, batch, adapters_disabled)

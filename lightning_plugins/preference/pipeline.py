@@ -81,20 +81,25 @@ class _Order:
     rows: Tensor
 
 
-def _pair_order(pairs: int, microbatches: int, train: bool, device: torch.device) -> _Order:
-    if pairs % microbatches and train:
+def _micro_batch_order(count: int, microbatches: int, train: bool, device: torch.device, halves: int) -> _Order:
+    """``count`` items in ``microbatches`` equal parts: KTO's rows (``halves=1``), or pairs (``halves=2``: pair ``i``
+    is row ``i``, its chosen, and row ``count + i``, its rejected), micro-batch ``k`` holding the chosen rows of its
+    pairs then their rejected rows. Training needs equal parts; evaluation pads with copies of the last item."""
+    if count % microbatches and train:
+        what = (f"a preference pair's chosen and rejected rows travel in one micro-batch, so the {count} pairs"
+                if halves == 2 else f"KTO's {count} rows")  # fmt: skip
         raise OptionsError(
-            f"Under pipeline parallelism a preference pair's chosen and rejected rows travel in one micro-batch, so"
-            f" the {pairs} pairs of this data rank's batch must split into pp_microbatches={microbatches} equal parts."
-            f" Use a batch of pairs per data rank (train.micro_batch_size) that is a multiple of {microbatches}, or"
-            f" pp_microbatches dividing {pairs}."
+            f"Under pipeline parallelism {what} of this data rank's batch must split into"
+            f" pp_microbatches={microbatches} equal parts. Use a batch {'of pairs ' if halves == 2 else ''}per data"
+            f" rank (train.micro_batch_size) that is a multiple of {microbatches}, or pp_microbatches dividing {count}."
         )
-    per = -(-pairs // microbatches)
+    per = -(-count // microbatches)
     take, rows = [], []
     for k in range(microbatches):
-        chosen = range(k * per, (k + 1) * per)
-        take += [min(i, pairs - 1) for i in chosen] + [pairs + min(i, pairs - 1) for i in chosen]
-        rows += [i if i < pairs else -1 for i in chosen] + [pairs + i if i < pairs else -1 for i in chosen]
+        items = range(k * per, (k + 1) * per)
+        for half in range(halves):
+            take += [half * count + min(i, count - 1) for i in items]
+            rows += [half * count + i if i < count else -1 for i in items]
     return _Order(torch.tensor(take, device=device), torch.tensor(rows, device=device))
 
 
@@ -200,7 +205,7 @@ def pipeline_objective(
     rows = batch["input_ids"].shape[0]
     pairs = rows // 2
     train = causal_lm.training and torch.is_grad_enabled()
-    order = _pair_order(pairs, pipeline.options.microbatches or 1, train, batch["input_ids"].device)
+    order = _micro_batch_order(pairs, pipeline.options.microbatches or 1, train, batch["input_ids"].device, 2)
     data, context = _meshes(pipeline)
     last = any(stage.is_last for stage in pipeline.stages.values())
     given = _reordered(batch, order)
@@ -256,20 +261,6 @@ def _from_last_stage(pipeline: Pipeline, loss: Tensor, metrics: dict[str, Tensor
     return values[0], dict(zip(metrics, values[1:]))
 
 
-def _row_order(rows: int, microbatches: int, train: bool, device: torch.device) -> _Order:
-    if rows % microbatches and train:
-        raise OptionsError(
-            f"Under pipeline parallelism KTO's {rows} rows of this data rank's batch must split into"
-            f" pp_microbatches={microbatches} equal parts. Use a batch per data rank (train.micro_batch_size) that is a"
-            f" multiple of {microbatches}, or pp_microbatches dividing {rows}."
-        )
-    slots = range(-(-rows // microbatches) * microbatches)
-    take = [min(i, rows - 1) for i in slots]
-    return _Order(
-        torch.tensor(take, device=device), torch.tensor([i if i < rows else -1 for i in slots], device=device)
-    )
-
-
 class _KTOMicroBatchLoss:
     """A micro-batch's share of the global KTO loss (its rows' losses times ``data ranks / global rows``)."""
 
@@ -307,7 +298,7 @@ def kto_pipeline_objective(
     causal_lm, pipeline = found
     count = rows["input_ids"].shape[0]
     train = causal_lm.training and torch.is_grad_enabled()
-    order = _row_order(count, pipeline.options.microbatches or 1, train, rows["input_ids"].device)
+    order = _micro_batch_order(count, pipeline.options.microbatches or 1, train, rows["input_ids"].device, 1)
     data, context = _meshes(pipeline)
     last = any(stage.is_last for stage in pipeline.stages.values())
     given, kl_given = _reordered(rows, order), _reordered(kl_rows, order)

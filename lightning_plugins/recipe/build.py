@@ -204,7 +204,10 @@ def check_objective_data(recipe: Recipe, columns: list[str]) -> None:
     from lightning_plugins.data import DataError
     from lightning_plugins.data.preference import PAIR_KEYS, UNPAIRED_KEYS
 
-    kind = "pairs" if PAIR_KEYS[0] in columns else "unpaired" if UNPAIRED_KEYS[0] in columns else "sft"
+    from lightning_plugins.parallel.context.batch import SEQUENCE_IDS  # packed pairs' rows (data.packing)
+
+    paired = PAIR_KEYS[0] in columns or SEQUENCE_IDS in columns
+    kind = "pairs" if paired else "unpaired" if UNPAIRED_KEYS[0] in columns else "sft"
     want = "pairs" if recipe.objective.paired else "unpaired" if recipe.objective.unpaired else "sft"
     if kind != want:
         words = {"pairs": "chosen/rejected pairs", "unpaired": "unpaired prompt/completion/label (KTO) records",

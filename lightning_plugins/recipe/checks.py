@@ -89,11 +89,11 @@ def _check_packing_attention(recipe: Recipe, path: Path) -> None:
 
 
 def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None:
-    """A preference method on what this slice of it covers: pairs (dpo, simpo, orpo) or unpaired examples (kto) in
-    padded batches, layouts whose sequence log-probabilities are summed exactly (FSDP2, HSDP, TP with SP and loss
-    parallel, CP ring and Ulysses, EP, PP). DPO's reference is the base with the adapters disabled under LoRA,
-    else a frozen copy of the model laid out like it (split into the same stages under PP), or precomputed in one pass
-    before training."""
+    """A preference method on what this slice of it covers: pairs (dpo, simpo, orpo; padded, or packed whole pairs
+    per row but for PP and a precomputed reference) or unpaired examples (kto, padded), layouts whose sequence
+    log-probabilities are summed exactly (FSDP2, HSDP, TP with SP and loss parallel, CP ring and Ulysses, EP, PP).
+    DPO's reference is the base with the adapters disabled under LoRA, else a frozen copy of the model laid out like
+    it (split into the same stages under PP), or precomputed in one pass before training."""
     objective = recipe.objective
     if objective.method == "sft":
         if recipe.data.format in ("preference", "unpaired"):
@@ -106,9 +106,12 @@ def _check_objective(recipe: Recipe, layout: ParallelLayout, path: Path) -> None
     what = "unpaired prompt/completion/label records" if objective.unpaired else "chosen/rejected pairs"
     if recipe.data.format not in ("auto", fmt):
         raise RecipeError(f"{path}: {key} trains on {what}; set data.format: {fmt} (or auto).")
-    if recipe.data.packing:
-        raise RecipeError(f"{path}: {key}: preference {'records' if objective.unpaired else 'pairs'} are not packed"
-                          " yet; set data.packing: false.")  # fmt: skip
+    if recipe.data.packing and objective.unpaired:  # pairs pack whole per row (data.packing.collate_packed_pairs)
+        raise RecipeError(f"{path}: {key}: preference records are not packed yet; set data.packing: false.")
+    if recipe.data.packing and (layout.pp_size > 1 or objective.reference == "precomputed"):
+        why = (f"under pipeline parallelism (layout.pp_size={layout.pp_size})" if layout.pp_size > 1 else
+               "with objective.reference: precomputed")  # fmt: skip
+        raise RecipeError(f"{path}: {key}: packed preference pairs do not train {why} yet; set data.packing: false.")
     _check_reference_source(recipe, layout, path)
 
 

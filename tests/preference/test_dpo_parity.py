@@ -17,7 +17,9 @@ adapters, to 1e-5.
 Also: a full fine-tune against its frozen reference copy (FSDP2, TP, CP ring; slow: CP Ulysses and EP on the MoE,
 whose experts the copy splits as the policy's), and KTO with LoRA (its rows, their KL rows, desirable or not; the KL
 estimate never clamped to 0 here) under FSDP2, TP, CP ring (each KL row sharded as its row is); slow: CP Ulysses, EP
-with the router loss, CP x TP.
+with the router loss, CP x TP. And packed pairs (``data.packing``: whole pairs per row, each sequence a document with
+positions from 0, the log-probabilities summed per sequence) under FSDP2 (the data ranks holding 3 and 1 pairs), CP
+ring and CP Ulysses, against the same unpacked one-process run.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from _launch import world_json
+from test_packed_pairs import pairs_of
 from tiny_models import CONFIGS, make_batch, tiny_model
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from lightning_plugins import ParallelLayout, parallelize
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora
+from lightning_plugins.data.packing import collate_packed_pairs, pack_pairs
 from lightning_plugins.errors import OptionsError
 from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of
 from lightning_plugins.parallel.options import with_settings
@@ -75,6 +79,12 @@ CASES = {
         "fsdp2 kto chunked": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
         "tp2 sp+lp kto logits": ("llama", TP2, {"loss_chunk_tokens": None}),
         "cp2 ring kto chunked": ("llama", CP2, {"cp_backend": "ring", "loss_chunk_tokens": 7}),
+        # Packed pairs (data.packing): whole pairs per row, each sequence a document, against the unpacked one
+        # process; FSDP2's data ranks hold 3 and 1 pairs (one packed row each), its attention masked by document;
+        # CP shards the rows and its attention keeps the documents apart (ring and Ulysses).
+        "fsdp2 packed chunked": ("llama", {"dp_shard_size": 2}, {"loss_chunk_tokens": 7}),
+        "cp2 ring packed chunked": ("llama", CP2, {"cp_backend": "ring", "loss_chunk_tokens": 7}),
+        "cp2 ulysses packed logits": ("llama", CP2, {"cp_backend": "ulysses", "loss_chunk_tokens": None}),
     },
     # The same 2 ranks, slow: the other CP backend and the mixture of experts under KTO, and the experts' full
     # fine-tune (its frozen reference's experts split over the ep ranks as the policy's).
@@ -102,6 +112,9 @@ KTO = PreferenceOptions(method="kto", beta=0.5, desirable_weight=1.3, undesirabl
 KL_SEED = 13
 #: Cases whose base is NF4 (QLoRA, torchao).
 QLORA = {name for cases in CASES.values() for name in cases if "qlora" in name}
+#: Cases that train packed pairs (rows of PACKED_LEN tokens: first fit puts pairs 0, 1, 3 in one row, pair 2 alone).
+PACKED = {name for cases in CASES.values() for name in cases if "packed" in name}
+PACKED_LEN = 66
 
 
 def full_model(family: str) -> torch.nn.Module:
@@ -176,11 +189,19 @@ def _reference(family: str, full: bool = False, quantize: bool = False, kto: boo
     return history, metrics, {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _rows_of_rank(model):
-    """This data rank's pairs (its share of the chosen rows and the same share of the rejected rows), and this
-    context-parallel rank's shard of each row."""
+def _rows_of_rank(model, packed: bool = False):
+    """This data rank's pairs (its share of the chosen rows and the same share of the rejected rows; packed: its
+    share of the packed rows), and this context-parallel rank's shard of each row."""
     mesh = mesh_of(model)
     dp = mesh["dp"]
+    if packed:
+        def take(batch):
+            rows = pack_pairs(pairs_of(batch), PACKED_LEN)
+            assert len(rows) == 2 and len(rows) % dp.size() == 0
+            mine = rows[dp.get_local_rank() :: dp.size()]
+            return context_parallel_batch(collate_packed_pairs(mine, 0, PACKED_LEN), mesh)
+
+        return take
     share = PAIRS // dp.size()
     first = dp.get_local_rank() * share
     rows = list(range(first, first + share)) + list(range(PAIRS + first, PAIRS + first + share))
@@ -188,8 +209,9 @@ def _rows_of_rank(model):
 
 
 def _run_case(
-    family: str, sizes: dict, settings: dict, checkpoint: Path | None = None, quantize: bool = False, kto: bool = False
-) -> dict:
+    family: str, sizes: dict, settings: dict, checkpoint: Path | None = None, quantize: bool = False, kto: bool = False,
+    packed: bool = False,
+) -> dict:  # fmt: skip
     build = full_model if checkpoint is not None else functools.partial(lora_model, quantize=quantize)
     want_history, want_metrics, want_adapters = _reference(family, checkpoint is not None, quantize, kto)
     model = build(family)
@@ -197,7 +219,7 @@ def _run_case(
     chunked = find_parallel_loss(model).chunked is not None
     objective = PreferenceObjective(OBJECTIVE, checkpoint_dir=checkpoint) if checkpoint is not None else None
     objective = KTOObjective(KTO) if kto else objective
-    history, metrics = _train(model, _rows_of_rank(model), clip_grad_norm_, objective)
+    history, metrics = _train(model, _rows_of_rank(model, packed), clip_grad_norm_, objective)
     layout = _reference_layout(objective, model, family) if checkpoint is not None else {}
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in adapters.items()}
@@ -252,7 +274,7 @@ def _world(rank: int, world_size: int, out_dir: str, world: str) -> None:
     for name, (family, sizes, settings) in cases.items():
         began = time.perf_counter()
         results[name] = _run_case(family, sizes, settings, Path(out_dir, f"start_{family}") if name in FULL else None,
-                                  name in QLORA, name in KTO_CASES)  # fmt: skip
+                                  name in QLORA, name in KTO_CASES, name in PACKED)  # fmt: skip
         results[name]["seconds"] = time.perf_counter() - began  # what each case costs the world
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 

@@ -35,7 +35,8 @@ def test_the_shipped_recipe_is_one_typed_object() -> None:
     ("drop", "changes", "match"),
     [
         ((), {"objective": {"reference": "copy"}}, r"objective\.reference: .*'model'"),
-        ((), {"data": {"packing": True}}, r"preference pairs are not packed yet; set data\.packing: false"),
+        ((), {"data": {"packing": True}, "objective": {"reference": "precomputed"}},
+         r"packed preference pairs do not train with objective\.reference: precomputed yet; set data\.packing: false"),
         ((), {"data": {"format": "chat"}}, r"objective\.method=dpo trains on chosen/rejected pairs; set data\.format"),
         ((), {"objective": {"method": "sft"}}, r"data\.format: preference trains a preference method"),
         ((), {"objective": {"beta": 0}}, r"objective: .*objective\.beta must be > 0"),
@@ -53,6 +54,12 @@ def test_what_a_preference_recipe_refuses(tmp_path: Path, drop: tuple, changes: 
 def test_context_parallel_layouts_are_taken(tmp_path: Path) -> None:
     recipe = load_recipe(_recipe(tmp_path, layout={"dp_shard_size": 1, "cp_size": 2}, parallel={"cp_backend": "ring"}))
     assert recipe.layout.cp_size == 2 and recipe.objective.method == "dpo"
+
+
+def test_packed_pairs_are_taken(tmp_path: Path) -> None:
+    """data.packing with a paired method: whole pairs per packed row (tests/preference/test_packed_pairs.py)."""
+    recipe = load_recipe(_recipe(tmp_path, data={"packing": True}, layout={"dp_shard_size": 1, "cp_size": 2}))
+    assert recipe.data.packing and recipe.layout.cp_size == 2 and recipe.objective.method == "dpo"
 
 
 def test_a_full_fine_tune_under_pipeline_parallelism_is_taken(tmp_path: Path) -> None:

@@ -23,8 +23,12 @@ from lightning_plugins.parallel.context.sharding import shard_sequence_load_bala
 from lightning_plugins.parallel.image_text_context import holds_images, shard_image_text_batch, without_image_types
 from lightning_plugins.parallel.loss import IGNORE_INDEX
 
+#: A per-token key of packed rows whose sequences are scored one by one (preference pairs packed with
+#: ``data.packing``): the index of the sequence each token belongs to, ``-1`` where none (padding). Sharded as the
+#: tokens are, padded with ``-1``.
+SEQUENCE_IDS = "sequence_ids"
 # Keys of a batch that hold one entry per sequence position and that sharding knows how to split.
-_SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask")
+_SEQUENCE_KEYS = ("input_ids", "labels", "shift_labels", "position_ids", "attention_mask", SEQUENCE_IDS)
 #: The prefix of a second set of rows that travels with the batch's own, each row with its own (KTO's KL rows:
 #: ``kl_input_ids``, ``kl_attention_mask``, ``kl_labels``): sharded as a batch of their own, their keys kept prefixed.
 COMPANION_PREFIX = "kl_"
@@ -58,7 +62,8 @@ def shard_batch_for_context_parallel(
 
     Args:
         batch: ``input_ids [B, S]`` and optionally ``labels``, ``shift_labels``, ``attention_mask``,
-            ``position_ids``; other keys pass through unchanged unless they look sequence-shaped. Keys prefixed
+            ``position_ids``, ``sequence_ids`` (:data:`SEQUENCE_IDS`); other keys pass through unchanged unless
+            they look sequence-shaped. Keys prefixed
             ``kl_`` (:data:`COMPANION_PREFIX`: KTO's KL rows) are a second batch, sharded alike on its own.
         cp_rank: This rank's index in the cp group.
         cp_size: Context-parallel ranks.
@@ -85,6 +90,7 @@ def shard_batch_for_context_parallel(
     batch = without_image_types(batch)  # an image-text model's batch without images: a text batch
     input_ids = _checked_input_ids(batch)
     rows, seq_len = input_ids.shape
+    sequence_ids = batch.get(SEQUENCE_IDS)
     labels, shift_labels = batch.get("labels"), batch.get("shift_labels")
     positions = _positions(batch.get("position_ids"), rows, seq_len, input_ids.device)
     derived = shift_labels is None and labels is not None
@@ -96,8 +102,8 @@ def shard_batch_for_context_parallel(
         if derived:  # a pad predicts nothing (the last left pad would predict the first real token)
             shift_labels = shift_labels.masked_fill(~keep, ignore_index)
         order, positions = real_tokens_first(keep, positions)
-        input_ids, labels, shift_labels = (
-            None if x is None else x.gather(1, order) for x in (input_ids, labels, shift_labels)
+        input_ids, labels, shift_labels, sequence_ids = (
+            None if x is None else x.gather(1, order) for x in (input_ids, labels, shift_labels, sequence_ids)
         )
     if batch.get("position_ids") is not None:
         _check_documents(positions)
@@ -106,6 +112,10 @@ def shard_batch_for_context_parallel(
     shards = _padded_shards(
         input_ids, positions, labels, shift_labels, multiple, cp_rank, cp_size, pad_token_id, ignore_index
     )
+    if sequence_ids is not None:  # a pad belongs to no sequence
+        num_pad = -seq_len % multiple
+        shards[SEQUENCE_IDS] = shard_sequence_load_balanced(F.pad(sequence_ids, (0, num_pad), value=-1), -1, cp_rank,
+                                                            cp_size)  # fmt: skip
     return out | shards
 
 
