@@ -14,8 +14,9 @@ projector replicated, identical on the tensor-parallel ranks after training; und
 (batches through `context_parallel_batch`) the decoder layers see this rank's shard of each row, whose image tokens
 straddle the shards (each 20-token row's image lies within tokens 2-9, once left padding is rolled to the end; the first
 of 2 load-balanced shards holds tokens 0-4 and 15-19); with activation checkpointing the vision blocks are checkpointed
-too (a trained block runs again in the backward). One world of 2 ranks runs the default cases; one of 2 and one of
-4 (slow) the others; the reference runs on each rank.
+too (a trained block runs again in the backward); packed, each rank's rows are unpadded and packed into one
+(`data.image_packing`: per-sample positions, no attention mask) against the reference's padded rows. One world of 2
+ranks runs the default cases; one of 2 and one of 4 (slow) the others; the reference runs on each rank.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from _launch import world_json
-from tiny_vlm import collate, image_sample, tiny_vlm
+from tiny_vlm import collate, image_sample, tiny_vlm, tiny_vlm_config
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_plugins import ParallelLayout, parallelize
 from lightning_plugins.adapters.lora import LoraOptions, apply_lora, trainable_parameters
+from lightning_plugins.data.image_packing import RopeIndex, pack_image_text, prepare_model_for_image_packing
 from lightning_plugins.parallel import clip_grad_norm_, context_parallel_batch, mesh_of, pipeline_of
 from lightning_plugins.parallel.image_text import image_text_parts
 from lightning_plugins.parallel.options import MemoryOptions, ParallelOptions
@@ -51,6 +53,9 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen2_5_vl fsdp2 full": ("qwen2_5_vl", {"dp_shard_size": 2}, "full"),
         "qwen2_5_vl fsdp2 frozen vision": ("qwen2_5_vl", {"dp_shard_size": 2}, "frozen vision"),
         "qwen2_5_vl fsdp2 lora": ("qwen2_5_vl", {"dp_shard_size": 2}, "lora"),
+        # Each rank's two rows unpadded and packed into one (ranks hold rows of different lengths), every weight
+        # trained, against the reference's padded rows; Qwen3-VL-MoE: deepstack features and experts split too.
+        "qwen3_vl_moe ep2 packed": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2}, "packed"),
         # The language model split, the vision tower replicated (and the loss computed on vocab shards).
         "qwen2_5_vl tp2 full": ("qwen2_5_vl", {"tp_size": 2}, "full"),
         "qwen2_5_vl tp2 frozen vision": ("qwen2_5_vl", {"tp_size": 2}, "frozen vision"),
@@ -147,6 +152,8 @@ def _model(family: str, case: str) -> nn.Module:
     if case == "router loss":  # the router's balance loss over the global batch, weighed so that it matters
         model.config.text_config.output_router_logits = True
         model.config.text_config.router_aux_loss_coef = 0.5
+    if case == "packed":
+        prepare_model_for_image_packing(model)
     if case == "lora":
         torch.manual_seed(1)
         model = apply_lora(model, LoraOptions(r=4, alpha=8))
@@ -192,6 +199,19 @@ def _reference(family: str, case: str) -> tuple[list[float], dict[str, torch.Ten
     return history, {name: param.detach() for name, param in model.named_parameters()}
 
 
+def _packed(batch: dict, family: str) -> dict:
+    """The rows of a collated batch (one image each) unpadded and packed into rows of up to 2 x SEQ tokens."""
+    samples, patches = [], 0
+    for row, grid in enumerate(batch["image_grid_thw"]):
+        keep = batch["attention_mask"][row].bool()
+        sample = {key: batch[key][row][keep] for key in ("input_ids", "labels", "mm_token_type_ids")}
+        count = int(grid.prod())
+        sample.update(pixel_values=batch["pixel_values"][patches : patches + count], image_grid_thw=grid[None])
+        samples.append(sample)
+        patches += count
+    return pack_image_text(samples, 2 * SEQ, 2, RopeIndex(tiny_vlm_config(family)))
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
@@ -224,7 +244,9 @@ def _run_case(world_size: int, family: str, sizes: dict, case: str) -> dict:
     if _holds(inner, parts.vision_path):
         block = next(iter(inner.get_submodule(parts.blocks_path)))
         next(iter(block.children())).register_forward_hook(lambda *_: calls.append(1))
-    history = _train(model, family, local, clip_grad_norm_, functools.partial(context_parallel_batch, mesh=mesh))
+    shard = functools.partial(context_parallel_batch, mesh=mesh)
+    prepare = (lambda batch: shard(_packed(batch, family))) if case == "packed" else shard
+    history = _train(model, family, local, clip_grad_norm_, prepare)
     trained_diff, frozen_moved, moved = 0.0, 0.0, {}
     for name, param in model.named_parameters():
         full = _full(param)
@@ -325,10 +347,11 @@ def test_image_text_model_matches_one_process(world: str, name: str) -> None:
             placements.setdefault(part, set()).update(kinds)
     everything = {"vision", "projector", "language"}
     trained = {"full": everything, "router loss": everything, "frozen vision": everything - {"vision"}}
+    trained["packed"] = everything
     assert set(moved) == trained.get(case, {"language"}), (name, moved)
     # Parity means something only if each trained part moved (Gemma 3's SigLIP weights move ~6e-4 here).
     assert all(change > 10 * TOL for change in moved.values()), (name, moved)
-    assert any(result["frozen"] > 0 for result in results) == (case not in ("full", "router loss")), name
+    assert any(result["frozen"] > 0 for result in results) == (case not in ("full", "router loss", "packed")), name
     fsdp, cp = sizes.get("dp_shard_size", 1) * sizes.get("cp_size", 1), sizes.get("cp_size", 1)
     want = PLACEMENTS[(fsdp, sizes.get("tp_size", 1))]
     assert {part: sorted(placements[part]) for part in want} == want, (name, placements)
@@ -353,4 +376,5 @@ def test_image_text_model_matches_one_process(world: str, name: str) -> None:
         # Under EP each rank holds its experts; under CP the decoder layers see this rank's shard of each row.
         assert all(("ep:Shard" in p) == ("ep_size" in sizes) for p in result["placements"].get("experts", [])), where
         multiple = 2 * cp * sizes.get("tp_size", 1)  # a sharded row is padded for context (and sequence) parallelism
-        assert result["layer_tokens"] == [SEQ if cp == 1 else -(-SEQ // multiple) * multiple // cp], where
+        tokens = [SEQ if cp == 1 else -(-SEQ // multiple) * multiple // cp]
+        assert result["layer_tokens"][0] > SEQ if case == "packed" else result["layer_tokens"] == tokens, where
