@@ -226,11 +226,12 @@ def check_global_batch(recipe: Recipe, samples: int) -> None:
         DataError: naming the numbers (samples, micro batch x accumulation x data-parallel ranks) and the fix.
     """
     from lightning_plugins.data import DataError
+    from lightning_plugins.data.image_dataset import is_image_text_data  # image-text samples pack per drawn batch
 
     if samples >= recipe.samples_per_step:
         return
     per_step = recipe.train.micro_batch_size * recipe.layout.dp_size
-    rows = "packed rows" if recipe.data.packing else "samples"
+    rows = "packed rows" if recipe.data.packing and not is_image_text_data(recipe.data) else "samples"
     dp = recipe.layout.dp_size
     if samples >= per_step:
         fix = f"Lower train.global_batch_size to {samples // per_step * per_step} (a multiple of {per_step})"

@@ -170,6 +170,7 @@ def test_recipes_pack_qwen_and_refuse_the_rest(tmp_path) -> None:
     from types import SimpleNamespace
 
     from lightning_plugins.errors import RecipeError
+    from lightning_plugins.recipe.build import check_global_batch
     from lightning_plugins.recipe.image_text import image_text_collate
     from lightning_plugins.recipe.schema import load_recipe
 
@@ -181,6 +182,8 @@ def test_recipes_pack_qwen_and_refuse_the_rest(tmp_path) -> None:
     collate = image_text_collate(recipe, processor)
     expected = pack_image_text(_samples(), recipe.data.max_seq_len, PAD, RopeIndex(tiny_vlm_config("qwen2_5_vl")))
     torch.testing.assert_close(collate(_samples()), expected, rtol=0, atol=0)
+    with pytest.raises(DataError, match=r"holds 3 training samples after tokenization, fewer than one global batch"):
+        check_global_batch(recipe, 3)  # image-text samples pack per drawn batch: the dataset counts samples
     for overrides, why in (
         (["layout.cp_size=2", "layout.dp_shard_size=1"], "not split by context parallelism yet"),
         (["layout.pp_size=2", "layout.dp_shard_size=1"], "a pipeline's micro-batches need fixed shapes"),
