@@ -83,6 +83,7 @@ SHARED_WORLDS: dict[tuple[str, int], str] = {
     ("lora_trainer.py", 4): "tests/strategies/test_lora_trainer.py::test_lora_under_every_strategy[4]",
     ("preference_trainer.py", 2):
         "tests/preference/test_preference_trainer.py::test_dpo_in_the_users_module_under_each_strategy",
+    ("entry_points.py", 2): "tests/strategies/test_entry_points.py::test_every_entry_point_after_fit",
 }
 #: ``(script, devices) -> its results``, or the failure of the world that ran it, once per session.
 _SHARED_RESULTS: dict[tuple[str, int], Any] = {}

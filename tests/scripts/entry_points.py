@@ -153,7 +153,8 @@ def run_case(name: str, make_strategy, dp: int, generates: bool) -> dict:
 
 
 def main() -> None:
-    args = script_args(devices=False)
+    args = script_args()  # --devices 2 (the cases' worlds): it runs in the shared 2-rank world (tests/_launch.py)
+    assert args.devices == 2, args.devices
     results = {name: run_case(name, make, dp, generates) for name, make, dp, generates in CASES}
     write_results(results, args.out)
 
