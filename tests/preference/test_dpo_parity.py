@@ -19,7 +19,7 @@ whose experts the copy splits as the policy's), and KTO with LoRA (its rows, the
 estimate never clamped to 0 here) under FSDP2, TP, CP ring (each KL row sharded as its row is); slow: CP Ulysses, EP
 with the router loss, CP x TP. And packed pairs (``data.packing``: whole pairs per row, each sequence a document with
 positions from 0, the log-probabilities summed per sequence) under FSDP2 (the data ranks holding 3 and 1 pairs), CP
-ring and CP Ulysses, against the same unpacked one-process run.
+ring and CP Ulysses, against the same unpacked one-process run; slow: TP with SP and loss parallel, FSDP2 x CP Ulysses.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ CASES = {
         "qwen3_moe ep2 kto router loss": ("qwen3_moe", {"ep_size": 2}, {"loss_chunk_tokens": 7}),
         "qwen3_moe ep2 full ft frozen reference": ("qwen3_moe", {"ep_size": 2}, {"loss_chunk_tokens": 7}),
         "cp2 ulysses full ft frozen reference": ("llama", CP2, {"cp_backend": "ulysses", "loss_chunk_tokens": None}),
+        # Packed pairs under TP with sequence and loss parallelism (the masked path by document on the gathered rows).
+        "tp2 sp+lp packed logits": ("llama", TP2, {"loss_chunk_tokens": None}),
     },
     # Compositions (slow): a row's log-probability summed over cp shards of vocab-sharded chunks, and the experts
     # split over 2 ranks and FSDP2-sharded over the other 2 (ep2 inside dp_shard 4), one pair a data rank.
@@ -100,6 +102,9 @@ CASES = {
         "cp2 x tp2 sp+lp ring chunked": ("llama", {**CP2, **TP2}, {"cp_backend": "ring", "loss_chunk_tokens": 7}),
         "qwen3_moe ep2 x fsdp4 router loss": ("qwen3_moe", {"ep_size": 2, "dp_shard_size": 4}, {}),
         "cp2 x tp2 sp+lp kto ring chunked": ("llama", {**CP2, **TP2}, {"cp_backend": "ring", "loss_chunk_tokens": 7}),
+        # Packed pairs: the data ranks' packed rows (3 and 1 pairs), each sharded over the cp ranks.
+        "fsdp2 x cp2 ulysses packed chunked": ("llama", {"dp_shard_size": 2, **CP2},
+                                               {"cp_backend": "ulysses", "loss_chunk_tokens": 7}),
     },
 }
 
