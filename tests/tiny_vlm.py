@@ -6,7 +6,10 @@ sizes. Gemma 3: a SigLIP tower of 2 layers of width 16 on 8x8 images (patches of
 projector, and a Gemma 3 language model of 2 layers (one sliding-window, one global). Widths differ on purpose, so the
 projector is the only module that maps one width to the other. Qwen3-VL-MoE: a tower like Qwen2.5-VL's (learned position
 embeddings, one deepstack merger after its first block, whose features are added after the first decoder layer) and a
-language model of 2 mixture-of-experts layers (4 experts, top 2); Qwen3-VL: the same, with dense layers. Qwen rows carry
+language model of 2 mixture-of-experts layers (4 experts, top 2); Qwen3-VL: the same with 4 dense layers and a tower
+of 3 blocks, each followed by a deepstack merger, whose features are added after the first 3 decoder layers (in two
+pipeline stages the second stage adds the third feature, which the first computes, and its last layer reads it; a
+feature added after the last layer would reach only image tokens' logits, which no target reads). Qwen rows carry
 ``mm_token_type_ids`` (1 on image tokens), as their processors give them, so the model computes its 3-D multimodal RoPE
 positions.
 """
@@ -33,13 +36,13 @@ def tiny_vlm_config(family: str = "qwen2_5_vl") -> Qwen2_5_VLConfig | Gemma3Conf
         experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) if moe else {}
         return (Qwen3VLMoeConfig if experts else Qwen3VLConfig)(
             text_config=dict(
-                _TEXT, head_dim=8, **experts,
+                _TEXT, head_dim=8, **experts, **({} if moe else {"num_hidden_layers": 4}),
                 rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True},
             ),
             vision_config=dict(
-                depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=PATCH,
-                spatial_merge_size=MERGE, temporal_patch_size=1, num_position_embeddings=16,
-                deepstack_visual_indexes=[0],
+                depth=2 if moe else 3, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=1, num_position_embeddings=16,
+                deepstack_visual_indexes=[0] if moe else [0, 1, 2],
             ),
             image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
             vision_end_token_id=VISION_END, attn_implementation="sdpa",

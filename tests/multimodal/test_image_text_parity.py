@@ -76,6 +76,10 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen2_5_vl pp2 full": ("qwen2_5_vl", {"pp_size": 2}, "full"),
         "qwen2_5_vl pp2 frozen vision": ("qwen2_5_vl", {"pp_size": 2}, "frozen vision"),
         "gemma3 pp2 full": ("gemma3", {"pp_size": 2}, "full"),
+        # Qwen3-VL's deepstack: the first stage adds the first two features after its two layers and sends the third,
+        # computed from its micro-batch's images, beside the hidden states to the second stage, which adds it after its
+        # first layer.
+        "qwen3_vl pp2 full": ("qwen3_vl", {"pp_size": 2}, "full"),
         # Activation checkpointing of the vision blocks (with the decoder layers'): each trained block runs twice.
         "qwen2_5_vl fsdp2 full ac": ("qwen2_5_vl", {"dp_shard_size": 2, "ac": "full"}, "full"),
     },
@@ -95,6 +99,10 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen2_5_vl pp2 lora": ("qwen2_5_vl", {"pp_size": 2}, "lora"),
         "gemma3 pp2 frozen vision": ("gemma3", {"pp_size": 2}, "frozen vision"),
         "gemma3 pp2 lora": ("gemma3", {"pp_size": 2}, "lora"),
+        "qwen3_vl pp2 frozen vision": ("qwen3_vl", {"pp_size": 2}, "frozen vision"),
+        "qwen3_vl pp2 lora": ("qwen3_vl", {"pp_size": 2}, "lora"),
+        "qwen3_vl_moe pp2 full": ("qwen3_vl_moe", {"pp_size": 2}, "full"),  # its one feature added in the first stage
+        "qwen3_vl pp2 full ac": ("qwen3_vl", {"pp_size": 2, "ac": "full"}, "full"),
         "gemma3 fsdp2 full ac": ("gemma3", {"dp_shard_size": 2, "ac": "full"}, "full"),
         "gemma3 tp2 full ac": ("gemma3", {"tp_size": 2, "ac": "full"}, "full"),  # the replicated tower not checkpointed
         "qwen3_vl_moe ep2 full selective ac": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2, "ac": "selective"},
@@ -117,6 +125,7 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen2_5_vl cp2 ulysses x tp2 full": ("qwen2_5_vl", {"cp_size": 2, "tp_size": 2}, "full"),
         "qwen2_5_vl pp2 x fsdp2 full": ("qwen2_5_vl", {"pp_size": 2, "dp_shard_size": 2}, "full"),
         "gemma3 pp2 x fsdp2 lora": ("gemma3", {"pp_size": 2, "dp_shard_size": 2}, "lora"),
+        "qwen3_vl pp2 x fsdp2 full": ("qwen3_vl", {"pp_size": 2, "dp_shard_size": 2}, "full"),
         "qwen3_vl_moe ep2 x tp2 full": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2, "tp_size": 2}, "full"),
         "qwen3_vl_moe cp2 x fsdp2 x ep4 full": (
             "qwen3_vl_moe",
@@ -275,6 +284,7 @@ def _run_case(world_size: int, family: str, sizes: dict, case: str) -> dict:
         "vision_calls": len(calls),
         "projector_units": len(parts.projector_paths) if image_path else 0,
         "layers": len(layers),
+        "all_layers": inner.config.get_text_config().num_hidden_layers,
         "layer_tokens": sorted(tokens),
         "placements": _placements(model, parts),
         "tp_spread": _tp_spread(model),
@@ -364,7 +374,8 @@ def test_image_text_model_matches_one_process(world: str, name: str) -> None:
         # Under FSDP2 each vision block, the projector and each decoder layer is its own unit; under TP the language
         # model's projections are split and the vision tower and projector replicated (identical on the tp ranks).
         pp = sizes.get("pp_size", 1)  # the first stage (first ranks: pp is the outermost dimension) holds the images'
-        assert result["layers"] == 2 // pp and (result["vision_blocks"] > 0) == (rank < len(results) // pp), where
+        first = rank < len(results) // pp
+        assert result["layers"] == result["all_layers"] // pp and (result["vision_blocks"] > 0) == first, where
         units = result["vision_blocks"] + result["projector_units"] + result["layers"]
         assert result["units"] == [fsdp > 1] * units, where
         assert result["tp_spread"] == 0.0, where

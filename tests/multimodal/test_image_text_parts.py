@@ -68,13 +68,21 @@ def test_missing_part_is_named() -> None:
 
 
 def test_pipeline_parallelism_is_refused_where_stages_cannot_carry_the_images() -> None:
-    """Pipeline stages run Qwen2.5-VL and Gemma 3 (the parity test); refused: a language model that takes the image
-    features inside its layers (Qwen3-VL's deepstack), and pipeline stages combined with tensor or context parallelism
-    for an image-text model."""
-    for family in ("qwen2_5_vl", "gemma3"):
+    """Pipeline stages run Qwen2.5-VL, Gemma 3 and Qwen3-VL with its deepstack features (the parity test); refused: a
+    language model that takes other inputs from the multimodal forward, deepstack features that its config does not
+    count, and pipeline stages combined with tensor or context parallelism for an image-text model."""
+    for family in ("qwen2_5_vl", "gemma3", "qwen3_vl", "qwen3_vl_moe"):
         check_parallelizable(tiny_vlm(family), ParallelLayout(pp_size=2).resolve(2))
+    uncounted = tiny_vlm("qwen3_vl")
+    # How many features there are (what a boundary carries) unknown: a config that does not say (validation bypassed).
+    object.__setattr__(uncounted.config.vision_config, "deepstack_visual_indexes", None)
     with pytest.raises(LayoutError, match=r"pp_size=2: the language model .* \['deepstack_visual_embeds', 'visual_pos"):
-        check_parallelizable(tiny_vlm("qwen3_vl_moe"), ParallelLayout(pp_size=2).resolve(2))
+        check_parallelizable(uncounted, ParallelLayout(pp_size=2).resolve(2))
+    other = tiny_vlm("qwen3_vl")
+    language = other.model.language_model
+    language.forward = lambda inputs_embeds=None, deepstack_visual_embeds=None, visual_pos_masks=None, audio=None: None
+    with pytest.raises(LayoutError, match=r"pp_size=2: the language model .* takes \['audio'\] from the multimodal"):
+        check_parallelizable(other, ParallelLayout(pp_size=2).resolve(2))
     # Whether the head is tied is the whole config's (Qwen2.5-VL's text config does not say): a V-shaped schedule,
     # which would hold a tied weight in two FSDP2 stage modules of one rank, is refused for a tied one.
     config = tiny_vlm_config()

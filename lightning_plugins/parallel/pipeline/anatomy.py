@@ -230,7 +230,7 @@ def _decoder_base(model: nn.Module, pp_size: int) -> tuple[nn.Module, str, Any]:
         prefix = model.base_model_prefix
         return model.base_model, prefix, lambda name: name in (prefix, "lm_head")
     language = model.get_submodule(parts.language_path)
-    check_stageable_language_model(language, pp_size)
+    check_stageable_language_model(language, model.config, pp_size)
     image_path = (parts.vision_path, *parts.projector_paths)
 
     def allowed(name: str) -> bool:

@@ -20,6 +20,18 @@ images (Gemma 3) or patches (Qwen, with ``image_grid_thw`` giving each image's g
 handed to the stages before the step and each micro-batch takes its own rows' images by the row indices the schedule
 splits (``rows``). Each image's number of tokens is its grid's patches over the merge area (``spatial_merge_size ** 2``)
 with ``image_grid_thw``, else the row's image tokens split evenly over the ``pixel_values`` entries.
+
+Deepstack (Qwen3-VL, dense and MoE): the multimodal forward also hands its language model a feature per image token
+for each of its first ``K`` decoder layers (``deepstack_visual_embeds``; ``K`` is
+``len(vision_config.deepstack_visual_indexes)``) and the image tokens' mask (``visual_pos_masks``); after layer
+``k < K`` the language model adds feature ``k`` to the image tokens' hidden states (``_deepstack_process``). The first
+stage computes them with the images; it adds those of its own layers with the language model's ``_deepstack_process``
+(:meth:`ImageTextPrelude.after_layer`) and sends the others on beside the hidden states
+(:meth:`ImageTextPrelude.pack`): each as a ``[rows, seq, hidden]`` tensor that holds the feature at its image token and
+zero elsewhere, concatenated to the hidden states along the last dimension (one boundary tensor of static shape,
+``hidden x (1 + features still to add)``, whatever a micro-batch's image tokens). A later stage adds its layers'
+features as ``hidden + feature``, which at an image token is the language model's own sum and elsewhere adds zero: the
+same values, and the same gradients back to the first stage's vision tower and mergers.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ from torch import Tensor, nn
 from lightning_plugins.errors import LayoutError, LightningPluginsError
 from lightning_plugins.parallel.image_text import ImageTextParts
 
-__all__ = ["ImageTextPrelude", "check_stageable_language_model", "hand_batch_to_stages"]
+__all__ = ["ImageTextPrelude", "check_stageable_language_model", "deepstack_count", "hand_batch_to_stages"]
 
 #: What a language model's forward may take that a stage gives it (or that does not act in training).
 _LANGUAGE_INPUTS = {
@@ -45,6 +57,8 @@ _LANGUAGE_INPUTS = {
 IMAGE_INPUTS = ("pixel_values", "image_grid_thw")
 #: Video inputs, which no stage places yet.
 _VIDEO_INPUTS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+#: What a language model with deepstack takes from the multimodal forward (see the module doc).
+_DEEPSTACK_INPUTS = {"deepstack_visual_embeds", "visual_pos_masks"}
 
 
 class _Reached(LightningPluginsError):
@@ -55,22 +69,34 @@ class _Reached(LightningPluginsError):
         self.kwargs = kwargs
 
 
-def check_stageable_language_model(language: nn.Module, pp_size: int) -> None:
+def check_stageable_language_model(language: nn.Module, config: Any, pp_size: int) -> None:
     """Refuse a language model whose forward takes inputs the multimodal forward computes and a stage would not pass
-    on (Qwen3-VL's deepstack features, added to the hidden states inside its first layers).
+    on: anything but deepstack features (Qwen3-VL's, carried to the stages holding the layers they are added to) of a
+    language model that adds them with ``_deepstack_process`` and a config that counts them.
 
     Raises:
         LayoutError: naming the inputs.
     """
-    extra = sorted(set(inspect.signature(language.forward).parameters) - _LANGUAGE_INPUTS)
+    extra = set(inspect.signature(language.forward).parameters) - _LANGUAGE_INPUTS
+    deepstack = hasattr(language, "_deepstack_process") and deepstack_count(config) is not None
+    if deepstack and _DEEPSTACK_INPUTS <= extra:
+        extra -= _DEEPSTACK_INPUTS
     if extra:
         raise LayoutError(
             f"pp_size={pp_size}: the language model of this image-text model ({type(language).__name__}) takes"
-            f" {extra} from the multimodal forward (e.g. Qwen3-VL's deepstack image features, added to the hidden"
-            " states inside its first decoder layers), which pipeline stages do not carry to the stage holding those"
-            " layers."
+            f" {sorted(extra)} from the multimodal forward, which pipeline stages do not carry to the stage holding"
+            " the layers that use them (stages carry only deepstack features that a language model adds with"
+            " `_deepstack_process` and its vision config counts in `deepstack_visual_indexes`, as Qwen3-VL's)."
             " Use pp_size=1 for this model (FSDP2, tensor, context or expert parallelism)."
         )
+
+
+def deepstack_count(config: Any) -> int | None:
+    """How many deepstack features an image-text config's vision tower gives (added after the language model's first
+    layers, one each); ``None`` when its config does not say."""
+    vision = getattr(config, "vision_config", None)
+    indexes = getattr(vision, "deepstack_visual_indexes", getattr(config, "deepstack_visual_indexes", None))
+    return None if indexes is None else len(indexes)
 
 
 class ImageTextPrelude(nn.Module):
@@ -80,7 +106,7 @@ class ImageTextPrelude(nn.Module):
     parameters); every prelude calls the multimodal base model (held outside its module tree).
     """
 
-    def __init__(self, model: nn.Module, parts: ImageTextParts, first: bool) -> None:
+    def __init__(self, model: nn.Module, parts: ImageTextParts, first: bool, layers: range | None = None) -> None:
         super().__init__()
         base_path = parts.language_path.rpartition(".")[0]
         self.__dict__["base"] = model.get_submodule(base_path) if base_path else model
@@ -91,6 +117,16 @@ class ImageTextPrelude(nn.Module):
         self.projectors = nn.ModuleList(projectors) if first else None
         self.__dict__["units"] = parts.vision_units(model) if first else []
         self._batch: dict[str, Any] = {}
+        self.first = first
+        count = deepstack_count(model.config) if hasattr(self.language, "_deepstack_process") else None
+        layers = layers if layers is not None else range(0)
+        #: Deepstack features this stage receives (for layers ``layers.start ...``) and sends on (``layers.stop ...``).
+        self.carried_in = 0 if first or not count else max(0, count - layers.start)
+        self.carried_out = max(0, (count or 0) - layers.stop)
+        self._layers = layers
+        #: The current micro-batch's deepstack features by layer index, and the image tokens' mask (first stage).
+        self._features: dict[int, Tensor] = {}
+        self._mask: Tensor | None = None
 
     def vision_units(self) -> list[nn.Module]:
         """The vision blocks and projector modules this stage holds, each an FSDP2 unit of its own."""
@@ -112,12 +148,13 @@ class ImageTextPrelude(nn.Module):
         if (positions := kwargs.get("position_ids")) is not None and positions.ndim == 3:
             kwargs["position_ids"] = positions.transpose(0, 1)  # carried rows first: [axes, rows, seq] again
         kwargs["attention_mask"] = attention_mask
+        self._features, self._mask = {}, None
         if self.vision is not None:
             kwargs["input_ids"] = inputs
             if "table" in self._batch:
                 kwargs |= _rows_images(self._batch["images"], self._batch["table"], rows.tolist())
         else:
-            kwargs["inputs_embeds"] = inputs
+            kwargs["inputs_embeds"] = self._unpack(inputs)
 
         def reached(module: nn.Module, args: tuple, given: dict[str, Any]) -> None:
             raise _Reached(given)
@@ -131,7 +168,46 @@ class ImageTextPrelude(nn.Module):
             raise RuntimeError(f"{type(self.base).__name__}'s forward did not call its language model.")
         finally:
             handle.remove()
+        if self.first and given.get("deepstack_visual_embeds") is not None:
+            self._features = dict(enumerate(given["deepstack_visual_embeds"]))
+            self._mask = given["visual_pos_masks"]
         return given["inputs_embeds"], given.get("attention_mask"), given.get("position_ids")
+
+    def _unpack(self, inputs: Tensor) -> Tensor:
+        """A later stage's hidden states, its received deepstack features kept (the batch's images have some)."""
+        if not self.carried_in:
+            return inputs
+        hidden, *features = inputs.chunk(1 + self.carried_in, dim=-1)
+        if self._batch.get("images"):
+            self._features = {self._layers.start + k: feature for k, feature in enumerate(features)}
+        return hidden.contiguous()
+
+    def after_layer(self, index: int, hidden: Tensor) -> Tensor:
+        """``hidden`` after decoder layer ``index`` with the micro-batch's deepstack feature for that layer added, as
+        the language model adds it (see the module doc); unchanged when there is none."""
+        feature = self._features.get(index)
+        if feature is None:
+            return hidden
+        if self._mask is not None:  # the first stage: the language model's own addition at the image tokens
+            return self.language._deepstack_process(hidden, self._mask, feature)
+        return hidden + feature  # the feature is zero outside the image tokens
+
+    def pack(self, hidden: Tensor) -> Tensor:
+        """What this stage sends on: ``hidden``, and the deepstack features of later stages' layers (zero where a row
+        has no image token, or for a batch without images) concatenated along the last dimension."""
+        features, mask = self._features, self._mask
+        self._features, self._mask = {}, None
+        if not self.carried_out:
+            return hidden
+        sent = [hidden]
+        for index in range(self._layers.stop, self._layers.stop + self.carried_out):
+            feature = features.get(index)
+            if feature is None:
+                feature = hidden.new_zeros(hidden.shape)
+            elif mask is not None:  # the first stage's: one row per image token, placed at the image tokens
+                feature = hidden.new_zeros(hidden.shape).index_put((mask,), feature.to(hidden.dtype))
+            sent.append(feature.to(hidden.dtype))
+        return torch.cat(sent, dim=-1)
 
 
 def _image_table(config: Any, input_ids: Tensor, images: dict[str, Tensor]) -> list[tuple[int, int, int]]:

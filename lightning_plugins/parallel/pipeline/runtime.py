@@ -323,18 +323,22 @@ class Pipeline:
     def _build_schedule(
         self, micro: int, seq: int, ids_dtype: torch.dtype, dtype: torch.dtype, device: torch.device, train: bool
     ) -> Any:
-        hidden = (micro, seq // self._sequence_shards, language_config(self.model.config).hidden_size)
+        hidden_size = language_config(self.model.config).hidden_size
 
-        def boundary() -> Tensor:
-            return torch.empty(hidden, dtype=dtype, device=device, requires_grad=True)
+        def boundary(width: int) -> Tensor:
+            shape = (micro, seq // self._sequence_shards, width)
+            return torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
 
         stages = []
         stage_cls = ReshardingStage if self.reshard_per_microbatch else PipelineStage
         for index, module in sorted(self.stages.items()):
             module.boundary_dtype = dtype
-            inputs = torch.empty(micro, seq, dtype=ids_dtype, device=device) if index == 0 else boundary()
+            # An image-text model's deepstack features travel beside the hidden states (pipeline/image_text.py).
+            width_in, width_out = module.boundary_widths(hidden_size)
+            inputs = torch.empty(micro, seq, dtype=ids_dtype, device=device) if index == 0 else boundary(width_in)
             last = index == self.num_stages - 1
-            outputs = torch.empty((), dtype=torch.float32, device=device, requires_grad=True) if last else boundary()
+            scalar = torch.empty((), dtype=torch.float32, device=device, requires_grad=True)
+            outputs = scalar if last else boundary(width_out)
             stages.append(
                 stage_cls(
                     module,

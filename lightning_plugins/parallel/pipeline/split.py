@@ -98,7 +98,9 @@ def build_stages(model: nn.Module, cut: StageCut, sequence_mesh: DeviceMesh | No
     norm, rotary = decoder.norm, decoder.rotary_emb
     last_stage = cut.num_stages - 1
     first, last = 0 in cut.local, last_stage in cut.local
-    preludes = {stage: ImageTextPrelude(model, parts, stage == 0) for stage in cut.local} if parts else {}
+    preludes = {
+        stage: ImageTextPrelude(model, parts, stage == 0, cut.ranges[stage]) for stage in (cut.local if parts else ())
+    }
     if parts is not None and not first:  # the vision tower and the projector live in the first stage
         for path in (parts.vision_path, *parts.projector_paths):
             parent, _, name = path.rpartition(".")

@@ -88,6 +88,12 @@ class StageModule(nn.Module):
     def is_last(self) -> bool:
         return self.lm_head is not None
 
+    def boundary_widths(self, hidden_size: int) -> tuple[int, int]:
+        """The last dimension of what this stage receives and sends (hidden states, and an image-text model's
+        deepstack features beside them: :mod:`.image_text`)."""
+        carried = (0, 0) if self.prelude is None else (self.prelude.carried_in, self.prelude.carried_out)
+        return hidden_size * (1 + carried[0]), hidden_size * (1 + carried[1])
+
     def forward(
         self,
         inputs: Tensor,
@@ -134,9 +140,12 @@ class StageModule(nn.Module):
                 position_ids=position_ids,
                 **lengths,
             )
+            if self.prelude is not None:  # Qwen3-VL's deepstack features, added after the first layers
+                hidden = self.prelude.after_layer(int(key), hidden)
         if self.lm_head is None:
             # A fresh tensor, not a view of the DTensor: zero-bubble schedules detach stage outputs in place.
             out = hidden.to_local().clone() if isinstance(hidden, DTensor) else hidden
+            out = out if self.prelude is None else self.prelude.pack(out)
             return out if self.boundary_dtype in (None, out.dtype) else out.to(self.boundary_dtype)
         if targets is None:
             raise ValueError("The last pipeline stage needs the next-token `targets` to compute the loss.")
