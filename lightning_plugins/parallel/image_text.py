@@ -23,6 +23,10 @@ from lightning_plugins.errors import LayoutError
 __all__ = ["ImageTextParts", "check_image_text_layout", "image_text_parts", "is_image_text", "language_config"]
 
 
+#: Where a pipeline stage's model keeps its parts as found before its stage dropped the image path.
+PARTS_BEFORE_STAGING = "_lightning_plugins_image_text_parts"
+
+
 @dataclass(frozen=True)
 class ImageTextParts:
     """Where an image-text model keeps each of its parts (paths relative to the model given).
@@ -54,7 +58,9 @@ def is_image_text(model: Any) -> bool:
 
 
 def image_text_parts(model: nn.Module) -> ImageTextParts | None:
-    """The parts of an image-text model; ``None`` for a model without a vision tower.
+    """The parts of an image-text model; ``None`` for a model without a vision tower. A pipeline stage's model that
+    dropped its image path (a later stage: :func:`~lightning_plugins.parallel.pipeline.split.build_stages`) gives the
+    parts found before (its language model is where it was; the tower and the projector are not there).
 
     Raises:
         LayoutError: naming the model's class and the part that could not be found, for an image-text model whose
@@ -62,6 +68,8 @@ def image_text_parts(model: nn.Module) -> ImageTextParts | None:
     """
     if not is_image_text(model):
         return None
+    if (found := model.__dict__.get(PARTS_BEFORE_STAGING)) is not None:
+        return found
     config = model.config
     vision = _outermost_with_config(model, type(config.vision_config))
     text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None

@@ -18,12 +18,19 @@ An image-text model reads the values of its small per-token and per-image inputs
 image grid, the vision tower's windows, the check that image tokens and features agree), which fake tensors do not
 have: :class:`RealMetadata` runs every operation whose inputs are all real tensors (those inputs, and the integer
 tensors the model builds from them) for real, while the weights, the activations and ``pixel_values`` stay fake.
+
+The step time counts the image path's FLOPs (:meth:`ImageInputs.compute`): one image's forward through the model's own
+``get_image_features`` (its tower and projector) is counted once by torch's ``FlopCounterMode`` on a fake copy of the
+model (:func:`image_flops`: matmuls, convolutions and attention, the CPU attention kernel's included), split into the
+vision blocks, the rest of the tower (patch embedding) and the projector;
+:class:`~lightning_plugins.planner.rank_time.VisionCompute` turns them into training FLOPs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,12 +45,15 @@ from torch.utils._pytree import tree_leaves
 from lightning_plugins.adapters.vision import VisionOptions, freeze_vision
 from lightning_plugins.errors import PlannerError
 from lightning_plugins.parallel.dtypes import DTYPES
+from lightning_plugins.planner.rank_time import VisionCompute
 
 if TYPE_CHECKING:
     from lightning_plugins.planner.workload import Workload
 
-__all__ = ["ImageInputs", "RealMetadata", "image_batch", "image_text_model", "real_metadata"]
+__all__ = ["ImageInputs", "RealMetadata", "image_batch", "image_flops", "image_text_model", "real_metadata"]
 
+#: What :func:`image_flops` counted, by the whole config, one image's ``pixel_values`` shape and per-image inputs.
+_COUNTED: dict[tuple[str, tuple[int, ...], str], tuple[float, float, float, int]] = {}
 #: Dtypes of the tensors the model builds from its real inputs and reads (positions, indices, masks).
 _EXACT = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 #: A tensor made from nothing (``arange``, ``zeros``) is made real when it is an integer tensor at most this large.
@@ -98,6 +108,18 @@ class ImageInputs:
     def trains(self, lora: bool) -> tuple[bool, bool]:
         """``(tower, projector)``: whether each part's own weights train."""
         return self.vision.trains(lora=lora)
+
+    def compute(self, lora: bool) -> VisionCompute:
+        """The image path's work per image for the step-time model: its forward FLOPs and what trains."""
+        tower, projector = self.trains(lora)
+        return VisionCompute(*self._forward_flops, self.per_sample, tower, projector)
+
+    @functools.cached_property
+    def _forward_flops(self) -> tuple[float, float, float, int]:
+        key = (self.config.to_json_string(), self.pixels, repr(self.per_image))
+        if key not in _COUNTED:  # a search plans many layouts of one model and image size: counted once per process
+            _COUNTED[key] = image_flops(self.config, self.pixels, self.per_image)
+        return _COUNTED[key]
 
     def describe(self, seq_len: int, lora: bool) -> str:
         """What the dry run assumed about the images, for the report."""
@@ -162,6 +184,78 @@ def _markers(config: Any) -> tuple[int, ...]:
 
 def _image_token(config: Any) -> int:
     return getattr(config, "image_token_id", None) or config.image_token_index
+
+
+def image_flops(config: Any, pixels: tuple[int, ...], per_image: dict[str, list]) -> tuple[float, float, float, int]:
+    """One image's forward FLOPs through the image path: ``(vision blocks, the rest of the tower, projector, number of
+    vision blocks)``.
+
+    Counted by ``FlopCounterMode`` on the model's own ``get_image_features`` of one image (``pixels``: its
+    ``pixel_values`` shape; ``per_image``: e.g. its ``image_grid_thw``), the model built on the meta device with a
+    one-layer language model and run under ``FakeTensorMode`` (:class:`RealMetadata`: the image grid stays real). The
+    CPU attention kernel is counted as torch counts the GPU ones. Each vision block's and projector module's share is
+    what the counter counted during its forward.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForImageTextToText
+
+    from lightning_plugins.parallel.image_text import image_text_parts
+
+    config = copy.deepcopy(config)
+    text = config.get_text_config(decoder=True)
+    text.num_hidden_layers = 1  # the language model does not run: one layer is built, quickly
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[:1]
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    parts = image_text_parts(model)
+    base = model.get_submodule(parts.language_path.rpartition(".")[0])
+    counter = FlopCounterMode(display=False, custom_mapping={_CPU_ATTENTION: _attention_flops})
+    shares = {"blocks": 0, "projector": 0}
+    handles = []
+    blocks = list(model.get_submodule(parts.blocks_path))
+    for share, modules in (("blocks", blocks), ("projector", [model.get_submodule(p) for p in parts.projector_paths])):
+        for module in modules:
+            handles += _counting_hooks(module, counter, shares, share)
+    accepted = inspect.signature(base.get_image_features).parameters
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            pixel_values = torch.empty(pixels)
+            with unset_fake_temporarily():
+                given = {key: torch.tensor(value) for key, value in per_image.items() if key in accepted}
+            with counter, RealMetadata():
+                base.get_image_features(pixel_values=pixel_values, **given)
+    finally:
+        for handle in handles:
+            handle.remove()
+    total = float(counter.get_total_flops())
+    rest = total - shares["blocks"] - shares["projector"]
+    return float(shares["blocks"]), rest, float(shares["projector"]), len(blocks)
+
+
+def _counting_hooks(module: nn.Module, counter: Any, shares: dict[str, int], share: str) -> list[Any]:
+    """Hooks that add to ``shares[share]`` what ``counter`` counts during ``module``'s forward."""
+    start: list[int] = []
+
+    def before(*_: Any) -> None:
+        start.append(counter.get_total_flops())
+
+    def after(*_: Any) -> None:
+        shares[share] += counter.get_total_flops() - start.pop()
+
+    return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+
+
+#: The CPU kernel of scaled dot-product attention, which torch's flop counter leaves out (it counts the GPU kernels).
+_CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _attention_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
 def image_text_model(workload: Workload) -> nn.Module:

@@ -31,6 +31,43 @@ DIMENSIONS = ("fsdp", "tp", "cp", "pp", "dp_replicate", "offload", "ep")
 
 
 @dataclass(frozen=True)
+class VisionCompute:
+    """An image-text model's image path, for the step time (:meth:`~lightning_plugins.planner.image_text.ImageInputs.
+    compute`): one image's forward FLOPs through the vision blocks (``blocks`` of them), the rest of the tower (patch
+    embedding) and the projector, the images in a row, and which parts' own weights train. Counted at the matmuls'
+    efficiency, attention included (the tower's attention is a small share: its sequences are one image's patches).
+
+    Every rank of the first pipeline stage runs the whole image path on all of its data rank's images: the tower is
+    replicated over tensor-parallel ranks and runs before the sequence is sharded over context-parallel ones.
+    """
+
+    block_flops: float
+    tower_flops: float
+    projector_flops: float
+    blocks: int
+    images_per_row: int
+    tower_trains: bool
+    projector_trains: bool
+
+    def training_flops(self) -> float:
+        """One image's FLOPs forward and backward: a trained part 3 forwards (its input and weight gradients); a frozen
+        projector after a trained tower 2 (the input gradients the tower needs); a frozen tower 1 (forward only, no
+        gradient reaches it), and a frozen projector before the language model only 1 too."""
+        tower = (3.0 if self.tower_trains else 1.0) * (self.block_flops + self.tower_flops)
+        projector = 3.0 if self.projector_trains else 2.0 if self.tower_trains else 1.0
+        return tower + projector * self.projector_flops
+
+    def forward_flops(self) -> float:
+        """One image's forward FLOPs (a forward without backward: DPO's reference)."""
+        return self.block_flops + self.tower_flops + self.projector_flops
+
+    def recomputed_flops(self, share: float, tensor_parallel: bool) -> float:
+        """One image's recomputed FLOPs: activation checkpointing checkpoints trained vision blocks (not under TP,
+        where the replicated tower is not checkpointed) in the decoder layers' mode, ``share`` of their forward."""
+        return share * self.block_flops if self.tower_trains and not tensor_parallel else 0.0
+
+
+@dataclass(frozen=True)
 class RankWork:
     """What one pipeline rank (any data/TP/CP rank of it: they do the same work) computes per optimizer step.
 
@@ -46,6 +83,7 @@ class RankWork:
         compute: Seconds of model FLOPs (forward and backward).
         recompute: Seconds of recomputation.
         ref: Forwards of the reference per micro-batch (DPO: 1, no backward; else 0), counted in ``compute``.
+        vision: Seconds of the image path (first stage; counted in ``compute`` and ``recompute``).
     """
 
     layers: int
@@ -59,6 +97,7 @@ class RankWork:
     compute: float
     recompute: float
     ref: float = 0.0
+    vision: float = 0.0
 
     @property
     def busy(self) -> float:
@@ -76,6 +115,7 @@ def rank_work(
     lora_layer: int,
     recompute_fraction: float | None,
     pp_rank: int,
+    vision: VisionCompute | None = None,
 ) -> RankWork:
     """The compute of pipeline rank ``pp_rank``, and what its communication is sized by."""
     t = shape.layout.tp_size
@@ -102,7 +142,14 @@ def rank_work(
     tiled = 2.0 * _mlp_matmul_params(stats) / rate if memory.mlp_chunk_tokens else 0.0  # each tile's forward again
     recompute = tokens / t * layers * (rec * (mm_fwd + attn_fwd) + tiled) * slowdown
     act = tokens * stats.hidden_size * 2.0  # bf16 activations of this rank's tokens, one layer boundary, per step
-    return RankWork(layers, first, last, forwards, tokens, act, rec, attn_fwd, compute, recompute, ref)
+    seen = 0.0
+    if vision is not None and first:  # the image path: every image of the data rank's rows, on the first stage
+        images = shape.accumulation * shape.micro_batch_size * vision.images_per_row
+        trained = images * (vision.training_flops() + ref * vision.forward_flops()) / rate
+        share = _recompute_share(memory, vision.blocks, None)  # the blocks are checkpointed in the layers' mode
+        again = images * vision.recomputed_flops(share, shape.layout.tp_size > 1) / rate
+        compute, recompute, seen = compute + trained, recompute + again, trained + again
+    return RankWork(layers, first, last, forwards, tokens, act, rec, attn_fwd, compute, recompute, ref, seen)
 
 
 def tensor_comm(
@@ -291,11 +338,14 @@ def rank_time(
     pp_rank: int,
     *,
     float8_tp: bool = False,
+    vision: VisionCompute | None = None,
 ) -> dict[str, Any]:
     """Time of pipeline rank ``pp_rank`` (any data/TP/CP rank of it: they do the same work): ``step``, ``compute``,
-    ``recompute``, ``comm`` and ``exposed`` (seconds per dimension), ``bubble_s``."""
+    ``recompute``, ``comm`` and ``exposed`` (seconds per dimension), ``bubble_s``, ``vision`` (the image path's
+    seconds, in ``compute`` and ``recompute``)."""
     layout = shape.layout
-    work = rank_work(stats, shape, memory, cluster, efficiencies, method, lora_layer, recompute_fraction, pp_rank)
+    work = rank_work(stats, shape, memory, cluster, efficiencies, method, lora_layer, recompute_fraction, pp_rank,
+                     vision)  # fmt: skip
     comm: dict[str, float] = {k: 0.0 for k in DIMENSIONS}
     exposed = dict(comm)
     if layout.tp_size > 1:
@@ -322,6 +372,7 @@ def rank_time(
         "comm": comm,
         "exposed": exposed,
         "bubble_s": bubble_s,
+        "vision": work.vision,
     }
 
 

@@ -184,8 +184,6 @@ class Plan:
             f" pipeline bubble {s.bubble:.1%} (estimate, +-25%)",
         ]
         lines += [f"  assumes: {line}" for line in s.assumptions]
-        if w.images is not None:
-            lines.append("  assumes: the language model's FLOPs only (the vision tower's are not counted)")
         return "\n".join(lines)
 
 
@@ -216,6 +214,7 @@ def step_time(workload: Workload, cluster: Cluster) -> StepTime:
         method=workload.method,
         lora=workload.lora,
         no_grad_forwards=workload.objective.no_grad_forwards,
+        vision=None if workload.images is None else workload.images.compute(lora=workload.lora is not None),
     )
 
 

@@ -3,12 +3,14 @@
 The model, per optimizer step, for the slowest rank (pipeline stages differ: the last one runs ``lm_head``):
 
 * **Compute.** Model FLOPs (:meth:`ModelStats.flops_per_token`: ``6N`` plus attention; ``4N`` for the frozen
-  base of LoRA) divided by ``peak x efficiency``. The efficiency is calibrated, one per class of kernels
-  (:data:`KERNELS`), against published runs (:data:`CALIBRATION`). Recomputation adds forward FLOPs:
-  full checkpointing one more forward of every layer, ``every_n_layers`` of every N-th, op-level selective
-  the elementwise ops (:data:`SELECTIVE_RECOMPUTE`); the tiled MLP (``mlp_chunk_tokens``) one more forward of each
-  dense MLP (:data:`~lightning_plugins.planner.rank_time.MLP_LINEARS`). QLoRA's NF4 dequantisation slows compute by
-  :data:`QLORA_SLOWDOWN`.
+  base of LoRA) divided by ``peak x efficiency``; an image-text model's first stage adds its image path's
+  (:class:`~lightning_plugins.planner.rank_time.VisionCompute`: each image's measured forward FLOPs through the vision
+  tower and the projector, 3x where a part trains, 1x for a frozen tower, its checkpointed blocks recomputed). The
+  efficiency is calibrated, one per class of kernels (:data:`KERNELS`), against published runs (:data:`CALIBRATION`).
+  Recomputation adds forward FLOPs: full checkpointing one more forward of every layer, ``every_n_layers`` of every
+  N-th, op-level selective the elementwise ops (:data:`SELECTIVE_RECOMPUTE`); the tiled MLP (``mlp_chunk_tokens``) one
+  more forward of each dense MLP (:data:`~lightning_plugins.planner.rank_time.MLP_LINEARS`). QLoRA's NF4
+  dequantisation slows compute by :data:`QLORA_SLOWDOWN`.
 * **Tensor parallel.** Per layer and micro-batch, forward and backward: two all-gathers and two
   reduce-scatters of the activations (sequence parallel) or two all-reduces (the same bytes), on the
   link the TP group spans, exposed (no overlap) unless async TP hides :data:`ASYNC_TP_HIDDEN` of it.
@@ -47,7 +49,7 @@ from lightning_plugins.planner.assumptions import SELECTIVE_RECOMPUTE, step_assu
 from lightning_plugins.planner.hardware import Cluster
 from lightning_plugins.planner.model_stats import TRAINABLE, ModelStats, model_stats
 from lightning_plugins.errors import PlannerError
-from lightning_plugins.planner.rank_time import rank_time
+from lightning_plugins.planner.rank_time import VisionCompute, rank_time
 from lightning_plugins.planner.step_shape import StepShape
 
 __all__ = [
@@ -129,6 +131,7 @@ class StepTime:
         efficiency: The compute efficiency used.
         exposed_s: Exposed communication per dimension.
         bottleneck_pp_rank: The pipeline rank whose time is the step time (0 without pipelining).
+        vision_s: The image path's compute and recomputation on that rank (in ``compute_s`` and ``recompute_s``).
     """
 
     step_s: float
@@ -143,6 +146,7 @@ class StepTime:
     efficiency: float = 0.0
     exposed_s: dict[str, float] = field(default_factory=dict)
     bottleneck_pp_rank: int = 0
+    vision_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready fields."""
@@ -168,6 +172,7 @@ def estimate_step_time(
     recompute_fraction: float | None = None,
     float8_tp: bool = False,
     no_grad_forwards: int = 0,
+    vision: VisionCompute | None = None,
 ) -> StepTime:
     """Estimate one optimizer step of ``layout`` on ``cluster``.
 
@@ -194,6 +199,7 @@ def estimate_step_time(
             ``False``: this engine's TP plans, which gather bf16 activations (the float8 cast follows the gather).
         no_grad_forwards: Forwards of every micro-batch without backward, beside the policy's own: DPO's reference 1
             (rows: a pair's two), KTO's 3 (the policy's of the KL rows, the reference's of the rows and KL rows).
+        vision: An image-text model's image path (its images and their FLOPs): computed on the first stage.
 
     Raises:
         PlannerError: for an unresolved layout, a world size that is not the cluster's, an unknown method or
@@ -206,16 +212,13 @@ def estimate_step_time(
                          no_grad_forwards)  # fmt: skip
     (method, lora), (efficiency, attention_efficiency) = _method(method, lora), _efficiencies(cluster, kern)
     lora_layer = stats.lora_params_per_layer(lora.target_modules, lora.r) if lora is not None else 0
-    ranks = [
-        rank_time(stats, shape, memory, cluster, kern.float8, (efficiency, attention_efficiency), method, lora_layer,
-                  async_tp, recompute_fraction, r, float8_tp=float8_tp and kern.float8)  # fmt: skip
-        for r in range(layout.pp_size)
-    ]
-    worst = max(range(len(ranks)), key=lambda r: ranks[r]["step"])
-    rank = ranks[worst]
+    efficiencies, float8_tp = (efficiency, attention_efficiency), float8_tp and kern.float8
+    ranks = [rank_time(stats, shape, memory, cluster, kern.float8, efficiencies, method, lora_layer, async_tp,
+                       recompute_fraction, r, float8_tp=float8_tp, vision=vision) for r in range(layout.pp_size)]
+    rank = ranks[worst := max(range(len(ranks)), key=lambda r: ranks[r]["step"])]
     tokens = shape.accumulation * micro_batch_size * layout.dp_size * seq_len
     tokens_per_s_per_gpu = tokens / (rank["step"] * layout.world_size)
-    model_flops = stats.flops_per_token(seq_len, trainable=method, adapter_params=stats.num_layers * lora_layer)
+    model_flops = _model_flops_per_token(stats, seq_len, method, stats.num_layers * lora_layer, vision)
     return StepTime(
         step_s=rank["step"],
         compute_s=rank["compute"],
@@ -226,10 +229,33 @@ def estimate_step_time(
         tokens_per_s_per_gpu=tokens_per_s_per_gpu,
         mfu=tokens_per_s_per_gpu * model_flops / cluster.gpu.peak_flops,
         assumptions=step_assumptions(shape, memory, cluster, kern, efficiency, method, async_tp, recompute_fraction,
-                                     stats),  # fmt: skip
+                                     stats) + _vision_lines(vision),  # fmt: skip
         efficiency=efficiency,
         exposed_s=rank["exposed"],
         bottleneck_pp_rank=worst,
+        vision_s=rank["vision"],
+    )
+
+
+def _model_flops_per_token(
+    stats: ModelStats, seq_len: int, method: str, adapter_params: int, vision: VisionCompute | None
+) -> float:
+    """The model FLOPs (forward and backward, no recomputation) of a token: the language model's, and its row's images'
+    (counted once per data rank, not the TP and CP ranks' copies) spread over the row's tokens."""
+    flops = stats.flops_per_token(seq_len, trainable=method, adapter_params=adapter_params)
+    return flops + (0.0 if vision is None else vision.images_per_row * vision.training_flops() / seq_len)
+
+
+def _vision_lines(vision: VisionCompute | None) -> tuple[str, ...]:
+    if vision is None:
+        return ()
+    tower = "trained" if vision.tower_trains else "frozen: forward only"
+    projector = "trained" if vision.projector_trains else "frozen"
+    return (
+        f"image path: {vision.images_per_row} image(s) per row, {vision.forward_flops() / 1e9:,.1f} GFLOP forward"
+        f" each (vision tower {(vision.block_flops + vision.tower_flops) / 1e9:,.1f}, {tower}; projector"
+        f" {vision.projector_flops / 1e9:,.1f}, {projector}), measured; run whole on every TP and CP rank of the first"
+        " stage, at the matmuls' efficiency",
     )
 
 

@@ -10,7 +10,10 @@ images in 2 x 2 patches, and the vocabulary, special and image token ids to the 
 
 Families: Gemma 3. Qwen2.5-VL's and Qwen3-VL's processors cannot be built without torchvision (their video processor),
 which this package does not install, so their twins are refused with that reason; their layouts train tiny in the
-parity tests on generated rows (``tests/multimodal/test_image_text_parity.py``).
+parity tests on generated rows (``tests/multimodal/test_image_text_parity.py``). Not an extra either: the torchvision
+that matches torch 2.13.0 on PyPI (0.28.0) is a CUDA build, whose ``_C.so`` links ``libtorch_cuda.so``; beside the CPU
+torch the tests run on, ``import torchvision`` fails ("operator torchvision::nms does not exist"). A CPU torchvision
+comes from PyTorch's own CPU index.
 """
 
 from __future__ import annotations

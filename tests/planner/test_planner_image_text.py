@@ -144,3 +144,84 @@ def test_checkpointed_vision_blocks_hold_less_per_image(model_dir: Path) -> None
     peaks = [max(rank.total for rank in ranks) for ranks in dry_runs(runs)]
     plain, checkpointed = peaks[1] - peaks[0], peaks[3] - peaks[2]
     assert 2 * checkpointed < plain, (plain, checkpointed)  # measured: 32,096 vs 181,600 bytes
+
+
+def _image_flops_by_hand(config, patches: int) -> tuple[int, int, int]:
+    """``(vision blocks, patch embedding, merger)`` forward FLOPs of one Qwen2.5-VL image of ``patches`` patches, from
+    its config: 2 per multiply-add of each linear and of the Conv3d, attention ``4 x patches x attended x width`` (its
+    scores and weighted values). The image (8 px) fits in one window (``window_size`` 8 px), so every block attends all
+    of its patches."""
+    v = config.vision_config
+    h, i, merged = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size**2
+    assert v.window_size >= SIDE
+    patch = 2 * patches * (v.in_channels * v.temporal_patch_size * v.patch_size**2) * h
+    block = 2 * patches * (3 * h * h + h * h + 3 * h * i) + 4 * patches * patches * h  # qkv, proj, MLP; attention
+    merger = 2 * (patches // v.spatial_merge_size**2) * (merged * merged + merged * v.out_hidden_size)
+    return v.depth * block, patch, merger
+
+
+def _step_times(model_dir: Path, vision: dict, **changes) -> tuple:
+    """The step-time model's estimates of one and of three images per row (SIDE px) for one H100, changed by
+    ``changes`` (e.g. activation checkpointing, LoRA)."""
+    import dataclasses
+
+    from lightning_plugins.planner.hardware import cluster_from
+    from lightning_plugins.planner.report import step_time
+
+    cluster = cluster_from("H100", gpus=changes["layout"].world_size if "layout" in changes else 1)
+    times = []
+    for n in (1, 3):
+        options = VisionOptions(images_per_sample=n, image_size=SIDE, **vision)
+        workload = dataclasses.replace(_workload(model_dir, options), **changes)
+        times.append(step_time(workload, cluster))
+    return cluster, *times
+
+
+def test_step_time_counts_the_image_path(model_dir: Path) -> None:
+    """Two more images per row add their image path's FLOPs to the step time, and nothing else does (the decoder
+    sees as many tokens: images replace text tokens): per image the forward through the tower (only, when frozen),
+    3 forwards through a trained projector, 3 through a trained tower and its blocks once more with activation
+    checkpointing (not under TP, where the replicated tower is not checkpointed), 1 each under LoRA. Counted by hand
+    from the config above, against the planner's count of the model's own forward."""
+    from lightning_plugins.adapters.lora import LoraOptions
+    from lightning_plugins.parallel.options import MemoryOptions
+
+    one = _workload(model_dir, VisionOptions(image_size=SIDE))
+    patches = one.images.pixels[0]
+    blocks, patch, merger = _image_flops_by_hand(one.images.config, patches)
+    counted = one.images.compute(lora=False)
+    assert (counted.block_flops, counted.tower_flops, counted.projector_flops) == (blocks, patch, merger)
+    assert counted.blocks == one.images.config.vision_config.depth and (patches, blocks) == (16, 196_608)
+    extra = 2 * ROWS  # images more per step (one data rank, no accumulation)
+    ac, tp2 = MemoryOptions(activation_checkpointing="full"), ParallelLayout(tp_size=2).resolve(2)
+    cases = {  # (vision: section, changes) -> (training FLOPs, recomputed FLOPs) per image
+        "frozen tower": ({}, {}, blocks + patch + 3 * merger, 0),
+        "trained tower": ({"train_tower": True}, {}, 3 * (blocks + patch + merger), 0),
+        "trained tower, AC": ({"train_tower": True}, {"memory": ac}, 3 * (blocks + patch + merger), blocks),
+        "frozen tower, AC": ({}, {"memory": ac}, blocks + patch + 3 * merger, 0),
+        "trained tower, AC, TP=2": ({"train_tower": True}, {"memory": ac, "layout": tp2}, 3 * (blocks + patch + merger), 0),
+        "LoRA": ({}, {"lora": LoraOptions(r=4)}, blocks + patch + merger, 0),
+    }
+    for name, (vision, changes, train, again) in cases.items():
+        cluster, small, large = _step_times(model_dir, vision, **changes)
+        rate = cluster.gpu.peak_flops * small.efficiency
+        assert large.compute_s - small.compute_s == pytest.approx(extra * train / rate, rel=1e-9), name
+        assert large.recompute_s - small.recompute_s == pytest.approx(extra * again / rate, rel=1e-9, abs=1e-18), name
+        assert large.vision_s == pytest.approx(3 * ROWS * (train + again) / rate, rel=1e-9), name
+        assert large.step_s > small.step_s, name
+    assert any(line.startswith("image path: 3 image(s) per row") for line in large.assumptions), large.assumptions
+
+
+@pytest.mark.slow  # one forked dry run of two pipeline ranks: about 10 s of CPU, minutes on 2 shared cores
+def test_pipeline_stages_are_dry_run_with_the_image_path_on_the_first(model_dir: Path) -> None:
+    """Under PP=2 the first stage holds the vision tower and the merger and the second does not (it dropped them: the
+    dry run's marks still find its language model's layers); together they hold the whole model once."""
+    import dataclasses
+
+    workload = dataclasses.replace(_workload(model_dir, VisionOptions(image_size=SIDE)),
+                                   layout=ParallelLayout(pp_size=2).resolve(2))  # fmt: skip
+    first, second = dry_runs([workload])[0]
+    tower, merger = _tower_by_hand(workload.images.config)
+    language = model_stats(workload.config).total_params
+    assert first.state["parameters"] + second.state["parameters"] == 4 * (language + tower + merger)
+    assert first.state["parameters"] > 4 * (tower + merger) and second.state["parameters"] < 4 * language

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
-from lightning_plugins.parallel.image_text import image_text_parts, language_config
+from lightning_plugins.parallel.image_text import PARTS_BEFORE_STAGING, image_text_parts, language_config
 from lightning_plugins.parallel.pipeline.anatomy import decoder_anatomy
 from lightning_plugins.parallel.pipeline.image_text import ImageTextPrelude
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, layer_ranges, stages_of_rank
@@ -102,6 +102,7 @@ def build_stages(model: nn.Module, cut: StageCut, sequence_mesh: DeviceMesh | No
         stage: ImageTextPrelude(model, parts, stage == 0, cut.ranges[stage]) for stage in (cut.local if parts else ())
     }
     if parts is not None and not first:  # the vision tower and the projector live in the first stage
+        model.__dict__[PARTS_BEFORE_STAGING] = parts  # the language model's path stays known (image_text_parts)
         for path in (parts.vision_path, *parts.projector_paths):
             parent, _, name = path.rpartition(".")
             try:
