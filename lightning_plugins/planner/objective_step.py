@@ -13,12 +13,18 @@ reference's log-probabilities (``ref_logps``, one value a row) as the run's batc
 
 KTO (:class:`~lightning_plugins.preference.kto.KTOObjective`) runs four forwards of a step, in its order: the policy's
 of the KL rows (no gradient), the reference's of the rows and of the KL rows, then the policy's of the rows; its loss
-reads nothing back to the host, so the dry run runs it as the run does. The step's batch gets its KL rows and labels
-here (:func:`with_kl_rows`): each row's KL row is the row before it (a prompt with another completion; as many tokens
-as the batch's rows), every other row desirable.
+reads nothing back to the host, so the dry run runs it as the run does. Under pipeline parallelism those are the
+objective's passes through the schedules (:func:`~lightning_plugins.preference.pipeline.kto_pipeline_objective`): the
+three no-grad ones through the forward-only schedule (the KL rows in passes of their own), then the training schedule
+with each micro-batch's loss on the last stage. Only TRL's metrics are left out (:func:`_measured_kto`): which of them a
+batch logs depends on its labels, read on the host, and they are a few scalars. The step's batch gets its KL rows and
+labels here (:func:`with_kl_rows`): each row's KL row is the row before it (a prompt with another completion; as many
+tokens as the batch's rows), every other row desirable.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,19 +39,28 @@ def step_loss(
 ) -> Tensor:
     """The loss of one forward of ``model`` on ``batch``, as the run with this ``objective`` computes it
     (``reference``: a full fine-tune's frozen DPO reference)."""
-    if objective.unpaired:
-        from lightning_plugins.preference.kto import KTOObjective
-
-        batch = with_kl_rows(batch)
-        kto = KTOObjective(objective, reference=reference)
-        loss, _, _ = kto.loss_of(*kto.forwards(model, batch), batch["label"])
-        return loss
+    if objective.unpaired:  # under PP its passes through the schedules, the loss returned detached
+        return _measured_kto(objective, reference)(model, with_kl_rows(batch))[0]
     if not objective.paired:
         return model(**batch).loss
     from lightning_plugins.preference.objective import PreferenceObjective
 
     loss, _ = PreferenceObjective(objective, reference=reference)(model, with_precomputed(objective, batch))
     return loss
+
+
+def _measured_kto(objective: PreferenceOptions, reference: nn.Module | None) -> Any:
+    """:class:`~lightning_plugins.preference.kto.KTOObjective` whose step ends with the loss and the KL estimate
+    (tensors only) in place of TRL's metrics, whose names depend on the labels read on the host (not under fake
+    tensors)."""
+    from lightning_plugins.preference.kto import KTOObjective
+
+    class _MeasuredKTO(KTOObjective):
+        def from_kto_logps(self, *logps: Any) -> tuple[Tensor, dict[str, Tensor]]:
+            loss, kl, _ = self.loss_of(*logps)
+            return loss, {"kl": kl.detach()}
+
+    return _MeasuredKTO(objective, reference=reference)
 
 
 def with_precomputed(objective: PreferenceOptions, batch: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -75,15 +90,14 @@ def run_step(
     objective: PreferenceOptions, model: nn.Module, batch: dict[str, Tensor], reference: nn.Module | None = None
 ) -> None:
     """Forward and backward of one step on ``batch``, as the run computes it. A model split into pipeline stages runs
-    backward inside its call: its own SFT loss, or the preference objective through the schedule (the reference's
-    forward-only pass, then the policy's training pass: :mod:`lightning_plugins.preference.pipeline`)."""
+    backward inside its call: its own SFT loss, or the preference objective through the schedule (the forward-only
+    passes, DPO's reference or KTO's three, then the policy's training pass:
+    :mod:`lightning_plugins.preference.pipeline`)."""
     from lightning_plugins.parallel import pipeline_of
 
     if pipeline_of(model) is None:
         step_loss(objective, model, batch, reference).backward()
-    elif objective.paired:
-        from lightning_plugins.preference.objective import PreferenceObjective
-
-        PreferenceObjective(objective, reference=reference)(model, batch)
+    elif objective.paired or objective.unpaired:
+        step_loss(objective, model, batch, reference)
     else:
         model(**batch)

@@ -11,7 +11,8 @@ run moved them (each peak at the same moment, relative to where the counts stand
 were, and the tensors the schedule passes on (a stage's output, a loss, the gradient sent to the previous stage) are
 made with their sizes and categories, so that they are freed where the real ones would be. The first and the last
 micro-batch always run (the last finishes the gradient reduction), and a run that leaves the state changed (a first
-gradient, parameters left gathered) is never replayed.
+gradient, parameters left gathered) is never replayed. Forward-only passes (a preference objective's reference and KTO's
+KL rows, under ``no_grad``) always run.
 
 Which micro-batches a stage replays is planned from the order its schedule runs them (:func:`_plan`), so that a
 replayed forward's backward is replayed too (its saved activations are counted, never made) and each stretch of
@@ -214,6 +215,8 @@ class _Replay:
         self.plans: dict[int, set[int]] = {}  # stage -> the micro-batches it may replay (:func:`_plan`)
 
     def forward(self, stage: PipelineStage, chunk: int, run: Callable[[], Any]) -> Any:
+        if not torch.is_grad_enabled():  # a forward-only pass (DPO's reference, KTO's three): run, neither replayed
+            return run()  # nor taken for a training forward that starts from the same state
         index = stage.stage_index
         key = (index, "forward", self._state(stage))
         window = self.sure.get(key)

@@ -9,7 +9,7 @@ Importable settings, so that a dry run can be asked about exactly the same thing
   :func:`make_config`, :func:`make_model` (seeded, LoRA applied when asked, not parallelized);
 * :data:`LAYOUTS` (name -> :class:`MemoryLayout`: world size, ``ParallelLayout``, ``ParallelOptions``,
   ``MemoryOptions``, LoRA, rows per data rank), :func:`make_batch`; :data:`PREFERENCE_LAYOUTS`, more preference steps
-  (KTO, a pipeline's DPO, a full fine-tune's DPO with its frozen copy), measured only when named;
+  (KTO, a pipeline's DPO and KTO, a full fine-tune's DPO with its frozen copy), measured only when named;
 * :func:`measure_layout` measures one layout on the calling rank of a running world;
 * :func:`measure_all` runs them (one launched world per world size) and returns
   ``{layout name: {"rank0": measurement, ...}}``; :func:`measured` does it once per process (tests that
@@ -121,6 +121,8 @@ PREFERENCE_LAYOUTS: dict[str, MemoryLayout] = {
     "dpo_full_fsdp2": MemoryLayout(2, ParallelLayout(dp_shard_size=2), rows=4, objective=PreferenceOptions("dpo")),
     "dpo_full_pp2_1f1b": MemoryLayout(2, ParallelLayout(pp_size=2), ParallelOptions(pp_schedule="1f1b",
                                       pp_microbatches=2), rows=4, objective=PreferenceOptions("dpo")),
+    "kto_lora_pp2_1f1b": MemoryLayout(2, ParallelLayout(pp_size=2), ParallelOptions(pp_schedule="1f1b",
+                                      pp_microbatches=2), lora=_LORA, rows=4, objective=PreferenceOptions("kto")),
 }  # fmt: skip
 
 

@@ -8,6 +8,7 @@ replay did replay micro-batches (a test that replays nothing could not fail) and
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -15,10 +16,12 @@ import torch.distributed.pipelining.stage
 from transformers import LlamaConfig
 
 from lightning_plugins import MemoryOptions, ParallelLayout, ParallelOptions
+from lightning_plugins.adapters.lora import LoraOptions
 from lightning_plugins.planner.dryrun import measure_step, rank_kinds
 from lightning_plugins.planner.forked import forked
 from lightning_plugins.planner.replay import MISMATCH, ReplayMismatch, _plan, mismatched, without_replay
 from lightning_plugins.planner.workload import Workload
+from lightning_plugins.preference.options import PreferenceOptions
 
 _CONFIG = LlamaConfig(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -59,6 +62,25 @@ def test_a_replayed_step_measures_every_interval_the_whole_step_does(case: tuple
         assert len(replayed["intervals"]) == len(whole["intervals"]) > 8
         assert replayed["intervals"] == whole["intervals"]
         assert replayed["bounding"] == whole["bounding"]
+
+
+@pytest.mark.slow
+def test_a_kto_pipeline_step_is_measured_with_the_replay_on() -> None:
+    """KTO under PP (LoRA, 1F1B, 16 micro-batches) runs three forward-only passes under ``no_grad`` before its training
+    schedule (the policy's of the KL rows, the reference's of the rows and of the KL rows). They always run: a no-grad
+    forward's window is no training forward's (before, the second pass took the first's agreed window and planned its
+    replay from a forward-only schedule's stage, whose ``chunks`` is unset: a TypeError). The step measured with the
+    replay on equals the whole step on both stages (seen here: none of its micro-batches replays on either stage)."""
+    workload = replace(_workload("1f1b", 1, False, 1), lora=LoraOptions(r=8, alpha=16),
+                       objective=PreferenceOptions("kto"))  # fmt: skip
+    calls = []
+    for _, rank in rank_kinds(workload):
+        calls += [(measure_step, (workload, rank)), (partial(measure_step, replay=False), (workload, rank))]
+    results = forked(calls)
+    assert len(results) == 4
+    for replayed, whole in zip(results[::2], results[1::2]):
+        assert len(replayed["intervals"]) == len(whole["intervals"]) > 8
+        assert replayed["intervals"] == whole["intervals"] and replayed["bounding"] == whole["bounding"]
 
 
 def _interleaved_last_rank(n: int = 16) -> list[tuple[str, int]]:
