@@ -40,7 +40,7 @@ from lightning_plugins.parallel.pipeline.apply import attach_pipeline, retie_emb
 from lightning_plugins.parallel.pipeline.split import StageCut, build_stages, keep_stage_layers
 from lightning_plugins.parallel.plan import ParallelPlan, layout_of_mesh, resolve
 from lightning_plugins.parallel.quantized import check_quantized
-from lightning_plugins.parallel.replicated_tower import replicate_image_path
+from lightning_plugins.parallel.replicated_tower import recompute_on_local_copies, replicate_image_path
 from lightning_plugins.parallel.save_pretrained import install_save_pretrained
 from lightning_plugins.parallel.tensor import apply_tensor_parallel
 from lightning_plugins.parallel.tensor_checks import check_tensor_parallel
@@ -170,12 +170,13 @@ def _parallelize_part(model: nn.Module, family: ModelFamily, plan: ParallelPlan)
     apply_activation_checkpointing(
         layers, memory.activation_checkpointing, memory.every_n_layers, offload=memory.activation_offload
     )
-    # The vision blocks too, as gradient_checkpointing_enable does; not under TP, whose replicated tower runs a block on
-    # local copies of its weights for that call only (replicated_tower.py), which a recompute would fall outside of.
-    if (parts := image_text_parts(model)) is not None and plan.tp_size == 1:
-        apply_activation_checkpointing(
-            model.get_submodule(parts.blocks_path), memory.activation_checkpointing, memory.every_n_layers
-        )
+    # The vision blocks too, as gradient_checkpointing_enable does; under TP their recompute runs on local copies of
+    # their replicated weights, as their forward does (replicated_tower.py).
+    if (parts := image_text_parts(model)) is not None:
+        blocks = model.get_submodule(parts.blocks_path)
+        apply_activation_checkpointing(blocks, memory.activation_checkpointing, memory.every_n_layers)
+        if plan.tp_size > 1:
+            recompute_on_local_copies(blocks)
     if options.compile and not simulated():  # after TP and AC, before FSDP2 (torchtitan's order)
         if options.async_tp:
             enable_async_tp(plan.mesh("tp"))

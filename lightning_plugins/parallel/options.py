@@ -125,7 +125,7 @@ class MemoryOptions:
     activation_checkpointing: str = "none"
     """``"none"``, ``"full"`` (each layer keeps only its input) or ``"selective"`` (op-level: matmul and attention
     outputs kept; or every N-th layer, see below). An image-text model's vision blocks are checkpointed the same way
-    (not offloaded; not under TP, where the vision tower is replicated)."""
+    (not offloaded; under TP each block's recompute runs on local copies of its replicated weights, as its forward)."""
     every_n_layers: int | None = None
     """With ``"selective"``: checkpoint every N-th layer fully instead of op-level."""
     param_dtype: str | None = None

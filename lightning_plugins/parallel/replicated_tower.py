@@ -8,6 +8,10 @@ gradient clipping and FSDP2 see one mesh, as for every other weight) and runs it
 whose gradient is taken as replicated: no collective, and no op of the tower needs a DTensor rule (Gemma 3's
 projector pools with ``avg_pool2d``, whose backward DTensor cannot shard). A module's weights are swapped for the
 call of its own forward only, so FSDP2 units inside the tower (each vision block) gather theirs first.
+
+A checkpointed vision block (activation checkpointing) recomputes its forward in the backward, after the tower's call
+has put its DTensor weights back: its checkpointed function swaps in the block's local copies itself
+(:func:`recompute_on_local_copies`), in the forward and in the recompute alike.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from lightning_plugins.parallel.image_text import ImageTextParts
 
-__all__ = ["replicate_image_path"]
+__all__ = ["recompute_on_local_copies", "replicate_image_path"]
 
 
 def replicate_image_path(model: nn.Module, parts: ImageTextParts, tp_mesh: DeviceMesh) -> None:
@@ -39,14 +43,33 @@ def replicate_image_path(model: nn.Module, parts: ImageTextParts, tp_mesh: Devic
         root.forward = _OnLocalCopies(root)  # type: ignore[method-assign]
 
 
+def recompute_on_local_copies(blocks: nn.Module) -> None:
+    """Make each checkpointed block among ``blocks`` (a transformers ``GradientCheckpointingLayer`` whose
+    ``_gradient_checkpointing_func`` activation checkpointing set) run its checkpointed forward, and so its recompute,
+    on the local copies of its replicated weights."""
+    for block in blocks:
+        if getattr(block, "gradient_checkpointing", False):
+            block._gradient_checkpointing_func = _CheckpointOnLocalCopies(block, block._gradient_checkpointing_func)
+
+
+class _CheckpointOnLocalCopies:
+    """A block's checkpointing function whose checkpointed forward runs on its local weight copies."""
+
+    def __init__(self, block: nn.Module, checkpoint: Any) -> None:
+        self.block, self.checkpoint = block, checkpoint
+
+    def __call__(self, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.checkpoint(_OnLocalCopies(self.block, forward), *args, **kwargs)
+
+
 class _OnLocalCopies:
     """A module's forward (an instance attribute) run on the local copies of the replicated weights it and its
     submodules hold (a module may read a submodule's weight itself: SigLIP's pooling head reads its attention's
     ``out_proj.weight``), put back even when the call does not return. Weights still sharded by FSDP2 over the data
     ranks (a 2-D mesh: a vision block's, before its own call gathers them) are left to that call."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module, self.forward = module, module.forward
+    def __init__(self, module: nn.Module, forward: Any = None) -> None:
+        self.module, self.forward = module, forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         saved = []
@@ -57,7 +80,11 @@ class _OnLocalCopies:
                     # Each rank's gradient is the whole one: replicated, not summed.
                     sub._parameters[name] = param.to_local(grad_placements=param.placements)
         try:
-            return self.forward(*args, **kwargs)
+            if self.forward is not None:
+                return self.forward(*args, **kwargs)
+            # The class's forward as it is at the call: FSDP2 subclasses the module's class later, and transformers
+            # checkpoints a layer only in its outermost class's forward.
+            return type(self.module).forward(self.module, *args, **kwargs)
         finally:
             for sub, name, param in saved:
                 sub._parameters[name] = param

@@ -61,10 +61,10 @@ class VisionCompute:
         """One image's forward FLOPs (a forward without backward: DPO's reference)."""
         return self.block_flops + self.tower_flops + self.projector_flops
 
-    def recomputed_flops(self, share: float, tensor_parallel: bool) -> float:
-        """One image's recomputed FLOPs: activation checkpointing checkpoints trained vision blocks (not under TP,
-        where the replicated tower is not checkpointed) in the decoder layers' mode, ``share`` of their forward."""
-        return share * self.block_flops if self.tower_trains and not tensor_parallel else 0.0
+    def recomputed_flops(self, share: float) -> float:
+        """One image's recomputed FLOPs: activation checkpointing checkpoints trained vision blocks in the decoder
+        layers' mode (under TP too), ``share`` of their forward."""
+        return share * self.block_flops if self.tower_trains else 0.0
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def rank_work(
         images = shape.accumulation * shape.micro_batch_size * vision.images_per_row
         trained = images * (vision.training_flops() + ref * vision.forward_flops()) / rate
         share = _recompute_share(memory, vision.blocks, None)  # the blocks are checkpointed in the layers' mode
-        again = images * vision.recomputed_flops(share, shape.layout.tp_size > 1) / rate
+        again = images * vision.recomputed_flops(share) / rate
         compute, recompute, seen = compute + trained, recompute + again, trained + again
     return RankWork(layers, first, last, forwards, tokens, act, rec, attn_fwd, compute, recompute, ref, seen)
 

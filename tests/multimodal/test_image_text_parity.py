@@ -104,7 +104,8 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen3_vl_moe pp2 full": ("qwen3_vl_moe", {"pp_size": 2}, "full"),  # its one feature added in the first stage
         "qwen3_vl pp2 full ac": ("qwen3_vl", {"pp_size": 2, "ac": "full"}, "full"),
         "gemma3 fsdp2 full ac": ("gemma3", {"dp_shard_size": 2, "ac": "full"}, "full"),
-        "gemma3 tp2 full ac": ("gemma3", {"tp_size": 2, "ac": "full"}, "full"),  # the replicated tower not checkpointed
+        "gemma3 tp2 full ac": ("gemma3", {"tp_size": 2, "ac": "full"}, "full"),  # the replicated tower checkpointed
+        "qwen2_5_vl tp2 full ac": ("qwen2_5_vl", {"tp_size": 2, "ac": "full"}, "full"),
         "qwen3_vl_moe ep2 full selective ac": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2, "ac": "selective"},
                                                "full"),  # fmt: skip
         "qwen2_5_vl pp2 full ac": ("qwen2_5_vl", {"pp_size": 2, "ac": "full"}, "full"),
@@ -117,6 +118,7 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
     "4 slow": {
         "qwen2_5_vl tp2 x fsdp2 full": ("qwen2_5_vl", {"tp_size": 2, "dp_shard_size": 2}, "full"),
         "qwen2_5_vl tp2 x fsdp2 lora": ("qwen2_5_vl", {"tp_size": 2, "dp_shard_size": 2}, "lora"),
+        "qwen2_5_vl tp2 x fsdp2 full ac": ("qwen2_5_vl", {"tp_size": 2, "dp_shard_size": 2, "ac": "full"}, "full"),
         "qwen2_5_vl cp2 ring x fsdp2 full": (
             "qwen2_5_vl",
             {"cp_size": 2, "dp_shard_size": 2, "cp_backend": "ring"},
@@ -380,8 +382,8 @@ def test_image_text_model_matches_one_process(world: str, name: str) -> None:
         assert result["units"] == [fsdp > 1] * units, where
         assert result["tp_spread"] == 0.0, where
         # Checkpointed vision blocks run again in the backward where the tower trains (a frozen one has none); under TP
-        # the replicated tower is not checkpointed.
-        again = "ac" in sizes and case in ("full", "router loss") and "tp_size" not in sizes
+        # too (the replicated tower's blocks recompute on local copies of their weights).
+        again = "ac" in sizes and case in ("full", "router loss")
         calls = STEPS * ACCUM * pp * (1 + again)  # a pipeline's first stage runs the tower per micro-batch (pp of them)
         assert result["vision_calls"] == (calls if result["vision_blocks"] else 0), where
         # Under EP each rank holds its experts; under CP the decoder layers see this rank's shard of each row.
