@@ -31,6 +31,7 @@ from lightning_plugins.data.config import IGNORE_INDEX, DataConfig, Example
 from lightning_plugins.data.preference import PAIR_KEYS, ROW_PAIRS, SIDES, UNPAIRED_KEYS, collate_unpaired
 from lightning_plugins.errors import DataError
 from lightning_plugins.parallel.context.batch import SEQUENCE_IDS
+from lightning_plugins.parallel.varlen import VARLEN_ATTENTION, varlen_lengths
 
 def first_fit(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
     """Greedy first fit: each sample, in order, goes into the first row with room; samples are never split.
@@ -232,21 +233,6 @@ def collate_packed(
     return {**batch, **varlen_lengths(position_ids)} if varlen else batch
 
 
-def varlen_lengths(position_ids: Tensor) -> dict[str, Any]:
-    """A packed batch's samples as transformers' flash attention takes them for its variable-length kernel
-    (``FlashAttentionKwargs``, ``modeling_flash_attention_utils._flash_attention_forward``): ``cu_seq_lens_q`` and
-    ``cu_seq_lens_k``, where each sample begins in the batch's rows flattened into one (``int32``, its total length
-    last), and ``max_length_q`` / ``max_length_k``, the longest sample. A sample begins where its position is 0: the
-    documents the masked path finds (``masking_utils.find_packed_sequence_indices``), row by row. Given these,
-    transformers runs ``flash_attn_varlen_func`` over any number of rows, with no host sync to find them."""
-    flat = position_ids.reshape(-1)
-    starts = (flat == 0).nonzero().flatten()
-    cu_seq_lens = torch.cat([starts, torch.tensor([flat.numel()], device=flat.device)]).to(torch.int32)
-    longest = int(cu_seq_lens.diff().max())
-    return {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest,
-            "max_length_k": longest}  # fmt: skip
-
-
 def collate_packed_pairs(
     examples: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int, max_seq_len: int,
     pad_to_multiple_of: int | None = None, varlen: bool = False,
@@ -313,8 +299,6 @@ def make_collator(
 
 #: Attention implementations whose masks transformers builds from packed ``position_ids`` in any batch.
 _PACKING_ATTENTION = ("sdpa", "eager", "flex_attention")
-#: Flash attention, which keeps packed samples apart in any batch given their lengths (:func:`varlen_lengths`).
-VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 
 
 def check_packing_attention(implementation: str | None, varlen: bool = False, device: str | None = None) -> None:

@@ -63,8 +63,8 @@ def shard_batch_for_context_parallel(
     Args:
         batch: ``input_ids [B, S]`` and optionally ``labels``, ``shift_labels``, ``attention_mask``,
             ``position_ids``, ``sequence_ids`` (:data:`SEQUENCE_IDS`); other keys pass through unchanged unless
-            they look sequence-shaped. Keys prefixed
-            ``kl_`` (:data:`COMPANION_PREFIX`: KTO's KL rows) are a second batch, sharded alike on its own.
+            they look sequence-shaped. Keys prefixed ``kl_`` (:data:`COMPANION_PREFIX`: KTO's KL rows) are a second
+            batch, sharded alike on its own.
         cp_rank: This rank's index in the cp group.
         cp_size: Context-parallel ranks.
         pad_to_multiple_of: Pad the sequence to a multiple of this (a multiple of ``2 * cp_size``;
@@ -107,16 +107,20 @@ def shard_batch_for_context_parallel(
         )
     if batch.get("position_ids") is not None:
         _check_documents(positions)
-
     out = {k: v for k, v in batch.items() if k not in _SEQUENCE_KEYS}
     shards = _padded_shards(
         input_ids, positions, labels, shift_labels, multiple, cp_rank, cp_size, pad_token_id, ignore_index
     )
-    if sequence_ids is not None:  # a pad belongs to no sequence
-        num_pad = -seq_len % multiple
-        shards[SEQUENCE_IDS] = shard_sequence_load_balanced(F.pad(sequence_ids, (0, num_pad), value=-1), -1, cp_rank,
-                                                            cp_size)  # fmt: skip
+    if sequence_ids is not None:
+        shards[SEQUENCE_IDS] = _sequence_ids_shard(sequence_ids, multiple, cp_rank, cp_size)
     return out | shards
+
+
+def _sequence_ids_shard(sequence_ids: Tensor, multiple: int, cp_rank: int, cp_size: int) -> Tensor:
+    """This rank's load-balanced shard of packed rows' per-token sequence numbers (a pad belongs to no sequence:
+    ``-1``)."""
+    padded = F.pad(sequence_ids, (0, -sequence_ids.shape[1] % multiple), value=-1)
+    return shard_sequence_load_balanced(padded, -1, cp_rank, cp_size)
 
 
 def _with_companion(

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_plugins.parallel.loss import token_losses
 from lightning_plugins.parallel.pipeline.anatomy import DecoderAnatomy, attention_kinds
+from lightning_plugins.parallel.varlen import packed_lengths
 
 
 class StageModule(nn.Module):
@@ -178,22 +179,6 @@ class StageModule(nn.Module):
                 chunked.per_sequence = False
         loss = self.sequences(logits, targets, chunked, rows)
         return loss * self.loss_factor
-
-
-def packed_lengths(config: Any, attention_mask: Tensor | None, position_ids: Tensor | None) -> dict[str, Any]:
-    """Flash attention's per-sample lengths of a packed micro-batch (``cu_seq_lens_*``, ``max_length_*``:
-    :func:`~lightning_plugins.data.packing.varlen_lengths`), found from its ``position_ids`` as the variable-length
-    collator finds them for a whole batch: the schedule chunks the batch's per-row inputs into micro-batches, not a
-    flattened batch's lengths, so each stage derives its micro-batch's (one host sync per stage and micro-batch).
-    Empty unless the model attends with flash attention 2/3 and the rows come with positions and no padding mask (packed
-    rows: every sample restarts at position 0); under context parallelism the model's attention is the context-parallel
-    one, which keeps the documents apart itself."""
-    from lightning_plugins.data.packing import VARLEN_ATTENTION, varlen_lengths
-
-    flash = getattr(config, "_attn_implementation", None) in VARLEN_ATTENTION
-    if not flash or attention_mask is not None or position_ids is None or position_ids.ndim != 2:
-        return {}
-    return varlen_lengths(position_ids)
 
 
 def rope_and_text_positions(position_ids: Tensor) -> tuple[Tensor, Tensor | None]:
