@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -125,8 +126,12 @@ _SHARED_RUNS: dict[tuple[str, ...], Path] = {}
 def shared_run(tmp_path_factory, command: list[str], timeout: int = 300) -> Path:
     """The output directory of ``command`` (a door's command line without ``--train.output_dir``) run to its end, once
     per session: test modules whose fixtures run the same command (its ``--`` options in any order) read one run; they
-    only read it, or copy it."""
+    only read it, or copy it. A Lightning-door run declared by :func:`declare_finetune_run` is made in a chain with the
+    other declared runs of its world size (:func:`shared_finetune_runs`)."""
     key = _run_key(command)
+    declared = [devices for args, devices, _ in DECLARED_RUNS if _run_key([*FINETUNE, *args]) == key]
+    if key not in _SHARED_RUNS and declared and command[: len(FINETUNE)] == FINETUNE:
+        return shared_finetune_runs(tmp_path_factory, [command[len(FINETUNE) :]], timeout, devices=declared[0])[0]
     if key not in _SHARED_RUNS:
         out = tmp_path_factory.mktemp("shared_run") / "out"
         run_command([*command, f"--train.output_dir={out}"], cwd=ROOT, timeout=timeout)
@@ -138,18 +143,41 @@ def _run_key(command: list[str]) -> tuple[str, ...]:
     return (*[a for a in command if not a.startswith("--")], *sorted(a for a in command if a.startswith("--")))
 
 
-def shared_finetune_runs(tmp_path_factory, runs: list[list[str]], timeout: int = 300) -> list[Path]:
+#: A Lightning-door run's command line, less its arguments.
+FINETUNE = [sys.executable, "-m", "lightning_plugins", "finetune"]
+#: ``(ARGS, devices, reads)``: Lightning-door runs (``lightning-plugins finetune ARGS``, without
+#: ``--train.output_dir``, on ``devices`` ranks) that test modules declare when imported, each with which collected
+#: tests read it (``reads(item)``; ``tests/conftest.py`` keeps the session's items in :data:`SESSION_ITEMS`).
+DECLARED_RUNS: list[tuple[list[str], int, Callable[[Any], bool]]] = []
+SESSION_ITEMS: list[Any] = []
+
+
+def declare_finetune_run(args: list[str], devices: int, reads: Callable[[Any], bool]) -> None:
+    """Declare a run that :func:`shared_run` or :func:`shared_finetune_runs` will be asked for: the session's first
+    chain of ``devices`` ranks makes it too, when a test that reads it runs, so one world starts for all of them."""
+    DECLARED_RUNS.append((list(args), devices, reads))
+
+
+def shared_finetune_runs(
+    tmp_path_factory, runs: list[list[str]], timeout: int = 300, *, devices: int = 2, clean: bool = False
+) -> list[Path]:
     """The output directory of ``lightning-plugins finetune ARGS`` for each ``ARGS`` of ``runs`` (without
-    ``--train.output_dir``), once per session and shared with :func:`shared_run` (the run of
-    ``[python, -m, lightning_plugins, finetune, *ARGS]``): those not made yet run one after another in one launched
-    world (``tests/scripts/finetune_chain.py``), so its ranks start and import once."""
-    keys = [_run_key([sys.executable, "-m", "lightning_plugins", "finetune", *args]) for args in runs]
-    missing = {key: args for key, args in zip(keys, runs, strict=True) if key not in _SHARED_RUNS}
-    if missing:
+    ``--train.output_dir``, on ``devices`` ranks), once per session and shared with :func:`shared_run` (the run of
+    ``[python, -m, lightning_plugins, finetune, *ARGS]``): those not made yet, and the declared runs of that world size
+    that this session's tests read, run one after another in one launched world (``tests/scripts/finetune_chain.py``),
+    so its ranks start and import once. ``clean``: the chain's console holds no warning."""
+    keys = [_run_key([*FINETUNE, *args]) for args in runs]
+    read = [args for args, size, reads in DECLARED_RUNS if size == devices and any(map(reads, SESSION_ITEMS))]
+    todo = [*zip(keys, runs, strict=True), *((_run_key([*FINETUNE, *args]), args) for args in read)]
+    missing = {key: args for key, args in todo if key not in _SHARED_RUNS}
+    if any(key in missing for key in keys):
         root = tmp_path_factory.mktemp("shared_runs")
         outs = {key: root / f"run{index}" for index, key in enumerate(missing)}
         argvs = [[*args, f"--train.output_dir={outs[key]}"] for key, args in missing.items()]
-        run_command([sys.executable, str(SCRIPTS / "finetune_chain.py"), json.dumps(argvs)], cwd=ROOT, timeout=timeout)
+        command = [sys.executable, str(SCRIPTS / "finetune_chain.py"), json.dumps(argvs)]
+        proc = run_command(command, cwd=ROOT, timeout=max(timeout, 150 * len(argvs)))
+        if clean:
+            clean_stdout(proc)
         _SHARED_RUNS.update(outs)
     return [_SHARED_RUNS[key] for key in keys]
 

@@ -19,6 +19,14 @@ from lightning_plugins.testing.world import PRELOAD  # noqa: E402
 PRELOAD.append("tiny_models")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The runs that test modules declared (``_launch.declare_finetune_run``) are made when a collected test reads
+    them."""
+    import _launch
+
+    _launch.SESSION_ITEMS[:] = session.items
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     """Undo environment changes a test makes.

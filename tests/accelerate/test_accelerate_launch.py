@@ -9,13 +9,11 @@ from __future__ import annotations
 import csv
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _launch import ROOT, TINY, accelerate_launch, clean_stdout, collected
-from lightning_plugins.testing.world import run_command
+from _launch import TINY, accelerate_launch, clean_stdout, collected, shared_finetune_runs
 
 STEPS = 6
 SHORT = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_every=3", "--train.checkpoint_every=2",
@@ -70,15 +68,12 @@ def lightning(
     recipes: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> dict[str, Path]:
     """``recipe -> output directory`` of the Lightning door's run of each compared recipe this session runs, one after
-    another in one launched world (``tests/scripts/finetune_chain.py``); the default suite leaves out the recipes whose
-    tests are slow (3 of the 5 runs)."""
-    root = tmp_path_factory.mktemp("lightning")
+    another in one launched world (``_launch.shared_finetune_runs``: with the other 2-rank Lightning runs the session's
+    tests declared); the default suite leaves out the recipes whose tests are slow (3 of the 5 runs)."""
     wanted = {params["recipe"] for params in collected(request, "test_accelerate_launch_matches_the_lightning_door")}
     recipes = {recipe: path for recipe, path in recipes.items() if recipe in wanted}
-    runs = [[str(path), f"--train.output_dir={root / recipe}", *SHORT] for recipe, path in recipes.items()]
-    chain = ROOT / "tests" / "scripts" / "finetune_chain.py"
-    clean_stdout(run_command([sys.executable, str(chain), json.dumps(runs)], cwd=ROOT))
-    return {recipe: root / recipe for recipe in recipes}
+    runs = [[str(path), *SHORT] for path in recipes.values()]
+    return dict(zip(recipes, shared_finetune_runs(tmp_path_factory, runs, 600, clean=True), strict=True))
 
 
 def _metrics(out: Path) -> dict[str, list[tuple[int, float]]]:

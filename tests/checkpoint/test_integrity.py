@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import shared_run
+from _launch import declare_finetune_run, shared_run
 from lightning_plugins.testing.world import free_port, run_command
 
 from lightning_plugins.checkpoint.async_save import AsyncCheckpointer
@@ -41,6 +41,10 @@ DISK_FULL = ROOT / "tests" / "scripts" / "disk_full.py"
 STEPS = 6
 ARGS = [f"--train.max_steps={STEPS}", "--train.log_every=1", "--train.eval_every=100", "--train.checkpoint_every=2",
         "--optim.warmup_steps=2", "--train.micro_batch_size=8"]  # fmt: skip
+# The reference run, made in the session's first chain of 2-rank Lightning runs (_launch.shared_finetune_runs).
+declare_finetune_run(
+    [str(RECIPE), *ARGS], 2, lambda item: item.path == Path(__file__) and "reference" in item.fixturenames
+)
 
 
 def _finetune(out: Path, *extra: str, expected: int | None = 0):

@@ -25,11 +25,12 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from lightning_plugins.testing.world import free_port, run_command, run_world
-from _launch import collected, shared_finetune_runs
+from _launch import collected, declare_finetune_run, shared_finetune_runs
 from kill_run import ENV  # tests/scripts is on the path (_world)
 
 ROOT = Path(__file__).parents[2]
@@ -103,6 +104,23 @@ def _exports_the_door_adapter(checkpoint: Path, adapter: Path, out: Path) -> Non
 
 #: Layouts whose doors draw different random numbers (dropout): one reference per door.
 PER_DOOR = {"lora_fsdp2"}
+
+
+def _reads(layout: str) -> Callable[[Any], bool]:
+    """Whether a collected test reads the Lightning door's reference of ``layout`` (the preempted test: TP's)."""
+
+    def reads(item: Any) -> bool:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.path != Path(__file__) or "references" not in item.fixturenames or params.get("layout", "tp") != layout:
+            return False
+        return layout not in PER_DOOR or params.get("door") == "finetune"
+
+    return reads
+
+
+# The references are made in the session's first chain of 2-rank Lightning runs (_launch.shared_finetune_runs).
+for _layout, (_recipe, _extra) in LAYOUTS.items():
+    declare_finetune_run([str(TINY / _recipe), *SHORT, *_extra], 2, _reads(_layout))
 
 
 @pytest.fixture(scope="module")
