@@ -79,7 +79,9 @@ def build_image_text_model(recipe: Recipe, path: str, kwargs: dict[str, Any], on
     else:
         model = AutoModelForImageTextToText.from_pretrained(path, config=config, **kwargs, **remote)
     model.train()
-    model.config.use_cache = False
+    # Training: no KV cache. The language model reads its own text config's, which is on by default: it would build a
+    # cache of every layer's keys and values in each forward (and the planner plans without one).
+    model.config.use_cache = model.config.get_text_config().use_cache = False
     if recipe.data.packing:  # samples packed into rows (lightning_plugins.data.image_packing)
         from lightning_plugins.data.image_packing import prepare_model_for_image_packing
 

@@ -94,3 +94,14 @@ def test_held_out_accuracy_rises_above_chance(tmp_path: Path) -> None:
     chance = blind_accuracy(_records("vlm_train.jsonl"), held_out)
     before, after = accuracy(TINY / "vlm_model", held_out), accuracy(tmp_path / "out" / "hf", held_out)
     assert before < chance < after, (before, chance, after)
+
+
+def test_the_recipes_image_text_model_trains_without_a_kv_cache(tmp_path: Path, monkeypatch) -> None:
+    """The language model of an image-text model reads ``use_cache`` from its own text config (on by default): the
+    recipe turns it off there too, or every training forward would build a cache of each layer's keys and values."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    recipe = load_recipe(TINY / "vlm_fsdp2.yaml", [*ONE, f"data.cache_dir={tmp_path / 'cache'}"])
+    model, processor = build_model(recipe, on_meta=False)
+    loader, _ = build_loaders(recipe, processor)
+    output = model(**next(iter(loader)))
+    assert output.loss.requires_grad and getattr(output, "past_key_values", None) is None
