@@ -1,6 +1,7 @@
 """DPO in the user's own LightningModule (``PreferenceObjective`` called in ``training_step``) under FSDP2, TP with
-sequence and loss parallel, and ring context parallelism matches one process (tests/scripts/preference_trainer.py,
-one launched world of 2 ranks, shared with the other Trainer scripts of that size)."""
+sequence and loss parallel, and ring context parallelism, and KTO (``KTOObjective``) under TP and CP, matches one
+process (tests/scripts/preference_trainer.py, one launched world of 2 ranks, shared with the other Trainer scripts of
+that size)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ def test_dpo_in_the_users_module_under_each_strategy(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     results = shared_script(request, tmp_path_factory, "preference_trainer.py", 2)
-    assert sorted(results) == ["cp2 ring", "fsdp2", "tp2 sp+lp"]
+    assert sorted(results) == ["cp2 ring", "fsdp2", "kto cp2 ring", "kto tp2 sp+lp", "tp2 sp+lp"]
     for name, case in results.items():
-        assert case["steps"] == 3 and case["clipped"], (name, case)  # 3 steps, each clipping
+        # 3 steps, DPO's each clipping (KTO's gradients at this beta stay under the norm: its metrics, differences of
+        # sums of tens of log-probabilities, would need a larger beta that scales their rounding past the tolerance)
+        assert case["steps"] == 3 and (case["clipped"] or name.startswith("kto")), (name, case)
         assert case["loss_diff"] <= TOL and case["metrics_diff"] <= TOL, (name, case)  # metrics: relative past 1
         assert case["adapter_diff"] <= TOL and case["logged_diff"] <= TOL, (name, case)
         assert case["metric_names_match"], (name, case)

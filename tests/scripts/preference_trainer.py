@@ -1,11 +1,14 @@
-"""Run by tests/preference/test_preference_trainer.py: DPO in the user's own LightningModule, under each strategy.
+"""Run by tests/preference/test_preference_trainer.py: DPO and KTO in the user's own LightningModule, under each
+strategy.
 
 The module is what a user writes (as ``docs/lightning.md`` and ``docs/recipes.md`` tell it): a peft LoRA model in its
 constructor, ``PreferenceObjective`` called in ``training_step`` on batches of ``collate_pairs`` (each micro-batch the
 chosen rows of its pairs, then their rejected rows), TRL's metrics logged with ``log_dict``, an optimizer over the
 trainable parameters. Each strategy shards the pairs over its data ranks (whole pairs), the sequences over its
 context-parallel ranks; the run must match one process that sees the same global batches (Lightning's accumulation
-and clipping). Rank 0 writes the largest differences as JSON.
+and clipping). KTO (``KTOObjective`` on batches of ``collate_unpaired``: each example's row, its KL row within the
+micro-batch, its label) runs under TP and CP, whose one data rank collates the batches one process sees. Rank 0 writes
+the largest differences as JSON.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ from _common import (  # noqa: E402
 from tiny_models import make_batch, tiny_model  # noqa: E402
 
 from lightning_plugins.data.packing import collate_pairs  # noqa: E402
+from lightning_plugins.data.preference import collate_unpaired  # noqa: E402
 from lightning_plugins.preference import PreferenceObjective, PreferenceOptions  # noqa: E402
+from lightning_plugins.preference.kto import KTOObjective  # noqa: E402
 from lightning_plugins.strategies import (  # noqa: E402
     ContextParallelStrategy,
     ParallelismStrategy,
@@ -48,20 +53,27 @@ from lightning_plugins.strategies import (  # noqa: E402
 
 STEPS, LOCAL_PAIRS, BATCHES = 3, 2, 6  # one epoch: 6 micro-batches, 2 accumulated per step
 DPO = PreferenceOptions(method="dpo", beta=0.5)
-CASES = {  # name: (strategy factory, data-parallel ranks)
-    "fsdp2": (lambda: ParallelismStrategy(dp_shard_size=2, timeout=TIMEOUT), 2),
-    "tp2 sp+lp": (lambda: TensorParallelStrategy(tp_size=2, timeout=TIMEOUT), 1),
-    "cp2 ring": (lambda: ContextParallelStrategy(cp_size=2, cp_backend="ring", timeout=TIMEOUT), 1),
+KTO = PreferenceOptions(method="kto", beta=0.5, desirable_weight=1.3, undesirable_weight=0.7)
+CASES = {  # name: (strategy factory, data-parallel ranks, objective)
+    "fsdp2": (lambda: ParallelismStrategy(dp_shard_size=2, timeout=TIMEOUT), 2, DPO),
+    "tp2 sp+lp": (lambda: TensorParallelStrategy(tp_size=2, timeout=TIMEOUT), 1, DPO),
+    "cp2 ring": (lambda: ContextParallelStrategy(cp_size=2, cp_backend="ring", timeout=TIMEOUT), 1, DPO),
+    "kto tp2 sp+lp": (lambda: TensorParallelStrategy(tp_size=2, timeout=TIMEOUT), 1, KTO),
+    "kto cp2 ring": (lambda: ContextParallelStrategy(cp_size=2, cp_backend="ring", timeout=TIMEOUT), 1, KTO),
 }
 
 
-class DPOFineTune(L.LightningModule):
-    """The user's module: DPO on a LoRA model, the reference being its base (the adapters disabled)."""
+def objective_of(options: PreferenceOptions) -> PreferenceObjective | KTOObjective:
+    return KTOObjective(options) if options.unpaired else PreferenceObjective(options)
 
-    def __init__(self, model: torch.nn.Module) -> None:
+
+class DPOFineTune(L.LightningModule):
+    """The user's module: DPO (or KTO) on a LoRA model, the reference being its base (the adapters disabled)."""
+
+    def __init__(self, model: torch.nn.Module, options: PreferenceOptions = DPO) -> None:
         super().__init__()
         self.model = model
-        self.dpo = PreferenceObjective(DPO)
+        self.dpo = objective_of(options)
         self.micro_losses: list[float] = []
         self.micro_metrics: list[dict[str, float]] = []
 
@@ -95,9 +107,20 @@ def pairs(count: int, vocab: int) -> list[dict]:
              for name in ("input_ids", "labels")} for i in range(count)]  # fmt: skip
 
 
-def reference_fit(model: torch.nn.Module, batches: list[dict]) -> tuple[list[float], list[dict], bool]:
+def unpaired(count: int, vocab: int) -> list[dict]:
+    """``count`` unpaired examples as ``encode_unpaired`` makes them (a 3-token prompt, the rest the completion, of
+    different lengths), desirable and undesirable in turn."""
+    rows = make_batch(count, SEQ, vocab, seed=11)
+    ids = [rows["input_ids"][i, : int(rows["attention_mask"][i].sum())].tolist() for i in range(count)]
+    return [{"prompt_ids": row[:3], "completion_ids": row[3:], "completion_labels": row[3:], "label": i % 2 == 0}
+            for i, row in enumerate(ids)]  # fmt: skip
+
+
+def reference_fit(
+    model: torch.nn.Module, batches: list[dict], options: PreferenceOptions = DPO
+) -> tuple[list[float], list[dict], bool]:
     """One process over the global batches: the step losses, each micro-batch's metrics, whether every step clipped."""
-    objective, params = PreferenceObjective(DPO), [p for p in model.parameters() if p.requires_grad]
+    objective, params = objective_of(options), [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
     losses, metrics, clipped = [], [], True
     for step in range(STEPS):
@@ -127,16 +150,18 @@ def _adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def main() -> None:
     args = script_args()
     results = {}
-    for name, (make_strategy, dp) in CASES.items():
+    for name, (make_strategy, dp, options) in CASES.items():
         reference = lora_model()
         start = _adapters(reference)
-        data = pairs(LOCAL_PAIRS * dp * BATCHES, reference.config.vocab_size)
-        collate = partial(collate_pairs, pad_token_id=0)
-        module = DPOFineTune(copy.deepcopy(reference))
+        local = LOCAL_PAIRS * (2 if options.unpaired else 1)  # KTO: as many rows as DPO's pairs
+        make_data, collator = (unpaired, collate_unpaired) if options.unpaired else (pairs, collate_pairs)
+        data = make_data(local * dp * BATCHES, reference.config.vocab_size)
+        collate = partial(collator, pad_token_id=0)
+        module = DPOFineTune(copy.deepcopy(reference), options)
         trainer = make_trainer(make_strategy(), args.devices, STEPS, enable_checkpointing=False)
-        trainer.fit(module, DataLoader(data, batch_size=LOCAL_PAIRS, shuffle=False, collate_fn=collate))
-        batches = global_batches(data, dp, LOCAL_PAIRS, epochs=1, collate=collate)
-        want_losses, want_metrics, clipped = reference_fit(reference, batches)
+        trainer.fit(module, DataLoader(data, batch_size=local, shuffle=False, collate_fn=collate))
+        batches = global_batches(data, dp, local, epochs=1, collate=collate)
+        want_losses, want_metrics, clipped = reference_fit(reference, batches, options)
         got, want = _adapters(module.model), _adapters(reference)
         metrics = list(zip(module.micro_metrics, want_metrics, strict=True))
         logged = trainer.callback_metrics["train/rewards/margins"].item()
