@@ -11,13 +11,21 @@ of 3 blocks, each followed by a deepstack merger, whose features are added after
 pipeline stages the second stage adds the third feature, which the first computes, and its last layer reads it; a
 feature added after the last layer would reach only image tokens' logits, which no target reads). Qwen rows carry
 ``mm_token_type_ids`` (1 on image tokens), as their processors give them, so the model computes its 3-D multimodal RoPE
-positions.
+positions. Qwen3.5: a tower like Qwen3-VL's without deepstack mergers and a language model of one Gated DeltaNet
+(linear-attention) layer then one full-attention layer.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForImageTextToText, Gemma3Config, Qwen2_5_VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
+from transformers import (
+    AutoModelForImageTextToText,
+    Gemma3Config,
+    Qwen2_5_VLConfig,
+    Qwen3_5Config,
+    Qwen3VLConfig,
+    Qwen3VLMoeConfig,
+)
 
 VOCAB = 96
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 92, 93, 94, 95
@@ -30,7 +38,24 @@ _TEXT = dict(
 
 
 def tiny_vlm_config(family: str = "qwen2_5_vl") -> Qwen2_5_VLConfig | Gemma3Config | Qwen3VLConfig | Qwen3VLMoeConfig:
-    """The tiny config of ``family`` (``qwen2_5_vl``, ``gemma3``, ``qwen3_vl`` or ``qwen3_vl_moe``)."""
+    """The tiny config of ``family`` (``qwen2_5_vl``, ``gemma3``, ``qwen3_vl``, ``qwen3_vl_moe`` or ``qwen3_5``)."""
+    if family == "qwen3_5":
+        return Qwen3_5Config(
+            text_config=dict(
+                _TEXT, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
+                rope_parameters={  # every dimension of a head rotated (a checkpoint rotates a quarter of 256)
+                    "rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+                    "partial_rotary_factor": 1.0,
+                },
+            ),
+            vision_config=dict(
+                depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=PATCH,
+                spatial_merge_size=MERGE, temporal_patch_size=1, num_position_embeddings=16,
+            ),
+            image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+            vision_end_token_id=VISION_END, attn_implementation="sdpa",
+        )  # fmt: skip
     if family in ("qwen3_vl", "qwen3_vl_moe"):
         moe = family == "qwen3_vl_moe"
         experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16) if moe else {}

@@ -1,5 +1,5 @@
-"""Image-text models (tiny Qwen2.5-VL, Gemma 3, Qwen3-VL, Qwen3-VL-MoE) under FSDP2, TP, CP, EP, PP and their
-combinations, through `parallelize`, train as one process does.
+"""Image-text models (tiny Qwen2.5-VL, Gemma 3, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5) under FSDP2, TP, CP, EP, PP and
+their combinations, through `parallelize`, train as one process does.
 
 fp32, gloo, SGD with momentum (a wrong gradient scale shows in the weights), 3 optimizer steps of 2 micro-batches,
 clipping that triggers, rows of different lengths, image sizes and image positions, right and left padding, Qwen's 3-D
@@ -109,6 +109,10 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen3_vl_moe ep2 full selective ac": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2, "ac": "selective"},
                                                "full"),  # fmt: skip
         "qwen2_5_vl pp2 full ac": ("qwen2_5_vl", {"pp_size": 2, "ac": "full"}, "full"),
+        # Qwen3.5: a Gated DeltaNet (linear-attention) layer in the language model, images placed by 3-D positions
+        # (slow: the first case, reference included, took 8 s on a loaded 2-core CPU, over the default budget).
+        "qwen3_5 fsdp2 full": ("qwen3_5", {"dp_shard_size": 2}, "full"),
+        "qwen3_5 tp2 full": ("qwen3_5", {"tp_size": 2}, "full"),
         "qwen3_vl_moe cp2 ring x ep2 lora": (
             "qwen3_vl_moe",
             {"cp_size": 2, "ep_size": 2, "cp_backend": "ring"},

@@ -50,6 +50,10 @@ def test_parts_of_other_families_are_found_by_the_same_rules() -> None:
     config.vision_config.out_hidden_size = config.text_config.hidden_size  # the released checkpoints' widths agree
     qwen3_vl = image_text_parts(_on_meta(config))
     assert qwen3_vl.projector_paths[:2] == ("model.visual.merger", "model.visual.deepstack_merger_list.0")
+    # Qwen3.5: a Qwen3-VL tower without deepstack mergers, a language model with Gated DeltaNet layers.
+    qwen3_5 = image_text_parts(_on_meta(tiny_vlm_config("qwen3_5")))
+    assert (qwen3_5.vision_path, qwen3_5.blocks_path) == ("model.visual", "model.visual.blocks")
+    assert (qwen3_5.projector_paths, qwen3_5.language_path) == (("model.visual.merger",), "model.language_model")
 
 
 def test_lora_defaults_to_the_language_model() -> None:
