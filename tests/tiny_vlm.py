@@ -11,8 +11,11 @@ of 3 blocks, each followed by a deepstack merger, whose features are added after
 pipeline stages the second stage adds the third feature, which the first computes, and its last layer reads it; a
 feature added after the last layer would reach only image tokens' logits, which no target reads). Qwen rows carry
 ``mm_token_type_ids`` (1 on image tokens), as their processors give them, so the model computes its 3-D multimodal RoPE
-positions. Qwen3.5: a tower like Qwen3-VL's without deepstack mergers and a language model of one Gated DeltaNet
-(linear-attention) layer then one full-attention layer.
+positions. Gemma 4: a tower of 2 layers of width 16 on images of 4x4 patches (given flattened, with their (x, y)
+positions, as its processor gives them), pooled 2x2 to 4 image tokens, and a language model of 2 layers (one
+sliding-window, one global; no per-layer inputs: with them it is refused). Qwen3.5: a tower like Qwen3-VL's without
+deepstack mergers and a language model of one Gated DeltaNet (linear-attention) layer then one full-attention layer.
+Llama 4: a config only (its parts are found; its multimodal forward fails in transformers 5.24, so it is refused).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 from transformers import (
     AutoModelForImageTextToText,
     Gemma3Config,
+    Gemma4Config,
+    Llama4Config,
     Qwen2_5_VLConfig,
     Qwen3_5Config,
     Qwen3VLConfig,
@@ -38,7 +43,8 @@ _TEXT = dict(
 
 
 def tiny_vlm_config(family: str = "qwen2_5_vl") -> Qwen2_5_VLConfig | Gemma3Config | Qwen3VLConfig | Qwen3VLMoeConfig:
-    """The tiny config of ``family`` (``qwen2_5_vl``, ``gemma3``, ``qwen3_vl``, ``qwen3_vl_moe`` or ``qwen3_5``)."""
+    """The tiny config of ``family`` (``qwen2_5_vl``, ``gemma3``, ``gemma4``, ``qwen3_vl``, ``qwen3_vl_moe``,
+    ``qwen3_5`` or ``llama4``)."""
     if family == "qwen3_5":
         return Qwen3_5Config(
             text_config=dict(
@@ -71,6 +77,28 @@ def tiny_vlm_config(family: str = "qwen2_5_vl") -> Qwen2_5_VLConfig | Gemma3Conf
             ),
             image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
             vision_end_token_id=VISION_END, attn_implementation="sdpa",
+        )  # fmt: skip
+    if family == "gemma4":
+        return Gemma4Config(
+            text_config=dict(
+                _TEXT, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                hidden_size_per_layer_input=0,
+            ),
+            vision_config=dict(
+                hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                head_dim=8, patch_size=PATCH, pooling_kernel_size=2, position_embedding_size=16,
+            ),
+            image_token_id=IMAGE_TOKEN, boi_token_id=VISION_START, eoi_token_id=VISION_END, attn_implementation="sdpa",
+        )  # fmt: skip
+    if family == "llama4":  # its parts are found; its multimodal forward fails in transformers 5.24 (refused)
+        return Llama4Config(
+            text_config=dict(_TEXT, head_dim=8, intermediate_size_mlp=64, num_local_experts=4, attention_chunk_size=8),
+            vision_config=dict(
+                hidden_size=16, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=8,
+                patch_size=PATCH, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32,
+            ),
+            image_token_index=IMAGE_TOKEN, boi_token_index=VISION_START, eoi_token_index=VISION_END,
+            attn_implementation="sdpa",
         )  # fmt: skip
     if family == "gemma3":
         return Gemma3Config(
@@ -123,6 +151,10 @@ def image_sample(seq: int, seed: int, family: str = "qwen2_5_vl") -> dict[str, t
     if qwen:  # the processor's layout: one row of flattened pixels per patch
         image = {"pixel_values": torch.randn(height * width, 3 * PATCH * PATCH, generator=gen)}
         image["image_grid_thw"] = torch.tensor([1, height, width])
+    elif family == "gemma4":  # its processor's layout: each image's patches flattened, with their (x, y) positions
+        image = {"pixel_values": torch.randn(1, height * width, 3 * PATCH * PATCH, generator=gen)}
+        ys, xs = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+        image["image_position_ids"] = torch.stack([xs.flatten(), ys.flatten()], dim=-1)[None]
     else:
         image = {"pixel_values": torch.randn(1, 3, height * PATCH, width * PATCH, generator=gen)}
     ids = torch.randint(3, IMAGE_TOKEN, (seq,), generator=gen)
@@ -140,7 +172,7 @@ def image_sample(seq: int, seed: int, family: str = "qwen2_5_vl") -> dict[str, t
     sample = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     if family == "gemma3":  # its image tokens attend to each other both ways
         sample["token_type_ids"] = (ids == IMAGE_TOKEN).long()
-    else:  # which tokens are an image's: the 3-D positions of multimodal RoPE
+    elif family != "llama4":  # which tokens are an image's (Qwen: the 3-D positions of multimodal RoPE)
         sample["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
     if seed % 4 == 3:  # padded on the left
         sample = {key: value.roll(seq - length) for key, value in sample.items()}
@@ -151,5 +183,7 @@ def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """A batch as the models' processors give it: rows stacked, every image's pixels concatenated in row order."""
     stacked = ("input_ids", "attention_mask", "labels", "token_type_ids", "mm_token_type_ids", "image_grid_thw")
     batch = {key: torch.stack([s[key] for s in samples]) for key in stacked if key in samples[0]}
-    batch["pixel_values"] = torch.cat([s["pixel_values"] for s in samples])
+    for key in ("pixel_values", "image_position_ids"):
+        if key in samples[0]:
+            batch[key] = torch.cat([s[key] for s in samples])
     return batch

@@ -8,7 +8,9 @@ class and the language model the outermost one whose ``config`` is the text conf
 tower's blocks are its longest list of same-class modules. The projector maps the tower's width to the language
 model's: the modules next to the two towers that hold parameters (Gemma 3's and LLaVA's ``multi_modal_projector``),
 else the tower's own modules after its blocks (Qwen2.5-VL's ``merger``; Qwen3-VL's ``merger`` and
-``deepstack_merger_list``). No family is named here: a model whose parts are not where this looks is refused by name.
+``deepstack_merger_list``). No family is named for its parts: a model whose parts are not where this looks is refused by
+name. Families whose parts are found but whose forward cannot run under a layout are refused by their model type, with
+the reason (:func:`refused_image_text_family`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from torch import nn
 
 from lightning_plugins.errors import LayoutError
 
-__all__ = ["ImageTextParts", "check_image_text_layout", "image_text_parts", "is_image_text", "language_config"]
+__all__ = [
+    "ImageTextParts",
+    "check_image_text_layout",
+    "image_text_parts",
+    "is_image_text",
+    "language_config",
+    "refused_image_text_family",
+]
 
 
 #: Where a pipeline stage's model keeps its parts as found before its stage dropped the image path.
@@ -155,6 +164,37 @@ def _head_path(model: nn.Module) -> str | None:
 
 
 
+def refused_image_text_family(config: Any | None) -> str | None:
+    """Why an image-text config's family cannot be parallelized (``None`` where nothing refuses it).
+
+    Llama 4: its multimodal forward fails in the transformers this runs with (every call with ``return_dict`` reads
+    ``image_outputs`` from its language model's output, which has none), so no layout can match one process. Gemma 4
+    with per-layer inputs (its text config's ``hidden_size_per_layer_input`` > 0, the default): its forward reads one
+    row of the language model's embedding weight outside any module's forward, where a layout holds that weight
+    sharded or on another stage (under FSDP2 the run fails mixing a tensor with a DTensor).
+    """
+    if getattr(config, "vision_config", None) is None:
+        return None
+    kind = getattr(config, "model_type", None)
+    if kind == "llama4":
+        import transformers
+
+        return (
+            f"Llama 4 (model type 'llama4') cannot run: its multimodal forward fails in transformers"
+            f" {transformers.__version__} (Llama4ForConditionalGeneration.forward reads `image_outputs` from its"
+            " language model's output, which has none), so no layout can be checked against one process"
+        )
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
+    if kind == "gemma4" and getattr(text, "hidden_size_per_layer_input", 0):
+        return (
+            "Gemma 4 with per-layer inputs (model type 'gemma4', text_config.hidden_size_per_layer_input="
+            f"{text.hidden_size_per_layer_input}) cannot be parallelized: its forward reads the padding row of the"
+            " language model's embedding weight outside any module's forward, where a layout holds that weight"
+            " sharded or on another stage (under FSDP2 the forward fails mixing a tensor with a DTensor)"
+        )
+    return None
+
+
 def check_image_text_layout(layout: Any, config: Any | None) -> None:
     """Refuse, for an image-text model's config, the layouts that would not carry its images: pipeline parallelism
     combined with tensor or context parallelism.
@@ -169,9 +209,15 @@ def check_image_text_layout(layout: Any, config: Any | None) -> None:
     of a multimodal checkpoint alone, :mod:`lightning_plugins.checkpoint.text_tower`, builds it from the text config,
     not refused.)
 
+    An image-text family that cannot be parallelized at all (:func:`refused_image_text_family`) is refused under
+    every layout.
+
     Raises:
-        LayoutError: naming the model type, the sizes that split it and the layout that runs.
+        LayoutError: naming the model type, the sizes that split it and the layout that runs; or naming the refused
+            family and the reason.
     """
+    if (why := refused_image_text_family(config)) is not None:
+        raise LayoutError(f"{why}. Not supported yet for image-text models under any layout.")
     if getattr(config, "vision_config", None) is None or getattr(layout, "pp_size", 1) == 1:
         return
     split = {name: getattr(layout, name, 1) for name in ("tp_size", "cp_size")}

@@ -82,6 +82,8 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen3_vl pp2 full": ("qwen3_vl", {"pp_size": 2}, "full"),
         # Activation checkpointing of the vision blocks (with the decoder layers'): each trained block runs twice.
         "qwen2_5_vl fsdp2 full ac": ("qwen2_5_vl", {"dp_shard_size": 2, "ac": "full"}, "full"),
+        # Qwen3.5: a Gated DeltaNet (linear-attention) layer in the language model, images placed by 3-D positions.
+        "qwen3_5 tp2 full": ("qwen3_5", {"tp_size": 2}, "full"),
     },
     "2 slow": {
         # Qwen3-VL's q/k norms (one per head), which its text config's tensor-parallel plan leaves out.
@@ -109,10 +111,7 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen3_vl_moe ep2 full selective ac": ("qwen3_vl_moe", {"dp_shard_size": 2, "ep_size": 2, "ac": "selective"},
                                                "full"),  # fmt: skip
         "qwen2_5_vl pp2 full ac": ("qwen2_5_vl", {"pp_size": 2, "ac": "full"}, "full"),
-        # Qwen3.5: a Gated DeltaNet (linear-attention) layer in the language model, images placed by 3-D positions
-        # (slow: the first case, reference included, took 8 s on a loaded 2-core CPU, over the default budget).
         "qwen3_5 fsdp2 full": ("qwen3_5", {"dp_shard_size": 2}, "full"),
-        "qwen3_5 tp2 full": ("qwen3_5", {"tp_size": 2}, "full"),
         "qwen3_vl_moe cp2 ring x ep2 lora": (
             "qwen3_vl_moe",
             {"cp_size": 2, "ep_size": 2, "cp_backend": "ring"},

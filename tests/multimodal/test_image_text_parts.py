@@ -56,6 +56,33 @@ def test_parts_of_other_families_are_found_by_the_same_rules() -> None:
     assert (qwen3_5.projector_paths, qwen3_5.language_path) == (("model.visual.merger",), "model.language_model")
 
 
+def test_gemma4_and_llama4_parts_are_found_by_the_same_rules() -> None:
+    gemma4 = image_text_parts(_on_meta(tiny_vlm_config("gemma4")))
+    assert (gemma4.vision_path, gemma4.blocks_path) == ("model.vision_tower", "model.vision_tower.encoder.layers")
+    assert (gemma4.projector_paths, gemma4.language_path) == (("model.embed_vision",), "model.language_model")
+    llama4 = image_text_parts(_on_meta(tiny_vlm_config("llama4")))  # towers at the top, next to their projector
+    assert (llama4.vision_path, llama4.blocks_path) == ("vision_model", "vision_model.model.layers")
+    assert (llama4.projector_paths, llama4.language_path) == (("multi_modal_projector",), "language_model")
+
+
+def test_families_that_cannot_run_are_refused_before_any_collective() -> None:
+    """Llama 4's multimodal forward fails in this transformers (so the refusal's reason holds: this test fails once it
+    runs), and Gemma 4 with per-layer inputs reads its sharded embedding weight outside any forward; Gemma 4 without
+    them is not refused."""
+    llama4 = tiny_vlm("llama4")
+    batch = collate([image_sample(20, seed, "llama4") for seed in range(2)])
+    with pytest.raises(AttributeError, match="image_outputs"):
+        llama4(**batch)
+    for layout in (ParallelLayout(dp_shard_size=2), ParallelLayout(tp_size=2), ParallelLayout(pp_size=2)):
+        with pytest.raises(LayoutError, match=r"Llama 4 \(model type 'llama4'\) cannot run: .* `image_outputs`"):
+            check_parallelizable(llama4, layout.resolve(2))
+    config = tiny_vlm_config("gemma4")
+    check_parallelizable(_on_meta(config), ParallelLayout(dp_shard_size=2).resolve(2))
+    config.text_config.hidden_size_per_layer_input = 8
+    with pytest.raises(LayoutError, match=r"Gemma 4 with per-layer inputs .*\.hidden_size_per_layer_input=8\) cannot"):
+        check_parallelizable(_on_meta(config), ParallelLayout(tp_size=2).resolve(2))
+
+
 def test_lora_defaults_to_the_language_model() -> None:
     model = tiny_vlm()
     # The vision tower holds linears of the same names (its MLP's gate/up/down_proj): they are not adapted.
