@@ -13,8 +13,9 @@ feature added after the last layer would reach only image tokens' logits, which 
 ``mm_token_type_ids`` (1 on image tokens), as their processors give them, so the model computes its 3-D multimodal RoPE
 positions. Gemma 4: a tower of 2 layers of width 16 on images of 4x4 patches (given flattened, with their (x, y)
 positions, as its processor gives them), pooled 2x2 to 4 image tokens, and a language model of 2 layers (one
-sliding-window, one global; no per-layer inputs: with them it is refused). Qwen3.5: a tower like Qwen3-VL's without
-deepstack mergers and a language model of one Gated DeltaNet (linear-attention) layer then one full-attention layer.
+sliding-window, one global; no per-layer inputs); the engine refuses Gemma 4 (see its reason). Qwen3.5: a tower like
+Qwen3-VL's without deepstack mergers and a language model of one Gated DeltaNet (linear-attention) layer then one
+full-attention layer.
 Llama 4: a config only (its parts are found; its multimodal forward fails in transformers 5.24, so it is refused).
 """
 
