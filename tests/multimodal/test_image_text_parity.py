@@ -112,6 +112,11 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
                                                "full"),  # fmt: skip
         "qwen2_5_vl pp2 full ac": ("qwen2_5_vl", {"pp_size": 2, "ac": "full"}, "full"),
         "qwen3_5 fsdp2 full": ("qwen3_5", {"dp_shard_size": 2}, "full"),
+        "qwen3_5 fsdp2 lora": ("qwen3_5", {"dp_shard_size": 2}, "lora"),
+        "qwen3_5 cp2 ulysses full": ("qwen3_5", {"cp_size": 2}, "full"),  # the linear-attention layer on shards too
+        "qwen3_5 cp2 ring full": ("qwen3_5", {"cp_size": 2, "cp_backend": "ring"}, "full"),
+        "qwen3_5 pp2 full": ("qwen3_5", {"pp_size": 2}, "full"),  # one layer per stage: linear, then full attention
+        "qwen3_5 pp2 frozen vision": ("qwen3_5", {"pp_size": 2}, "frozen vision"),
         "qwen3_vl_moe cp2 ring x ep2 lora": (
             "qwen3_vl_moe",
             {"cp_size": 2, "ep_size": 2, "cp_backend": "ring"},
