@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.errors import OptionsError
+from lightning_plugins.parallel.context.batch import COMPANION_PREFIX
 from lightning_plugins.preference.logps import SequenceLogps, sequence_logps
 from lightning_plugins.preference.losses import PairLosses, kto_losses
 from lightning_plugins.preference.objective import PreferenceObjective, adapters_disabled, global_mean
@@ -37,9 +38,9 @@ from lightning_plugins.preference.pipeline import find_pipeline, kto_pipeline_ob
 
 __all__ = ["KL_PREFIX", "KTOObjective"]
 
-#: The batch keys of the KL rows: ``kl_input_ids``, ``kl_attention_mask``, ``kl_labels`` (under context parallelism
-#: their shards: :func:`~lightning_plugins.parallel.context.shard_batch_for_context_parallel` shards them alike).
-KL_PREFIX = "kl_"
+#: The batch keys of the KL rows: ``kl_input_ids``, ``kl_attention_mask``, ``kl_labels``: the companion rows that
+#: :func:`~lightning_plugins.parallel.context.shard_batch_for_context_parallel` shards alike under context parallelism.
+KL_PREFIX = COMPANION_PREFIX
 #: A row's keys (and, prefixed, its KL row's): as collated, or as context parallelism shards them.
 _ROW_KEYS = ("input_ids", "attention_mask", "labels", "shift_labels", "position_ids")
 
