@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: Repository folder -> where the wheel puts it.
 MAPPED = {"recipes": "lightning_plugins/recipes", "accelerate_configs": "lightning_plugins/accelerate_configs"}
 #: Shipped files the wheel leaves out: the tiny assets' generator (a clone's tool; its outputs ship).
-NOT_SHIPPED = {"recipes/tiny/make_tiny.py", "recipes/tiny/make_tiny_vlm.py"}  # the generators of what is shipped
+NOT_SHIPPED = {"recipes/tiny/make_tiny.py", "recipes/tiny/make_tiny_vlm.py", "recipes/tiny/make_tiny_qwen_vl.py"}
 
 
 def _source_files() -> list[str]:
