@@ -138,7 +138,7 @@ def test_qwen_vl_twins_are_the_family_shrunk_and_their_rows_run(name: str, tmp_p
     processor = AutoProcessor.from_pretrained(twin.model.path)
     tokens = processor.tokenizer.convert_tokens_to_ids
     assert config.image_token_id == tokens("<|image_pad|>") and config.video_token_id == tokens("<|video_pad|>")
-    assert (config.vision_start_token_id, config.vision_end_token_id) == tokens(["<|vision_start|>", "<|vision_end|>"])
+    assert [config.vision_start_token_id, config.vision_end_token_id] == tokens(["<|vision_start|>", "<|vision_end|>"])
     assert vision.patch_size == processor.image_processor.patch_size and text.vocab_size >= len(processor.tokenizer)
     rows = build_image_text_dataset(twin.data.resolve(tmp_path), processor, "train")
     samples = [rows[i] for i in range(8)]
