@@ -13,7 +13,12 @@ feature added after the last layer would reach only image tokens' logits, which 
 ``mm_token_type_ids`` (1 on image tokens), as their processors give them, so the model computes its 3-D multimodal RoPE
 positions. Gemma 4: a tower of 2 layers of width 16 on images of 4x4 patches (given flattened, with their (x, y)
 positions, as its processor gives them), pooled 2x2 to 4 image tokens, and a language model of 2 layers (one
-sliding-window, one global; no per-layer inputs); the engine refuses Gemma 4 (see its reason). Qwen3.5: a tower like
+sliding-window, one global; no per-layer inputs, which the engine refuses: see its reason), whose global layer's heads
+are 8 wide like the sliding one's (transformers' default ``global_head_dim`` is 512: with Gemma 4's unscaled attention,
+q and k RMS-normed to 1, a random model's scores over 512 dimensions have a spread of ~23, a near one-hot softmax, and
+its float32 gradients are accurate to ~1e-5 only, one process's too: its pre-clip norm (~14) is 4e-4 from the float64
+one after 3 steps, so no layout could be held to 1e-5 against it; in float64 every layout matches one process to
+3e-13 with either width). Qwen3.5: a tower like
 Qwen3-VL's without deepstack mergers and a language model of one Gated DeltaNet (linear-attention) layer then one
 full-attention layer.
 Llama 4: a config only (its parts are found; its multimodal forward fails in transformers 5.24, so it is refused).
@@ -83,7 +88,7 @@ def tiny_vlm_config(family: str = "qwen2_5_vl") -> Qwen2_5_VLConfig | Gemma3Conf
         return Gemma4Config(
             text_config=dict(
                 _TEXT, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-                hidden_size_per_layer_input=0,
+                hidden_size_per_layer_input=0, global_head_dim=8,  # as narrow as the sliding layer's (module doc)
             ),
             vision_config=dict(
                 hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,

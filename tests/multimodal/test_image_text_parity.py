@@ -1,5 +1,5 @@
-"""Image-text models (tiny Qwen2.5-VL, Gemma 3, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5) under FSDP2, TP, CP, EP, PP and
-their combinations, through `parallelize`, train as one process does.
+"""Image-text models (tiny Qwen2.5-VL, Gemma 3, Gemma 4, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5) under FSDP2, TP, CP, EP, PP
+and their combinations, through `parallelize`, train as one process does.
 
 fp32, gloo, SGD with momentum (a wrong gradient scale shows in the weights), 3 optimizer steps of 2 micro-batches,
 clipping that triggers, rows of different lengths, image sizes and image positions, right and left padding, Qwen's 3-D
@@ -84,8 +84,17 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen2_5_vl fsdp2 full ac": ("qwen2_5_vl", {"dp_shard_size": 2, "ac": "full"}, "full"),
         # Qwen3.5: a Gated DeltaNet (linear-attention) layer in the language model, images placed by 3-D positions.
         "qwen3_5 tp2 full": ("qwen3_5", {"tp_size": 2}, "full"),
+        # Gemma 4 (no per-layer inputs): a tower fed flattened patches and their positions, q/k/v RMS-normed heads and
+        # unscaled attention, a global layer with its own rotary (why its tiny heads are narrow: tests/tiny_vlm.py).
+        "gemma4 tp2 full": ("gemma4", {"tp_size": 2}, "full"),
     },
     "2 slow": {
+        "gemma4 fsdp2 full": ("gemma4", {"dp_shard_size": 2}, "full"),
+        "gemma4 fsdp2 lora": ("gemma4", {"dp_shard_size": 2}, "lora"),
+        "gemma4 tp2 frozen vision": ("gemma4", {"tp_size": 2}, "frozen vision"),
+        "gemma4 fsdp2 full ac": ("gemma4", {"dp_shard_size": 2, "ac": "full"}, "full"),
+        "gemma4 cp2 ulysses full": ("gemma4", {"cp_size": 2}, "full"),
+        "gemma4 cp2 ring full": ("gemma4", {"cp_size": 2, "cp_backend": "ring"}, "full"),
         # Qwen3-VL's q/k norms (one per head), which its text config's tensor-parallel plan leaves out.
         "qwen3_vl_moe tp2 full": ("qwen3_vl_moe", {"tp_size": 2}, "full"),
         # Qwen3-VL with dense layers (its text config's plan names no layer: a registered family splits them).

@@ -67,8 +67,9 @@ def test_gemma4_and_llama4_parts_are_found_by_the_same_rules() -> None:
 
 def test_families_that_cannot_run_are_refused_before_any_collective() -> None:
     """Llama 4's multimodal forward fails in this transformers (so the refusal's reason holds: this test fails once it
-    runs), Gemma 4 with per-layer inputs reads its sharded embedding weight outside any forward, and Gemma 4 without
-    them is not verified to match one process (its gradient norm differs beyond the parity test's tolerance)."""
+    runs) and Gemma 4 with per-layer inputs reads its sharded embedding weight outside any forward: both refused under
+    every layout. Gemma 4 without them passes the checks (the parity test trains it under TP, FSDP2 and CP), but for
+    pipeline stages, which do not carry the multimodal forward's inputs to its language model (its per_layer_inputs)."""
     llama4 = tiny_vlm("llama4")
     batch = collate([image_sample(20, seed, "llama4") for seed in range(2)])
     with pytest.raises(AttributeError, match="image_outputs"):
@@ -77,9 +78,13 @@ def test_families_that_cannot_run_are_refused_before_any_collective() -> None:
         with pytest.raises(LayoutError, match=r"Llama 4 \(model type 'llama4'\) cannot run: .* `image_outputs`"):
             check_parallelizable(llama4, layout.resolve(2))
     config = tiny_vlm_config("gemma4")
-    with pytest.raises(LayoutError, match=r"Gemma 4 \(model type 'gemma4'\) is not verified .* gradient norm"):
-        check_parallelizable(_on_meta(config), ParallelLayout(dp_shard_size=2).resolve(2))
+    for sizes in ({"dp_shard_size": 2}, {"tp_size": 2}, {"cp_size": 2}):
+        check_parallelizable(_on_meta(config), ParallelLayout(**sizes).resolve(2))
+    # Why refused: the stages do not carry the language model's per_layer_inputs (None without per-layer inputs).
+    with pytest.raises(LayoutError, match=r"\(Gemma4TextModel\) takes \['logits_to_keep', 'per_layer_inputs'\]"):
+        check_parallelizable(_on_meta(config), ParallelLayout(pp_size=2).resolve(2))
     config.text_config.hidden_size_per_layer_input = 8
+    # Why refused: the per-layer inputs' padding row is read from the embedding weight outside any forward.
     with pytest.raises(LayoutError, match=r"Gemma 4 with per-layer inputs .*\.hidden_size_per_layer_input=8\) cannot"):
         check_parallelizable(_on_meta(config), ParallelLayout(tp_size=2).resolve(2))
 
