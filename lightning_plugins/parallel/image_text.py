@@ -200,41 +200,26 @@ def refused_image_text_family(config: Any | None) -> str | None:
 
 
 def check_image_text_layout(layout: Any, config: Any | None) -> None:
-    """Refuse, for an image-text model's config, the layouts that would not carry its images: pipeline parallelism
-    combined with tensor or context parallelism.
+    """Refuse, for an image-text model's config, a family that no layout can run (:func:`refused_image_text_family`);
+    every layout composes for the others, as for a text decoder.
 
     Tensor parallelism splits the language model and replicates the vision tower (its input and output whole on every
     rank; sequence parallelism stays off, the image embeddings are placed into a whole sequence). Context parallelism
     places the images into the whole sequence before it is sharded
     (:mod:`lightning_plugins.parallel.image_text_context`); expert parallelism splits the language model's experts,
     every token staying where it is. Pipeline parallelism keeps the vision tower and the projector in the first stage,
-    which places the images into the embeddings (:mod:`lightning_plugins.parallel.pipeline.image_text`); its
-    combination with tensor or context parallelism is not built for image-text models yet. (Training the text decoder
-    of a multimodal checkpoint alone, :mod:`lightning_plugins.checkpoint.text_tower`, builds it from the text config,
-    not refused.)
-
-    An image-text family that cannot be parallelized at all (:func:`refused_image_text_family`) is refused under
-    every layout.
+    which places the images into the embeddings (:mod:`lightning_plugins.parallel.pipeline.image_text`): with tensor
+    parallelism the first stage's tensor-parallel ranks run the replicated tower on the same images; with context
+    parallelism the first stage's model shards the sequence once its images are placed and the later stages take their
+    shard of the positions. (Training the text decoder of a multimodal checkpoint alone,
+    :mod:`lightning_plugins.checkpoint.text_tower`, builds it from the text config, not refused.)
 
     Raises:
-        LayoutError: naming the model type, the sizes that split it and the layout that runs; or naming the refused
-            family and the reason.
+        LayoutError: naming the refused family and the reason.
     """
+    del layout  # every layout runs the families not refused (the parity tests: tests/multimodal)
     if (why := refused_image_text_family(config)) is not None:
         raise LayoutError(f"{why}. Not supported yet for image-text models under any layout.")
-    if getattr(config, "vision_config", None) is None or getattr(layout, "pp_size", 1) == 1:
-        return
-    split = {name: getattr(layout, name, 1) for name in ("tp_size", "cp_size")}
-    split = {name: size for name, size in split.items() if size > 1}
-    if split:
-        sizes = ", ".join(f"{name}={size}" for name, size in split.items())
-        kind = getattr(config, "model_type", type(config).__name__)
-        raise LayoutError(
-            f"pp_size={layout.pp_size} with {sizes} is not supported for image-text models yet (model type"
-            f" '{kind}'): pipeline stages place the images on the first stage, and their combination with tensor or"
-            " context parallelism is not built for image-text models. Use pp_size with FSDP2 (dp_shard_size,"
-            f" dp_replicate_size), or {sizes} without pp_size."
-        )
 
 
 def language_config(config: Any) -> Any:

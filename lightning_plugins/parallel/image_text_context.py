@@ -39,6 +39,7 @@ from lightning_plugins.parallel.image_text import ImageTextParts
 __all__ = [
     "ShardAfterImages",
     "check_image_text_context",
+    "context_sharding",
     "holds_images",
     "shard_image_text_batch",
     "without_image_types",
@@ -142,6 +143,15 @@ def _checked_image_text_ids(batch: Mapping[str, Any]) -> Tensor:
     return input_ids
 
 
+#: Where a model keeps its :class:`ShardAfterImages`.
+_SHARDING_ATTR = "_lightning_plugins_shard_after_images"
+
+
+def context_sharding(model: nn.Module) -> ShardAfterImages | None:
+    """The :class:`ShardAfterImages` installed on ``model`` (``None`` without context parallelism)."""
+    return model.__dict__.get(_SHARDING_ATTR)
+
+
 class ShardAfterImages:
     """Forward pre-hooks that shard an image-text model's sequence over ``cp`` after its images are placed.
 
@@ -154,9 +164,17 @@ class ShardAfterImages:
         self.mesh, self.whole = cp_mesh, False
 
     def install(self, model: nn.Module, parts: ImageTextParts) -> None:
-        """Hook ``model`` (the ``...ForConditionalGeneration``) and its language model."""
+        """Hook ``model`` (the ``...ForConditionalGeneration``) and its language model; ``model`` keeps this
+        (:func:`context_sharding`: pipeline stages say themselves whether what reaches the language model is whole)."""
         model.register_forward_pre_hook(self.note, with_kwargs=True)
         model.get_submodule(parts.language_path).register_forward_pre_hook(self.shard, with_kwargs=True)
+        model.__dict__[_SHARDING_ATTR] = self
+
+    def cut(self, x: Tensor, dim: int) -> Tensor:
+        """This rank's load-balanced shard of ``x`` along ``dim`` (a whole sequence)."""
+        from lightning_plugins.parallel.context.sharding import shard_sequence_load_balanced
+
+        return shard_sequence_load_balanced(x, dim, self.mesh.get_local_rank(), self.mesh.size())
 
     def note(self, model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         self.whole = holds_images(kwargs)
@@ -165,13 +183,7 @@ class ShardAfterImages:
         if not self.whole:
             return None
         self.whole = False
-        from lightning_plugins.parallel.context.sharding import shard_sequence_load_balanced
-
-        rank, size = self.mesh.get_local_rank(), self.mesh.size()
-
-        def cut(x: Tensor, dim: int) -> Tensor:
-            return shard_sequence_load_balanced(x, dim, rank, size)
-
+        cut = self.cut
         embeds = kwargs["inputs_embeds"]
         rows, seq_len = embeds.shape[:2]
         positions = kwargs.get("position_ids")

@@ -15,8 +15,11 @@ projector replicated, identical on the tensor-parallel ranks after training; und
 straddle the shards (each 20-token row's image lies within tokens 2-9, once left padding is rolled to the end; the first
 of 2 load-balanced shards holds tokens 0-4 and 15-19); with activation checkpointing the vision blocks are checkpointed
 too (a trained block runs again in the backward); packed, each rank's rows are unpadded and packed into one
-(`data.image_packing`: per-sample positions, no attention mask) against the reference's padded rows. One world of 2
-ranks runs the default cases; one of 2 and one of 4 (slow) the others; the reference runs on each rank.
+(`data.image_packing`: per-sample positions, no attention mask) against the reference's padded rows; under PP x TP
+each pipeline stage's layers are split over its tensor-parallel ranks, the first stage's replicating the tower; under
+PP x CP the first stage shards each row once its images are placed, the later stage takes its shard of the positions.
+One world of 2 ranks runs the default cases and one of 4 the default PP=2 x TP=2 case; one of 2 and one of 4 (slow)
+the others; the reference runs on each rank.
 """
 
 from __future__ import annotations
@@ -132,7 +135,34 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
             "lora",
         ),
     },
+    "4": {
+        # Two pipeline stages of two tensor-parallel ranks each: the first stage's ranks run the replicated tower on
+        # the same micro-batch images and place them; the language model's layers are split within each stage.
+        "qwen2_5_vl pp2 x tp2 full": ("qwen2_5_vl", {"pp_size": 2, "tp_size": 2}, "full"),
+    },
     "4 slow": {
+        "qwen2_5_vl pp2 x tp2 frozen vision": ("qwen2_5_vl", {"pp_size": 2, "tp_size": 2}, "frozen vision"),
+        "qwen2_5_vl pp2 x tp2 lora": ("qwen2_5_vl", {"pp_size": 2, "tp_size": 2}, "lora"),
+        "gemma3 pp2 x tp2 full": ("gemma3", {"pp_size": 2, "tp_size": 2}, "full"),  # its two-way image-token masks
+        "gemma3 pp2 x tp2 lora": ("gemma3", {"pp_size": 2, "tp_size": 2}, "lora"),
+        # Qwen3-VL's third deepstack feature crosses to the second stage beside the (replicated) hidden states.
+        "qwen3_vl pp2 x tp2 full": ("qwen3_vl", {"pp_size": 2, "tp_size": 2}, "full"),
+        "qwen3_vl_moe pp2 x tp2 full": ("qwen3_vl_moe", {"pp_size": 2, "tp_size": 2}, "full"),
+        "qwen3_5 pp2 x tp2 full": ("qwen3_5", {"pp_size": 2, "tp_size": 2}, "full"),  # a linear-attention layer split
+        "qwen2_5_vl pp2 x tp2 full ac": ("qwen2_5_vl", {"pp_size": 2, "tp_size": 2, "ac": "full"}, "full"),
+        # The first stage's model shards each whole row once its images are placed; the second stage takes its shard
+        # of the rows' positions (its hidden states come sharded).
+        "qwen2_5_vl pp2 x cp2 ulysses full": ("qwen2_5_vl", {"pp_size": 2, "cp_size": 2}, "full"),
+        "qwen2_5_vl pp2 x cp2 ring full": ("qwen2_5_vl", {"pp_size": 2, "cp_size": 2, "cp_backend": "ring"}, "full"),
+        "qwen2_5_vl pp2 x cp2 ulysses frozen vision": ("qwen2_5_vl", {"pp_size": 2, "cp_size": 2}, "frozen vision"),
+        "qwen2_5_vl pp2 x cp2 ulysses lora": ("qwen2_5_vl", {"pp_size": 2, "cp_size": 2}, "lora"),
+        "qwen2_5_vl pp2 x cp2 ulysses full ac": ("qwen2_5_vl", {"pp_size": 2, "cp_size": 2, "ac": "full"}, "full"),
+        # Qwen3-VL's third deepstack feature crosses to the second stage at this rank's image tokens of the shard.
+        "qwen3_vl pp2 x cp2 ulysses full": ("qwen3_vl", {"pp_size": 2, "cp_size": 2}, "full"),
+        "qwen3_vl pp2 x cp2 ring full": ("qwen3_vl", {"pp_size": 2, "cp_size": 2, "cp_backend": "ring"}, "full"),
+        "qwen3_vl_moe pp2 x cp2 ulysses full": ("qwen3_vl_moe", {"pp_size": 2, "cp_size": 2}, "full"),
+        "qwen3_5 pp2 x cp2 ulysses full": ("qwen3_5", {"pp_size": 2, "cp_size": 2}, "full"),
+        "qwen3_5 pp2 x cp2 ring full": ("qwen3_5", {"pp_size": 2, "cp_size": 2, "cp_backend": "ring"}, "full"),
         "qwen2_5_vl tp2 x fsdp2 full": ("qwen2_5_vl", {"tp_size": 2, "dp_shard_size": 2}, "full"),
         "qwen2_5_vl tp2 x fsdp2 lora": ("qwen2_5_vl", {"tp_size": 2, "dp_shard_size": 2}, "lora"),
         "qwen2_5_vl tp2 x fsdp2 full ac": ("qwen2_5_vl", {"tp_size": 2, "dp_shard_size": 2, "ac": "full"}, "full"),

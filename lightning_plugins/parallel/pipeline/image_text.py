@@ -32,6 +32,15 @@ zero elsewhere, concatenated to the hidden states along the last dimension (one 
 ``hidden x (1 + features still to add)``, whatever a micro-batch's image tokens). A later stage adds its layers'
 features as ``hidden + feature``, which at an image token is the language model's own sum and elsewhere adds zero: the
 same values, and the same gradients back to the first stage's vision tower and mergers.
+
+Tensor parallelism: the first stage's tensor-parallel ranks run the replicated tower on the same images
+(:mod:`lightning_plugins.parallel.replicated_tower`); the stages are the text decoder's. Context parallelism
+(:mod:`lightning_plugins.parallel.image_text_context`): a batch with images comes with its tokens (and per-row inputs)
+whole and its targets sharded; the first stage's model places the images and its language model's hook
+(``ShardAfterImages``, told by the prelude that this call's sequence is whole) takes this rank's shard of the
+embeddings, positions and deepstack features, so the stage sends its shard on. A later stage, whose hidden states arrive
+sharded, takes its shard of the rows' positions (from the whole rows, computed once per batch) and no attention mask,
+as the first stage's language model got them. The boundaries are sized by the targets' tokens (``Pipeline``).
 """
 
 from __future__ import annotations
@@ -106,7 +115,9 @@ class ImageTextPrelude(nn.Module):
     parameters); every prelude calls the multimodal base model (held outside its module tree).
     """
 
-    def __init__(self, model: nn.Module, parts: ImageTextParts, first: bool, layers: range | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, parts: ImageTextParts, first: bool, layers: range | None = None, context: Any = None
+    ) -> None:
         super().__init__()
         base_path = parts.language_path.rpartition(".")[0]
         self.__dict__["base"] = model.get_submodule(base_path) if base_path else model
@@ -118,6 +129,9 @@ class ImageTextPrelude(nn.Module):
         self.__dict__["units"] = parts.vision_units(model) if first else []
         self._batch: dict[str, Any] = {}
         self.first = first
+        #: Under context parallelism, the model's :class:`~lightning_plugins.parallel.image_text_context.
+        #: ShardAfterImages` (see the module doc); ``None`` without.
+        self.__dict__["context"] = context
         count = deepstack_count(model.config) if hasattr(self.language, "_deepstack_process") else None
         layers = layers if layers is not None else range(0)
         #: Deepstack features this stage receives (for layers ``layers.start ...``) and sends on (``layers.stop ...``).
@@ -135,7 +149,10 @@ class ImageTextPrelude(nn.Module):
     def set_batch(self, input_ids: Tensor, per_row: dict[str, Tensor], images: dict[str, Tensor]) -> None:
         """The whole batch's inputs that the schedule does not split: per-row tensors (positions first dimension
         rows) and the images, assigned to their rows."""
-        self._batch = {"rows": input_ids.shape[0], "per_row": per_row, "images": images}
+        # Under context parallelism a batch with images comes whole (its targets sharded): the first stage's model
+        # shards it once the images are placed, later stages take their shard of the per-row inputs.
+        whole = self.context is not None and bool(images)
+        self._batch = {"rows": input_ids.shape[0], "per_row": per_row, "images": images, "whole": whole}
         if self.vision is not None and images:
             self._batch["table"] = _image_table(self.config, input_ids, images)
 
@@ -155,6 +172,10 @@ class ImageTextPrelude(nn.Module):
                 kwargs |= _rows_images(self._batch["images"], self._batch["table"], rows.tolist())
         else:
             kwargs["inputs_embeds"] = self._unpack(inputs)
+            if self._batch["whole"]:
+                kwargs |= self._shard_per_row(kwargs, inputs)
+        if self.context is not None:  # the language model's hook shards what the first stage's model placed
+            self.context.whole = self._batch["whole"] and self.vision is not None
 
         def reached(module: nn.Module, args: tuple, given: dict[str, Any]) -> None:
             raise _Reached(given)
@@ -168,10 +189,22 @@ class ImageTextPrelude(nn.Module):
             raise RuntimeError(f"{type(self.base).__name__}'s forward did not call its language model.")
         finally:
             handle.remove()
+            if self.context is not None:
+                self.context.whole = False
         if self.first and given.get("deepstack_visual_embeds") is not None:
             self._features = dict(enumerate(given["deepstack_visual_embeds"]))
             self._mask = given["visual_pos_masks"]
         return given["inputs_embeds"], given.get("attention_mask"), given.get("position_ids")
+
+    def _shard_per_row(self, kwargs: dict[str, Any], inputs: Tensor) -> dict[str, Any]:
+        """A later stage's per-row inputs of a whole batch under context parallelism, for its hidden states (this
+        rank's shard, see the module doc): the positions' shard (the text positions when the model counts them), no
+        attention mask (as for a text model under context parallelism)."""
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            seq = inputs.shape[1] * self.context.mesh.size()
+            positions = torch.arange(seq, device=inputs.device).expand(inputs.shape[0], seq)
+        return {"position_ids": self.context.cut(positions, -1), "attention_mask": None}
 
     def _unpack(self, inputs: Tensor) -> Tensor:
         """A later stage's hidden states, its received deepstack features kept (the batch's images have some)."""

@@ -258,7 +258,10 @@ class Pipeline:
             kwargs["position_ids"] = position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
         # Each micro-batch's rows of the batch: a sequence loss and an image-text model's images go by them.
         kwargs["rows"] = rows if rows is not None else torch.arange(batch, device=input_ids.device)
-        fresh = self._fresh_schedule(input_ids, batch // (self.options.microbatches or 1), seq, train)
+        # The decoder's tokens are the targets' (an image-text batch under context parallelism comes with its tokens
+        # whole, for the first stage's model to place the images, and its targets sharded: see pipeline/image_text.py).
+        micro = batch // (self.options.microbatches or 1)
+        fresh = self._fresh_schedule(input_ids, micro, seq, targets.shape[-1], train)
         held = self._hold_grads() if fresh else None
         try:
             if train:
@@ -294,7 +297,7 @@ class Pipeline:
         for stage in self.stages.values():
             reshard_gathered(stage)
 
-    def _fresh_schedule(self, input_ids: Tensor, micro: int, seq: int, train: bool) -> bool:
+    def _fresh_schedule(self, input_ids: Tensor, micro: int, seq: int, hidden_seq: int, train: bool) -> bool:
         """Make :attr:`_schedule` the one for this shape and mode; whether it was built now.
 
         Stages of their own for every shape and for training and evaluation: the stages' receive buffers and
@@ -303,12 +306,12 @@ class Pipeline:
         first.
         """
         dtype = self._activation_dtype()
-        key = (micro, seq, input_ids.dtype, dtype, train)
+        key = (micro, seq, hidden_seq, input_ids.dtype, dtype, train)
         kept = self._schedules.get(train)
         fresh = kept is None or kept[0] != key
         if fresh:
-            kept = self._schedules[train] = (key, self._build_schedule(micro, seq, input_ids.dtype, dtype,
-                                                                       input_ids.device, train))  # fmt: skip
+            kept = self._schedules[train] = (key, self._build_schedule(micro, (seq, hidden_seq), input_ids.dtype,
+                                                                       dtype, input_ids.device, train))  # fmt: skip
         self._schedule_key, self._schedule = kept
         return fresh
 
@@ -321,12 +324,20 @@ class Pipeline:
         return torch.get_default_dtype()
 
     def _build_schedule(
-        self, micro: int, seq: int, ids_dtype: torch.dtype, dtype: torch.dtype, device: torch.device, train: bool
+        self,
+        micro: int,
+        seqs: tuple[int, int],
+        ids_dtype: torch.dtype,
+        dtype: torch.dtype,
+        device: torch.device,
+        train: bool,
     ) -> Any:
+        """``seqs``: the first stage's tokens and the decoder's (a stage boundary's, before sequence parallelism)."""
         hidden_size = language_config(self.model.config).hidden_size
+        seq, hidden_seq = seqs
 
         def boundary(width: int) -> Tensor:
-            shape = (micro, seq // self._sequence_shards, width)
+            shape = (micro, hidden_seq // self._sequence_shards, width)
             return torch.empty(shape, dtype=dtype, device=device, requires_grad=True)
 
         stages = []

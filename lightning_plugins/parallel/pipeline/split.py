@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_plugins.parallel.families import ModelFamily, decoder_layers
 from lightning_plugins.parallel.image_text import PARTS_BEFORE_STAGING, image_text_parts, language_config
+from lightning_plugins.parallel.image_text_context import context_sharding
 from lightning_plugins.parallel.pipeline.anatomy import decoder_anatomy
 from lightning_plugins.parallel.pipeline.image_text import ImageTextPrelude
 from lightning_plugins.parallel.pipeline.options import PipelineOptions, layer_ranges, stages_of_rank
@@ -98,8 +99,10 @@ def build_stages(model: nn.Module, cut: StageCut, sequence_mesh: DeviceMesh | No
     norm, rotary = decoder.norm, decoder.rotary_emb
     last_stage = cut.num_stages - 1
     first, last = 0 in cut.local, last_stage in cut.local
+    context = context_sharding(model)  # under context parallelism (image_text_context.py)
     preludes = {
-        stage: ImageTextPrelude(model, parts, stage == 0, cut.ranges[stage]) for stage in (cut.local if parts else ())
+        stage: ImageTextPrelude(model, parts, stage == 0, cut.ranges[stage], context)
+        for stage in (cut.local if parts else ())
     }
     if parts is not None and not first:  # the vision tower and the projector live in the first stage
         model.__dict__[PARTS_BEFORE_STAGING] = parts  # the language model's path stays known (image_text_parts)
