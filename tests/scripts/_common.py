@@ -128,12 +128,14 @@ def evaluate(model: torch.nn.Module, batches: list[dict]) -> list[float]:
 
 
 def make_trainer(strategy: Any, devices: int, max_steps: int, **kwargs: Any) -> L.Trainer:
+    """A CPU Trainer of ``devices`` ranks accumulating ACCUM micro-batches a step and clipping at MAX_NORM (unless
+    ``gradient_clip_val`` is given)."""
+    kwargs.setdefault("gradient_clip_val", MAX_NORM)
     return L.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
         max_steps=max_steps,
-        gradient_clip_val=MAX_NORM,
         accumulate_grad_batches=ACCUM,
         logger=False,
         enable_progress_bar=False,
