@@ -18,8 +18,8 @@ too (a trained block runs again in the backward); packed, each rank's rows are u
 (`data.image_packing`: per-sample positions, no attention mask) against the reference's padded rows; under PP x TP
 each pipeline stage's layers are split over its tensor-parallel ranks, the first stage's replicating the tower; under
 PP x CP the first stage shards each row once its images are placed, the later stage takes its shard of the positions.
-One world of 2 ranks runs the default cases and one of 4 the default PP=2 x TP=2 case; one of 2 and one of 4 (slow)
-the others; the reference runs on each rank.
+One world of 2 ranks runs the default cases and one of 4 the default PP=2 x TP=2 case; worlds of 2, 4 and 8 ranks
+(slow) the others; the reference runs on each rank.
 """
 
 from __future__ import annotations
@@ -181,6 +181,11 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
             {"cp_size": 2, "dp_shard_size": 2, "ep_size": 4},
             "full",
         ),
+    },
+    "8 slow": {  # stages of tensor-parallel ranks, sharded by FSDP2 over the data or the context ranks
+        "qwen2_5_vl pp2 x tp2 x fsdp2 full": ("qwen2_5_vl", {"pp_size": 2, "tp_size": 2, "dp_shard_size": 2}, "full"),
+        "qwen2_5_vl pp2 x cp2 x tp2 full": ("qwen2_5_vl", {"pp_size": 2, "cp_size": 2, "tp_size": 2}, "full"),
+        "qwen3_vl pp2 x cp2 x tp2 full": ("qwen3_vl", {"pp_size": 2, "cp_size": 2, "tp_size": 2}, "full"),
     },
 }
 #: How each part's weights are held: (FSDP2's ranks: dp_shard x cp, tp) -> part -> each mesh dimension's placement
