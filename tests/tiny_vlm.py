@@ -13,7 +13,8 @@ feature added after the last layer would reach only image tokens' logits, which 
 ``mm_token_type_ids`` (1 on image tokens), as their processors give them, so the model computes its 3-D multimodal RoPE
 positions. Gemma 4: a tower of 2 layers of width 16 on images of 4x4 patches (given flattened, with their (x, y)
 positions, as its processor gives them), pooled 2x2 to 4 image tokens, and a language model of 2 layers (one
-sliding-window, one global; no per-layer inputs, which the engine refuses: see its reason), whose global layer's heads
+sliding-window, one global; no per-layer inputs; ``gemma4_ple``: 8 per layer, which some layouts refuse: see
+``refused_image_text_split``), whose global layer's heads
 are 8 wide like the sliding one's (transformers' default ``global_head_dim`` is 512: with Gemma 4's unscaled attention,
 q and k RMS-normed to 1, a random model's scores over 512 dimensions have a spread of ~23, a near one-hot softmax, and
 its float32 gradients are accurate to ~1e-5 only, one process's too: its pre-clip norm (~14) is 4e-4 from the float64
@@ -49,8 +50,8 @@ _TEXT = dict(
 
 
 def tiny_vlm_config(family: str = "qwen2_5_vl") -> Qwen2_5_VLConfig | Gemma3Config | Qwen3VLConfig | Qwen3VLMoeConfig:
-    """The tiny config of ``family`` (``qwen2_5_vl``, ``gemma3``, ``gemma4``, ``qwen3_vl``, ``qwen3_vl_moe``,
-    ``qwen3_5`` or ``llama4``)."""
+    """The tiny config of ``family`` (``qwen2_5_vl``, ``gemma3``, ``gemma4``, ``gemma4_ple``, ``qwen3_vl``,
+    ``qwen3_vl_moe``, ``qwen3_5`` or ``llama4``)."""
     if family == "qwen3_5":
         return Qwen3_5Config(
             text_config=dict(
@@ -84,11 +85,13 @@ def tiny_vlm_config(family: str = "qwen2_5_vl") -> Qwen2_5_VLConfig | Gemma3Conf
             image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
             vision_end_token_id=VISION_END, attn_implementation="sdpa",
         )  # fmt: skip
-    if family == "gemma4":
+    if family in ("gemma4", "gemma4_ple"):
+        per_layer = 8 if family == "gemma4_ple" else 0
         return Gemma4Config(
             text_config=dict(
                 _TEXT, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-                hidden_size_per_layer_input=0, global_head_dim=8,  # as narrow as the sliding layer's (module doc)
+                hidden_size_per_layer_input=per_layer, vocab_size_per_layer_input=VOCAB,
+                global_head_dim=8,  # as narrow as the sliding layer's (module doc)
             ),
             vision_config=dict(
                 hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
@@ -157,7 +160,7 @@ def image_sample(seq: int, seed: int, family: str = "qwen2_5_vl") -> dict[str, t
     if qwen:  # the processor's layout: one row of flattened pixels per patch
         image = {"pixel_values": torch.randn(height * width, 3 * PATCH * PATCH, generator=gen)}
         image["image_grid_thw"] = torch.tensor([1, height, width])
-    elif family == "gemma4":  # its processor's layout: each image's patches flattened, with their (x, y) positions
+    elif family.startswith("gemma4"):  # its processor's layout: each image's patches flattened, with their positions
         image = {"pixel_values": torch.randn(1, height * width, 3 * PATCH * PATCH, generator=gen)}
         ys, xs = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
         image["image_position_ids"] = torch.stack([xs.flatten(), ys.flatten()], dim=-1)[None]

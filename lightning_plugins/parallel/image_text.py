@@ -9,8 +9,9 @@ tower's blocks are its longest list of same-class modules. The projector maps th
 model's: the modules next to the two towers that hold parameters (Gemma 3's and LLaVA's ``multi_modal_projector``),
 else the tower's own modules after its blocks (Qwen2.5-VL's ``merger``; Qwen3-VL's ``merger`` and
 ``deepstack_merger_list``). No family is named for its parts: a model whose parts are not where this looks is refused by
-name. Families whose parts are found but whose forward cannot run under a layout are refused by their model type, with
-the reason (:func:`refused_image_text_family`).
+name. Families whose parts are found but whose forward cannot run under any layout are refused by their model type,
+with the reason (:func:`refused_image_text_family`); those that some layouts cannot split, under those layouts
+(:func:`refused_image_text_split`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "is_image_text",
     "language_config",
     "refused_image_text_family",
+    "refused_image_text_split",
 ]
 
 
@@ -169,18 +171,15 @@ def refused_image_text_family(config: Any | None) -> str | None:
 
     Llama 4: its multimodal forward fails in the transformers this runs with (every call with ``return_dict`` reads
     ``image_outputs`` from its language model's output, which has none), so no layout can match one process. Gemma 4
-    with per-layer inputs (its text config's ``hidden_size_per_layer_input`` > 0, the default): its forward reads one
-    row of the language model's embedding weight outside any module's forward, where a layout holds that weight
-    sharded or on another stage (under FSDP2 the run fails mixing a tensor with a DTensor). Gemma 4 without them is not
-    refused: in float64 (no float32 step inside the model) its layouts match one process to 3e-13, and its float32
-    parity holds at the usual tolerance once its full-attention heads are as narrow as the tiny configs' others (a
-    512-wide head with Gemma 4's unscaled attention makes a random model's float32 gradients accurate to ~1e-5 only,
-    one process's included: ``tests/tiny_vlm.py``).
+    is not refused: in float64 (no float32 step inside the model) FSDP2 and TP match one process to 3e-13, and its
+    float32 parity holds at the usual tolerance once its full-attention heads are as narrow as the tiny configs' others
+    (a 512-wide head with Gemma 4's unscaled attention makes a random model's float32 gradients accurate to ~1e-5 only,
+    one process's included: ``tests/tiny_vlm.py``). With per-layer inputs it is refused under some layouts only
+    (:func:`refused_image_text_split`).
     """
     if getattr(config, "vision_config", None) is None:
         return None
-    kind = getattr(config, "model_type", None)
-    if kind == "llama4":
+    if getattr(config, "model_type", None) == "llama4":
         import transformers
 
         return (
@@ -188,20 +187,45 @@ def refused_image_text_family(config: Any | None) -> str | None:
             f" {transformers.__version__} (Llama4ForConditionalGeneration.forward reads `image_outputs` from its"
             " language model's output, which has none), so no layout can be checked against one process"
         )
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
-    if kind == "gemma4" and getattr(text, "hidden_size_per_layer_input", 0):
-        return (
-            "Gemma 4 with per-layer inputs (model type 'gemma4', text_config.hidden_size_per_layer_input="
-            f"{text.hidden_size_per_layer_input}) cannot be parallelized: its forward reads the padding row of the"
-            " language model's embedding weight outside any module's forward, where a layout holds that weight"
-            " sharded or on another stage (under FSDP2 the forward fails mixing a tensor with a DTensor)"
-        )
     return None
 
 
+def refused_image_text_split(layout: Any, config: Any | None) -> str | None:
+    """Why ``layout`` cannot split an image-text family that runs under others (``None`` where nothing refuses it).
+
+    Gemma 4 with per-layer inputs (its text config's ``hidden_size_per_layer_input`` > 0, the default) runs under
+    FSDP2 (its parity test), but its multimodal forward reads the padding row of the language model's embedding weight
+    outside any module's forward, which tensor parallelism holds vocab-sharded (the forward fails mixing a tensor with
+    a DTensor), and computes the per-layer inputs from whole rows of token ids, while context parallelism hands the
+    decoder its shard of each row (the forward fails on their shapes). Pipeline stages refuse it by their own check
+    (they do not carry ``per_layer_inputs`` to the decoder).
+    """
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
+    if getattr(config, "model_type", None) != "gemma4" or not getattr(text, "hidden_size_per_layer_input", 0):
+        return None
+    why = {
+        "tp_size": "reads the padding row of the language model's embedding weight outside any module's forward, which"
+        " tensor parallelism holds vocab-sharded (the forward fails mixing a tensor with a DTensor)",
+        "cp_size": "computes the per-layer inputs from whole rows of token ids outside the decoder, which context"
+        " parallelism hands its shard of each row (the forward fails on their shapes)",
+    }
+    split = [name for name in why if getattr(layout, name, 1) > 1]
+    if not split:
+        return None
+    sizes = ", ".join(f"{name}={getattr(layout, name)}" for name in split)
+    return (
+        f"Gemma 4 with per-layer inputs (model type 'gemma4', text_config.hidden_size_per_layer_input="
+        f"{text.hidden_size_per_layer_input}) is not supported with {sizes}: its multimodal forward "
+        + "; and it ".join(why[name] for name in split)
+        + ". It runs under FSDP2 (dp_shard_size); use that, or a Gemma 4 without per-layer inputs"
+        " (hidden_size_per_layer_input=0), which runs under FSDP2, TP and CP."
+    )
+
+
 def check_image_text_layout(layout: Any, config: Any | None) -> None:
-    """Refuse, for an image-text model's config, a family that no layout can run (:func:`refused_image_text_family`);
-    every layout composes for the others, as for a text decoder.
+    """Refuse, for an image-text model's config, a family that no layout can run (:func:`refused_image_text_family`)
+    and a layout that cannot split a family that others run (:func:`refused_image_text_split`); every layout composes
+    for the others, as for a text decoder.
 
     Tensor parallelism splits the language model and replicates the vision tower (its input and output whole on every
     rank; sequence parallelism stays off, the image embeddings are placed into a whole sequence). Context parallelism
@@ -217,9 +241,10 @@ def check_image_text_layout(layout: Any, config: Any | None) -> None:
     Raises:
         LayoutError: naming the refused family and the reason.
     """
-    del layout  # every layout runs the families not refused (the parity tests: tests/multimodal)
     if (why := refused_image_text_family(config)) is not None:
         raise LayoutError(f"{why}. Not supported yet for image-text models under any layout.")
+    if (why := refused_image_text_split(layout, config)) is not None:  # Gemma 4 with per-layer inputs under TP or CP
+        raise LayoutError(why)
 
 
 def language_config(config: Any) -> Any:

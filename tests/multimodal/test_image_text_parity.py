@@ -98,6 +98,9 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "gemma4 fsdp2 full ac": ("gemma4", {"dp_shard_size": 2, "ac": "full"}, "full"),
         "gemma4 cp2 ulysses full": ("gemma4", {"cp_size": 2}, "full"),
         "gemma4 cp2 ring full": ("gemma4", {"cp_size": 2, "cp_backend": "ring"}, "full"),
+        # Gemma 4 with per-layer inputs: its forward reads the embedding's padding row, gathered with the root unit.
+        "gemma4_ple fsdp2 full": ("gemma4_ple", {"dp_shard_size": 2}, "full"),
+        "gemma4_ple fsdp2 lora": ("gemma4_ple", {"dp_shard_size": 2}, "lora"),
         # Qwen3-VL's q/k norms (one per head), which its text config's tensor-parallel plan leaves out.
         "qwen3_vl_moe tp2 full": ("qwen3_vl_moe", {"tp_size": 2}, "full"),
         # Qwen3-VL with dense layers (its text config's plan names no layer: a registered family splits them).

@@ -67,9 +67,11 @@ def test_gemma4_and_llama4_parts_are_found_by_the_same_rules() -> None:
 
 def test_families_that_cannot_run_are_refused_before_any_collective() -> None:
     """Llama 4's multimodal forward fails in this transformers (so the refusal's reason holds: this test fails once it
-    runs) and Gemma 4 with per-layer inputs reads its sharded embedding weight outside any forward: both refused under
-    every layout. Gemma 4 without them passes the checks (the parity test trains it under TP, FSDP2 and CP), but for
-    pipeline stages, which do not carry the multimodal forward's inputs to its language model (its per_layer_inputs)."""
+    runs): refused under every layout. Gemma 4 passes the checks (the parity test trains it under TP, FSDP2 and CP), but
+    for pipeline stages, which do not carry the multimodal forward's inputs to its language model (its
+    per_layer_inputs); with per-layer inputs it runs under FSDP2 (the parity test) and is refused under TP (its forward
+    reads a row of the vocab-sharded embedding weight outside any forward) and CP (it computes the per-layer inputs
+    from whole rows)."""
     llama4 = tiny_vlm("llama4")
     batch = collate([image_sample(20, seed, "llama4") for seed in range(2)])
     with pytest.raises(AttributeError, match="image_outputs"):
@@ -83,10 +85,13 @@ def test_families_that_cannot_run_are_refused_before_any_collective() -> None:
     # Why refused: the stages do not carry the language model's per_layer_inputs (None without per-layer inputs).
     with pytest.raises(LayoutError, match=r"\(Gemma4TextModel\) takes \['logits_to_keep', 'per_layer_inputs'\]"):
         check_parallelizable(_on_meta(config), ParallelLayout(pp_size=2).resolve(2))
-    config.text_config.hidden_size_per_layer_input = 8
-    # Why refused: the per-layer inputs' padding row is read from the embedding weight outside any forward.
-    with pytest.raises(LayoutError, match=r"Gemma 4 with per-layer inputs .*\.hidden_size_per_layer_input=8\) cannot"):
-        check_parallelizable(_on_meta(config), ParallelLayout(tp_size=2).resolve(2))
+    per_layer = tiny_vlm_config("gemma4_ple")
+    check_parallelizable(_on_meta(per_layer), ParallelLayout(dp_shard_size=2).resolve(2))
+    # Why refused: the reasons the docstring gives, each named with the size that splits the model.
+    for name, reason in (("tp_size", "tensor parallelism holds vocab-sharded"), ("cp_size", "its shard of each row")):
+        refused = rf"Gemma 4 with per-layer inputs .*_input=8\) is not supported with {name}=2: .*{reason}"
+        with pytest.raises(LayoutError, match=refused):
+            check_parallelizable(_on_meta(per_layer), ParallelLayout(**{name: 2}).resolve(2))
 
 
 def test_lora_defaults_to_the_language_model() -> None:
