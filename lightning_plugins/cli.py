@@ -18,10 +18,13 @@ WHERE = ("recipes", "accelerate_configs", "slurm")
 EXAMPLES = {"finetune": "tiny/lora_tp2", "tiny": "llama-3.1-70b/lora_fsdp8", "plan": "llama-3.1-8b/full_fsdp8"}
 
 
-def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The command line: the top-level parser and each command's, by name."""
-    from lightning_plugins.recipe.launch import add_recipe_arguments
+def _parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line: the top-level parser and each command's, by name.
 
+    Args:
+        only: The command being run: the arguments of ``finetune``, ``plan`` and ``launch`` (whose modules import
+            torch, transformers and the engine) are added only to its parser; ``None``: to every parser.
+    """
     parser = argparse.ArgumentParser(prog="lightning-plugins", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('lightning_plugins')}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -42,14 +45,18 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "finetune",
         help="fine-tune as a recipe says (overrides: --section.key=value, e.g. --lora.r=32 --train.max_steps=200)",
     )
-    add_recipe_arguments(finetune, EXAMPLES["finetune"])
+    if only in (None, "finetune"):
+        from lightning_plugins.recipe.launch import add_recipe_arguments
+
+        add_recipe_arguments(finetune, EXAMPLES["finetune"])
     plan = commands.add_parser(
         "plan",
         help="check a recipe's layout at real size (memory per GPU, step time), or search the layouts of a model",
     )
-    from lightning_plugins.planner.command import add_arguments
+    if only in (None, "plan"):
+        from lightning_plugins.planner.command import add_arguments
 
-    add_arguments(plan)
+        add_arguments(plan)
     tiny = commands.add_parser(
         "tiny",
         help="write a recipe's tiny twin (its model family shrunk, its layout kinds on <= 4 CPU processes) to run here",
@@ -57,10 +64,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     tiny.add_argument("recipe", help=f"a real-size recipe (a file or a shipped id), e.g. {EXAMPLES['tiny']}")
     tiny.add_argument("--out", default=None, help="where to write it (default: outputs/tiny/<model>/<recipe name>)")
     tiny.add_argument("--steps", type=int, default=20, help="optimizer steps of the tiny run (default: 20)")
-    from lightning_plugins.recipe.launchers import add_arguments as add_launch_arguments
+    launch = commands.add_parser("launch", help="write (or --submit) the job that runs a recipe on its hardware:"
+                                 " sbatch, torchrun, Kubernetes or SkyPilot")  # fmt: skip
+    if only in (None, "launch"):
+        from lightning_plugins.recipe.launchers import add_arguments as add_launch_arguments
 
-    add_launch_arguments(commands.add_parser("launch", help="write (or --submit) the job that runs a recipe on its"
-                                             " hardware: sbatch, torchrun, Kubernetes or SkyPilot"))  # fmt: skip
+        add_launch_arguments(launch)
     export = commands.add_parser(
         "export",
         help="turn a training checkpoint (checkpoints/step=N.ckpt) into an HF or peft directory, streaming, in one process",
@@ -81,9 +90,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from lightning_plugins.recipe.launch import recipe_overrides
-
-    parser, commands = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The command is the first word that is not an option (the top level's options take no value).
+    parser, commands = _parser(only=next((word for word in argv if not word.startswith("-")), ""))
     finetune, plan, tiny, export = (commands[name] for name in ("finetune", "plan", "tiny", "export"))
     args, extra = parser.parse_known_args(argv)
 
@@ -103,10 +112,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
     elif args.command == "plan":
         from lightning_plugins.planner.command import main as plan_main
+        from lightning_plugins.recipe.launch import recipe_overrides
         from lightning_plugins.recipe.schema import load_recipe
 
         sys.exit(plan_main(args, recipe_overrides(extra, plan), load_recipe))
     elif args.command == "tiny":
+        from lightning_plugins.recipe.launch import recipe_overrides
+
         _tiny(args, recipe_overrides(extra, tiny))
     elif args.command == "export":
         if extra:
@@ -123,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         _recipes(where=args.where)
     elif args.command == "launch":
+        from lightning_plugins.recipe.launch import recipe_overrides
         from lightning_plugins.recipe.launchers import main as launch_main
 
         sys.exit(launch_main(args, recipe_overrides(extra, commands["launch"])))
