@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _launch import world_json
-from tiny_vlm import collate, image_sample, tiny_vlm, tiny_vlm_config
+from tiny_vlm import IMAGE_TOKEN, collate, image_sample, tiny_vlm, tiny_vlm_config
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
@@ -132,6 +132,9 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen3_5 cp2 ring full": ("qwen3_5", {"cp_size": 2, "cp_backend": "ring"}, "full"),
         "qwen3_5 pp2 full": ("qwen3_5", {"pp_size": 2}, "full"),  # one layer per stage: linear, then full attention
         "qwen3_5 pp2 frozen vision": ("qwen3_5", {"pp_size": 2}, "frozen vision"),
+        # Each step's second batch text only: every stage counts its positions from 0 as one process does.
+        "qwen2_5_vl pp2 mixed": ("qwen2_5_vl", {"pp_size": 2}, "mixed"),
+        "qwen3_vl pp2 mixed": ("qwen3_vl", {"pp_size": 2}, "mixed"),
         "qwen3_vl_moe cp2 ring x ep2 lora": (
             "qwen3_vl_moe",
             {"cp_size": 2, "ep_size": 2, "cp_backend": "ring"},
@@ -166,6 +169,10 @@ CASES: dict[str, dict[str, tuple[str, dict, str]]] = {
         "qwen3_vl_moe pp2 x cp2 ulysses full": ("qwen3_vl_moe", {"pp_size": 2, "cp_size": 2}, "full"),
         "qwen3_5 pp2 x cp2 ulysses full": ("qwen3_5", {"pp_size": 2, "cp_size": 2}, "full"),
         "qwen3_5 pp2 x cp2 ring full": ("qwen3_5", {"pp_size": 2, "cp_size": 2, "cp_backend": "ring"}, "full"),
+        # Each step's second batch text only: sharded as a text batch (its tokens and positions), no stage shards it.
+        "qwen2_5_vl pp2 x cp2 ulysses mixed": ("qwen2_5_vl", {"pp_size": 2, "cp_size": 2}, "mixed"),
+        "qwen3_vl pp2 x cp2 ring mixed": ("qwen3_vl", {"pp_size": 2, "cp_size": 2, "cp_backend": "ring"}, "mixed"),
+        "qwen2_5_vl pp2 x tp2 mixed": ("qwen2_5_vl", {"pp_size": 2, "tp_size": 2}, "mixed"),
         "qwen2_5_vl tp2 x fsdp2 full": ("qwen2_5_vl", {"tp_size": 2, "dp_shard_size": 2}, "full"),
         "qwen2_5_vl tp2 x fsdp2 lora": ("qwen2_5_vl", {"tp_size": 2, "dp_shard_size": 2}, "lora"),
         "qwen2_5_vl tp2 x fsdp2 full ac": ("qwen2_5_vl", {"tp_size": 2, "dp_shard_size": 2, "ac": "full"}, "full"),
@@ -231,9 +238,10 @@ def _model(family: str, case: str) -> nn.Module:
     return model
 
 
-def _train(model: nn.Module, family: str, rows: slice, clip, prepare=dict) -> list[float]:
+def _train(model: nn.Module, family: str, rows: slice, clip, prepare=dict, case: str = "") -> list[float]:
     """STEPS optimizer steps of ACCUM micro-batches of ``rows`` of each batch (each ``prepare``d: sharded for context
-    parallelism); per-step losses then pre-clip norms."""
+    parallelism; under the "mixed" case each step's second micro-batch is text only); per-step losses then pre-clip
+    norms."""
     params = trainable_parameters(model)
     optimizer = torch.optim.SGD(params, lr=LR, momentum=0.9)
     if (pipeline := pipeline_of(model)) is not None:
@@ -244,7 +252,11 @@ def _train(model: nn.Module, family: str, rows: slice, clip, prepare=dict) -> li
         step_loss = 0.0
         for micro in range(ACCUM):
             samples = [image_sample(SEQ, 1000 * step + 10 * micro + row, family) for row in range(BATCH)]
-            loss = model(**prepare(collate(samples[rows]))).loss / ACCUM
+            batch = collate(samples[rows])
+            if case == "mixed" and micro == 1:  # a text-only batch of an image-text dataset: no images, text tokens
+                batch = {key: value for key, value in batch.items() if key in ("input_ids", "attention_mask", "labels")}
+                batch["input_ids"] = batch["input_ids"].where(batch["input_ids"] < IMAGE_TOKEN, 3)
+            loss = model(**prepare(batch)).loss / ACCUM
             if pipeline is None:
                 loss.backward()  # a pipeline's call ran the backward of every micro-batch
             step_loss += loss.item()
@@ -261,7 +273,7 @@ def _train(model: nn.Module, family: str, rows: slice, clip, prepare=dict) -> li
 @functools.cache
 def _reference(family: str, case: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = _model(family, case)
-    history = _train(model, family, slice(None), torch.nn.utils.clip_grad_norm_)
+    history = _train(model, family, slice(None), torch.nn.utils.clip_grad_norm_, case=case)
     return history, {name: param.detach() for name, param in model.named_parameters()}
 
 
@@ -312,7 +324,7 @@ def _run_case(world_size: int, family: str, sizes: dict, case: str) -> dict:
         next(iter(block.children())).register_forward_hook(lambda *_: calls.append(1))
     shard = functools.partial(context_parallel_batch, mesh=mesh)
     prepare = (lambda batch: shard(_packed(batch, family))) if case == "packed" else shard
-    history = _train(model, family, local, clip_grad_norm_, prepare)
+    history = _train(model, family, local, clip_grad_norm_, prepare, case)
     trained_diff, frozen_moved, moved = 0.0, 0.0, {}
     for name, param in model.named_parameters():
         full = _full(param)
@@ -414,11 +426,12 @@ def test_image_text_model_matches_one_process(world: str, name: str) -> None:
             placements.setdefault(part, set()).update(kinds)
     everything = {"vision", "projector", "language"}
     trained = {"full": everything, "router loss": everything, "frozen vision": everything - {"vision"}}
-    trained["packed"] = everything
+    trained["packed"] = trained["mixed"] = everything
     assert set(moved) == trained.get(case, {"language"}), (name, moved)
     # Parity means something only if each trained part moved (Gemma 3's SigLIP weights move ~6e-4 here).
     assert all(change > 10 * TOL for change in moved.values()), (name, moved)
-    assert any(result["frozen"] > 0 for result in results) == (case not in ("full", "router loss", "packed")), name
+    every_weight = ("full", "router loss", "packed", "mixed")
+    assert any(result["frozen"] > 0 for result in results) == (case not in every_weight), name
     fsdp, cp = sizes.get("dp_shard_size", 1) * sizes.get("cp_size", 1), sizes.get("cp_size", 1)
     want = PLACEMENTS[(fsdp, sizes.get("tp_size", 1))]
     assert {part: sorted(placements[part]) for part in want} == want, (name, placements)
@@ -440,6 +453,7 @@ def test_image_text_model_matches_one_process(world: str, name: str) -> None:
         # too (the replicated tower's blocks recompute on local copies of their weights).
         again = "ac" in sizes and case in ("full", "router loss")
         calls = STEPS * ACCUM * pp * (1 + again)  # a pipeline's first stage runs the tower per micro-batch (pp of them)
+        calls //= 2 if case == "mixed" else 1  # a text-only micro-batch runs no tower
         assert result["vision_calls"] == (calls if result["vision_blocks"] else 0), where
         # Under EP each rank holds its experts; under CP the decoder layers see this rank's shard of each row.
         assert all(("ep:Shard" in p) == ("ep_size" in sizes) for p in result["placements"].get("experts", [])), where

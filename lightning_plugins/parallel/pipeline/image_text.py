@@ -13,7 +13,8 @@ forward), so no family's placement or masking is copied here:
 * every other stage calls it with the hidden states it received as ``inputs_embeds`` and no images, for the mask
   mapping (a causal mask is built by the stage from the padding mask, as the language model would);
 * positions are computed once per batch on every rank from the whole rows (the model's ``compute_3d_position_ids``
-  where it has one: :func:`hand_batch_to_stages`), and each micro-batch takes its rows' positions.
+  where it has one: :func:`hand_batch_to_stages`; for a batch without images ``0 .. seq-1``, as its language model
+  counts them), and each micro-batch takes its rows' positions.
 
 Images belong to rows. The schedule splits tensors along their first dimension, which for ``pixel_values`` counts
 images (Gemma 3) or patches (Qwen, with ``image_grid_thw`` giving each image's grid), not rows; so the whole batch is
@@ -349,4 +350,9 @@ def _model_positions(
     given = {"input_ids": input_ids, "attention_mask": attention_mask, **images, **per_row}
     names = inspect.signature(compute).parameters
     kwargs = {name: given.get(name) for name in names if name not in ("self", "kwargs")}
-    return compute(**kwargs)
+    positions = compute(**kwargs)
+    if positions is None:  # no images: its language model counts from 0, as here (a later stage, given hidden states
+        # and no token ids, would compute them from an earlier batch's rope deltas)
+        rows, seq = input_ids.shape
+        positions = torch.arange(seq, device=input_ids.device).expand(rows, seq)
+    return positions
