@@ -135,6 +135,7 @@ def run_recipe(recipe: Recipe, resume: str | Path | None = LATEST) -> dict[str, 
     model, tokenizer = build_model(recipe, on_meta=accelerator.builtin is None)
     num_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
     train_loader, eval_loader, objective = _loaders(recipe, tokenizer, accelerator)
+    set_seed(train.seed)  # again, as Lightning's strategy does after the adapters' init: dropout draws alike
     per_epoch = math.ceil(len(train_loader) / recipe.accumulation)
     total = train.max_steps or train.epochs * per_epoch
     optimizer, schedule = make_optimizer(model, recipe, total)
