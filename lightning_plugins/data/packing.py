@@ -261,6 +261,18 @@ def collate_packed_pairs(
     return batch
 
 
+def pairs_in_rows(input_ids: Tensor) -> dict[str, Any]:
+    """The batch :func:`collate_packed_pairs` makes of full packed rows holding one pair each: every row of
+    ``input_ids`` cut in half, the first half its chosen sequence, the second its rejected one, each its own labels.
+    A step on it costs what a step on packed pairs of that many rows and tokens costs (the planner's dry run and the
+    real step it is checked against measure it)."""
+    rows, length = input_ids.shape
+    half = length // 2
+    sides = [zip(SIDES, (row[:half], row[half:])) for row in input_ids.tolist()]
+    pairs = [{f"{side}_{key}": part for side, part in row for key in ("input_ids", "labels")} for row in sides]
+    return collate_packed_pairs(pack_pairs(pairs, length), pad_token_id=0, max_seq_len=length)
+
+
 def collate_pairs(
     examples: Sequence[Mapping[str, Sequence[int]]], pad_token_id: int, pad_to_multiple_of: int | None = None
 ) -> dict[str, Tensor]:

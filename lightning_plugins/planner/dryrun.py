@@ -39,6 +39,7 @@ are measured with them.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -66,7 +67,7 @@ from lightning_plugins.planner.image_text import image_batch, real_metadata
 from lightning_plugins.planner.intervals import mark_intervals
 from lightning_plugins.planner.measure import StepMemTracker
 from lightning_plugins.planner.meta_model import meta_model
-from lightning_plugins.planner.objective_step import run_step
+from lightning_plugins.planner.objective_step import packed_pairs_batch, run_step
 from lightning_plugins.planner.replay import MISMATCH, counted_step, replayable, without_replay
 from lightning_plugins.planner.reference_kernels import LINEAR_ATTENTION_NOTE, reference_kernels_quietly
 from lightning_plugins.planner.rank_memory import RankMemory, with_offload, with_optimizer_offload, worst_interval
@@ -336,7 +337,7 @@ def measure_step(
         static_pipeline_shapes(),
         one_row_tile_only(),
         one_loss_chunk_only(),
-        unpacked_rows(),
+        contextlib.nullcontext() if workload.packed_pairs else unpacked_rows(),
         balanced_routing(),
         default_dtype(DTYPES[workload.dtype]),
         host_device("meta"),  # offloaded activations: tracked on the meta device, apart from the GPU's
@@ -418,7 +419,10 @@ def _batch(workload: Workload, mesh: Any, seq_len: int) -> dict[str, torch.Tenso
 
     if workload.images is not None:
         return image_batch(workload, mesh)
-    ids = torch.randint(0, workload.config.vocab_size, (workload.micro_batch_size, seq_len))
+    shape = (workload.micro_batch_size, seq_len)
+    if workload.packed_pairs:
+        return context_parallel_batch(packed_pairs_batch(workload.config.vocab_size, shape), mesh)
+    ids = torch.randint(0, workload.config.vocab_size, shape)
     return context_parallel_batch({"input_ids": ids, "labels": ids}, mesh)
 
 

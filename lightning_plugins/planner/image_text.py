@@ -385,8 +385,11 @@ def _mask_positions(indices: list) -> list:
 
 @contextlib.contextmanager
 def real_metadata(batch: dict[str, Any]) -> Iterator[None]:
-    """:class:`RealMetadata` around a step whose batch holds images; nothing for a text batch."""
-    if "pixel_values" not in batch:
+    """:class:`RealMetadata` around a step whose batch holds images or packed preference pairs (whose objective
+    reads each row's pair count and sums by the real sequence numbers); nothing for another text batch."""
+    from lightning_plugins.parallel.context.batch import SEQUENCE_IDS
+
+    if "pixel_values" not in batch and SEQUENCE_IDS not in batch:
         yield
         return
     with RealMetadata():

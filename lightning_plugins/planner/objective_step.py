@@ -73,6 +73,19 @@ def with_precomputed(objective: PreferenceOptions, batch: dict[str, Tensor]) -> 
     return {**batch, REFERENCE_KEY: batch["input_ids"].new_zeros(batch["input_ids"].shape[0], dtype=torch.float32)}
 
 
+def packed_pairs_batch(vocab_size: int, shape: tuple[int, int]) -> dict[str, Tensor]:
+    """A batch of packed preference pairs of ``shape`` (rows, tokens), one pair a row
+    (:func:`~lightning_plugins.data.packing.pairs_in_rows`), its tensors real under the dry run's fake mode: the
+    objective reads each row's pair count and sums by the sequence numbers, and transformers reads the positions for
+    the block-diagonal mask of the packed sequences, as the run does."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from lightning_plugins.data.packing import pairs_in_rows
+
+    with unset_fake_temporarily():
+        return pairs_in_rows(torch.randint(0, vocab_size, shape))
+
+
 def with_kl_rows(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     """A KTO step's batch from ``batch``'s rows (as sharded for the layout): each row's KL row the previous row's tokens
     (keys prefixed ``kl_``), and ``label`` (every other row desirable), unless ``batch`` has them already."""

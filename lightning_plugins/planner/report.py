@@ -197,6 +197,8 @@ def _objective(workload: Workload) -> str:
 
 
 def _pairs(workload: Workload) -> str:
+    if workload.packed_pairs:
+        return " packed rows (whole pairs)"
     return f" rows ({workload.micro_batch_size // 2} pairs)" if workload.objective.paired else ""
 
 

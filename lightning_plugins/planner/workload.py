@@ -41,6 +41,9 @@ class Workload:
             runs :class:`~lightning_plugins.preference.PreferenceObjective` (DPO: a no-grad forward of the reference,
             the base with the adapters disabled, before the policy's). ``micro_batch_size`` and
             ``global_batch_size`` count rows then: a pair is two (:meth:`from_recipe` doubles the recipe's pairs).
+        packed_pairs: A preference recipe with ``data.packing``: its rows hold whole pairs side by side, so
+            ``micro_batch_size`` and ``global_batch_size`` count packed rows, as the recipe's do (the measured step:
+            :func:`~lightning_plugins.data.packing.pairs_in_rows`, one pair a row).
         images: For an image-text recipe (its data holds images): the whole model's config and the images of the
             measured step (:class:`~lightning_plugins.planner.image_text.ImageInputs`); ``config`` is then its text
             decoder's. ``None``: a text model (or the text decoder of an image-text checkpoint) on text rows.
@@ -58,6 +61,7 @@ class Workload:
     attn_implementation: str = "sdpa"
     optimizer: str = "adamw"
     objective: PreferenceOptions = field(default_factory=PreferenceOptions)
+    packed_pairs: bool = False
     images: ImageInputs | None = None
 
     def __post_init__(self) -> None:
@@ -81,8 +85,9 @@ class Workload:
 
     @property
     def rows_per_sample(self) -> int:
-        """Rows one sample of a recipe's batch sizes becomes: 2 for a preference pair (chosen, rejected), else 1."""
-        return 2 if self.objective.paired else 1
+        """Rows one sample of a recipe's batch sizes becomes: 2 for a preference pair (chosen, rejected), else 1 (a
+        row, or a packed row of pairs)."""
+        return 2 if self.objective.paired and not self.packed_pairs else 1
 
     @property
     def world_size(self) -> int:
@@ -114,7 +119,8 @@ class Workload:
             config = load_model_config(recipe.model.path)
         from lightning_plugins.data.image_dataset import is_image_text_data
 
-        rows = 2 if recipe.objective.paired else 1  # a preference pair is its chosen row and its rejected row
+        packed_pairs = recipe.objective.paired and recipe.data.packing
+        rows = 2 if recipe.objective.paired and not packed_pairs else 1  # a pair: its chosen row and its rejected row
         images = ImageInputs.of(recipe.model.path, recipe.vision) if is_image_text_data(recipe.data) else None
         return cls(
             config=config,
@@ -129,5 +135,6 @@ class Workload:
             attn_implementation=recipe.model.attn_implementation,
             optimizer=recipe.optim.name,
             objective=recipe.objective,
+            packed_pairs=packed_pairs,
             images=images,
         )

@@ -68,6 +68,8 @@ class MemoryLayout:
             preference objective the chosen rows then the rejected (two per pair).
         objective: SFT (the model's own loss), or a preference method run through its objective
             (:func:`~lightning_plugins.planner.objective_step.step_loss`).
+        packed_pairs: Preference pairs packed into rows (``data.packing``): ``rows`` packed rows, one pair each
+            (:func:`~lightning_plugins.data.packing.pairs_in_rows`).
     """
 
     world_size: int
@@ -77,6 +79,7 @@ class MemoryLayout:
     lora: LoraOptions | None = None
     rows: int = 2
     objective: PreferenceOptions = field(default_factory=PreferenceOptions)
+    packed_pairs: bool = False
 
 
 _SP = ParallelOptions(sequence_parallel=True, loss_parallel=True)
@@ -123,6 +126,8 @@ PREFERENCE_LAYOUTS: dict[str, MemoryLayout] = {
                                       pp_microbatches=2), rows=4, objective=PreferenceOptions("dpo")),
     "kto_lora_pp2_1f1b": MemoryLayout(2, ParallelLayout(pp_size=2), ParallelOptions(pp_schedule="1f1b",
                                       pp_microbatches=2), lora=_LORA, rows=4, objective=PreferenceOptions("kto")),
+    "dpo_lora_fsdp2_packed": MemoryLayout(2, ParallelLayout(dp_shard_size=2), lora=_LORA, rows=2,
+                                          objective=PreferenceOptions("dpo"), packed_pairs=True),
 }  # fmt: skip
 
 
@@ -148,10 +153,15 @@ def make_model(lora: LoraOptions | None = None) -> torch.nn.Module:
     return model
 
 
-def make_batch(rows: int, data_rank: int = 0) -> dict[str, torch.Tensor]:
-    """``rows`` x :data:`SEQ_LEN` random tokens, all valid, different per data rank."""
+def make_batch(rows: int, data_rank: int = 0, packed_pairs: bool = False) -> dict[str, torch.Tensor]:
+    """``rows`` x :data:`SEQ_LEN` random tokens, all valid, different per data rank (``packed_pairs``: as packed
+    rows of preference pairs, one pair a row)."""
     gen = torch.Generator().manual_seed(1000 + data_rank)
     input_ids = torch.randint(0, CONFIG["vocab_size"], (rows, SEQ_LEN), generator=gen)
+    if packed_pairs:
+        from lightning_plugins.data.packing import pairs_in_rows
+
+        return pairs_in_rows(input_ids)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": input_ids.clone()}
 
 
@@ -164,7 +174,7 @@ def measure_layout(spec: MemoryLayout) -> dict[str, Any]:
 
     model = parallelize(make_model(spec.lora), spec.layout, spec.options, spec.memory)
     mesh = mesh_of(model)
-    batch = make_batch(spec.rows, mesh["dp"].get_local_rank())
+    batch = make_batch(spec.rows, mesh["dp"].get_local_rank(), spec.packed_pairs)
     if mesh["cp"].size() > 1:
         batch = context_parallel_batch(batch, mesh)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=LR)

@@ -1,4 +1,5 @@
-"""What the planner counts for a preference recipe: each pair as its two rows, and DPO's reference forward.
+"""What the planner counts for a preference recipe: each pair as its two rows (packed pairs: the packed rows), and
+DPO's reference forward.
 
 The memory side is measured, not modelled: the dry run runs the objective the real run runs (DPO's reference forward
 under ``no_grad``, then the policy's), checked against a real DPO step on gloo in
@@ -12,6 +13,8 @@ forwards' worth, so one more forward adds a third).
 from __future__ import annotations
 
 from pathlib import Path
+
+from dataclasses import replace
 
 import pytest
 from transformers import LlamaConfig
@@ -29,7 +32,7 @@ CONFIG = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers
                      num_key_value_heads=8, vocab_size=32000)  # fmt: skip
 
 
-def test_a_preference_recipe_plans_each_pair_as_two_rows() -> None:
+def test_a_preference_recipe_plans_each_pair_as_two_rows_or_packed_rows() -> None:
     from lightning_plugins.recipe.schema import load_recipe
 
     recipe = load_recipe(ROOT / "recipes" / "tiny" / "dpo_lora_fsdp2.yaml")
@@ -40,6 +43,11 @@ def test_a_preference_recipe_plans_each_pair_as_two_rows() -> None:
     sft_recipe = load_recipe(ROOT / "recipes" / "tiny" / "full_tp2.yaml")
     sft = Workload.from_recipe(sft_recipe)
     assert sft.objective.method == "sft" and sft.micro_batch_size == sft_recipe.train.micro_batch_size
+    # Packed pairs (data.packing): the recipe's batch sizes count packed rows, each holding whole pairs.
+    packed = Workload.from_recipe(recipe.model_copy(update={"data": replace(recipe.data, packing=True)}))
+    assert packed.packed_pairs and packed.rows_per_sample == 1
+    assert (packed.micro_batch_size, packed.global_batch_size) == (recipe.train.micro_batch_size,
+                                                                   recipe.samples_per_step)  # fmt: skip
 
 
 def _step(objective: str, memory: MemoryOptions = MemoryOptions()):
@@ -92,7 +100,7 @@ def _planned_against_measured(names: list[str]) -> dict[str, list[float]]:
         spec = PREFERENCE_LAYOUTS[name]
         workload = Workload(LlamaConfig(**CONFIG), spec.layout.resolve(spec.world_size), spec.options, spec.memory,
                             spec.lora, dtype="fp32", seq_len=SEQ_LEN, micro_batch_size=spec.rows,
-                            objective=spec.objective)  # fmt: skip
+                            objective=spec.objective, packed_pairs=spec.packed_pairs)  # fmt: skip
         for predicted in dry_run(workload):
             truths = [dict(interval) for interval in real[name][f"rank{predicted.rank}"]["intervals"]]
             guesses = [dict(interval) for interval in predicted.intervals]
@@ -119,12 +127,13 @@ def _planned_against_measured(names: list[str]) -> dict[str, list[float]]:
 @pytest.mark.slow
 def test_preference_dry_runs_predict_real_steps() -> None:
     """Real steps on gloo against their dry runs: KTO (LoRA, FSDP2, 4 rows a rank with their KL rows: its four
-    forwards), DPO under PP 1F1B (its reference through the forward-only schedule, then the training schedule: each
-    stage's peak), KTO under PP 1F1B (three forward-only passes: the policy's of the KL rows, the reference's of the
+    forwards), DPO on packed pairs (LoRA, FSDP2, 2 packed rows a rank, one pair each: transformers' block-diagonal mask
+    of the packed sequences, under which SDPA expands the grouped keys and values), DPO under PP 1F1B (its reference
+    through the forward-only schedule, then the training schedule: each stage's peak), KTO under PP 1F1B (three forward-only passes: the policy's of the KL rows, the reference's of the
     rows and of the KL rows; then the training schedule) and a full fine-tune's DPO (its frozen copy held all along,
     counted as parameters) under FSDP2 and under PP 1F1B (the copy split into the same stages, its own forward-only
     schedule)."""
-    peaks = _planned_against_measured(["kto_lora_fsdp2", "dpo_lora_pp2_1f1b", "kto_lora_pp2_1f1b", "dpo_full_fsdp2",
-                                       "dpo_full_pp2_1f1b"])  # fmt: skip
+    peaks = _planned_against_measured(["kto_lora_fsdp2", "dpo_lora_fsdp2_packed", "dpo_lora_pp2_1f1b",
+                                       "kto_lora_pp2_1f1b", "dpo_full_fsdp2", "dpo_full_pp2_1f1b"])  # fmt: skip
     print(peaks)
-    assert len(peaks) == 8, peaks
+    assert len(peaks) == 9, peaks
