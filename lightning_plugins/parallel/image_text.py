@@ -165,7 +165,6 @@ def _head_path(model: nn.Module) -> str | None:
     return next((name for name, module in model.named_modules() if module is head), None)
 
 
-
 def refused_image_text_family(config: Any | None) -> str | None:
     """Why an image-text config's family cannot be parallelized (``None`` where nothing refuses it).
 
